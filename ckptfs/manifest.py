@@ -1,0 +1,313 @@
+"""What a checkpoint holds, independent of where its bytes live.
+
+A saved object is split in two (``flatten``):
+  * the **tensors**, each stored once as raw contiguous bytes (``TensorRecord``);
+  * the **skeleton**: the nested structure with every tensor replaced by a reference to its
+    record, and every plain leaf stored in a JSON encoding (never pickle).
+
+Skeleton nodes are one-key JSON objects:
+  ``{"tensor": i}``, ``{"dict": [[k, v], ...]}``, ``{"odict": [[k, v], ...]}``, ``{"list": [...]}``,
+  ``{"tuple": [...]}``, ``{"str": s}``, ``{"int": n}``, ``{"float": float.hex()}``,
+  ``{"bool": b}``, ``{"none": null}``
+where dict keys ``k`` are nodes too, so that ``optimizer.state_dict()``'s integer keys stay ints.
+
+The manifest (records + skeleton + identity of the version) is encoded as JSON with fixed-width
+CRC fields, so its length is known before the data is written and the CRCs are filled in at
+commit without moving anything (see docs/FORMAT.md).
+"""
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterator
+
+import torch
+
+from ckptfs.errors import MalformedInputError, UnsupportedObjectError
+
+MANIFEST_FORMAT = 1
+TENSOR_ALIGN_BYTES = 64
+
+# Every dtype torch has that is plain bytes in memory. Quantized and bit-packed placeholder dtypes
+# (qint8, bits8, ...) carry out-of-band state and are rejected with a clear error.
+_DTYPE_NAMES = [
+    "float64", "float32", "float16", "bfloat16", "complex128", "complex64", "complex32",
+    "int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64", "bool",
+    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "float4_e2m1fn_x2",
+]
+DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in _DTYPE_NAMES if hasattr(torch, n)}
+DTYPE_NAMES: dict[torch.dtype, str] = {d: n for n, d in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """One stored tensor: ``nbytes`` contiguous bytes at ``offset`` from the version's data start."""
+
+    name: str  # dotted path of its first reference in the object, unique within the version
+    dtype: str  # torch dtype name, e.g. "bfloat16" (a key of DTYPES)
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    crc32: int = 0
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """One occurrence of a stored tensor in the object (tied weights give several per tensor)."""
+
+    name: str  # dotted path, unique among refs
+    key_path: tuple[str, ...]
+    tensor_index: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The index of one version: identity, tensor records, skeleton."""
+
+    model: str
+    step: int
+    counter: int
+    time_ns: int
+    tensors: tuple[TensorRecord, ...]
+    skeleton: dict
+    data_bytes: int = 0
+
+    def refs(self) -> list[TensorRef]:
+        """Every tensor occurrence in skeleton order, with unique dotted names."""
+        out: list[TensorRef] = []
+        seen: set[str] = set()
+        for key_path, index in _walk_tensor_refs(self.skeleton, ()):
+            name = base = ".".join(key_path) or "tensor"
+            n = 1
+            while name in seen:
+                name = f"{base}#{n}"
+                n += 1
+            seen.add(name)
+            out.append(TensorRef(name, key_path, index))
+        return out
+
+    def plain_part(self) -> Any:
+        """The object with every tensor replaced by the string ``"<tensor NAME>"`` (for metadata)."""
+        return unflatten(self.skeleton, [f"<tensor {t.name}>" for t in self.tensors])
+
+    def with_crcs(self, crcs: list[int]) -> "Manifest":
+        return replace(self, tensors=tuple(replace(t, crc32=c) for t, c in zip(self.tensors, crcs)))
+
+    def encode(self) -> bytes:
+        """Canonical JSON; its length does not depend on the CRC values."""
+        doc = {
+            "format": MANIFEST_FORMAT,
+            "model": self.model,
+            "step": self.step,
+            "counter": self.counter,
+            "time_ns": self.time_ns,
+            "data_bytes": self.data_bytes,
+            "tensors": [
+                {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "offset": t.offset,
+                 "nbytes": t.nbytes, "crc32": f"{t.crc32:08x}"}
+                for t in self.tensors
+            ],
+            "skeleton": self.skeleton,
+        }
+        return json.dumps(doc, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "Manifest":
+        """Parse and validate a manifest; raises MalformedInputError on anything inconsistent."""
+        try:
+            doc = json.loads(raw)
+            if doc["format"] != MANIFEST_FORMAT:
+                raise MalformedInputError(f"manifest format {doc['format']} is not supported")
+            tensors = tuple(
+                TensorRecord(str(t["name"]), str(t["dtype"]), tuple(int(s) for s in t["shape"]),
+                             int(t["offset"]), int(t["nbytes"]), int(t["crc32"], 16))
+                for t in doc["tensors"]
+            )
+            m = cls(str(doc["model"]), int(doc["step"]), int(doc["counter"]), int(doc["time_ns"]),
+                    tensors, doc["skeleton"], int(doc["data_bytes"]))
+        except MalformedInputError:
+            raise
+        except (ValueError, KeyError, TypeError) as e:
+            raise MalformedInputError(f"manifest is not valid: {e!r}") from None
+        m.validate()
+        return m
+
+    def validate(self) -> None:
+        """Check internal consistency: known dtypes, sizes matching shapes, extents in bounds."""
+        for t in self.tensors:
+            if t.dtype not in DTYPES:
+                raise MalformedInputError(f"tensor {t.name!r} has unknown dtype {t.dtype!r}")
+            if any(s < 0 for s in t.shape) or t.offset < 0:
+                raise MalformedInputError(f"tensor {t.name!r} has a negative shape or offset")
+            if t.nbytes != expected_nbytes(t.dtype, t.shape):
+                raise MalformedInputError(f"tensor {t.name!r}: {t.nbytes} bytes do not match "
+                                          f"shape {list(t.shape)} of {t.dtype}")
+            if t.offset + t.nbytes > self.data_bytes:
+                raise MalformedInputError(f"tensor {t.name!r} extends past the version's data")
+        for _, index in _walk_tensor_refs(self.skeleton, ()):
+            if not 0 <= index < len(self.tensors):
+                raise MalformedInputError(f"skeleton refers to tensor {index} of {len(self.tensors)}")
+
+
+def expected_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n * DTYPES[dtype].itemsize
+
+
+def align_up(value: int, alignment: int) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+# --------------------------------------------------------------------------------------------
+# flatten / unflatten
+
+
+@dataclass
+class Flattened:
+    """A saved object split into its skeleton and the distinct tensors it references."""
+
+    skeleton: dict
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+
+
+def _key_text(key: Any) -> str:
+    return key if isinstance(key, str) else repr(key)
+
+
+def flatten(obj: Any) -> Flattened:
+    """Split ``obj`` into skeleton + tensors.
+
+    Tensors that are the same view of the same storage (tied weights) are stored once and come
+    back shared. Raises UnsupportedObjectError naming the path of the first leaf it cannot store.
+    """
+    out = Flattened(skeleton={})
+    seen: dict[tuple, int] = {}
+    active: set[int] = set()
+    out.skeleton = _flatten(obj, (), out, seen, active)
+    return out
+
+
+def _flatten(obj: Any, path: tuple[str, ...], out: Flattened, seen: dict, active: set) -> dict:
+    where = ".".join(path) or "<root>"
+    if isinstance(obj, torch.Tensor):
+        return {"tensor": _add_tensor(obj, path, where, out, seen)}
+    if obj is None:
+        return {"none": None}
+    if isinstance(obj, bool):
+        return {"bool": obj}
+    if isinstance(obj, int):
+        return {"int": int(obj)}
+    if isinstance(obj, float):
+        return {"float": float(obj).hex()}
+    if isinstance(obj, str):
+        return {"str": str(obj)}
+    if isinstance(obj, (dict, list, tuple)):
+        if id(obj) in active:
+            raise UnsupportedObjectError(f"{where}: the object contains itself; ckptfs stores trees only")
+        active.add(id(obj))
+        try:
+            if isinstance(obj, dict):
+                if type(obj) not in (dict, OrderedDict):
+                    raise UnsupportedObjectError(
+                        f"{where}: {type(obj).__name__} is not supported; convert it to a dict")
+                kind = "odict" if isinstance(obj, OrderedDict) else "dict"
+                items = []
+                for k, v in obj.items():
+                    if not isinstance(k, (str, int, float, bool)) and k is not None:
+                        raise UnsupportedObjectError(
+                            f"{where}: dict key {k!r} of type {type(k).__name__} is not supported; "
+                            "use str, int, float, bool or None keys")
+                    items.append([_flatten(k, path + ("<key>",), out, seen, active),
+                                  _flatten(v, path + (_key_text(k),), out, seen, active)])
+                return {kind: items}
+            if type(obj) not in (list, tuple):
+                raise UnsupportedObjectError(
+                    f"{where}: {type(obj).__name__} is not supported; convert it to a list or tuple")
+            kind = "list" if isinstance(obj, list) else "tuple"
+            return {kind: [_flatten(v, path + (str(i),), out, seen, active) for i, v in enumerate(obj)]}
+        finally:
+            active.discard(id(obj))
+    raise UnsupportedObjectError(
+        f"{where}: {type(obj).__module__}.{type(obj).__qualname__} cannot be stored; ckptfs stores "
+        "tensors, dicts, lists, tuples, str, int, float, bool and None (convert it, e.g. to a "
+        "tensor or a plain value)")
+
+
+def _add_tensor(t: torch.Tensor, path: tuple[str, ...], where: str, out: Flattened, seen: dict) -> int:
+    if t.layout != torch.strided:
+        raise UnsupportedObjectError(f"{where}: {t.layout} tensors are not supported; use .to_dense()")
+    if t.dtype not in DTYPE_NAMES:
+        raise UnsupportedObjectError(f"{where}: dtype {t.dtype} is not supported; dequantize or convert it")
+    if t.device.type == "meta":
+        raise UnsupportedObjectError(f"{where}: meta tensors have no data to save")
+    key = None
+    if t.numel() > 0:
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+               tuple(t.stride()), t.dtype)
+        if key in seen:
+            return seen[key]
+    index = len(out.tensors)
+    out.tensors.append(t.detach())
+    out.names.append(".".join(path) or "tensor")
+    if key is not None:
+        seen[key] = index
+    return index
+
+
+def unflatten(skeleton: dict, tensors: list) -> Any:
+    """Rebuild the object from its skeleton; tensor nodes take ``tensors[i]``."""
+    try:
+        (kind, value), = skeleton.items()
+    except (AttributeError, ValueError):
+        raise MalformedInputError(f"skeleton node {skeleton!r} is not a one-key object") from None
+    if kind == "tensor":
+        return tensors[value]
+    if kind in ("dict", "odict"):
+        d = OrderedDict() if kind == "odict" else {}
+        for k, v in value:
+            d[unflatten(k, tensors)] = unflatten(v, tensors)
+        return d
+    if kind == "list":
+        return [unflatten(v, tensors) for v in value]
+    if kind == "tuple":
+        return tuple(unflatten(v, tensors) for v in value)
+    if kind == "none":
+        return None
+    if kind == "bool":
+        return bool(value)
+    if kind == "int":
+        return int(value)
+    if kind == "float":
+        return float.fromhex(value)
+    if kind == "str":
+        return str(value)
+    raise MalformedInputError(f"unknown skeleton node kind {kind!r}")
+
+
+def _walk_tensor_refs(node: dict, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], int]]:
+    (kind, value), = node.items()
+    if kind == "tensor":
+        yield path, int(value)
+    elif kind in ("dict", "odict"):
+        for k, v in value:
+            key = unflatten(k, [])
+            yield from _walk_tensor_refs(v, path + (_key_text(key),))
+    elif kind in ("list", "tuple"):
+        for i, v in enumerate(value):
+            yield from _walk_tensor_refs(v, path + (str(i),))
