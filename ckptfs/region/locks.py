@@ -1,0 +1,98 @@
+"""Pins and exclusive claims as Linux open-file-description (OFD) byte-range locks.
+
+Each slot of each model has one lock byte in a virtual range far past any real region offset
+(locks are advisory and need not lie inside the file). Readers hold a shared lock on the byte
+(a *pin*), a writer filling the slot holds an exclusive one. Because the kernel drops OFD locks
+when the last descriptor of their open file description closes, the pins of a process that died
+are released without any cleanup protocol, which is invariant 2's "a pin held by a process that
+died is released".
+
+OFD locks (unlike POSIX ``fcntl.lockf``) conflict between descriptors of the same process, so a
+``load`` in the training process still protects its slot from that process's own writer.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import struct
+import threading
+
+_FLOCK = struct.Struct("hhxxxxqqixxxx")  # struct flock on 64-bit Linux
+META_LOCK_OFFSET = 1 << 40
+SLOT_LOCK_BASE = 1 << 41
+SLOT_LOCK_STRIDE = 1 << 16
+
+
+def slot_lock_offset(model_index: int, slot: int) -> int:
+    return SLOT_LOCK_BASE + model_index * SLOT_LOCK_STRIDE + slot
+
+
+def _fcntl_lock(fd: int, lock_type: int, offset: int, wait: bool) -> bool:
+    cmd = fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK
+    try:
+        fcntl.fcntl(fd, cmd, _FLOCK.pack(lock_type, os.SEEK_SET, offset, 1, 0))
+        return True
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+
+
+class LockSpace:
+    """One open file description on the region, holding a set of lock bytes.
+
+    Within one description a byte is either unlocked, shared or exclusive; a reference count
+    per byte lets several pins of one process share a single shared lock.
+    """
+
+    def __init__(self, path: str, writable: bool = True):
+        # Exclusive (write) locks need a descriptor opened for writing.
+        self._fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+        self._counts: dict[int, int] = {}
+        self._mutex = threading.Lock()
+
+    def try_shared(self, offset: int) -> bool:
+        """Add a reference to a shared lock on ``offset``; False if someone holds it exclusively."""
+        with self._mutex:
+            if self._counts.get(offset, 0) > 0:
+                self._counts[offset] += 1
+                return True
+            if not _fcntl_lock(self._fd, fcntl.F_RDLCK, offset, wait=False):
+                return False
+            self._counts[offset] = 1
+            return True
+
+    def try_exclusive(self, offset: int, wait: bool = False) -> bool:
+        """Take ``offset`` exclusively; False if anyone (another description) holds it."""
+        with self._mutex:
+            if self._counts.get(offset, 0) > 0:
+                return False
+        if not _fcntl_lock(self._fd, fcntl.F_WRLCK, offset, wait=wait):
+            return False
+        with self._mutex:
+            self._counts[offset] = 1
+        return True
+
+    def release(self, offset: int) -> None:
+        """Drop one reference; the lock goes when the last reference does."""
+        with self._mutex:
+            count = self._counts.get(offset, 0)
+            if count <= 0:
+                raise RuntimeError(f"lock byte {offset:#x} is not held")
+            if count > 1:
+                self._counts[offset] = count - 1
+                return
+            del self._counts[offset]
+            _fcntl_lock(self._fd, fcntl.F_UNLCK, offset, wait=False)
+
+    def is_locked_by_others(self, offset: int, exclusive: bool = True) -> bool:
+        """Whether another description holds a lock that conflicts with ``exclusive``/shared."""
+        probe = _FLOCK.pack(fcntl.F_WRLCK if exclusive else fcntl.F_RDLCK, os.SEEK_SET, offset, 1, 0)
+        result = fcntl.fcntl(self._fd, fcntl.F_OFD_GETLK, probe)
+        return _FLOCK.unpack(result)[0] != fcntl.F_UNLCK
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

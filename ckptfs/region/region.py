@@ -1,0 +1,385 @@
+"""A formatted region: the model table, slot rings, the latest pointers, pins and claims.
+
+Concurrency model (several processes may open one region):
+  * the model table changes rarely (a new model, a removed model) under an exclusive OFD lock;
+  * each model's latest pointer and counter are 64-bit words updated with atomics on the shared
+    mapping (PCcheck Listing 1): the hot path takes no lock;
+  * a slot being written is claimed with an exclusive lock byte, a slot being read is pinned
+    with a shared one (see locks.py). A claim is only ever taken on a slot that is not latest,
+    and is re-checked after the lock is held, so latest and pinned slots are never handed out.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import stat
+import threading
+import time
+import unicodedata
+from dataclasses import dataclass
+
+from ckptfs import _native
+from ckptfs.errors import (CorruptionError, InvalidNameError, MalformedInputError, NotFoundError,
+                           RegionFormatError, RegionFullError, BusyError)
+from ckptfs.manifest import Manifest
+from ckptfs.checksum import crc32
+from ckptfs.region.backend import Backend, aligned_buffer, is_devdax, open_backend
+from ckptfs.region.format import (COUNTER_WORD_OFFSET, ENTRY_BYTES, ENTRY_STATIC_OFFSET,
+                                  LATEST_WORD_OFFSET, NAME_MAX_BYTES, SLOT_COMMITTED,
+                                  SLOT_HEADER_BYTES, SUPERBLOCK_BYTES, ModelEntry, SlotHeader,
+                                  Superblock, pack_latest, unpack_latest, _align)
+from ckptfs.region.locks import META_LOCK_OFFSET, LockSpace, slot_lock_offset
+
+log = logging.getLogger("ckptfs")
+
+
+def validate_model_name(name) -> str:
+    """Return ``name`` if it can name a model (a directory in the mount); else InvalidNameError."""
+    if not isinstance(name, str):
+        raise InvalidNameError(f"model name must be a str, got {type(name).__name__}")
+    if not name or name in (".", ".."):
+        raise InvalidNameError(f"model name {name!r} is not allowed; use letters, digits, '-', '_' or '.'")
+    if "/" in name or "\0" in name:
+        raise InvalidNameError(f"model name {name!r} contains '/' or NUL; use e.g. {name.replace('/', '-')!r}")
+    if any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") for c in name):
+        raise InvalidNameError(f"model name {name!r} contains control characters")
+    if name != name.strip():
+        raise InvalidNameError(f"model name {name!r} has leading or trailing whitespace")
+    if len(name.encode()) > NAME_MAX_BYTES:
+        raise InvalidNameError(f"model name is {len(name.encode())} bytes long; the limit is {NAME_MAX_BYTES}")
+    return name
+
+
+@dataclass(frozen=True)
+class SlotVersion:
+    """A committed checkpoint in a slot."""
+
+    entry: ModelEntry
+    slot: int
+    header: SlotHeader
+
+    @property
+    def data_base(self) -> int:
+        return self.entry.slot_offset(self.slot) + self.header.data_offset
+
+
+class Region:
+    """An open region. Thread-safe; share one per process per path."""
+
+    def __init__(self, path: str, writable: bool = True):
+        self.path = path
+        self.writable = writable
+        self.backend: Backend = open_backend(path, writable)
+        try:
+            self.superblock = Superblock.unpack(bytes(self.backend.view(0, SUPERBLOCK_BYTES)), path)
+            if self.superblock.region_bytes > self.backend.size_bytes:
+                raise RegionFormatError(
+                    f"{path} is {self.backend.size_bytes} bytes but its superblock says "
+                    f"{self.superblock.region_bytes}; the region was truncated")
+            self.pins = LockSpace(path, writable)
+        except BaseException:
+            self.backend.close()
+            raise
+        self._meta_mutex = threading.Lock()
+
+    # ---------------------------------------------------------------- creation
+    @classmethod
+    def format(cls, path: str, size_bytes: int | None = None, *, force: bool = False) -> "Region":
+        """Write a fresh superblock and empty model table.
+
+        A regular file is created sparse with ``size_bytes``; a block or devdax device keeps its
+        own size. Refuses to overwrite an existing region unless ``force``.
+        """
+        devdax = is_devdax(path)
+        exists = os.path.exists(path)
+        special = exists and not stat.S_ISREG(os.stat(path).st_mode)
+        if exists and not force:
+            with open(path, "rb") as f:
+                if f.read(8) == b"CKPTFSRG":
+                    raise RegionFormatError(f"{path} already holds a ckptfs region; pass force to reformat it")
+        if not special:
+            if size_bytes is None:
+                raise ValueError("size_bytes is required to create a region file")
+            if size_bytes < 64 << 20:
+                raise ValueError(f"size_bytes={size_bytes} is too small; a region needs at least 64 MiB")
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                os.ftruncate(fd, 0)
+                os.ftruncate(fd, size_bytes)
+            finally:
+                os.close(fd)
+        backend = open_backend(path, writable=True)
+        try:
+            sb = Superblock.new(backend.size_bytes, backend.block_bytes, time.time_ns())
+            table_bytes = sb.data_offset - sb.table_offset
+            mapping = backend.mapping
+            mapping[sb.table_offset:sb.table_offset + table_bytes] = bytes(table_bytes)
+            backend.persist_mapped(sb.table_offset, table_bytes)
+            # The superblock goes last: a half-formatted region is not recognized as one.
+            mapping[0:SUPERBLOCK_BYTES] = sb.pack()
+            backend.persist_mapped(0, SUPERBLOCK_BYTES)
+        finally:
+            backend.close()
+        return cls(path)
+
+    def close(self) -> None:
+        self.pins.close()
+        self.backend.close()
+
+    # ---------------------------------------------------------------- model table
+    def _entry_offset(self, index: int) -> int:
+        return self.superblock.table_offset + index * ENTRY_BYTES
+
+    def _read_entry(self, index: int) -> ModelEntry | None:
+        off = self._entry_offset(index) + ENTRY_STATIC_OFFSET
+        return ModelEntry.unpack_static(index, bytes(self.backend.view(off, ENTRY_BYTES - ENTRY_STATIC_OFFSET)))
+
+    def entries(self) -> list[ModelEntry]:
+        """Every model of the region. A damaged entry is logged and left out."""
+        out = []
+        for index in range(self.superblock.table_entries):
+            try:
+                entry = self._read_entry(index)
+            except RegionFormatError:
+                # Possibly a concurrent creation; look again once the table is quiet.
+                with self.meta_locked():
+                    try:
+                        entry = self._read_entry(index)
+                    except RegionFormatError as e:
+                        log.warning("skipping model table entry %d: %s", index, e)
+                        entry = None
+            if entry is not None:
+                out.append(entry)
+        return out
+
+    def find(self, name: str) -> ModelEntry | None:
+        for entry in self.entries():
+            if entry.name == name:
+                return entry
+        return None
+
+    def get(self, name: str) -> ModelEntry:
+        entry = self.find(validate_model_name(name))
+        if entry is None:
+            raise NotFoundError(f"model {name!r} does not exist in {self.path} (see `ckptfs ls`)")
+        return entry
+
+    @contextlib.contextmanager
+    def meta_locked(self):
+        """Exclusive access to the model table across threads and processes."""
+        with self._meta_mutex:
+            self.pins.try_exclusive(META_LOCK_OFFSET, wait=True)
+            try:
+                yield
+            finally:
+                self.pins.release(META_LOCK_OFFSET)
+
+    def create_model(self, name: str, nslots: int, slot_bytes: int) -> ModelEntry:
+        """Add a model with a ring of ``nslots`` slots; returns the existing entry if present."""
+        validate_model_name(name)
+        block = self.superblock.block_bytes
+        slot_bytes = _align(slot_bytes, block)
+        with self.meta_locked():
+            entries = self.entries()
+            for entry in entries:
+                if entry.name == name:
+                    return entry
+            used = {e.index for e in entries}
+            index = next((i for i in range(self.superblock.table_entries) if i not in used), None)
+            if index is None:
+                raise RegionFullError(f"the model table of {self.path} is full "
+                                      f"({self.superblock.table_entries} models); remove a model first")
+            ring_offset = self._find_gap(entries, nslots * slot_bytes)
+            self.backend.reserve(ring_offset, nslots * slot_bytes)
+            entry = ModelEntry(index, name, nslots, slot_bytes, ring_offset, time.time_ns())
+            base = self._entry_offset(index)
+            mapping = self.backend.mapping
+            # Stale headers from a removed model that lived here must not look like versions.
+            self._wipe_slot_headers(entry)
+            _native.atomic_store_u64(mapping, base + LATEST_WORD_OFFSET, 0)
+            _native.atomic_store_u64(mapping, base + COUNTER_WORD_OFFSET, 0)
+            static = entry.pack_static()
+            mapping[base + ENTRY_STATIC_OFFSET:base + ENTRY_STATIC_OFFSET + len(static)] = static
+            self.backend.persist_mapped(base, ENTRY_BYTES)
+            return entry
+
+    def _find_gap(self, entries: list[ModelEntry], nbytes: int) -> int:
+        sb = self.superblock
+        cursor = sb.data_offset
+        for e in sorted(entries, key=lambda e: e.ring_offset):
+            if e.ring_offset - cursor >= nbytes:
+                return cursor
+            cursor = max(cursor, e.ring_offset + e.ring_bytes)
+        if sb.region_bytes - cursor >= nbytes:
+            return cursor
+        free = sb.region_bytes - sb.data_offset - sum(e.ring_bytes for e in entries)
+        raise RegionFullError(
+            f"region {self.path} has no contiguous {nbytes} bytes free for a new model ring "
+            f"({free} bytes free in all); remove models with `ckptfs rm MODEL`, or create a larger "
+            "region with `ckptfs mkfs --size`")
+
+    def _wipe_slot_headers(self, entry: ModelEntry) -> None:
+        blank = aligned_buffer(SLOT_HEADER_BYTES)
+        for slot in range(entry.nslots):
+            self.backend.write(entry.slot_offset(slot), blank)
+        self.backend.barrier()
+
+    def remove_model(self, name: str) -> None:
+        """Remove a model and free its ring; BusyError while any of its slots is pinned or claimed."""
+        with self.meta_locked():
+            entry = self.get(name)
+            claimed = []
+            try:
+                for slot in range(entry.nslots):
+                    off = slot_lock_offset(entry.index, slot)
+                    if not self.pins.try_exclusive(off):
+                        raise BusyError(f"model {name!r} is in use (a writer or a reader holds slot {slot}); "
+                                        "close it first")
+                    claimed.append(off)
+                base = self._entry_offset(entry.index)
+                static = ModelEntry.free_static()
+                self.backend.mapping[base + ENTRY_STATIC_OFFSET:base + ENTRY_STATIC_OFFSET + len(static)] = static
+                self.backend.persist_mapped(base, ENTRY_BYTES)
+            finally:
+                for off in claimed:
+                    self.pins.release(off)
+
+    # ---------------------------------------------------------------- latest pointer and counter
+    def _word(self, entry: ModelEntry, which: int) -> int:
+        return self._entry_offset(entry.index) + which
+
+    def latest_word(self, entry: ModelEntry) -> int:
+        return _native.atomic_load_u64(self.backend.mapping, self._word(entry, LATEST_WORD_OFFSET))
+
+    def cas_latest(self, entry: ModelEntry, expected: int, desired: int) -> tuple[bool, int]:
+        return _native.atomic_cas_u64(self.backend.mapping, self._word(entry, LATEST_WORD_OFFSET),
+                                      expected, desired)
+
+    def next_counter(self, entry: ModelEntry) -> int:
+        """A counter larger than any handed out before for this model (PCcheck's global counter)."""
+        return _native.atomic_fetch_add_u64(self.backend.mapping, self._word(entry, COUNTER_WORD_OFFSET), 1) + 1
+
+    def raise_counter(self, entry: ModelEntry, at_least: int) -> None:
+        """Make the next counter exceed ``at_least`` (after a crash lost the counter's last update)."""
+        off = self._word(entry, COUNTER_WORD_OFFSET)
+        while True:
+            seen = _native.atomic_load_u64(self.backend.mapping, off)
+            if seen >= at_least or _native.atomic_cas_u64(self.backend.mapping, off, seen, at_least)[0]:
+                return
+
+    def persist_words(self, entry: ModelEntry) -> None:
+        self.backend.persist_mapped(self._entry_offset(entry.index), 16)
+
+    # ---------------------------------------------------------------- slots
+    def read_header(self, entry: ModelEntry, slot: int) -> SlotHeader | None:
+        """The slot's header if it is valid and belongs to this model and slot."""
+        raw = bytes(self.backend.view(entry.slot_offset(slot), SLOT_HEADER_BYTES))
+        header = SlotHeader.unpack(raw)
+        if header is None or header.model_index != entry.index or header.slot != slot:
+            return None
+        if header.state == SLOT_COMMITTED:
+            end = header.data_offset + header.data_bytes
+            if (header.manifest_offset < SLOT_HEADER_BYTES
+                    or header.manifest_offset + header.manifest_bytes > header.data_offset
+                    or end > entry.slot_bytes):
+                return None
+        return header
+
+    def committed(self, entry: ModelEntry) -> list[SlotVersion]:
+        """Every slot holding a committed checkpoint, oldest counter first."""
+        out = []
+        for slot in range(entry.nslots):
+            header = self.read_header(entry, slot)
+            if header is not None and header.state == SLOT_COMMITTED:
+                out.append(SlotVersion(entry, slot, header))
+        return sorted(out, key=lambda v: v.header.counter)
+
+    def latest(self, entry: ModelEntry) -> SlotVersion | None:
+        """The version the latest pointer names.
+
+        If the pointer names a slot whose header does not match (a damaged region), falls back to
+        the newest committed version whose manifest verifies, with a warning.
+        """
+        target = unpack_latest(self.latest_word(entry))
+        if target is not None:
+            counter, slot = target
+            if slot < entry.nslots:
+                header = self.read_header(entry, slot)
+                if header is not None and header.state == SLOT_COMMITTED and header.counter == counter:
+                    return SlotVersion(entry, slot, header)
+            log.warning("latest pointer of model %r names slot %d counter %d, which does not hold it; "
+                        "falling back to the newest intact version", entry.name, slot, counter)
+        for version in reversed(self.committed(entry)):
+            if target is not None and version.header.counter > target[0]:
+                continue  # committed after the pointer's checkpoint but never published
+            try:
+                self.read_manifest(version)
+            except CorruptionError:
+                continue
+            return version
+        return None
+
+    def read_manifest(self, version: SlotVersion) -> Manifest:
+        h = version.header
+        start = version.entry.slot_offset(version.slot) + h.manifest_offset
+        raw = bytes(self.backend.view(start, h.manifest_bytes))
+        if crc32(raw) != h.manifest_crc:
+            raise CorruptionError(f"the index of {version.entry.name} step {h.step} (slot {version.slot}) "
+                                  "fails its checksum; run `ckptfs verify` and use another version")
+        try:
+            manifest = Manifest.decode(raw)
+        except MalformedInputError as e:
+            raise CorruptionError(f"the index of {version.entry.name} step {h.step} is damaged: {e}") from None
+        if manifest.counter != h.counter or manifest.data_bytes != h.data_bytes:
+            raise CorruptionError(f"the index of {version.entry.name} step {h.step} does not match its header")
+        return manifest
+
+    def write_slot(self, entry: ModelEntry, slot: int, offset: int, buf) -> None:
+        """Write aligned ``buf`` at ``offset`` within a slot the caller has claimed."""
+        if offset < 0 or offset + len(buf) > entry.slot_bytes:
+            raise ValueError(f"write of {len(buf)} bytes at {offset} overflows slot of {entry.slot_bytes}")
+        self.backend.write(entry.slot_offset(slot) + offset, buf)
+
+    # ---------------------------------------------------------------- pins
+    def pin(self, version: SlotVersion) -> bool:
+        """Pin a version against reuse. False if it is gone (its slot was claimed or rewritten)."""
+        off = slot_lock_offset(version.entry.index, version.slot)
+        if not self.pins.try_shared(off):
+            return False
+        header = self.read_header(version.entry, version.slot)
+        if header is None or header.state != SLOT_COMMITTED or header.counter != version.header.counter:
+            self.pins.release(off)
+            return False
+        return True
+
+    def unpin(self, version: SlotVersion) -> None:
+        self.pins.release(slot_lock_offset(version.entry.index, version.slot))
+
+    def is_busy(self, entry: ModelEntry, slot: int) -> bool:
+        """Whether another open description pins or claims the slot (for status and rm)."""
+        return self.pins.is_locked_by_others(slot_lock_offset(entry.index, slot))
+
+    def remove_version(self, version: SlotVersion) -> None:
+        """Invalidate a committed version that is neither latest, pinned nor being written."""
+        entry = version.entry
+        latest = unpack_latest(self.latest_word(entry))
+        if latest is not None and latest[1] == version.slot:
+            raise BusyError(f"step {version.header.step} is the latest version of {entry.name!r}; "
+                            "it cannot be removed (save a newer one first)")
+        off = slot_lock_offset(entry.index, version.slot)
+        if not self.pins.try_exclusive(off):
+            raise BusyError(f"step {version.header.step} of {entry.name!r} is open or being written; "
+                            "close readers and try again")
+        try:
+            header = self.read_header(entry, version.slot)
+            latest = unpack_latest(self.latest_word(entry))
+            if header is None or header.counter != version.header.counter:
+                raise NotFoundError(f"step {version.header.step} of {entry.name!r} is already gone")
+            if latest is not None and latest[1] == version.slot:
+                raise BusyError(f"step {version.header.step} became the latest version of {entry.name!r}")
+            self.backend.write(entry.slot_offset(version.slot), aligned_buffer(SLOT_HEADER_BYTES))
+            self.backend.barrier()
+        finally:
+            self.pins.release(off)

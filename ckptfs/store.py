@@ -1,0 +1,260 @@
+"""The public entry point: a Store is an open region with the operations users need."""
+from __future__ import annotations
+
+import errno
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from ckptfs.errors import BusyError, CorruptionError, NotFoundError, RegionFormatError
+from ckptfs.manifest import Manifest
+from ckptfs.reader import VerifyProblem, restore, verify_version
+from ckptfs.region.format import unpack_latest
+from ckptfs.region.region import Region, SlotVersion, validate_model_name
+from ckptfs.writer.writer import Writer
+
+DEFAULT_REGION_BYTES = 64 << 30  # sparse: only the rings of saved models take disk space
+PIN_RETRIES = 20
+
+
+def default_region_path() -> str:
+    """``$CKPTFS_REGION``, else ``$XDG_DATA_HOME/ckptfs/default.region`` (~/.local/share/...)."""
+    env = os.environ.get("CKPTFS_REGION")
+    if env:
+        return env
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return os.path.join(base, "ckptfs", "default.region")
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    model: str
+    step: int
+    counter: int
+    slot: int
+    time_ns: int
+    data_bytes: int
+    latest: bool
+
+
+class Version:
+    """A pinned version: its slot cannot be reused until ``close``."""
+
+    def __init__(self, store: "Store", slot_version: SlotVersion, manifest: Manifest, latest: bool):
+        self._store = store
+        self._slot_version = slot_version
+        self.manifest = manifest
+        self.data_base = slot_version.data_base
+        h = slot_version.header
+        self.info = VersionInfo(slot_version.entry.name, h.step, h.counter, slot_version.slot, h.time_ns,
+                                h.data_bytes, latest)
+        self._open = True
+
+    def read(self, offset: int, length: int) -> memoryview:
+        """Zero-copy view of region bytes (absolute offset), e.g. ``data_base + record.offset``."""
+        return self._store.read_region(offset, length)
+
+    def load(self, map_location="cpu", verify: bool = True):
+        return restore(self._store.region, self.data_base, self.manifest, map_location, verify)
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self._store.region.unpin(self._slot_version)
+
+    def __enter__(self) -> "Version":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        if getattr(self, "_open", False):
+            try:
+                self.close()
+            except Exception:
+                pass
+
+
+class Store:
+    """An open region.
+
+    ``Store()`` opens the default region (see ``default_region_path``), creating it sparse on
+    first use; ``Store(path)`` opens an existing one; ``Store.create(path, size_bytes)`` formats.
+    """
+
+    def __init__(self, path: str | None = None, *, writable: bool = True):
+        if path is None:
+            path = default_region_path()
+            if not os.path.exists(path):
+                try:
+                    Region.format(path, DEFAULT_REGION_BYTES).close()
+                except RegionFormatError:
+                    pass  # another process created it first
+        elif not os.path.exists(path):
+            raise NotFoundError(f"no region at {path}; create one with `ckptfs mkfs {path}` "
+                                "or ckptfs.Store.create(path, size_bytes=...)")
+        self.path = path
+        try:
+            self.region = Region(path, writable=writable)
+        except PermissionError:
+            if not writable:
+                raise
+            self.region = Region(path, writable=False)
+
+    @classmethod
+    def create(cls, path: str, size_bytes: int = DEFAULT_REGION_BYTES, *, exist_ok: bool = False,
+               force: bool = False) -> "Store":
+        """Format a region at ``path`` (a new sparse file of ``size_bytes``, or a device)."""
+        if os.path.exists(path) and not force:
+            try:
+                store = cls(path)
+            except RegionFormatError:
+                store = None
+            if store is not None:
+                if exist_ok:
+                    return store
+                store.close()
+                raise RegionFormatError(f"{path} already holds a ckptfs region; open it with Store(path)")
+        Region.format(path, size_bytes, force=True).close()
+        return cls(path)
+
+    def close(self) -> None:
+        self.region.close()
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ writing
+    def writer(self, model: str, **options) -> Writer:
+        """A Writer for ``model`` (see Writer for the tunables)."""
+        return Writer(self.region, model, **options)
+
+    # ------------------------------------------------------------------ listing
+    def models(self) -> list[str]:
+        return sorted(e.name for e in self.region.entries())
+
+    def versions(self, model: str) -> list[VersionInfo]:
+        """Committed versions of ``model``, ascending by step (a step saved twice: the newer)."""
+        entry = self.region.get(model)
+        latest = self.region.latest(entry)
+        by_step: dict[int, SlotVersion] = {}
+        for v in self.region.committed(entry):
+            by_step[v.header.step] = v  # committed() is in counter order: the newest wins
+        return [self._info(v, latest) for _, v in sorted(by_step.items())]
+
+    def latest(self, model: str) -> VersionInfo | None:
+        entry = self.region.get(model)
+        latest = self.region.latest(entry)
+        return None if latest is None else self._info(latest, latest)
+
+    @staticmethod
+    def _info(v: SlotVersion, latest: SlotVersion | None) -> VersionInfo:
+        h = v.header
+        is_latest = latest is not None and latest.slot == v.slot and latest.header.counter == h.counter
+        return VersionInfo(v.entry.name, h.step, h.counter, v.slot, h.time_ns, h.data_bytes, is_latest)
+
+    def _find(self, model: str, step: int | None) -> tuple[SlotVersion, bool]:
+        entry = self.region.get(model)
+        latest = self.region.latest(entry)
+        if step is None:
+            if latest is None:
+                raise NotFoundError(f"model {model!r} has no committed checkpoint yet")
+            return latest, True
+        matches = [v for v in self.region.committed(entry) if v.header.step == step]
+        if not matches:
+            raise NotFoundError(f"model {model!r} has no version at step {step} "
+                                f"(it may have been reused by a newer checkpoint; see `ckptfs ls {model}`)")
+        v = matches[-1]
+        return v, latest is not None and latest.slot == v.slot and latest.header.counter == v.header.counter
+
+    # ------------------------------------------------------------------ reading
+    def open_version(self, model: str, step: int | None = None) -> Version:
+        """Pin and open a version (``step`` None: the latest). Close it to release the pin."""
+        for _ in range(PIN_RETRIES):
+            v, is_latest = self._find(model, step)
+            if self.region.pin(v):
+                try:
+                    manifest = self.region.read_manifest(v)
+                except BaseException:
+                    self.region.unpin(v)
+                    raise
+                return Version(self, v, manifest, is_latest)
+            if step is not None:
+                # That version was claimed for rewriting between the listing and the pin.
+                raise NotFoundError(f"version {step} of {model!r} is gone (its slot was reused)")
+            time.sleep(0.001)
+        raise BusyError(f"could not pin the latest version of {model!r}: it kept changing; try again")
+
+    def read_region(self, offset: int, length: int) -> memoryview:
+        return self.region.backend.view(offset, length)
+
+    def load(self, model: str, step: int | None = None, map_location="cpu", verify: bool = True):
+        """The saved object of a version (``step`` None: latest), tensors on ``map_location``.
+
+        The version stays pinned while it is read; every tensor is checked against its CRC
+        unless ``verify`` is False (CorruptionError on a mismatch).
+        """
+        with self.open_version(model, step) as version:
+            return version.load(map_location, verify)
+
+    def verify(self, model: str | None = None, step: int | None = None,
+               progress: Callable[[int], None] | None = None) -> list[VerifyProblem]:
+        """Check every tensor of the selected versions against its CRC; [] means all good."""
+        problems: list[VerifyProblem] = []
+        models = [model] if model is not None else self.models()
+        for name in models:
+            entry = self.region.get(name)
+            targets = [v for v in self.region.committed(entry) if step is None or v.header.step == step]
+            if step is not None and not targets:
+                raise NotFoundError(f"model {name!r} has no version at step {step}")
+            for v in targets:
+                if not self.region.pin(v):
+                    continue  # reused since listing: nothing left to verify
+                try:
+                    manifest = self.region.read_manifest(v)
+                    problems += verify_version(self.region, v.data_base, manifest, progress)
+                except CorruptionError as e:
+                    problems.append(VerifyProblem(name, v.header.step, None, str(e)))
+                finally:
+                    self.region.unpin(v)
+        return problems
+
+    # ------------------------------------------------------------------ removal
+    def remove(self, model: str, step: int) -> None:
+        """Remove one version; BusyError if it is latest, pinned or being written."""
+        v, _ = self._find(model, step)
+        self.region.remove_version(v)
+
+    def remove_model(self, model: str) -> None:
+        """Remove a model and every version; BusyError while a writer or reader uses it."""
+        self.region.remove_model(model)
+
+    # ------------------------------------------------------------------ status
+    def status(self) -> dict:
+        """Region geometry and usage, and per model its versions and the slots in use."""
+        sb = self.region.superblock
+        models = []
+        for entry in self.region.entries():
+            latest = self.region.latest(entry)
+            committed = {v.slot for v in self.region.committed(entry)}
+            latest_slot = latest.slot if latest else -1
+            busy = [s for s in range(entry.nslots) if self.region.is_busy(entry, s)]
+            models.append({
+                "name": entry.name,
+                "slots": entry.nslots,
+                "slot_bytes": entry.slot_bytes,
+                "versions": len(committed),
+                "latest_step": latest.header.step if latest else None,
+                # a claimed slot that is neither latest nor committed is a save in flight
+                "saves_in_flight": sum(1 for s in busy if s != latest_slot and s not in committed),
+                "pinned_or_writing_slots": busy,
+            })
+        used = sum(m["slots"] * m["slot_bytes"] for m in models)
+        return {"path": self.path, "kind": self.region.backend.kind, "region_bytes": sb.region_bytes,
+                "used_bytes": used, "free_bytes": sb.region_bytes - sb.data_offset - used,
+                "models": models}

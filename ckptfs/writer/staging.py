@@ -1,0 +1,90 @@
+"""A pool of page-aligned host staging buffers under a hard byte budget.
+
+``save`` copies tensors into these buffers (the snapshot) and persist workers write them out; a
+buffer returns to the pool as soon as its chunk is written. When every buffer is in use, the
+next ``acquire`` waits: that is the backpressure that keeps a slow disk from growing memory.
+
+Buffers are anonymous mappings (page aligned, as O_DIRECT needs). For CUDA sources they are
+registered with the driver (``cudaHostRegister``) so that device-to-host copies run on the copy
+engines at full PCIe speed without a bounce through pageable memory.
+"""
+from __future__ import annotations
+
+import mmap
+import threading
+import time
+
+import torch
+
+from ckptfs.errors import BusyError
+
+
+class StagingBuffer:
+    """One chunk-sized buffer and a uint8 tensor over it."""
+
+    def __init__(self, nbytes: int, pinned: bool):
+        self.mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+        self.tensor = torch.frombuffer(self.mapping, dtype=torch.uint8)
+        self.pinned = False
+        if pinned:
+            _cuda_host_register(self.tensor)
+            self.pinned = True
+
+    def close(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+        del self.tensor
+        self.mapping.close()
+
+
+def _cuda_host_register(t: torch.Tensor) -> None:
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of a {t.numel()}-byte staging buffer failed ({err})")
+
+
+class StagingPool:
+    """Up to ``budget_bytes // chunk_bytes`` (at least one) buffers of ``chunk_bytes``, made lazily."""
+
+    def __init__(self, chunk_bytes: int, budget_bytes: int, pinned: bool = False):
+        if chunk_bytes <= 0 or chunk_bytes % mmap.PAGESIZE:
+            raise ValueError(f"chunk_bytes must be a positive multiple of {mmap.PAGESIZE}, got {chunk_bytes}")
+        self.chunk_bytes = chunk_bytes
+        self.max_buffers = max(1, budget_bytes // chunk_bytes)
+        self.pinned = pinned
+        self._free: list[StagingBuffer] = []
+        self._all: list[StagingBuffer] = []
+        self._cond = threading.Condition()
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.max_buffers * self.chunk_bytes
+
+    def acquire(self, timeout_s: float | None = None) -> StagingBuffer:
+        """A free buffer, creating one while under budget, else waiting for one to be released."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                if self._free:
+                    return self._free.pop()
+                if len(self._all) < self.max_buffers:
+                    buf = StagingBuffer(self.chunk_bytes, self.pinned)
+                    self._all.append(buf)
+                    return buf
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise BusyError(f"no staging buffer freed within {timeout_s} s; the persist path "
+                                    "is stalled (check the region's device) or raise staging_budget_bytes")
+                self._cond.wait(remaining)
+
+    def release(self, buf: StagingBuffer) -> None:
+        with self._cond:
+            self._free.append(buf)
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            for buf in self._all:
+                buf.close()
+            self._all.clear()
+            self._free.clear()

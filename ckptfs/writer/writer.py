@@ -1,0 +1,478 @@
+"""The writer: snapshot into staging chunks, persist in parallel, commit through the latest pointer.
+
+One ``save`` goes through (PCcheck §3.1, §4.1):
+  1. flatten and lay out the object; every check that can fail happens here, before any write;
+  2. take an in-flight permit (at most ``max_inflight`` saves; the next one waits), a counter,
+     and claim a free slot (not latest, not pinned, not claimed);
+  3. snapshot: copy the tensors chunk by chunk into staging buffers (a side CUDA stream for GPU
+     tensors) and hand each chunk to the persist workers; ``save`` returns here;
+  4. persist workers: CRC32 of each tensor piece in the chunk, O_DIRECT write at its place in the
+     slot, buffer back to the pool;
+  5. commit, by the worker that finishes the last chunk: data durable → header + manifest with
+     the combined CRCs → durable → CAS the latest pointer if this counter is newer → pointer
+     durable → release the claim → complete the future.
+A slot that held a committed version is first marked WRITING (durably) so a crash mid-rewrite
+never leaves an old header in front of half-new data.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from ckptfs.checksum import crc32, crc32_combine
+from ckptfs.errors import BusyError, CheckpointTooLargeError, CkptfsError
+from ckptfs.manifest import (DTYPE_NAMES, TENSOR_ALIGN_BYTES, Manifest, TensorRecord, align_up,
+                             flatten)
+from ckptfs.region.backend import aligned_buffer
+from ckptfs.region.format import (COUNTER_MAX, SLOT_COMMITTED, SLOT_WRITING, SLOTS_MAX,
+                                  SlotHeader, pack_latest, slot_layout, unpack_latest)
+from ckptfs.region.locks import LockSpace, slot_lock_offset
+from ckptfs.region.region import Region, validate_model_name
+from ckptfs.writer.staging import StagingBuffer, StagingPool
+
+log = logging.getLogger("ckptfs")
+
+DEFAULT_CHUNK_BYTES = 64 << 20
+DEFAULT_PERSIST_THREADS = 2
+SLOT_HEADROOM = 1.10  # slots sized at the first save leave room for the state to grow a little
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What a completed save future returns."""
+
+    model: str
+    step: int
+    counter: int
+    slot: int
+    nbytes: int
+    published: bool  # False: a newer checkpoint was already latest when this one committed
+    stall_s: float
+    durable_s: float
+
+
+@dataclass
+class _Piece:
+    tensor: int
+    tensor_start: int
+    length: int
+    buffer_start: int
+
+
+@dataclass
+class _Layout:
+    records: list[TensorRecord]
+    data_bytes: int
+    chunks: list[tuple[int, int, list[_Piece]]]  # (data offset, length, pieces)
+
+
+@dataclass
+class _InFlight:
+    entry: object
+    slot: int
+    counter: int
+    step: int
+    time_ns: int
+    manifest: Manifest
+    layout: _Layout
+    future: Future
+    started: float
+    chunks_left: int
+    data_offset: int = 0  # where the tensor bytes start within the slot
+    ready: threading.Event = field(default_factory=threading.Event)
+    piece_crcs: list = field(default_factory=list)
+    error: BaseException | None = None
+    stall_s: float = 0.0
+    mutex: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _plan(names: list[str], tensors: list[torch.Tensor], chunk_bytes: int) -> _Layout:
+    """Tensor offsets (64-byte aligned, in object order) and the chunks that cover them."""
+    records, offset = [], 0
+    for name, t in zip(names, tensors):
+        offset = align_up(offset, TENSOR_ALIGN_BYTES)
+        nbytes = t.numel() * t.element_size()
+        records.append(TensorRecord(name, DTYPE_NAMES[t.dtype], tuple(t.shape), offset, nbytes))
+        offset += nbytes
+    data_bytes = offset
+    chunks = []
+    starts = range(0, align_up(data_bytes, 4096), chunk_bytes)
+    index = 0
+    for start in starts:
+        end = min(start + chunk_bytes, align_up(data_bytes, 4096))
+        pieces = []
+        while index < len(records) and records[index].offset + records[index].nbytes <= start:
+            index += 1
+        i = index
+        while i < len(records) and records[i].offset < end:
+            r = records[i]
+            lo, hi = max(r.offset, start), min(r.offset + r.nbytes, end)
+            if hi > lo:
+                pieces.append(_Piece(i, lo - r.offset, hi - lo, lo - start))
+            i += 1
+        chunks.append((start, end - start, pieces))
+    return _Layout(records, data_bytes, chunks)
+
+
+def _byte_source(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor, without a copy when it is contiguous."""
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
+    return t.reshape(-1).view(torch.uint8)
+
+
+class Writer:
+    """Saves checkpoints of one model; several in flight. Use as a context manager.
+
+    Tunables: ``max_inflight`` (N: saves persisting at once; the N+1st waits), ``persist_threads``
+    (p: parallel writers to the region), ``chunk_bytes`` (pipeline granularity),
+    ``staging_budget_bytes`` (hard cap on host staging memory; default: room for N snapshots of
+    the first checkpoint, at most half of physical memory), ``slots`` / ``slot_bytes`` (ring
+    geometry when the model is created; default N+2 slots sized at the first save),
+    ``timeout_s`` (longest wait for a free slot, staging buffer or permit before BusyError).
+    """
+
+    def __init__(self, region: Region, model: str, *, max_inflight: int = 2,
+                 persist_threads: int = DEFAULT_PERSIST_THREADS, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 staging_budget_bytes: int | None = None, slots: int | None = None,
+                 slot_bytes: int | None = None, timeout_s: float = 120.0):
+        validate_model_name(model)
+        _positive("max_inflight", max_inflight)
+        _positive("persist_threads", persist_threads)
+        _positive("chunk_bytes", chunk_bytes)
+        if chunk_bytes % 4096:
+            raise ValueError(f"chunk_bytes must be a multiple of 4096, got {chunk_bytes}")
+        if slots is not None and not max_inflight + 1 <= slots <= SLOTS_MAX:
+            raise ValueError(f"slots={slots} must be between max_inflight+1={max_inflight + 1} and {SLOTS_MAX}: "
+                             "N checkpoints in flight need N+1 slots so the latest is never overwritten")
+        if staging_budget_bytes is not None and staging_budget_bytes < chunk_bytes:
+            raise ValueError(f"staging_budget_bytes={staging_budget_bytes} is smaller than one chunk ({chunk_bytes})")
+        if not region.writable:
+            raise CkptfsError(f"{region.path} is open read-only; open the store writable to save")
+        self.region = region
+        self.model = model
+        self.max_inflight = max_inflight
+        self.chunk_bytes = chunk_bytes
+        self.staging_budget_bytes = staging_budget_bytes
+        self.timeout_s = timeout_s
+        self._slots = slots
+        self._slot_bytes = slot_bytes
+        self._entry = region.find(model)
+        if self._entry is not None:
+            self._recover_counter()
+        self._claims = LockSpace(region.path, writable=True)
+        self._permits = threading.BoundedSemaphore(max_inflight)
+        self._pools: dict[bool, StagingPool] = {}
+        self._queue: queue.Queue = queue.Queue()
+        self._outstanding: set[Future] = set()
+        self._outstanding_lock = threading.Lock()
+        self._closed = False
+        self._workers = [threading.Thread(target=self._persist_loop, name=f"ckptfs-persist-{i}", daemon=True)
+                         for i in range(persist_threads)]
+        for w in self._workers:
+            w.start()
+        self._side_stream = None
+
+    # ------------------------------------------------------------------ public API
+    def save(self, obj, step: int) -> Future:
+        """Snapshot ``obj`` and persist it in the background as version ``step``.
+
+        Returns once the tensors are copied out: the caller may modify them right away. The
+        returned future completes with a SaveResult when the checkpoint is durable and committed,
+        or with the error that stopped it. Raises before writing anything if the object cannot
+        be stored or does not fit.
+        """
+        if self._closed:
+            raise CkptfsError("this writer is closed; open a new one with store.writer(...)")
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 1 << 62:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        started = time.perf_counter()
+        flat = flatten(obj)
+        self._check_devices(flat.tensors)
+        layout = _plan(flat.names, flat.tensors, self.chunk_bytes)
+        probe = Manifest(self.model, step, COUNTER_MAX, time.time_ns(), tuple(layout.records),
+                         flat.skeleton, layout.data_bytes)
+        need = slot_layout(len(probe.encode()), layout.data_bytes)[2]
+        entry = self._ensure_model(need)
+        if need > entry.slot_bytes:
+            raise CheckpointTooLargeError(
+                f"this checkpoint of {self.model!r} needs {need} bytes but its slots hold {entry.slot_bytes}; "
+                f"remove the model (`ckptfs rm {self.model}`) and save again (slots are sized at the first save), "
+                "or pass a larger slot_bytes when the model is first created")
+        pool = self._pool(any(t.is_cuda for t in flat.tensors), layout.data_bytes)
+        if not self._permits.acquire(timeout=self.timeout_s):
+            raise BusyError(f"{self.max_inflight} saves of {self.model!r} still in flight after {self.timeout_s} s")
+        try:
+            counter = self.region.next_counter(entry)
+            slot = self._claim_slot(entry)
+        except BaseException:
+            self._permits.release()
+            raise
+        time_ns = time.time_ns()
+        manifest = Manifest(self.model, step, counter, time_ns, tuple(layout.records), flat.skeleton,
+                            layout.data_bytes)
+        job = _InFlight(entry, slot, counter, step, time_ns, manifest, layout, Future(), started,
+                        chunks_left=len(layout.chunks))
+        job.piece_crcs = [[] for _ in layout.records]
+        job.data_offset = slot_layout(len(manifest.encode()), layout.data_bytes)[1]
+        with self._outstanding_lock:
+            self._outstanding.add(job.future)
+        self._queue.put(("prepare", job))
+        try:
+            self._snapshot(job, flat.tensors, pool)
+        except BaseException as e:
+            self._fail(job, e)
+            raise
+        job.stall_s = time.perf_counter() - started
+        return job.future
+
+    def wait(self) -> list[SaveResult]:
+        """Block until every save so far is committed; re-raises the first failure."""
+        with self._outstanding_lock:
+            pending = list(self._outstanding)
+        results, first_error = [], None
+        for fut in pending:
+            try:
+                results.append(fut.result())
+            except BaseException as e:  # noqa: BLE001 - collected and re-raised below
+                first_error = first_error or e
+        if first_error is not None:
+            raise first_error
+        return results
+
+    def close(self) -> None:
+        """Wait for every save, then stop the workers and free the staging memory."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            for _ in self._workers:
+                self._queue.put(None)
+            for w in self._workers:
+                w.join()
+            for pool in self._pools.values():
+                pool.close()
+            self._claims.close()
+
+    def __enter__(self) -> "Writer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ model and slots
+    def _recover_counter(self) -> None:
+        highest = max((v.header.counter for v in self.region.committed(self._entry)), default=0)
+        latest = unpack_latest(self.region.latest_word(self._entry))
+        self.region.raise_counter(self._entry, max(highest, latest[0] if latest else 0))
+
+    def _ensure_model(self, need_bytes: int):
+        if self._entry is None:
+            nslots = self._slots or self.max_inflight + 2
+            slot_bytes = self._slot_bytes or int(need_bytes * SLOT_HEADROOM)
+            self._entry = self.region.create_model(self.model, nslots, max(slot_bytes, need_bytes))
+            self._recover_counter()
+        return self._entry
+
+    def _claim_slot(self, entry) -> int:
+        """Claim the free slot holding the oldest version (or none); wait while all are busy."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            latest = unpack_latest(self.region.latest_word(entry))
+            latest_slot = latest[1] if latest else -1
+            candidates = []
+            for slot in range(entry.nslots):
+                if slot == latest_slot:
+                    continue
+                header = self.region.read_header(entry, slot)
+                age = header.counter if header is not None and header.state == SLOT_COMMITTED else -1
+                candidates.append((age, slot))
+            for _, slot in sorted(candidates):
+                if not self._claims.try_exclusive(slot_lock_offset(entry.index, slot)):
+                    continue
+                now_latest = unpack_latest(self.region.latest_word(entry))
+                if now_latest is not None and now_latest[1] == slot:
+                    self._claims.release(slot_lock_offset(entry.index, slot))
+                    continue
+                return slot
+            if time.monotonic() > deadline:
+                raise BusyError(f"every slot of {self.model!r} is latest, pinned by a reader or being written "
+                                f"after waiting {self.timeout_s} s; close readers (open files in the mount, "
+                                "loads) or create the model with more slots")
+            time.sleep(0.005)
+
+    def _release_claim(self, job: _InFlight) -> None:
+        self._claims.release(slot_lock_offset(job.entry.index, job.slot))
+
+    # ------------------------------------------------------------------ snapshot
+    def _check_devices(self, tensors: list[torch.Tensor]) -> None:
+        for t in tensors:
+            if t.device.type not in ("cpu", "cuda"):
+                raise CkptfsError(f"tensors on {t.device} are not supported yet; move them to cpu or cuda")
+
+    def _pool(self, cuda: bool, data_bytes: int) -> StagingPool:
+        if cuda not in self._pools:
+            budget = self.staging_budget_bytes
+            if budget is None:
+                physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+                budget = min(self.max_inflight * align_up(max(data_bytes, 1), self.chunk_bytes), physical // 2)
+            self._pools[cuda] = StagingPool(self.chunk_bytes, max(budget, self.chunk_bytes), pinned=cuda)
+        return self._pools[cuda]
+
+    def _snapshot(self, job: _InFlight, tensors: list[torch.Tensor], pool: StagingPool) -> None:
+        sources = [_byte_source(t) for t in tensors]
+        cuda = any(t.is_cuda for t in tensors)
+        stream = None
+        if cuda:
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream()
+            stream = self._side_stream
+            # The copies must see every kernel already queued on the caller's stream.
+            stream.wait_stream(torch.cuda.current_stream())
+        events = []
+        for data_start, length, pieces in job.layout.chunks:
+            buf = pool.acquire(self.timeout_s)
+            event = None
+            if stream is not None:
+                with torch.cuda.stream(stream):
+                    self._copy_pieces(buf, pieces, sources, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                events.append(event)
+            else:
+                self._copy_pieces(buf, pieces, sources, non_blocking=False)
+            self._queue.put(("chunk", job, data_start, length, pieces, buf, pool, event))
+        for event in events:
+            event.synchronize()
+
+    @staticmethod
+    def _copy_pieces(buf: StagingBuffer, pieces: list[_Piece], sources, non_blocking: bool) -> None:
+        for p in pieces:
+            src = sources[p.tensor][p.tensor_start:p.tensor_start + p.length]
+            buf.tensor[p.buffer_start:p.buffer_start + p.length].copy_(src, non_blocking=non_blocking)
+
+    # ------------------------------------------------------------------ persist workers
+    def _persist_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            kind, job = item[0], item[1]
+            try:
+                if kind == "prepare":
+                    self._prepare_slot(job)
+                else:
+                    self._persist_chunk(job, *item[2:])
+            except BaseException as e:  # noqa: BLE001 - delivered through the future
+                self._fail(job, e)
+
+    def _prepare_slot(self, job: _InFlight) -> None:
+        header = self.region.read_header(job.entry, job.slot)
+        if header is not None and header.state == SLOT_COMMITTED:
+            marker = SlotHeader(SLOT_WRITING, job.counter, job.step, job.time_ns, job.entry.index, job.slot)
+            buf = aligned_buffer(4096)
+            buf[:] = marker.pack()
+            self.region.write_slot(job.entry, job.slot, 0, buf)
+            self.region.backend.barrier()
+        job.ready.set()
+        if not job.layout.chunks:
+            self._commit(job)
+
+    def _persist_chunk(self, job: _InFlight, data_start: int, length: int, pieces: list[_Piece],
+                       buf: StagingBuffer, pool: StagingPool, event) -> None:
+        try:
+            if event is not None:
+                event.synchronize()
+            job.ready.wait()
+            if job.error is not None:
+                return
+            view = memoryview(buf.mapping)
+            crcs = [(p.tensor, p.tensor_start, p.length,
+                     crc32(view[p.buffer_start:p.buffer_start + p.length])) for p in pieces]
+            self.region.write_slot(job.entry, job.slot, job.data_offset + data_start, view[:length])
+            view.release()
+        finally:
+            pool.release(buf)
+        with job.mutex:
+            for tensor, start, n, crc in crcs:
+                job.piece_crcs[tensor].append((start, n, crc))
+            job.chunks_left -= 1
+            last = job.chunks_left == 0
+        if last:
+            self._commit(job)
+
+    def _commit(self, job: _InFlight) -> None:
+        if job.error is not None:
+            return
+        region = self.region
+        region.backend.barrier()  # every chunk durable before anything points at it
+        manifest = job.manifest.with_crcs([_combine(pieces) for pieces in job.piece_crcs])
+        raw = manifest.encode()
+        moff, doff, _ = slot_layout(len(raw), manifest.data_bytes)
+        header = SlotHeader(SLOT_COMMITTED, job.counter, job.step, job.time_ns, job.entry.index, job.slot,
+                            moff, len(raw), crc32(raw), doff, manifest.data_bytes)
+        buf = aligned_buffer(doff)
+        buf[0:4096] = header.pack()
+        buf[moff:moff + len(raw)] = raw
+        region.write_slot(job.entry, job.slot, 0, buf)
+        region.backend.barrier()  # header + index durable before the pointer moves
+        published = self._publish(job)
+        region.persist_words(job.entry)
+        self._release_claim(job)
+        result = SaveResult(self.model, job.step, job.counter, job.slot, manifest.data_bytes, published,
+                            job.stall_s, time.perf_counter() - job.started)
+        self._finish(job, result=result)
+
+    def _publish(self, job: _InFlight) -> bool:
+        """PCcheck Listing 1: CAS the latest pointer only while it names an older counter."""
+        desired = pack_latest(job.counter, job.slot)
+        while True:
+            seen = self.region.latest_word(job.entry)
+            current = unpack_latest(seen)
+            if current is not None and current[0] >= job.counter:
+                return False
+            swapped, _ = self.region.cas_latest(job.entry, seen, desired)
+            if swapped:
+                return True
+
+    def _fail(self, job: _InFlight, error: BaseException) -> None:
+        with job.mutex:
+            if job.error is not None or job.future.done():
+                return
+            job.error = error
+        job.ready.set()
+        self._release_claim(job)
+        log.error("save of %s step %d failed: %s", self.model, job.step, error)
+        self._finish(job, error=error)
+
+    def _finish(self, job: _InFlight, result=None, error=None) -> None:
+        self._permits.release()
+        with self._outstanding_lock:
+            self._outstanding.discard(job.future)
+        if error is not None:
+            job.future.set_exception(error)
+        else:
+            job.future.set_result(result)
+
+
+def _combine(pieces: list[tuple[int, int, int]]) -> int:
+    crc = 0
+    for _, length, piece_crc in sorted(pieces):
+        crc = crc32_combine(crc, piece_crc, length)
+    return crc
+
+
+def _positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
