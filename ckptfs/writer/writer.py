@@ -123,6 +123,9 @@ def _plan(names: list[str], tensors: list[torch.Tensor], chunk_bytes: int) -> _L
 
 def _byte_source(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as a flat uint8 tensor, without a copy when it is contiguous."""
+    # Conjugate / negative views are lazy bits on top of the storage: materialize them, as the
+    # bytes must hold the values the caller sees.
+    t = t.resolve_conj().resolve_neg()
     if not t.is_contiguous():
         t = t.contiguous()
     if t.numel() == 0:
@@ -209,6 +212,7 @@ class Writer:
                 f"remove the model (`ckptfs rm {self.model}`) and save again (slots are sized at the first save), "
                 "or pass a larger slot_bytes when the model is first created")
         pool = self._pool(any(t.is_cuda for t in flat.tensors), layout.data_bytes)
+        sources = [_byte_source(t) for t in flat.tensors]
         if not self._permits.acquire(timeout=self.timeout_s):
             raise BusyError(f"{self.max_inflight} saves of {self.model!r} still in flight after {self.timeout_s} s")
         try:
@@ -228,7 +232,7 @@ class Writer:
             self._outstanding.add(job.future)
         self._queue.put(("prepare", job))
         try:
-            self._snapshot(job, flat.tensors, pool)
+            self._snapshot(job, sources, pool)
         except BaseException as e:
             self._fail(job, e)
             raise
@@ -330,9 +334,8 @@ class Writer:
             self._pools[cuda] = StagingPool(self.chunk_bytes, max(budget, self.chunk_bytes), pinned=cuda)
         return self._pools[cuda]
 
-    def _snapshot(self, job: _InFlight, tensors: list[torch.Tensor], pool: StagingPool) -> None:
-        sources = [_byte_source(t) for t in tensors]
-        cuda = any(t.is_cuda for t in tensors)
+    def _snapshot(self, job: _InFlight, sources: list[torch.Tensor], pool: StagingPool) -> None:
+        cuda = any(t.is_cuda for t in sources)
         stream = None
         if cuda:
             if self._side_stream is None:

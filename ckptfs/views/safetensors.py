@@ -1,0 +1,122 @@
+"""The ``.safetensors`` view of a checkpoint.
+
+Layout (https://github.com/huggingface/safetensors, "Format"): an 8-byte little-endian header
+length N, N bytes of JSON padded with spaces so that the data starts 8-byte aligned, then the
+tensor bytes, each tensor at ``data_offsets`` relative to the data start, contiguous from 0 and
+without holes. The JSON maps tensor names to ``{"dtype", "shape", "data_offsets"}`` and may hold
+a ``__metadata__`` object of string to string.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from typing import Mapping
+
+from ckptfs.manifest import Manifest, TensorRecord
+from ckptfs.views.segments import View, ViewBuilder
+
+# torch dtype name -> safetensors dtype, for every dtype safetensors 0.8 can represent (its Rust
+# ``Dtype`` enum). complex128 and complex32 have no safetensors dtype and are skipped.
+SAFETENSORS_DTYPES: dict[str, str] = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
+    "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL",
+    "complex64": "C64",
+    "float8_e4m3fn": "F8_E4M3", "float8_e4m3fnuz": "F8_E4M3FNUZ",
+    "float8_e5m2": "F8_E5M2", "float8_e5m2fnuz": "F8_E5M2FNUZ", "float8_e8m0fnu": "F8_E8M0",
+    # Two 4-bit values per byte in torch; safetensors counts the 4-bit elements (see _shape).
+    "float4_e2m1fn_x2": "F4",
+}
+
+METADATA_KEY = "__metadata__"
+SKIPPED_KEY = "ckptfs.skipped"
+_HEADER_ALIGN = 8
+
+
+def safetensors_view(manifest: Manifest, data_base: int, *, key: str | None = None,
+                     metadata: Mapping[str, str] | None = None) -> View | None:
+    """The safetensors file of ``manifest``'s tensors, or None when no tensor qualifies.
+
+    ``key=None``: every reference (``manifest.refs()``), named by its dotted path; tied weights
+    appear under each of their names with their own copy of the bytes (safetensors forbids
+    overlapping ranges; in the view a copy is just one more extent). ``key="model"``: the
+    references under top-level key ``model``, named by their path below it.
+
+    Tensors whose dtype (or shape) safetensors cannot represent are left out and listed, as a
+    JSON array string, in ``__metadata__["ckptfs.skipped"]``. ``__metadata__`` also carries
+    ``format`` ("pt"), ``model`` and ``step``; entries of ``metadata`` (strings only) are added
+    and win over those. The header is a pure function of the arguments (byte-exact tests).
+    """
+    selected = _select(manifest, key)
+    kept = [(name, rec) for name, rec in selected if _representable(rec)]
+    if not kept:
+        return None
+    skipped = [name for name, rec in selected if not _representable(rec)]
+    header = {METADATA_KEY: _metadata(manifest, skipped, metadata)}
+    offset = 0
+    for name, rec in kept:
+        header[name] = {"dtype": SAFETENSORS_DTYPES[rec.dtype], "shape": _shape(rec),
+                        "data_offsets": [offset, offset + rec.nbytes]}
+        offset += rec.nbytes
+
+    builder = ViewBuilder()
+    builder.literal(_encode_header(header))
+    for _, rec in kept:
+        builder.extent(data_base + rec.offset, rec.nbytes)
+    return builder.build()
+
+
+def _select(manifest: Manifest, key: str | None) -> list[tuple[str, TensorRecord]]:
+    """(unique tensor name, record) for every reference the file should hold, in skeleton order."""
+    if key is None:
+        named = [(ref.name, ref.tensor_index) for ref in manifest.refs()]
+    else:
+        # A top-level value that is itself a tensor has no path below the key: it keeps the key.
+        named = [(".".join(ref.key_path[1:]) or key, ref.tensor_index)
+                 for ref in manifest.refs() if ref.key_path[:1] == (key,)]
+    taken = {METADATA_KEY}  # a tensor called "__metadata__" would clash with the header's own
+    out = []
+    for name, index in named:
+        out.append((_unique(name, taken), manifest.tensors[index]))
+    return out
+
+
+def _unique(name: str, taken: set[str]) -> str:
+    """``name``, or ``name#1``, ``name#2``... (as Manifest.refs does) if already taken."""
+    candidate, n = name, 1
+    while candidate in taken:
+        candidate = f"{name}#{n}"
+        n += 1
+    taken.add(candidate)
+    return candidate
+
+
+def _representable(rec: TensorRecord) -> bool:
+    # A 0-dim float4_e2m1fn_x2 holds two 4-bit values but has no last dimension to double.
+    return rec.dtype in SAFETENSORS_DTYPES and not (rec.dtype == "float4_e2m1fn_x2" and not rec.shape)
+
+
+def _shape(rec: TensorRecord) -> list[int]:
+    shape = list(rec.shape)
+    if rec.dtype == "float4_e2m1fn_x2":
+        shape[-1] *= 2  # safetensors' F4 shape counts 4-bit elements, torch's counts byte pairs
+    return shape
+
+
+def _metadata(manifest: Manifest, skipped: list[str], extra: Mapping[str, str] | None) -> dict:
+    meta = {"format": "pt", "model": manifest.model, "step": str(manifest.step)}
+    if skipped:
+        meta[SKIPPED_KEY] = json.dumps(skipped, ensure_ascii=True)
+    for k, v in (extra or {}).items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise TypeError(f"safetensors metadata must map str to str, got {k!r}: {v!r}")
+        meta[k] = v
+    return dict(sorted(meta.items()))  # sorted, as safetensors writes it: deterministic bytes
+
+
+def _encode_header(header: dict) -> bytes:
+    # ASCII-only JSON: every name is encodable (even one with a lone surrogate), and serde_json
+    # reads the \u escapes back to the same string.
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    raw += b" " * (-len(raw) % _HEADER_ALIGN)
+    return struct.pack("<Q", len(raw)) + raw

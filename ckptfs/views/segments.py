@@ -1,0 +1,133 @@
+"""A view: a synthesized file described as an ordered list of segments.
+
+A segment is either ``Literal`` bytes (headers, pickles, JSON) or an ``Extent`` of the region
+(absolute offset and length of tensor bytes). A view is computed from a manifest alone; bytes
+are fetched only when someone reads, through a ``read_region(offset, length)`` callable that
+returns a bytes-like object of exactly ``length`` bytes (a memoryview of the mapping, typically).
+"""
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Callable, Iterable, Iterator, Union
+
+ReadRegion = Callable[[int, int], "bytes | bytearray | memoryview"]
+
+
+@dataclass(frozen=True)
+class Literal:
+    """Bytes that are part of the view itself."""
+
+    data: bytes
+
+    @property
+    def length(self) -> int:
+        return len(self.data)
+
+
+@dataclass(frozen=True)
+class Extent:
+    """``length`` bytes of the region starting at absolute region offset ``offset``."""
+
+    offset: int
+    length: int
+
+    def __post_init__(self) -> None:
+        if self.offset < 0 or self.length < 0:
+            raise ValueError(f"extent ({self.offset}, {self.length}) has a negative offset or length")
+
+
+Segment = Union[Literal, Extent]
+
+
+class View:
+    """An immutable file of ``size`` bytes made of ``segments`` laid end to end.
+
+    Empty segments are dropped, so every kept segment covers at least one byte and the
+    segment holding a given file offset is found with one bisection.
+    """
+
+    __slots__ = ("segments", "size", "_starts")
+
+    def __init__(self, segments: Iterable[Segment]):
+        self.segments: tuple[Segment, ...] = tuple(s for s in segments if s.length)
+        lengths = [s.length for s in self.segments]
+        # _starts[i] is the file offset of segments[i]; the extra last entry is the file size.
+        self._starts: list[int] = [0, *accumulate(lengths)]
+        self.size: int = self._starts[-1]
+
+    def __repr__(self) -> str:
+        return f"View(size={self.size}, segments={len(self.segments)})"
+
+    def read(self, offset: int, size: int, read_region: ReadRegion) -> bytes:
+        """Bytes ``[offset, offset + size)`` of the file; shorter (possibly empty) past its end."""
+        if offset < 0 or size < 0:
+            raise ValueError(f"read({offset}, {size}): offset and size must be >= 0")
+        end = min(offset + size, self.size)
+        if offset >= end:
+            return b""
+        pieces = []
+        i = bisect_right(self._starts, offset) - 1
+        pos = offset
+        while pos < end:
+            seg, seg_start = self.segments[i], self._starts[i]
+            lo, hi = pos - seg_start, min(end - seg_start, seg.length)
+            pieces.append(_slice(seg, lo, hi, read_region))
+            pos = seg_start + hi
+            i += 1
+        return pieces[0] if len(pieces) == 1 and type(pieces[0]) is bytes else b"".join(pieces)
+
+    def iter_blocks(self, read_region: ReadRegion, block_bytes: int = 8 << 20) -> Iterator:
+        """The whole file, in order, as bytes-like blocks of at most ``block_bytes`` per extent.
+
+        Literals come out whole; extent blocks are whatever ``read_region`` returns (zero-copy
+        where it returns memoryviews), so a consumer must use each block before asking for the next
+        if ``read_region`` reuses buffers.
+        """
+        if block_bytes <= 0:
+            raise ValueError(f"block_bytes must be > 0, got {block_bytes}")
+        for seg in self.segments:
+            if isinstance(seg, Literal):
+                yield seg.data
+                continue
+            for lo in range(0, seg.length, block_bytes):
+                yield read_region(seg.offset + lo, min(block_bytes, seg.length - lo))
+
+
+def _slice(seg: Segment, lo: int, hi: int, read_region: ReadRegion):
+    if isinstance(seg, Literal):
+        return seg.data[lo:hi]
+    return read_region(seg.offset + lo, hi - lo)
+
+
+class ViewBuilder:
+    """Appends segments in file order, coalescing adjacent literals into one.
+
+    ``position`` is the file offset the next appended byte will have, which is what format
+    writers need to compute their own offsets (zip local-header offsets, alignment padding).
+    """
+
+    def __init__(self) -> None:
+        self._segments: list[Segment] = []
+        self._pending = bytearray()
+        self.position = 0
+
+    def literal(self, data: bytes) -> None:
+        self._pending += data
+        self.position += len(data)
+
+    def extent(self, offset: int, length: int) -> None:
+        if length:
+            self._flush()
+            self._segments.append(Extent(offset, length))
+            self.position += length
+
+    def build(self) -> View:
+        self._flush()
+        return View(self._segments)
+
+    def _flush(self) -> None:
+        if self._pending:
+            self._segments.append(Literal(bytes(self._pending)))
+            self._pending.clear()

@@ -1,0 +1,177 @@
+"""Tier 2: several checkpoints in flight, out-of-order completion, pins, several processes."""
+import multiprocessing as mp
+import threading
+import time
+
+import pytest
+import torch
+
+import ckptfs
+from ckptfs.errors import BusyError
+from ckptfs.writer.writer import Writer
+
+
+def state(step, n=4096):
+    return {"w": torch.full((n,), float(step)), "step": step}
+
+
+def test_n_in_flight_and_backpressure(store, monkeypatch):
+    gate = threading.Event()
+    original = Writer._commit
+
+    def held_commit(self, job):
+        gate.wait(10)
+        original(self, job)
+
+    monkeypatch.setattr(Writer, "_commit", held_commit)
+    with store.writer("bp", max_inflight=2, slots=4) as w:
+        f1, f2 = w.save(state(1), step=1), w.save(state(2), step=2)
+        blocked = threading.Event()
+        third = []
+
+        def save_third():
+            third.append(w.save(state(3), step=3))
+            blocked.set()
+
+        t = threading.Thread(target=save_third)
+        t.start()
+        assert not blocked.wait(0.3), "a third save must wait while two are in flight"
+        gate.set()
+        t.join(10)
+        assert blocked.is_set()
+        assert [f.result().step for f in (f1, f2, third[0])] == [1, 2, 3]
+    assert store.latest("bp").step == 3
+
+
+def test_older_commit_never_replaces_newer(store, monkeypatch):
+    release_old = threading.Event()
+    original = Writer._commit
+
+    def ordered_commit(self, job):
+        if job.step == 1:
+            release_old.wait(10)  # the older checkpoint finishes last
+        original(self, job)
+
+    monkeypatch.setattr(Writer, "_commit", ordered_commit)
+    with store.writer("ooo", max_inflight=2, slots=4) as w:
+        old, new = w.save(state(1), step=1), w.save(state(2), step=2)
+        assert new.result().published
+        assert store.latest("ooo").step == 2
+        release_old.set()
+        assert old.result().published is False
+    assert store.latest("ooo").step == 2
+    assert store.load("ooo")["step"] == 2
+    # the late older version is still a complete, listed version
+    assert [v.step for v in store.versions("ooo")] == [1, 2]
+    assert store.load("ooo", step=1)["step"] == 1
+
+
+def test_latest_and_pinned_slots_are_never_reused(store):
+    with store.writer("pin", max_inflight=1, slots=3, timeout_s=0.5) as w:
+        w.save(state(1), step=1).result()
+        w.save(state(2), step=2).result()
+        with store.open_version("pin", 1) as v1:  # pin the oldest version
+            w.save(state(3), step=3).result()  # must take the free slot, not step 1's
+            w.save(state(4), step=4).result()  # must reuse step 2's slot, not step 1's
+            assert [v.step for v in store.versions("pin")] == [1, 3, 4]
+            assert v1.load()["w"][0].item() == 1.0
+            with store.open_version("pin", 3):
+                # step 1 and 3 pinned, step 4 latest: no slot may be handed out
+                with pytest.raises(BusyError, match="pinned"):
+                    w.save(state(5), step=5)
+            assert [v.step for v in store.versions("pin")] == [1, 3, 4]
+        w.save(state(6), step=6).result()  # pins released: slots usable again
+    assert store.latest("pin").step == 6
+    assert store.load("pin", step=4)["step"] == 4
+
+
+def test_pin_of_dead_process_is_released(region_path, store):
+    with store.writer("dead", max_inflight=1, slots=2, timeout_s=2) as w:
+        w.save(state(1), step=1).result()
+        w.save(state(2), step=2).result()
+    ctx = mp.get_context("fork")
+    ready = ctx.Event()
+    p = ctx.Process(target=_pin_and_hang, args=(region_path, ready))
+    p.start()
+    assert ready.wait(20)
+    with store.writer("dead", max_inflight=1, timeout_s=0.3) as w:
+        with pytest.raises(BusyError):
+            w.save(state(3), step=3)  # the only non-latest slot is pinned by the child
+    p.kill()
+    p.join()
+    with store.writer("dead", max_inflight=1, timeout_s=5) as w:
+        assert w.save(state(3), step=3).result().published
+
+
+def _pin_and_hang(region_path, ready):
+    s = ckptfs.Store(region_path)
+    pinned = s.open_version("dead", 1)  # noqa: F841 - held until the process dies
+    ready.set()
+    time.sleep(60)
+
+
+def _write_model(region_path, model, steps, barrier):
+    s = ckptfs.Store(region_path)
+    barrier.wait()
+    with s.writer(model, max_inflight=2) as w:
+        for step in range(steps):
+            w.save({"w": torch.full((20000,), float(step)), "m": model}, step=step)
+    s.close()
+
+
+def test_several_processes_write_different_models(region_path, store):
+    ctx = mp.get_context("fork")
+    barrier = ctx.Barrier(3)
+    procs = [ctx.Process(target=_write_model, args=(region_path, f"m{i}", 12, barrier)) for i in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert store.models() == ["m0", "m1", "m2"]
+    for i in range(3):
+        back = store.load(f"m{i}")
+        assert back["m"] == f"m{i}" and torch.equal(back["w"], torch.full((20000,), 11.0))
+    assert store.verify() == []
+    # the rings do not overlap
+    entries = sorted(store.region.entries(), key=lambda e: e.ring_offset)
+    for a, b in zip(entries, entries[1:]):
+        assert a.ring_offset + a.ring_bytes <= b.ring_offset
+
+
+def test_two_writers_same_model_keep_counter_order(store):
+    with store.writer("shared", max_inflight=2, slots=6) as w1, store.writer("shared", max_inflight=2) as w2:
+        futs = []
+        for step in range(10):
+            futs.append((w1 if step % 2 else w2).save(state(step), step=step))
+        results = [f.result() for f in futs]
+    counters = [r.counter for r in results]
+    assert len(set(counters)) == 10
+    latest = store.latest("shared")
+    assert latest.counter == max(counters)
+
+
+def test_load_while_saving_sees_complete_versions(store):
+    stop = threading.Event()
+    errors = []
+
+    def reader():
+        while not stop.is_set():
+            try:
+                obj = store.load("live")
+            except ckptfs.errors.NotFoundError:
+                continue
+            w = obj["w"]
+            if not torch.equal(w, torch.full_like(w, float(obj["step"]))):
+                errors.append(obj["step"])
+
+    with store.writer("live", max_inflight=2) as w:
+        w.save(state(0), step=0).result()
+        t = threading.Thread(target=reader)
+        t.start()
+        for step in range(1, 40):
+            w.save(state(step), step=step)
+        w.wait()
+        stop.set()
+        t.join()
+    assert errors == []

@@ -1,0 +1,113 @@
+"""Tier 1: on-disk structures, byte for byte, and the checks that guard them."""
+import struct
+
+import pytest
+
+from ckptfs.checksum import crc32, crc32_combine
+from ckptfs.errors import IncompatibleVersionError, InvalidNameError, MalformedInputError, RegionFormatError
+from ckptfs.manifest import Manifest, TensorRecord
+from ckptfs.region.format import (SLOT_COMMITTED, ModelEntry, SlotHeader, Superblock, pack_latest,
+                                  slot_layout, unpack_latest)
+from ckptfs.region.region import validate_model_name
+
+
+def test_superblock_bytes_exact():
+    sb = Superblock(region_bytes=1 << 30, block_bytes=4096, table_offset=4096, table_entries=1024,
+                    data_offset=4096 + 1024 * 512, uuid=bytes(range(16)), created_ns=7)
+    raw = sb.pack()
+    body = (b"CKPTFSRG" + struct.pack("<HHI", 1, 0, 4096) + struct.pack("<QQII", 1 << 30, 4096, 1024, 512)
+            + struct.pack("<Q", 4096 + 1024 * 512) + bytes(range(16)) + struct.pack("<Q", 7))
+    assert raw[:len(body)] == body
+    assert raw[len(body):len(body) + 4] == struct.pack("<I", crc32(body))
+    assert len(raw) == 4096 and raw[len(body) + 4:] == bytes(4096 - len(body) - 4)
+    assert Superblock.unpack(raw) == sb
+
+
+def test_superblock_rejects_damage_and_newer_major():
+    sb = Superblock.new(1 << 30, 4096, 1)
+    raw = bytearray(sb.pack())
+    raw[40] ^= 1
+    with pytest.raises(RegionFormatError, match="checksum"):
+        Superblock.unpack(bytes(raw))
+    newer = bytearray(sb.pack())
+    newer[8:10] = struct.pack("<H", 2)
+    with pytest.raises(IncompatibleVersionError, match="upgrade ckptfs"):
+        Superblock.unpack(bytes(newer))
+    with pytest.raises(RegionFormatError, match="not a ckptfs region"):
+        Superblock.unpack(bytes(4096))
+
+
+def test_slot_header_bytes_exact():
+    h = SlotHeader(SLOT_COMMITTED, counter=5, step=120, time_ns=9, model_index=2, slot=1,
+                   manifest_offset=4096, manifest_bytes=100, manifest_crc=0xDEADBEEF,
+                   data_offset=8192, data_bytes=1000)
+    raw = h.pack()
+    body = (b"CKPTSLOT" + struct.pack("<HHIQqQII", 1, 0, SLOT_COMMITTED, 5, 120, 9, 2, 1)
+            + struct.pack("<QQIQQ", 4096, 100, 0xDEADBEEF, 8192, 1000))
+    assert raw[:len(body)] == body
+    assert raw[len(body):len(body) + 4] == struct.pack("<I", crc32(body))
+    assert SlotHeader.unpack(raw) == h
+    torn = bytearray(raw)
+    torn[20] ^= 0x80
+    assert SlotHeader.unpack(bytes(torn)) is None
+
+
+def test_model_entry_roundtrip_and_damage():
+    e = ModelEntry(3, "gpt2", 4, 1 << 20, 1 << 22, 11)
+    raw = e.pack_static()
+    assert ModelEntry.unpack_static(3, raw) == e
+    assert ModelEntry.unpack_static(3, ModelEntry.free_static()) is None
+    bad = bytearray(raw)
+    bad[30] ^= 1
+    with pytest.raises(RegionFormatError):
+        ModelEntry.unpack_static(3, bytes(bad))
+
+
+def test_latest_word_packing():
+    assert unpack_latest(0) is None
+    assert unpack_latest(pack_latest(12345, 7)) == (12345, 7)
+
+
+def test_slot_layout_is_page_aligned():
+    assert slot_layout(10, 1) == (4096, 8192, 12288)
+    assert slot_layout(4096, 4097) == (4096, 8192, 8192 + 8192)
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "a/b", "x\0y", "tab\there", " lead", "trail ", "é" * 200,
+                                  "bell\x07", 5, None])
+def test_bad_model_names(name):
+    with pytest.raises(InvalidNameError):
+        validate_model_name(name)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama-3.1_8B", "модель", "a" * 255, "run.42"])
+def test_good_model_names(name):
+    assert validate_model_name(name) == name
+
+
+def test_crc32_combine_matches_whole():
+    a, b = b"hello " * 1000, b"world" * 777
+    assert crc32_combine(crc32(a), crc32(b), len(b)) == crc32(a + b)
+    assert crc32_combine(crc32(a), 0, 0) == crc32(a)
+
+
+def test_manifest_length_independent_of_crcs_and_roundtrips():
+    recs = (TensorRecord("w", "float32", (2, 3), 0, 24), TensorRecord("b", "bfloat16", (), 64, 2))
+    m = Manifest("m", 3, 42, 1, recs, {"dict": [[{"str": "w"}, {"tensor": 0}], [{"str": "b"}, {"tensor": 1}]]}, 66)
+    m2 = m.with_crcs([0xFFFFFFFF, 1])
+    assert len(m.encode()) == len(m2.encode())
+    assert Manifest.decode(m2.encode()) == m2
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda d: d.replace(b'"nbytes":24', b'"nbytes":25'),
+    lambda d: d.replace(b'"float32"', b'"float99"'),
+    lambda d: d.replace(b'"offset":64', b'"offset":6400'),
+    lambda d: d.replace(b'{"tensor":1}', b'{"tensor":9}'),
+    lambda d: d[:-5],
+])
+def test_manifest_rejects_inconsistent(mutate):
+    recs = (TensorRecord("w", "float32", (2, 3), 0, 24), TensorRecord("b", "bfloat16", (), 64, 2))
+    m = Manifest("m", 3, 42, 1, recs, {"list": [{"tensor": 0}, {"tensor": 1}]}, 66)
+    with pytest.raises(MalformedInputError):
+        Manifest.decode(mutate(m.encode()))

@@ -1,0 +1,201 @@
+"""Tier 1-2: what goes in comes back, exactly; what cannot go in is refused before any write."""
+import math
+from collections import OrderedDict
+
+import pytest
+import torch
+
+import ckptfs
+from ckptfs.errors import (CheckpointTooLargeError, InvalidNameError, NotFoundError, RegionFullError,
+                           UnsupportedObjectError)
+from ckptfs.manifest import DTYPES
+from conftest import assert_same
+
+
+class TinyTransformer(torch.nn.Module):
+    def __init__(self, vocab=64, dim=32, heads=4, layers=2):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        layer = torch.nn.TransformerEncoderLayer(dim, heads, dim * 2, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, layers)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied weights share storage
+        self.norm = torch.nn.LayerNorm(dim)
+
+    def forward(self, x):
+        return self.head(self.norm(self.encoder(self.embed(x))))
+
+
+def trained_state(steps=3):
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        x = torch.randint(0, 64, (2, 8))
+        loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, 64), x.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {"model": model.state_dict(), "optim": opt.state_dict(), "epoch": 3, "loss": float(loss)}
+
+
+def every_dtype_tensors():
+    out = {}
+    base = torch.arange(-6, 18, dtype=torch.float32).reshape(4, 6) / 3
+    for name, dtype in DTYPES.items():
+        if dtype.is_complex:
+            t = torch.complex(base, -base).to(dtype) if dtype != torch.complex32 else torch.complex(base, base).to(torch.complex32)
+        elif dtype == torch.bool:
+            t = base > 1
+        elif name.startswith("float4"):
+            t = torch.arange(24, dtype=torch.uint8).reshape(4, 6).view(dtype)
+        elif name == "float8_e8m0fnu":
+            t = torch.arange(24, dtype=torch.uint8).reshape(4, 6).view(dtype)
+        elif dtype.is_floating_point:
+            t = base.to(dtype)
+        else:
+            t = (base * 3).to(torch.int64).clamp(min=0 if name.startswith("uint") else -100).to(dtype)
+        out[name] = t
+    return out
+
+
+def test_transformer_and_adamw_roundtrip(store):
+    state = trained_state()
+    with store.writer("tiny") as w:
+        res = w.save(state, step=3).result()
+    assert res.published and res.step == 3
+    back = store.load("tiny")
+    assert_same(state, back)
+    # tied weights come back sharing storage, as torch.save would give them
+    assert back["model"]["embed.weight"].data_ptr() == back["model"]["head.weight"].data_ptr()
+    model = TinyTransformer()
+    model.load_state_dict(back["model"])
+    opt = torch.optim.AdamW(model.parameters())
+    opt.load_state_dict(back["optim"])
+
+
+def test_every_dtype_and_odd_tensors(store):
+    big = torch.randn(64, 48)
+    obj = {
+        "dtypes": every_dtype_tensors(),
+        "noncontig": big.t(),
+        "strided": big[::3, 1::5],
+        "zero_dim": torch.tensor(7.25),
+        "empty": torch.empty(0, 5),
+        "empty_int": torch.zeros((3, 0, 2), dtype=torch.int32),
+        "view_a": big[:10],
+        "view_b": big[5:20],  # overlapping views of one storage: stored separately, both exact
+        "expanded": torch.tensor([1.0, 2.0]).expand(3, 2),
+        "conj": torch.tensor([1 + 2j, 3 - 1j]).conj(),
+        "requires_grad": torch.nn.Parameter(torch.ones(3)),
+    }
+    with store.writer("odd", chunk_bytes=4096 * 2) as w:  # tiny chunks: tensors span chunks
+        w.save(obj, step=1).result()
+    back = store.load("odd")
+    expected = {k: (v if not isinstance(v, torch.Tensor) else v.detach().resolve_conj().clone())
+                for k, v in obj.items()}
+    expected["requires_grad"] = torch.ones(3)
+    assert_same(expected, back)
+
+
+def test_plain_leaves_and_containers(store):
+    obj = OrderedDict(a=1, b=2.5, c="text ✓", d=True, e=None, f=[1, (2, 3), {"x": [None]}],
+                      g={0: "int key", 1.5: "float key", True: "bool key", None: "none key"},
+                      nan=float("nan"), inf=-math.inf, big=2 ** 80, tup=(torch.ones(2),))
+    with store.writer("plain") as w:
+        w.save(obj, step=0).result()
+    assert_same(obj, store.load("plain"))
+
+
+@pytest.mark.parametrize("leaf, where", [
+    (object(), "state.bad"),
+    (torch.ones(2).to_sparse(), "state.bad"),
+    ({1, 2}, "state.bad"),
+    (b"bytes", "state.bad"),
+    (torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8), "state.bad"),
+])
+def test_unsupported_leaf_names_its_path(store, leaf, where):
+    with store.writer("bad") as w:
+        with pytest.raises(UnsupportedObjectError, match=where.replace(".", r"\.")):
+            w.save({"state": {"bad": leaf}}, step=1)
+        with pytest.raises(TypeError):  # UnsupportedObjectError is a TypeError too
+            w.save([leaf], step=1)
+    assert "bad" not in store.models()  # nothing was written, not even the model
+
+
+def test_step_must_be_int(store):
+    with store.writer("s") as w:
+        for bad in (-1, 1.5, "3", True):
+            with pytest.raises(ValueError):
+                w.save({"x": torch.ones(1)}, step=bad)
+
+
+def test_checkpoint_larger_than_slot(store):
+    with store.writer("grow") as w:
+        w.save({"w": torch.zeros(1000)}, step=1).result()
+        with pytest.raises(CheckpointTooLargeError, match="ckptfs rm grow"):
+            w.save({"w": torch.zeros(1 << 20)}, step=2)
+    assert [v.step for v in store.versions("grow")] == [1]
+
+
+def test_region_full(store):
+    with store.writer("huge") as w:
+        with pytest.raises(RegionFullError, match="ckptfs rm"):
+            w.save({"w": torch.zeros(100 << 20, dtype=torch.uint8)}, step=1)  # 4 slots x 100 MiB > 256 MiB
+    assert store.models() == []
+
+
+def test_bad_model_name_via_api(store):
+    for bad in ("", "a/b", "..", "x" * 300, "nul\0"):
+        with pytest.raises(InvalidNameError):
+            store.writer(bad)
+
+
+def test_unknown_format_region(tmp_path):
+    p = tmp_path / "junk"
+    p.write_bytes(b"not a region" * 1000)
+    with pytest.raises(ckptfs.errors.RegionFormatError, match="ckptfs mkfs"):
+        ckptfs.Store(str(p))
+    assert p.read_bytes() == b"not a region" * 1000  # untouched
+    with pytest.raises(NotFoundError, match="mkfs"):
+        ckptfs.Store(str(tmp_path / "missing"))
+
+
+def test_load_by_step_and_missing(store):
+    with store.writer("v", max_inflight=1, slots=4) as w:
+        for s in (10, 20, 30):
+            w.save({"s": torch.tensor(s)}, step=s).result()
+    assert [v.step for v in store.versions("v")] == [10, 20, 30]
+    assert store.load("v", step=20)["s"].item() == 20
+    assert store.load("v")["s"].item() == 30
+    with pytest.raises(NotFoundError):
+        store.load("v", step=15)
+    with pytest.raises(NotFoundError):
+        store.load("nope")
+
+
+def test_default_region_created_on_first_use(tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPTFS_REGION", str(tmp_path / "sub" / "default.region"))
+    with ckptfs.Store() as s:
+        with s.writer("m") as w:
+            w.save({"a": torch.ones(3)}, step=1).result()
+    with ckptfs.Store() as s:
+        assert s.models() == ["m"]
+    # sparse: a 64 GiB region costs only what was written
+    st = (tmp_path / "sub" / "default.region").stat()
+    assert st.st_size == 64 << 30 and st.st_blocks * 512 < 64 << 20
+
+
+def test_remove_version_and_model(store):
+    with store.writer("r", max_inflight=1) as w:
+        for s in (1, 2, 3):
+            w.save({"s": torch.tensor(s)}, step=s).result()
+    with pytest.raises(ckptfs.errors.BusyError, match="latest"):
+        store.remove("r", 3)
+    store.remove("r", 1)
+    assert [v.step for v in store.versions("r")] == [2, 3]
+    with store.open_version("r", 2):
+        with pytest.raises(ckptfs.errors.BusyError):
+            store.remove("r", 2)
+    store.remove_model("r")
+    assert store.models() == []

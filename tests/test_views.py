@@ -1,0 +1,607 @@
+"""Views: torch zip, safetensors and metadata.json synthesized from a manifest.
+
+Each test stores a real object the way the writer does (``flatten``, tensor bytes at 64-byte
+aligned offsets after a junk prefix so that a wrong ``data_base`` shows, CRC32 per tensor),
+builds views from the manifest alone, materializes them through ``read_region`` and checks them
+with the real consumers: torch.load, safetensors, zipfile, unzip.
+"""
+from __future__ import annotations
+
+import io
+import json
+import math
+import random
+import shutil
+import struct
+import subprocess
+import sys
+import zipfile
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from ckptfs.checksum import crc32, crc32_combine
+from ckptfs.manifest import DTYPE_NAMES, DTYPES, Manifest, TensorRecord, align_up, flatten
+from ckptfs.views import (Extent, Literal, View, ViewBuilder, files_for, key_file_name,
+                          metadata_json_view, safetensors_view, torch_zip_view)
+from ckptfs.views.torchzip import contiguous_strides
+
+# torch warns whenever it creates a complex32 tensor
+pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+
+TIME_NS = 1_700_000_000_123_456_789  # 2023-11-14T22:13:20.123456789Z
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+@dataclass
+class Stored:
+    """A checkpoint laid out as the writer lays it out: what the views are computed from."""
+
+    manifest: Manifest
+    region: bytes
+    data_base: int
+
+    def read_region(self, offset: int, length: int) -> memoryview:
+        assert 0 <= offset and offset + length <= len(self.region), (offset, length)
+        return memoryview(self.region)[offset:offset + length]
+
+    def materialize(self, view: View) -> bytes:
+        return b"".join(bytes(b) for b in view.iter_blocks(self.read_region))
+
+    def write(self, view: View, path) -> str:
+        path.write_bytes(self.materialize(view))
+        return str(path)
+
+
+def lay_out(obj, *, model: str = "gpt2", step: int = 1200, data_base: int = 192) -> Stored:
+    flat = flatten(obj)
+    data = bytearray()
+    records = []
+    for name, t in zip(flat.names, flat.tensors):
+        raw = tensor_bytes(t)
+        offset = align_up(len(data), 64)
+        data += b"\xee" * (offset - len(data)) + raw  # junk between tensors
+        records.append(TensorRecord(name, DTYPE_NAMES[t.dtype], tuple(t.shape), offset, len(raw),
+                                    crc32(raw)))
+    manifest = Manifest(model, step, 3, TIME_NS, tuple(records), flat.skeleton, len(data))
+    manifest.validate()
+    return Stored(manifest, b"\xee" * data_base + bytes(data), data_base)
+
+
+def sample(dtype: torch.dtype, shape=(2, 3), seed: int = 0) -> torch.Tensor:
+    """Random bytes of ``dtype`` (valid 0/1 for bool), so every bit pattern path is exercised."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * dtype.itemsize), generator=g,
+                        dtype=torch.uint8)
+    return raw.view(dtype)
+
+
+def all_dtypes() -> dict:
+    return {name: sample(dtype, seed=i) for i, (name, dtype) in enumerate(DTYPES.items())}
+
+
+def assert_same(expected, actual, path="obj"):
+    """Same container types, key order, leaves; tensors same dtype, shape and bytes."""
+    assert type(actual) is type(expected), f"{path}: {type(actual)} != {type(expected)}"
+    if isinstance(expected, dict):
+        assert list(actual) == list(expected), path
+        for k in expected:
+            assert_same(expected[k], actual[k], f"{path}[{k!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), path
+        for i, (e, a) in enumerate(zip(expected, actual)):
+            assert_same(e, a, f"{path}[{i}]")
+    elif isinstance(expected, torch.Tensor):
+        assert (actual.dtype, actual.shape) == (expected.dtype, expected.shape), path
+        assert tensor_bytes(actual) == tensor_bytes(expected), path
+    elif isinstance(expected, float):
+        assert (math.isnan(actual) and math.isnan(expected)) or (
+            actual == expected and math.copysign(1, actual) == math.copysign(1, expected)), path
+    else:
+        assert actual == expected, path
+
+
+def rich_object() -> OrderedDict:
+    base = sample(torch.float32, (4, 6), seed=1).nan_to_num()
+    tied = torch.randn(3, 5, generator=torch.Generator().manual_seed(2))
+    obj = OrderedDict()
+    obj["dtypes"] = all_dtypes()
+    obj["zero_dim"] = torch.tensor(3.5, dtype=torch.bfloat16)
+    obj["zero_dim_f8"] = torch.tensor(1.0).to(torch.float8_e5m2)
+    obj["empty"] = torch.empty(0, 3)
+    obj["empty_3d"] = torch.empty(2, 0, 3, dtype=torch.float16)
+    obj["transposed"] = base.t()
+    obj["strided"] = base[1:3, ::2]
+    obj["tied_a"] = tied
+    obj["tied_b"] = tied
+    obj[7] = [1, (2.5, None, "x"), [True, False, ("nested", [torch.arange(3)])]]
+    obj["floats"] = [float("nan"), float("inf"), -float("inf"), -0.0, 1e-310]
+    obj["plain"] = {"lr": 1e-3, "name": "ünïcode", None: 1, 2.5: "k", -3: b"".hex()}
+    obj["inner"] = OrderedDict(b=torch.ones(2), a={"x": torch.zeros(1, dtype=torch.int64)})
+    return obj
+
+
+def crc32_of_zeros(n: int) -> int:
+    """CRC32 of n zero bytes without making them: combine CRCs of 1, 2, 4... zero bytes."""
+    crc, piece, piece_len = 0, crc32(b"\0"), 1
+    while n:
+        if n & 1:
+            crc = crc32_combine(crc, piece, piece_len)
+        piece = crc32_combine(piece, piece, piece_len)
+        piece_len *= 2
+        n >>= 1
+    return crc
+
+
+class ViewFile(io.RawIOBase):
+    """A read-only, seekable file over a view (for zipfile, without materializing the view)."""
+
+    def __init__(self, view: View, read_region):
+        self.view, self.read_region, self.pos = view, read_region, 0
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def seek(self, offset, whence=io.SEEK_SET):
+        self.pos = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.view.size}[whence] + offset
+        return self.pos
+
+    def tell(self):
+        return self.pos
+
+    def readinto(self, buf):
+        data = self.view.read(self.pos, len(buf), self.read_region)
+        buf[:len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+def mask_serialization_id(data: bytes, archive: str) -> bytes:
+    """The archive with the serialization id and its two CRC copies zeroed (torch's id comes
+    from a C++ hash; everything else must match torch.save byte for byte)."""
+    out = bytearray(data)
+    info = zipfile.ZipFile(io.BytesIO(data)).getinfo(f"{archive}/.data/serialization_id")
+    name_len, extra_len = struct.unpack_from("<HH", data, info.header_offset + 26)
+    start = info.header_offset + 30 + name_len + extra_len
+    out[start:start + 40] = bytes(40)
+    out[start + 44:start + 48] = bytes(4)  # descriptor: signature, then CRC
+    central = data.rfind(b"PK\x01\x02")   # the id is the last member
+    out[central + 16:central + 20] = bytes(4)
+    return bytes(out)
+
+
+# --------------------------------------------------------------------------------------------
+# View
+
+
+def test_view_drops_empty_segments_and_reads_across_them():
+    region = bytes(range(256)) * 4
+    view = View([Literal(b"ab"), Extent(10, 3), Literal(b""), Extent(500, 0), Literal(b"Z")])
+    read = lambda o, n: memoryview(region)[o:o + n]
+    assert view.size == 6 and len(view.segments) == 3
+    assert view.read(0, 6, read) == b"ab\x0a\x0b\x0cZ"
+    assert view.read(1, 3, read) == b"b\x0a\x0b"
+    assert view.read(4, 100, read) == b"\x0cZ"  # short read at EOF
+    assert view.read(6, 1, read) == b"" and view.read(60, 1, read) == b""
+    assert view.read(2, 0, read) == b""
+    with pytest.raises(ValueError):
+        view.read(-1, 2, read)
+    assert type(view.read(2, 2, read)) is bytes
+
+
+def test_view_builder_coalesces_literals_and_tracks_position():
+    b = ViewBuilder()
+    b.literal(b"ab")
+    b.literal(b"cd")
+    b.extent(100, 0)
+    assert b.position == 4
+    b.extent(100, 5)
+    b.literal(b"e")
+    view = b.build()
+    assert view.segments == (Literal(b"abcd"), Extent(100, 5), Literal(b"e"))
+    assert view.size == b.position == 10
+
+
+def test_extent_rejects_negative():
+    with pytest.raises(ValueError):
+        Extent(-1, 3)
+
+
+def test_iter_blocks_splits_extents():
+    stored = lay_out({"w": torch.arange(40, dtype=torch.int32)})
+    view = safetensors_view(stored.manifest, stored.data_base)
+    blocks = list(view.iter_blocks(stored.read_region, block_bytes=7))
+    assert all(len(b) <= 7 for b in blocks[1:])
+    assert b"".join(bytes(b) for b in blocks) == view.read(0, view.size, stored.read_region)
+
+
+def test_read_at_random_offsets_equals_slicing_every_file():
+    stored = lay_out(rich_object())
+    rng = random.Random(1234)
+    for name, view in files_for(stored.manifest, stored.data_base).items():
+        whole = stored.materialize(view)
+        assert len(whole) == view.size, name
+        for _ in range(150):
+            offset = rng.randrange(view.size + 10)
+            size = rng.choice([0, 1, 7, 64, 300, rng.randrange(view.size + 10)])
+            assert view.read(offset, size, stored.read_region) == whole[offset:offset + size], name
+
+
+# --------------------------------------------------------------------------------------------
+# safetensors
+
+
+def test_safetensors_header_is_byte_exact():
+    stored = lay_out({"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([1, 2, 3], dtype=torch.int8)},
+                   model="m", step=5)
+    view = safetensors_view(stored.manifest, stored.data_base)
+    expected_header = (
+        b'{"__metadata__":{"format":"pt","model":"m","step":"5"},'
+        b'"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},'
+        b'"b":{"dtype":"I8","shape":[3],"data_offsets":[8,11]}}'
+        b"       ")
+    assert len(expected_header) == 168
+    assert view.segments[0] == Literal(b"\xa8\x00\x00\x00\x00\x00\x00\x00" + expected_header)
+    assert view.segments[1:] == (Extent(192, 8), Extent(192 + 64, 3))
+    assert stored.materialize(view)[176:] == b"\x00\x00\x80?\x00\x00\x00@\x01\x02\x03"
+
+
+def test_safetensors_every_dtype_round_trips(tmp_path):
+    obj = {**all_dtypes(),
+           "f4_scalar": torch.tensor(7, dtype=torch.uint8).view(torch.float4_e2m1fn_x2),
+           "scalar": torch.tensor(2.5, dtype=torch.float64),
+           "empty": torch.empty(3, 0, dtype=torch.bfloat16)}
+    stored = lay_out(obj)
+    path = stored.write(safetensors_view(stored.manifest, stored.data_base), tmp_path / "s.safetensors")
+    loaded = load_file(path)
+    unsupported = {"complex128", "complex32", "f4_scalar"}
+    assert sorted(loaded) == sorted(set(obj) - unsupported)
+    for name, t in loaded.items():
+        assert_same(obj[name], t, name)
+    with safe_open(path, "pt") as f:
+        meta = f.metadata()
+        assert json.loads(meta.pop("ckptfs.skipped")) == ["complex128", "complex32", "f4_scalar"]
+        assert meta == {"format": "pt", "model": "gpt2", "step": "1200"}
+        assert_same(obj["float8_e8m0fnu"], f.get_tensor("float8_e8m0fnu"))
+        assert f.get_slice("float4_e2m1fn_x2").get_shape() == [2, 6]  # F4 counts 4-bit values
+
+
+def test_safetensors_per_key_view_tied_weights_and_names(tmp_path):
+    w = torch.randn(4, 4)
+    obj = {"model": {"emb.weight": w, "head.weight": w, "blocks": [{"b": torch.ones(2)}]},
+           "optim": {"step": torch.tensor(3.0)}, "__metadata__": torch.zeros(1)}
+    stored = lay_out(obj)
+    full = load_file(stored.write(safetensors_view(stored.manifest, stored.data_base), tmp_path / "a"))
+    assert sorted(full) == ["__metadata__#1", "model.blocks.0.b", "model.emb.weight",
+                            "model.head.weight", "optim.step"]
+    model = load_file(stored.write(safetensors_view(stored.manifest, stored.data_base, key="model"),
+                                   tmp_path / "m"))
+    assert sorted(model) == ["blocks.0.b", "emb.weight", "head.weight"]
+    assert_same(w, model["emb.weight"])
+    assert_same(w, model["head.weight"])
+    view = safetensors_view(stored.manifest, stored.data_base, key="model")
+    assert view.segments[1] == view.segments[2]  # the tied tensor: one extent, twice
+    optim = safetensors_view(stored.manifest, stored.data_base, key="optim")
+    assert b'"step":{"dtype":"F32","shape":[]' in optim.segments[0].data
+
+
+def test_safetensors_top_level_tensor_keeps_its_key_and_metadata_is_merged(tmp_path):
+    stored = lay_out({"w": torch.ones(3)})
+    view = safetensors_view(stored.manifest, stored.data_base, key="w",
+                            metadata={"step": "x", "a": "1"})
+    path = stored.write(view, tmp_path / "w.safetensors")
+    with safe_open(path, "pt") as f:
+        assert f.keys() == ["w"]
+        assert f.metadata() == {"a": "1", "format": "pt", "model": "gpt2", "step": "x"}
+    with pytest.raises(TypeError):
+        safetensors_view(stored.manifest, stored.data_base, metadata={"n": 1})
+
+
+def test_safetensors_none_when_nothing_qualifies():
+    stored = lay_out({"c": torch.zeros(2, dtype=torch.complex128), "n": 1})
+    assert safetensors_view(stored.manifest, stored.data_base) is None
+    assert safetensors_view(stored.manifest, stored.data_base, key="n") is None
+    assert safetensors_view(lay_out({"n": 1}).manifest, 0) is None
+
+
+# --------------------------------------------------------------------------------------------
+# torch zip
+
+
+TINY_DATA_PKL = (
+    b"\x80\x02ccollections\nOrderedDict\nq\x00)Rq\x01(X\x01\x00\x00\x00aq\x02ctorch._utils\n"
+    b"_rebuild_tensor_v2\nq\x03((X\x07\x00\x00\x00storageq\x04ctorch\nFloatStorage\nq\x05X\x01"
+    b"\x00\x00\x000q\x06X\x03\x00\x00\x00cpuq\x07K\x03tq\x08QK\x00K\x03\x85q\tK\x01\x85q\n\x89h"
+    b"\x00)Rq\x0btq\x0cRq\rX\x01\x00\x00\x00bq\x0eh\x03((h\x04ctorch\nLongStorage\nq\x0fX\x01"
+    b"\x00\x00\x001q\x10h\x07K\x01tq\x11QK\x00))\x89h\x00)Rq\x12tq\x13Rq\x14u.")
+
+
+def tiny_object():
+    return OrderedDict(a=torch.arange(3, dtype=torch.float32), b=torch.tensor(5))
+
+
+def test_torch_zip_first_member_is_byte_exact():
+    stored = lay_out(tiny_object())
+    data = stored.materialize(torch_zip_view(stored.manifest, stored.data_base))
+    local_header = (b"PK\x03\x04" b"\x00\x00" b"\x08\x08" + bytes(18) + b"\x13\x00\x0f\x00"
+                    b"checkpoint/data.pkl" b"FB\x0b\x00" + b"Z" * 11)
+    assert data[:64] == local_header
+    assert data[64:64 + len(TINY_DATA_PKL)] == TINY_DATA_PKL
+    descriptor = struct.pack("<IIII", 0x08074B50, crc32(TINY_DATA_PKL), 234, 234)
+    assert data[298:314] == descriptor
+    assert zipfile.ZipFile(io.BytesIO(data)).read("checkpoint/data.pkl") == TINY_DATA_PKL
+
+
+@pytest.mark.parametrize("make", [
+    tiny_object,
+    lambda: {"f": all_dtypes(), "same": [t := torch.ones(2, 2), t], "e": torch.empty(0, 2),
+             "s": torch.tensor(True), 3: ("x", 1.5, None, float("inf"))},
+], ids=["tiny", "dtypes"])
+def test_torch_zip_equals_torch_save_but_for_the_serialization_id(tmp_path, make):
+    obj = make()
+    stored = lay_out(obj)
+    ours = stored.materialize(torch_zip_view(stored.manifest, stored.data_base))
+    torch.save(obj, tmp_path / "checkpoint.pt")
+    theirs = (tmp_path / "checkpoint.pt").read_bytes()
+    assert mask_serialization_id(ours, "checkpoint") == mask_serialization_id(theirs, "checkpoint")
+    sid = zipfile.ZipFile(io.BytesIO(ours)).read("checkpoint/.data/serialization_id")
+    assert len(sid) == 40 and sid.isdigit()
+
+
+def test_torch_zip_members_and_alignment():
+    stored = lay_out(rich_object())
+    view = torch_zip_view(stored.manifest, stored.data_base, archive_name="archive")
+    data = stored.materialize(view)
+    zf = zipfile.ZipFile(io.BytesIO(data))
+    names = zf.namelist()
+    n = len(stored.manifest.tensors)
+    assert names == ["archive/data.pkl", "archive/.format_version", "archive/.storage_alignment",
+                     "archive/byteorder", *(f"archive/data/{k}" for k in range(n)),
+                     "archive/version", "archive/.data/serialization_id"]
+    assert zf.testzip() is None
+    assert zf.read("archive/version") == b"3\n" and zf.read("archive/.storage_alignment") == b"64"
+    for info in zf.infolist():
+        assert info.compress_type == zipfile.ZIP_STORED
+        name_len, extra_len = struct.unpack_from("<HH", data, info.header_offset + 26)
+        assert (info.header_offset + 30 + name_len + extra_len) % 64 == 0, info.filename
+    # every tensor entry is an extent of the region, never a copy
+    extents = [s for s in view.segments if isinstance(s, Extent)]
+    assert sum(e.length for e in extents) == sum(t.nbytes for t in stored.manifest.tensors)
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+def test_torch_load_weights_only_round_trip(tmp_path, mmap):
+    obj = rich_object()
+    stored = lay_out(obj)
+    path = stored.write(torch_zip_view(stored.manifest, stored.data_base), tmp_path / "checkpoint.pt")
+    loaded = torch.load(path, weights_only=True, mmap=mmap)
+    assert_same(obj, loaded)
+    assert loaded["tied_a"] is loaded["tied_b"]
+    assert loaded["transposed"].is_contiguous()
+
+
+def test_torch_load_with_computed_storage_offsets(tmp_path, monkeypatch):
+    """torch can compute storage offsets from miniz's layout rules instead of reading local
+    headers; with the debug env var it asserts they agree with the headers."""
+    from torch.utils.serialization import config
+    monkeypatch.setattr(config.load, "calculate_storage_offsets", True)
+    monkeypatch.setenv("TORCH_SERIALIZATION_DEBUG", "1")
+    obj = rich_object()
+    stored = lay_out(obj)
+    path = stored.write(torch_zip_view(stored.manifest, stored.data_base), tmp_path / "c.pt")
+    assert_same(obj, torch.load(path, weights_only=True, mmap=True))
+    assert_same(obj, torch.load(path, weights_only=True))
+
+
+def test_zip_tools_accept_the_archive(tmp_path):
+    stored = lay_out(rich_object())
+    path = stored.write(torch_zip_view(stored.manifest, stored.data_base), tmp_path / "checkpoint.pt")
+    subprocess.run([sys.executable, "-m", "zipfile", "-t", path], check=True, capture_output=True)
+    if shutil.which("unzip") is None:
+        pytest.skip("unzip is not installed")
+    out = subprocess.run(["unzip", "-t", path], check=True, capture_output=True, text=True).stdout
+    assert "No errors detected" in out
+
+
+def test_torch_zip_rejects_bad_archive_names():
+    manifest = lay_out({"a": 1}).manifest
+    for bad in ["", "a/b", "a\\b", "a\0", "ckpt\u2713"]:
+        with pytest.raises(ValueError):
+            torch_zip_view(manifest, 0, archive_name=bad)
+
+
+def test_contiguous_strides_match_torch():
+    for shape in [(), (0,), (3,), (2, 0, 3), (1, 1), (4, 1, 5), (0, 2)]:
+        assert contiguous_strides(shape) == torch.empty(shape).stride(), shape
+
+
+def test_zip64_for_a_tensor_over_4_gib(tmp_path, monkeypatch):
+    """A 4 GiB + 100 byte tensor that never exists: the region reads as zeros and its CRC is
+    computed by combination. Checks the Zip64 fields with zipfile over the view itself, then
+    with unzip and torch.load(mmap=True) on a sparse materialization (with torch computing the
+    storage offsets from its Zip64 rules and checking them against the headers)."""
+    big = (1 << 32) + 100
+    small = 64
+    offset_small = align_up(big, 64)
+    records = (TensorRecord("big", "uint8", (big,), 0, big, crc32_of_zeros(big)),
+               TensorRecord("small", "float32", (16,), offset_small, small, crc32(bytes(small))))
+    skeleton = {"dict": [[{"str": "big"}, {"tensor": 0}], [{"str": "small"}, {"tensor": 1}]]}
+    manifest = Manifest("huge", 1, 1, TIME_NS, records, skeleton, offset_small + small)
+    zeros = lambda offset, length: bytes(length)
+    view = torch_zip_view(manifest, 1 << 20)
+    assert Extent(1 << 20, big) in view.segments
+
+    zf = zipfile.ZipFile(ViewFile(view, zeros))
+    big_info, small_info = zf.getinfo("checkpoint/data/0"), zf.getinfo("checkpoint/data/1")
+    assert (big_info.file_size, big_info.compress_size, big_info.CRC) == (big, big, records[0].crc32)
+    assert small_info.header_offset > 0xFFFFFFFF  # needs the Zip64 offset field
+    assert small_info.file_size == small
+    with zf.open(small_info) as f:  # reading to the end checks the CRC
+        assert f.read() == bytes(small)
+    assert zf.read("checkpoint/version") == b"3\n"
+    # the big entry's local header carries a Zip64 extra, and its data descriptor 64-bit sizes
+    header = view.read(big_info.header_offset, 30 + 17 + 20, zeros)
+    assert header[47:51] == b"\x01\x00\x10\x00" and header[51:67] == struct.pack("<QQ", big, big)
+    data_start = big_info.header_offset + 30 + 17 + 20 + 4 + (-(big_info.header_offset + 71) % 64)
+    assert data_start % 64 == 0
+    descriptor = view.read(data_start + big, 24, zeros)
+    assert descriptor == struct.pack("<IIQQ", 0x08074B50, records[0].crc32, big, big)
+    tail = view.read(view.size - 98, 98, zeros)
+    assert tail[:4] == b"PK\x06\x06" and tail[56:60] == b"PK\x06\x07" and tail[76:80] == b"PK\x05\x06"
+
+    # sparse file: literals written, extents left as holes (zeros)
+    path = tmp_path / "huge.pt"
+    with open(path, "wb") as f:
+        for seg in view.segments:
+            if isinstance(seg, Literal):
+                f.write(seg.data)
+            else:
+                f.seek(seg.length, io.SEEK_CUR)
+        f.truncate()
+    if shutil.which("unzip"):
+        listing = subprocess.run(["unzip", "-lv", str(path)], check=True, capture_output=True,
+                                 text=True).stdout
+        assert str(big) in listing and f"{records[0].crc32:08x}" in listing
+    from torch.utils.serialization import config
+    monkeypatch.setattr(config.load, "calculate_storage_offsets", True)
+    monkeypatch.setenv("TORCH_SERIALIZATION_DEBUG", "1")
+    loaded = torch.load(path, weights_only=True, mmap=True)
+    assert loaded["big"].shape == (big,) and loaded["big"][-1].item() == 0
+    assert torch.equal(loaded["small"], torch.zeros(16))
+
+
+def test_crc32_of_zeros_helper():
+    for n in [0, 1, 2, 3, 63, 64, 1000]:
+        assert crc32_of_zeros(n) == crc32(bytes(n))
+
+
+# --------------------------------------------------------------------------------------------
+# metadata.json
+
+
+def test_metadata_json():
+    stored = lay_out(rich_object())
+    text = stored.materialize(metadata_json_view(stored.manifest)).decode("ascii")
+    doc = json.loads(text)
+    assert text.endswith("}\n") and text == json.dumps(doc, indent=2) + "\n"
+    assert (doc["model"], doc["step"], doc["counter"], doc["time_ns"]) == ("gpt2", 1200, 3, TIME_NS)
+    assert doc["time"] == "2023-11-14T22:13:20.123456789Z"
+    first = stored.manifest.tensors[0]
+    assert doc["tensors"][0] == {"name": first.name, "dtype": first.dtype, "shape": list(first.shape),
+                                 "nbytes": first.nbytes, "crc32": f"{first.crc32:08x}"}
+    assert len(doc["tensors"]) == len(stored.manifest.tensors)
+    obj = doc["object"]
+    assert obj["floats"][:4] == ["nan", "inf", "-inf", -0.0]
+    assert obj["7"][1] == [2.5, None, "x"]
+    assert obj["plain"] == {"lr": 1e-3, "name": "ünïcode", "None": 1, "2.5": "k", "-3": ""}
+    assert obj["tied_b"] == obj["tied_a"] == "<tensor tied_a>"
+
+
+def test_metadata_json_keeps_colliding_keys():
+    stored = lay_out({1: "int", "1": "str", "1#1": "x"})
+    doc = json.loads(stored.materialize(metadata_json_view(stored.manifest)))
+    assert doc["object"] == {"1": "int", "1#1": "str", "1#1#1": "x"}
+
+
+# --------------------------------------------------------------------------------------------
+# files_for
+
+
+def test_files_for_names_and_order(tmp_path):
+    obj = {"model": {"w": torch.ones(2)}, "optim": {"state": {0: {"m": torch.zeros(2)}}},
+           "a/b": torch.ones(1), "state": torch.ones(1), "": torch.ones(1), "step": 3,
+           "c128": torch.zeros(1, dtype=torch.complex128), "a_b": torch.zeros(1)}
+    stored = lay_out(obj)
+    files = files_for(stored.manifest, stored.data_base)
+    assert list(files) == ["checkpoint.pt", "state.safetensors", "model.safetensors",
+                           "optim.safetensors", "a_b.safetensors", "metadata.json"]
+    a_b = load_file(stored.write(files["a_b.safetensors"], tmp_path / "a_b.safetensors"))
+    assert list(a_b) == ["a/b"]  # the first key that sanitizes to the name wins
+    optim = load_file(stored.write(files["optim.safetensors"], tmp_path / "o.safetensors"))
+    assert list(optim) == ["state.0.m"]
+
+
+def test_files_for_other_roots():
+    assert list(files_for(lay_out([torch.ones(1), {"k": torch.ones(1)}]).manifest, 0)) == [
+        "checkpoint.pt", "state.safetensors", "metadata.json"]
+    assert list(files_for(lay_out({"step": 1}).manifest, 0)) == ["checkpoint.pt", "metadata.json"]
+    assert list(files_for(lay_out(torch.ones(1)).manifest, 0)) == [
+        "checkpoint.pt", "state.safetensors", "metadata.json"]
+
+
+def test_plain_object_without_tensors_loads(tmp_path):
+    obj = {"step": 3, "hist": [0.5, float("nan")], "cfg": ("a", None, True)}
+    stored = lay_out(obj)
+    path = stored.write(torch_zip_view(stored.manifest, 0), tmp_path / "c.pt")
+    assert_same(obj, torch.load(path, weights_only=True))
+    assert_same(obj, torch.load(path, weights_only=True, mmap=True))
+
+
+def test_key_file_name():
+    assert key_file_name("model") == "model.safetensors"
+    assert key_file_name("a/b\0c") == "a_b_c.safetensors"
+    assert key_file_name("..") == "...safetensors"
+    assert key_file_name("") is None
+    assert key_file_name("\ud800") is None  # no file-system encoding
+    assert key_file_name("x" * 243) == "x" * 243 + ".safetensors"
+    assert key_file_name("x" * 244) is None  # over NAME_MAX
+
+
+# --------------------------------------------------------------------------------------------
+# a real training state
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 16)
+        self.block = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.norm = torch.nn.LayerNorm(16)
+        self.head = torch.nn.Linear(16, 11, bias=False)
+        self.head.weight = self.emb.weight  # tied
+
+    def forward(self, x):
+        return self.head(self.norm(self.block(self.emb(x))))
+
+
+def test_adamw_transformer_round_trip(tmp_path):
+    torch.manual_seed(0)
+    lm = TinyLM()
+    opt = torch.optim.AdamW(lm.parameters(), lr=1e-3)
+    for _ in range(2):
+        x = torch.randint(0, 11, (2, 5))
+        torch.nn.functional.cross_entropy(lm(x).reshape(-1, 11), x.reshape(-1)).backward()
+        opt.step()
+        opt.zero_grad()
+    state = {"model": lm.state_dict(), "optim": opt.state_dict(), "step": 2}
+    stored = lay_out(state)
+    files = files_for(stored.manifest, stored.data_base)
+    path = stored.write(files["checkpoint.pt"], tmp_path / "checkpoint.pt")
+    for mmap in (False, True):
+        loaded = torch.load(path, weights_only=True, mmap=mmap)
+        assert_same(state, loaded)
+    lm2 = TinyLM()
+    opt2 = torch.optim.AdamW(lm2.parameters(), lr=1e-3)
+    lm2.load_state_dict(loaded["model"])
+    opt2.load_state_dict(loaded["optim"])
+    assert_same(opt.state_dict(), opt2.state_dict())
+    model = load_file(stored.write(files["model.safetensors"], tmp_path / "model.safetensors"))
+    assert sorted(model) == sorted(state["model"])
+    for name, t in state["model"].items():
+        assert_same(t, model[name], name)
