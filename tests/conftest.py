@@ -38,3 +38,13 @@ def assert_same(a, b, path="obj"):
         assert b != b, f"{path}: nan != {b}"
     else:
         assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def mp_context():
+    """Processes for multi-process tests: forked from a clean single-threaded server that has
+    torch and ckptfs imported (fast like fork, without forking this threaded test process)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "ckptfs"])
+    return ctx

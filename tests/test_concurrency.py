@@ -9,6 +9,7 @@ import torch
 import ckptfs
 from ckptfs.errors import BusyError
 from ckptfs.writer.writer import Writer
+from conftest import mp_context
 
 
 def state(step, n=4096):
@@ -89,7 +90,7 @@ def test_pin_of_dead_process_is_released(region_path, store):
     with store.writer("dead", max_inflight=1, slots=2, timeout_s=2) as w:
         w.save(state(1), step=1).result()
         w.save(state(2), step=2).result()
-    ctx = mp.get_context("fork")
+    ctx = mp_context()
     ready = ctx.Event()
     p = ctx.Process(target=_pin_and_hang, args=(region_path, ready))
     p.start()
@@ -112,7 +113,7 @@ def _pin_and_hang(region_path, ready):
 
 def _write_model(region_path, model, steps, barrier):
     s = ckptfs.Store(region_path)
-    barrier.wait()
+    barrier.wait(30)
     with s.writer(model, max_inflight=2) as w:
         for step in range(steps):
             w.save({"w": torch.full((20000,), float(step)), "m": model}, step=step)
@@ -120,7 +121,7 @@ def _write_model(region_path, model, steps, barrier):
 
 
 def test_several_processes_write_different_models(region_path, store):
-    ctx = mp.get_context("fork")
+    ctx = mp_context()
     barrier = ctx.Barrier(3)
     procs = [ctx.Process(target=_write_model, args=(region_path, f"m{i}", 12, barrier)) for i in range(3)]
     for p in procs:

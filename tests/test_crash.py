@@ -9,27 +9,31 @@ import os
 import random
 import signal
 import time
+import zlib
 
 import pytest
 import torch
 
 import ckptfs
-from conftest import assert_same
+from conftest import assert_same, mp_context
 
 KILLS = int(os.environ.get("CKPTFS_CRASH_KILLS", "60"))
 MODELS = ("alpha", "beta")
 
 
 def expected_state(model: str, step: int):
-    g = torch.Generator().manual_seed(hash((model, step)) % (1 << 31))
+    g = torch.Generator().manual_seed(zlib.crc32(f"{model}:{step}".encode()))
     return {"model": {"w": torch.randn(96, 96, generator=g), "b": torch.full((300,), float(step))},
             "optim": {"step": step, "lr": 0.1 / (step + 1), "name": model}}
 
 
-def _save_forever(region_path: str, start_step: int, report_fd: int):
+def _save_forever(region_path: str, start_step: int, report_path: str):
+    # O_APPEND writes survive the kill; a line is written only after its save is durable.
+    report_fd = os.open(report_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     store = ckptfs.Store(region_path)
     writers = {m: store.writer(m, max_inflight=2, chunk_bytes=16384, slots=4) for m in MODELS}
     step = start_step
+    os.write(report_fd, b"ready\n")
     while True:
         futs = {m: w.save(expected_state(m, step), step=step) for m, w in writers.items()}
         for m, f in futs.items():
@@ -40,24 +44,25 @@ def _save_forever(region_path: str, start_step: int, report_fd: int):
 
 @pytest.mark.crash
 def test_sigkill_at_random_moments(region_path, store):
-    ctx = mp.get_context("fork")
+    ctx = mp_context()
     rng = random.Random(1234)
     durable: dict[str, int] = {}
     step = 0
     survived = 0
     for round_no in range(KILLS):
-        read_fd, write_fd = os.pipe()
-        child = ctx.Process(target=_save_forever, args=(region_path, step, write_fd))
+        report_path = f"{region_path}.report{round_no}"
+        child = ctx.Process(target=_save_forever, args=(region_path, step, report_path))
         child.start()
-        os.close(write_fd)
-        time.sleep(rng.uniform(0.0, 0.25))
+        deadline = time.monotonic() + 60
+        while not (os.path.exists(report_path) and open(report_path, "rb").read(6) == b"ready\n"):
+            assert child.is_alive() and time.monotonic() < deadline, "the saving child failed to start"
+            time.sleep(0.002)
+        time.sleep(rng.uniform(0.0, 0.2))  # kill at a random moment of the save loop
         os.kill(child.pid, signal.SIGKILL)
         child.join()
-        reported = b""
-        while chunk := os.read(read_fd, 65536):
-            reported += chunk
-        os.close(read_fd)
-        for line in reported.decode().split("\n"):
+        with open(report_path) as f:
+            reported = f.read()
+        for line in reported.split("\n")[1:]:
             if line:
                 m, s = line.split()
                 durable[m] = max(durable.get(m, -1), int(s))

@@ -67,10 +67,12 @@ class SlotVersion:
 class Region:
     """An open region. Thread-safe; share one per process per path."""
 
-    def __init__(self, path: str, writable: bool = True):
+    def __init__(self, path: str, writable: bool = True, backend: Backend | None = None):
+        """Open the region at ``path``; ``backend`` replaces the device backend (fault-injection
+        harnesses pass an instrumented one)."""
         self.path = path
         self.writable = writable
-        self.backend: Backend = open_backend(path, writable)
+        self.backend: Backend = backend if backend is not None else open_backend(path, writable)
         try:
             self.superblock = Superblock.unpack(bytes(self.backend.view(0, SUPERBLOCK_BYTES)), path)
             if self.superblock.region_bytes > self.backend.size_bytes:

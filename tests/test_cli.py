@@ -1,0 +1,378 @@
+"""The ``ckptfs`` command: every subcommand, its errors (one line, non-zero, no traceback), and
+imports of malformed or hostile files, which must leave the region untouched."""
+import errno
+import hashlib
+import json
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+import torch
+from safetensors.torch import load_file, save as st_save, save_file
+
+import ckptfs
+from ckptfs.cli import main as cli_main
+from conftest import assert_same
+from conftest_mount import (CLI, TOY_MODEL, TOY_STEPS, force_unmount, make_toy_region, requires_fuse,
+                            toy_state)
+
+SUBCOMMANDS = ["mkfs", "mount", "umount", "ls", "info", "verify", "export", "import", "rm", "status"]
+
+
+def run(capsys, *args):
+    """Run the CLI in this process: (exit status, stdout, stderr)."""
+    with pytest.raises(SystemExit) as e:
+        cli_main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return e.value.code, out, err
+
+
+def one_error_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ckptfs: error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def toy_region(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("cli") / "toy.region")
+    make_toy_region(path)
+    return path
+
+
+@pytest.fixture
+def fresh_region(tmp_path):
+    path = str(tmp_path / "fresh.region")
+    make_toy_region(path)
+    return path
+
+
+def region_state(path: str):
+    """What a malformed import must not change: every allocated byte range and its contents,
+    the file's size and allocated blocks."""
+    h = hashlib.sha256()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        st = os.fstat(fd)
+        off = 0
+        while True:
+            try:
+                data = os.lseek(fd, off, os.SEEK_DATA)
+            except OSError as e:
+                if e.errno == errno.ENXIO:
+                    break
+                raise
+            hole = os.lseek(fd, data, os.SEEK_HOLE)
+            h.update(f"{data}-{hole};".encode())
+            pos = data
+            while pos < hole:
+                chunk = os.pread(fd, min(8 << 20, hole - pos), pos)
+                h.update(chunk)
+                pos += len(chunk)
+            off = hole
+    finally:
+        os.close(fd)
+    return h.hexdigest(), st.st_size, st.st_blocks
+
+
+# ------------------------------------------------------------------------------ help and errors
+
+
+@pytest.mark.parametrize("cmd", [[]] + [[c] for c in SUBCOMMANDS])
+def test_help_everywhere(capsys, cmd):
+    code, out, err = run(capsys, *cmd, "--help")
+    assert code == 0 and "Usage:" in out
+    if cmd:
+        assert "--region" in out
+
+
+def test_errors_are_one_line_from_the_real_entry_point(tmp_path):
+    r = subprocess.run(CLI + ["ls", "--region", str(tmp_path / "missing.region")], capture_output=True, text=True)
+    assert r.returncode == 1
+    line = one_error_line(r.stderr)
+    assert "no region at" in line and "mkfs" in line
+    r = subprocess.run(CLI + ["frobnicate"], capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+def test_unknown_model_and_step(capsys, toy_region):
+    code, _, err = run(capsys, "info", "--region", toy_region, "nomodel")
+    assert code == 1 and "nomodel" in one_error_line(err)
+    code, _, err = run(capsys, "info", "--region", toy_region, "--step", "12345", TOY_MODEL)
+    assert code == 1 and "12345" in one_error_line(err)
+    code, _, err = run(capsys, "ls", "--region", toy_region, "bad/name")
+    assert code == 1
+    one_error_line(err)
+
+
+# ------------------------------------------------------------------------------ commands
+
+
+def test_mkfs(capsys, tmp_path):
+    path = tmp_path / "new.region"
+    code, out, _ = run(capsys, "mkfs", "--region", path, "--size", "128M")
+    assert code == 0 and os.path.getsize(path) == 128 << 20
+    code, _, err = run(capsys, "mkfs", path)
+    assert code == 1 and "already" in one_error_line(err)
+    assert run(capsys, "mkfs", path, "--exist-ok")[0] == 0
+    code, _, err = run(capsys, "mkfs", tmp_path / "small.region", "--size", "1M")
+    assert code == 1 and "too small" in one_error_line(err)
+    code, _, err = run(capsys, "mkfs", tmp_path / "x.region", "--size", "lots")
+    assert code == 2 and "Traceback" not in err
+
+
+def test_ls_and_info(capsys, toy_region):
+    code, out, _ = run(capsys, "ls", "--region", toy_region, "--json")
+    assert code == 0
+    assert json.loads(out) == [{"model": TOY_MODEL, "versions": 3, "latest_step": 300,
+                                "latest_bytes": json.loads(out)[0]["latest_bytes"]}]
+    code, out, _ = run(capsys, "ls", "--region", toy_region, TOY_MODEL, "--json")
+    rows = json.loads(out)
+    assert [r["step"] for r in rows] == list(TOY_STEPS) and [r["latest"] for r in rows] == [False, False, True]
+    code, out, _ = run(capsys, "ls", "--region", toy_region, TOY_MODEL)
+    assert code == 0 and "latest" in out and "300" in out
+
+    code, out, _ = run(capsys, "info", "--region", toy_region, TOY_MODEL, "--step", "200", "--json")
+    doc = json.loads(out)
+    assert doc["step"] == 200 and not doc["latest"]
+    by_name = {t["name"]: t for t in doc["tensors"]}
+    assert by_name["model.big"]["shape"] == [256, 1024] and by_name["model.bias"]["dtype"] == "bfloat16"
+    assert set(doc["files"]) >= {"checkpoint.pt", "state.safetensors", "model.safetensors", "metadata.json"}
+    code, out, _ = run(capsys, "info", "--region", toy_region, TOY_MODEL)
+    assert code == 0 and "step     300 (latest)" in out and "model.big" in out and "256x1024" in out
+
+
+def test_status(capsys, toy_region):
+    code, out, _ = run(capsys, "status", "--region", toy_region, "--json")
+    st = json.loads(out)
+    assert code == 0 and st["region_bytes"] == 256 << 20 and st["models"][0]["name"] == TOY_MODEL
+    code, out, _ = run(capsys, "status", "--region", toy_region)
+    assert code == 0 and "region_bytes: 256.0 MiB" in out and TOY_MODEL in out
+
+
+def test_verify_passes_then_catches_a_flipped_byte(capsys, fresh_region):
+    code, out, _ = run(capsys, "verify", "--region", fresh_region)
+    assert code == 0 and out.startswith("ok")
+    with ckptfs.Store(fresh_region) as s, s.open_version(TOY_MODEL, 200) as v:
+        rec = next(t for t in v.manifest.tensors if t.name == "model.big")
+        where = v.data_base + rec.offset + 1000
+    fd = os.open(fresh_region, os.O_RDWR)
+    try:
+        os.pwrite(fd, bytes([os.pread(fd, 1, where)[0] ^ 0x40]), where)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    code, out, err = run(capsys, "verify", "--region", fresh_region, TOY_MODEL, "--step", "200")
+    assert code == 1 and "model.big" in err and "checksum mismatch" in err
+    assert run(capsys, "verify", "--region", fresh_region, TOY_MODEL, "--step", "300")[0] == 0
+    assert run(capsys, "verify", "--region", fresh_region)[0] == 1
+
+
+def test_export(capsys, toy_region, tmp_path):
+    out_pt = tmp_path / "x.pt"
+    code, out, _ = run(capsys, "export", "--region", toy_region, TOY_MODEL, out_pt)
+    assert code == 0
+    assert_same(torch.load(out_pt, weights_only=True), toy_state(300))
+    code, _, _ = run(capsys, "export", "--region", toy_region, "--step", "100", TOY_MODEL, tmp_path / "s.safetensors")
+    assert code == 0
+    st = load_file(tmp_path / "s.safetensors")
+    assert_same(st["model.big"], toy_state(100)["model"]["big"])
+    code, _, _ = run(capsys, "export", "--region", toy_region, "--key", "model", TOY_MODEL, tmp_path / "m.safetensors")
+    assert code == 0 and set(load_file(tmp_path / "m.safetensors")) == set(toy_state(300)["model"])
+    code, _, _ = run(capsys, "export", "--region", toy_region, TOY_MODEL, tmp_path / "meta.json")
+    assert code == 0 and json.loads((tmp_path / "meta.json").read_text())["step"] == 300
+    code, _, err = run(capsys, "export", "--region", toy_region, TOY_MODEL, tmp_path / "x.bin")
+    assert code == 2 and "--file" in err
+    code, _, err = run(capsys, "export", "--region", toy_region, "--file", "nope.pt", TOY_MODEL, tmp_path / "y.pt")
+    assert code == 1 and "checkpoint.pt" in one_error_line(err)
+    assert not (tmp_path / "y.pt").exists() and not list(tmp_path.glob("*.ckptfs-part"))
+
+
+def test_rm(capsys, fresh_region):
+    assert run(capsys, "rm", "--region", fresh_region, TOY_MODEL, "100")[0] == 0
+    with ckptfs.Store(fresh_region) as s:
+        assert [v.step for v in s.versions(TOY_MODEL)] == [200, 300]
+    code, _, err = run(capsys, "rm", "--region", fresh_region, TOY_MODEL, "300")
+    assert code == 1 and "latest" in one_error_line(err)
+    code, _, err = run(capsys, "rm", "--region", fresh_region, TOY_MODEL)
+    assert code == 2 and "--all" in err
+    assert run(capsys, "rm", "--region", fresh_region, TOY_MODEL, "--all")[0] == 0
+    with ckptfs.Store(fresh_region) as s:
+        assert s.models() == []
+
+
+# ------------------------------------------------------------------------------ import
+
+
+def test_import_safetensors_and_torch_files(capsys, fresh_region, tmp_path):
+    tensors = {"w": torch.randn(3, 4), "ids": torch.arange(5), "h": torch.randn(7).to(torch.bfloat16),
+               "flag": torch.tensor([True, False]), "empty": torch.zeros(0, 3)}
+    save_file(tensors, tmp_path / "a.safetensors")
+    code, out, _ = run(capsys, "import", "--region", fresh_region, "imp", tmp_path / "a.safetensors")
+    assert code == 0 and "step 0" in out
+    code, out, _ = run(capsys, "import", "--region", fresh_region, "--key", "model", "imp", tmp_path / "a.safetensors")
+    assert code == 0 and "step 1" in out
+    code, _, err = run(capsys, "import", "--region", fresh_region, "--step", "1", "imp", tmp_path / "a.safetensors")
+    assert code == 1 and "already has step 1" in one_error_line(err)
+    torch.save(toy_state(7), tmp_path / "t.pt")
+    assert run(capsys, "import", "--region", fresh_region, "--step", "7", "imp2", tmp_path / "t.pt")[0] == 0
+    with ckptfs.Store(fresh_region) as s:
+        got = s.load("imp", 0)
+        assert set(got) == set(tensors)
+        for k, t in tensors.items():
+            assert_same(got[k], t)
+        assert set(s.load("imp", 1)) == {"model"}
+        assert_same(s.load("imp2", 7), toy_state(7))
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, (f"touch {MARKER}",))
+
+
+MARKER = f"/tmp/ckptfs-test-pwned-{os.getpid()}"
+
+
+def _st(header, data=b"", n=None) -> bytes:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return struct.pack("<Q", len(raw) if n is None else n) + raw + data
+
+
+def _valid_st() -> bytes:
+    return st_save({"a": torch.arange(8, dtype=torch.float32), "b": torch.ones(4, dtype=torch.int64)})
+
+
+def _f32(shape, begin, end):
+    return {"dtype": "F32", "shape": shape, "data_offsets": [begin, end]}
+
+
+def _torch_bytes(obj) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+MALFORMED = {  # file name: (contents, what the one-line error must say)
+    "truncated-data.safetensors": (lambda: _valid_st()[:-10], "truncated"),
+    "truncated-header.safetensors": (lambda: _valid_st()[:20], "truncated"),
+    "too-short.safetensors": (lambda: b"\x01\x02\x03", "truncated"),
+    "header-length-huge.safetensors": (lambda: _st({"a": _f32([1], 0, 4)}, bytes(4), n=1 << 40), "bad header length"),
+    "header-length-past-eof.safetensors": (lambda: _st({"a": _f32([1], 0, 4)}, bytes(4), n=200), "runs past the end"),
+    "header-length-zero.safetensors": (lambda: _st(b"", b"\0" * 16, n=0), "bad header length"),
+    "header-not-json.safetensors": (lambda: _st(b"{not json}"), "not valid JSON"),
+    "header-not-object.safetensors": (lambda: _st(b"[1, 2]"), "not a JSON object"),
+    "overlapping-offsets.safetensors": (
+        lambda: _st({"a": _f32([4], 0, 16), "b": _f32([4], 8, 24)}, bytes(24)), "overlaps"),
+    "hole.safetensors": (lambda: _st({"a": _f32([2], 0, 8), "b": _f32([2], 16, 24)}, bytes(24)), "hole"),
+    "offsets-past-end.safetensors": (lambda: _st({"a": _f32([4], 0, 16)}, bytes(8)), "truncated"),
+    "trailing-bytes.safetensors": (lambda: _st({"a": _f32([2], 0, 8)}, bytes(12)), "after the last tensor"),
+    "wrong-dtype.safetensors": (
+        lambda: _st({"a": {"dtype": "F33", "shape": [2], "data_offsets": [0, 8]}}, bytes(8)), "dtype 'F33'"),
+    "shape-size-mismatch.safetensors": (lambda: _st({"a": _f32([3], 0, 16)}, bytes(16)), "needs 12 bytes"),
+    "negative-shape.safetensors": (lambda: _st({"a": _f32([-1], 0, 4)}, bytes(4)), "invalid shape"),
+    "duplicate-key.safetensors": (
+        lambda: _st(b'{"a":' + json.dumps(_f32([1], 0, 4)).encode() + b',"a":'
+                    + json.dumps(_f32([1], 4, 8)).encode() + b"}", bytes(8)), "duplicate key"),
+    "extra-field.safetensors": (lambda: _st({"a": dict(_f32([1], 0, 4), extra=1)}, bytes(4)), "exactly dtype"),
+    "forbidden-global.pt": (lambda: _torch_bytes({"model": {"w": torch.ones(2)}, "x": Evil()}), "GLOBAL posix.system"),
+    "forbidden-global-legacy.pt": (lambda: pickle.dumps(Evil(), protocol=2), "GLOBAL posix.system"),
+    "truncated.pt": (lambda: _torch_bytes(toy_state(1))[:5000], "truncated"),
+    "garbage.pt": (lambda: bytes(range(256)) * 10, "refused by torch.load"),
+    "quantized-dtype.pt": (
+        lambda: _torch_bytes({"q": torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)}), "qint8"),
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED))
+def test_malformed_import_is_refused_and_writes_nothing(capsys, toy_region, tmp_path, name):
+    contents, reason = MALFORMED[name]
+    bad = tmp_path / name
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # quantized tensors are deprecated
+        bad.write_bytes(contents())
+    before = region_state(toy_region)
+    listing = run(capsys, "ls", "--region", toy_region, "--json")[1]
+    for model in ("newmodel", TOY_MODEL):
+        code, out, err = run(capsys, "import", "--region", toy_region, model, bad)
+        assert code == 1, (out, err)
+        line = one_error_line(err)
+        assert reason in line and str(bad) in line and "nothing was imported" in line
+        assert region_state(toy_region) == before
+    assert run(capsys, "ls", "--region", toy_region, "--json")[1] == listing
+    assert not os.path.exists(MARKER), "the hostile pickle ran"
+
+
+# ------------------------------------------------------------------------------ mount / umount from the CLI
+
+
+@pytest.mark.mount
+@requires_fuse
+def test_background_mount_umount_and_their_errors(capsys, toy_region, tmp_path):
+    """`ckptfs mount` returns once the mount is up, reports every failure itself, and
+    `ckptfs umount` falls back to a lazy unmount when the mount is busy."""
+    from ckptfs.fs.daemon import mount_entry
+
+    mnt = str(tmp_path / "mnt")
+    os.mkdir(mnt)
+    code, _, err = run(capsys, "mount", "--region", tmp_path / "nope.region", mnt)
+    assert code == 1 and "no region at" in one_error_line(err)
+    code, _, err = run(capsys, "mount", "--region", toy_region, tmp_path / "missing-dir")
+    assert code == 1 and "mkdir" in one_error_line(err)
+    code, _, err = run(capsys, "umount", mnt)
+    assert code == 1 and "not mounted" in one_error_line(err)
+    code, _, err = run(capsys, "mount", "--region", toy_region, "-o", "no_such_fuse_option", mnt)
+    assert code == 1 and "cannot mount" in one_error_line(err)  # the daemon's own failure, relayed
+    try:
+        code, _, err = run(capsys, "mount", "--region", toy_region, mnt)
+        assert code == 0, err
+        assert os.path.ismount(mnt)  # up when the command returns, no waiting
+        assert os.listdir(os.path.join(mnt, TOY_MODEL))[0] == "latest"
+        code, _, err = run(capsys, "mount", "--region", toy_region, mnt)
+        assert code == 1 and "already mounted" in one_error_line(err)
+        busy = subprocess.Popen(["sleep", "60"], cwd=os.path.join(mnt, TOY_MODEL))
+        try:
+            time.sleep(0.2)
+            code, _, err = run(capsys, "umount", mnt)
+            assert code == 0 and "busy" in err  # lazily detached
+            assert mount_entry(mnt) is None
+        finally:
+            busy.kill()
+            busy.wait()
+        assert run(capsys, "mount", "--region", toy_region, mnt)[0] == 0
+        code, _, err = run(capsys, "umount", mnt)
+        assert code == 0 and err == "" and mount_entry(mnt) is None
+    finally:
+        force_unmount(mnt)
+
+
+@pytest.mark.mount
+@requires_fuse
+def test_mount_helper_for_mount8_and_fstab(toy_region, tmp_path):
+    """mount(8) runs `mount.ckptfs REGION DIR -o OPTS`; generic options are dropped."""
+    from ckptfs.fs.daemon import mount_entry
+
+    helper = os.path.join(os.path.dirname(__file__), "..", "mount", "mount.ckptfs")
+    mnt = str(tmp_path / "mnt")
+    os.mkdir(mnt)
+    env = dict(os.environ, CKPTFS_BIN=f"{sys.executable} -m ckptfs.cli")
+    try:
+        r = subprocess.run([helper, toy_region, mnt, "-o", "rw,nosuid,nodev,nofail,_netdev,x-systemd.automount"],
+                           env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert mount_entry(mnt) == ("fuse.ckptfs", toy_region)
+        assert torch.load(os.path.join(mnt, TOY_MODEL, "latest", "checkpoint.pt"), weights_only=True)["step"] == 300
+        subprocess.run(["umount", mnt], check=True)
+        r = subprocess.run([helper, str(tmp_path / "nope.region"), mnt], env=env, capture_output=True, text=True)
+        assert r.returncode != 0 and "no region at" in r.stderr
+        r = subprocess.run([helper, toy_region], env=env, capture_output=True, text=True)
+        assert r.returncode == 1 and "usage" in r.stderr
+    finally:
+        force_unmount(mnt)

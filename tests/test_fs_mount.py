@@ -1,0 +1,364 @@
+"""Tier 2: the filesystem through a real kernel mount (root or /dev/fuse access needed).
+
+One module-wide mount of a region holding ``toy`` at steps 100, 200, 300 (``toy_state``); tests
+that change things write other models into the same region, from this process, and watch the
+mount pick them up.
+"""
+import errno
+import mmap
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+import zipfile
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import ckptfs
+from ckptfs.cli import main as cli_main
+from ckptfs.views import files_for
+from conftest import assert_same
+from conftest_mount import TOY_MODEL, TOY_STEPS, make_toy_region, mounted, requires_fuse, toy_state
+
+pytestmark = [pytest.mark.mount, requires_fuse]
+
+APPEAR_S = 2.0  # a change shows within 1 s (0.5 s refresh + 0.5 s TTL); slack for a loaded machine
+
+
+def vdir(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    d = tmp_path_factory.mktemp("toy")
+    region = str(d / "toy.region")
+    make_toy_region(region)
+    with mounted(region, str(d / "mnt")) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def store(toy):
+    """The mounted region, opened by the test process (another process than the daemon)."""
+    with ckptfs.Store(toy.region) as s:
+        yield s
+
+
+def wait_for(predicate, timeout: float = APPEAR_S * 2, what: str = "condition") -> float:
+    """Poll ``predicate`` until true; return the seconds it took (fail after ``timeout``)."""
+    t0 = time.monotonic()
+    while not predicate():
+        if time.monotonic() - t0 > timeout:
+            pytest.fail(f"{what} not reached after {timeout} s")
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+def listing(path: str) -> list[str]:
+    """Sorted names in ``path``; [] while it does not exist (yet)."""
+    try:
+        return sorted(os.listdir(path))
+    except FileNotFoundError:
+        return []
+
+
+def oserror(fn, *args):
+    with pytest.raises(OSError) as e:
+        fn(*args)
+    return e.value.errno
+
+
+def save_versions(store, model, steps, **writer_options):
+    with store.writer(model, **writer_options) as w:
+        for s in steps:
+            w.save({"x": torch.full((1000,), float(s)), "step": s}, s).result()
+
+
+# ------------------------------------------------------------------------------ the tree
+
+
+def test_tree_names_sizes_times_and_links(toy, store):
+    assert TOY_MODEL in os.listdir(toy.path)
+    model_dir = toy / TOY_MODEL
+    assert os.listdir(model_dir) == ["latest"] + [vdir(s) for s in TOY_STEPS]
+    assert os.readlink(os.path.join(model_dir, "latest")) == vdir(TOY_STEPS[-1])
+    assert stat.S_ISLNK(os.lstat(os.path.join(model_dir, "latest")).st_mode)
+    for step in TOY_STEPS:
+        d = os.path.join(model_dir, vdir(step))
+        assert stat.S_ISDIR(os.stat(d).st_mode)
+        with store.open_version(TOY_MODEL, step) as v:
+            views = files_for(v.manifest, v.data_base)
+            time_ns = v.info.time_ns
+        assert os.listdir(d) == list(views)
+        assert {"checkpoint.pt", "state.safetensors", "model.safetensors", "optim.safetensors",
+                "metadata.json"} <= set(views)
+        for name, view in views.items():
+            st = os.stat(os.path.join(d, name))
+            assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o444
+            assert st.st_size == view.size, name  # exact, not an estimate
+            assert st.st_mtime_ns == time_ns  # the version's commit time, stable
+            with open(os.path.join(d, name), "rb") as f:
+                assert len(f.read()) == view.size
+
+
+def test_inodes_are_stable_and_distinct(toy):
+    base = toy / TOY_MODEL
+    paths = [os.path.join(base, vdir(s), n) for s in TOY_STEPS for n in ("checkpoint.pt", "metadata.json")]
+    paths += [base, os.path.join(base, vdir(100))]
+    first = [os.stat(p).st_ino for p in paths]
+    assert len(set(first)) == len(first)
+    time.sleep(0.7)  # past a refresh of the listing and the attribute TTL of directories
+    assert [os.stat(p).st_ino for p in paths] == first
+    latest = os.path.join(base, "latest", "checkpoint.pt")
+    assert os.stat(latest).st_ino == os.stat(os.path.join(base, vdir(TOY_STEPS[-1]), "checkpoint.pt")).st_ino
+
+
+# ------------------------------------------------------------------------------ standard tools on the files
+
+
+@pytest.mark.parametrize("mmap_mode", [False, True], ids=["read", "mmap"])
+def test_torch_load_equals_saved(toy, mmap_mode):
+    for step in TOY_STEPS:
+        path = os.path.join(toy / TOY_MODEL, vdir(step), "checkpoint.pt")
+        obj = torch.load(path, weights_only=True, mmap=mmap_mode)
+        assert_same(obj, toy_state(step))
+    obj = torch.load(os.path.join(toy / TOY_MODEL, "latest", "checkpoint.pt"), weights_only=True, mmap=mmap_mode)
+    assert_same(obj, toy_state(TOY_STEPS[-1]))
+
+
+def test_safetensors_files_hold_the_tensors(toy):
+    d = os.path.join(toy / TOY_MODEL, vdir(200))
+    state = toy_state(200)
+    with safe_open(os.path.join(d, "state.safetensors"), "pt") as f:
+        assert f.metadata()["step"] == "200" and f.metadata()["model"] == TOY_MODEL
+        assert_same(f.get_tensor("model.big"), state["model"]["big"])
+        assert_same(f.get_tensor("optim.state.0.exp_avg"), state["optim"]["state"][0]["exp_avg"])
+        assert len(list(f.keys())) == 6
+    model = load_file(os.path.join(d, "model.safetensors"))
+    assert set(model) == set(state["model"])
+    for k, t in state["model"].items():
+        assert_same(model[k], t)
+
+
+def test_zip_tools_accept_checkpoint_pt(toy):
+    path = os.path.join(toy / TOY_MODEL, "latest", "checkpoint.pt")
+    r = subprocess.run([sys.executable, "-m", "zipfile", "-t", path], capture_output=True, text=True)
+    assert r.returncode == 0 and "Done testing" in r.stdout, r.stdout + r.stderr
+    with zipfile.ZipFile(path) as z:
+        assert z.testzip() is None
+    if shutil.which("unzip"):
+        assert subprocess.run(["unzip", "-tq", path], capture_output=True).returncode == 0
+
+
+def test_cp_is_byte_identical_to_export(toy, tmp_path):
+    d = os.path.join(toy / TOY_MODEL, vdir(300))
+    for name in os.listdir(d):
+        copied, exported = tmp_path / f"cp-{name}", tmp_path / f"export-{name}"
+        subprocess.run(["cp", os.path.join(d, name), str(copied)], check=True)
+        with pytest.raises(SystemExit) as e:
+            cli_main(["export", "--region", toy.region, "--step", "300", "--file", name, TOY_MODEL, str(exported)])
+        assert e.value.code == 0
+        assert copied.read_bytes() == exported.read_bytes(), name
+
+
+def test_mmap_and_reads_at_odd_offsets_agree(toy):
+    path = os.path.join(toy / TOY_MODEL, vdir(100), "state.safetensors")
+    with open(path, "rb") as f:
+        whole = f.read()
+        with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+            assert m[:] == whole
+        for off, n in [(0, 1), (7, 4096), (131071, 3), (len(whole) - 5, 100), (len(whole), 10)]:
+            assert os.pread(f.fileno(), n, off) == whole[off:off + n]
+
+
+# ------------------------------------------------------------------------------ a changing region
+
+
+def test_new_versions_and_latest_show_within_a_second(toy, store):
+    model_dir = toy / "live"
+    save_versions(store, "live", [1])
+    took = wait_for(lambda: os.path.exists(os.path.join(model_dir, vdir(1))), what="live/step-00000001")
+    assert took < APPEAR_S
+    assert os.readlink(os.path.join(model_dir, "latest")) == vdir(1)
+    save_versions(store, "live", [2])
+    took = wait_for(lambda: os.readlink(os.path.join(model_dir, "latest")) == vdir(2), what="latest -> step 2")
+    assert took < APPEAR_S
+    assert torch.load(os.path.join(model_dir, "latest", "checkpoint.pt"), weights_only=True)["step"] == 2
+
+
+def test_version_whose_slot_is_reused_disappears(toy, store):
+    model_dir = toy / "ring"
+    save_versions(store, "ring", [1, 2], max_inflight=1, slots=2)
+    wait_for(lambda: listing(model_dir) == ["latest", vdir(1), vdir(2)], what="ring steps 1, 2")
+    ino = os.stat(os.path.join(model_dir, vdir(2), "checkpoint.pt")).st_ino
+    save_versions(store, "ring", [3], max_inflight=1, slots=2)  # two slots: step 1's is reused
+    took = wait_for(lambda: listing(model_dir) == ["latest", vdir(2), vdir(3)], what="step 1 gone")
+    assert took < APPEAR_S
+    # A direct stat may be answered from the kernel's entry cache for one more TTL (0.5 s).
+    took = wait_for(lambda: not os.path.exists(os.path.join(model_dir, vdir(1))), what="stat ENOENT")
+    assert took < APPEAR_S
+    assert oserror(os.stat, os.path.join(model_dir, vdir(1), "checkpoint.pt")) == errno.ENOENT
+    assert os.stat(os.path.join(model_dir, vdir(2), "checkpoint.pt")).st_ino == ino
+
+
+def test_rm_r_removes_a_version_but_not_latest_or_pinned(toy, store):
+    model_dir = toy / "rmme"
+    save_versions(store, "rmme", [1, 2, 3])
+    wait_for(lambda: os.path.exists(os.path.join(model_dir, vdir(3))), what="rmme step 3")
+    r = subprocess.run(["rm", "-r", os.path.join(model_dir, vdir(1))], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert vdir(1) not in os.listdir(model_dir)
+    assert [v.step for v in store.versions("rmme")] == [2, 3]
+
+    r = subprocess.run(["rm", "-r", os.path.join(model_dir, vdir(3))], capture_output=True, text=True)
+    assert r.returncode != 0 and "Device or resource busy" in r.stderr
+    assert [v.step for v in store.versions("rmme")] == [2, 3]
+
+    with open(os.path.join(model_dir, vdir(2), "metadata.json"), "rb"):
+        assert oserror(os.rmdir, os.path.join(model_dir, vdir(2))) == errno.EBUSY
+    assert [v.step for v in store.versions("rmme")] == [2, 3]
+    # Right after close(2): the kernel's RELEASE may still be in flight; rmdir waits for it.
+    os.rmdir(os.path.join(model_dir, vdir(2)))
+    assert [v.step for v in store.versions("rmme")] == [3]
+
+
+def test_errno_of_everything_else(toy):
+    m = toy / TOY_MODEL
+    latest_dir = os.path.join(m, vdir(TOY_STEPS[-1]))
+    old_dir = os.path.join(m, vdir(TOY_STEPS[0]))
+    f = os.path.join(old_dir, "checkpoint.pt")
+
+    for flags in (os.O_WRONLY, os.O_RDWR, os.O_RDONLY | os.O_TRUNC, os.O_WRONLY | os.O_APPEND):
+        assert oserror(os.open, f, flags) == errno.EROFS
+    assert oserror(os.open, os.path.join(old_dir, "new"), os.O_WRONLY | os.O_CREAT) == errno.EROFS
+    assert oserror(os.mkdir, os.path.join(m, "new")) == errno.EROFS
+    assert oserror(os.mkdir, os.path.join(toy.path, "newmodel")) == errno.EROFS
+    assert oserror(os.rename, f, os.path.join(old_dir, "x.pt")) == errno.EROFS
+    assert oserror(os.symlink, "x", os.path.join(m, "link")) == errno.EROFS
+    assert oserror(os.link, f, os.path.join(old_dir, "hard")) == errno.EROFS
+    assert oserror(os.chmod, f, 0o644) == errno.EROFS
+    assert oserror(os.utime, f) == errno.EROFS
+    assert oserror(os.truncate, f, 0) == errno.EROFS
+    assert oserror(os.setxattr, f, "user.x", b"1") == errno.EROFS
+    assert oserror(os.unlink, os.path.join(m, "latest")) == errno.EROFS
+    assert oserror(os.rmdir, m) == errno.EROFS  # a whole model: `ckptfs rm MODEL --all`
+
+    for missing in ("nomodel", f"{TOY_MODEL}/step-00000999", f"{TOY_MODEL}/step-100",
+                    f"{TOY_MODEL}/{vdir(100)}/nofile.pt", f"{TOY_MODEL}/{vdir(100)}/CHECKPOINT.PT"):
+        assert oserror(os.stat, os.path.join(toy.path, missing)) == errno.ENOENT
+    assert oserror(os.rmdir, os.path.join(m, vdir(999))) == errno.ENOENT
+    assert oserror(open, os.path.join(old_dir, "nofile"), "rb") == errno.ENOENT
+
+    assert oserror(os.stat, f + "/x") == errno.ENOTDIR
+    assert oserror(os.listdir, f) == errno.ENOTDIR
+    assert oserror(os.rmdir, f) == errno.ENOTDIR
+    assert oserror(os.rmdir, os.path.join(m, "latest")) == errno.ENOTDIR
+
+    assert oserror(os.unlink, old_dir) == errno.EISDIR
+    assert oserror(os.open, old_dir, os.O_WRONLY) == errno.EISDIR
+    fd = os.open(old_dir, os.O_RDONLY)
+    try:
+        assert oserror(os.read, fd, 10) == errno.EISDIR
+    finally:
+        os.close(fd)
+
+    assert oserror(os.unlink, os.path.join(latest_dir, "checkpoint.pt")) == errno.EBUSY
+    os.unlink(f)  # inside a non-latest version: accepted as part of `rm -r`, changes nothing
+    assert os.path.exists(f)
+    assert os.listdir(m) == ["latest"] + [vdir(s) for s in TOY_STEPS]
+
+
+# ------------------------------------------------------------------------------ copies during training
+
+WRITER_SCRIPT = r"""
+import sys, time, torch, ckptfs
+region, seconds = sys.argv[1], float(sys.argv[2])
+store = ckptfs.Store(region)
+n = 0
+with store.writer("train", max_inflight=2) as w:
+    t_end = time.monotonic() + seconds
+    while time.monotonic() < t_end:
+        n += 1
+        w.save({"w": torch.full((1 << 20,), float(n)), "v": torch.arange(1 << 18, dtype=torch.float64) + n,
+                "step": n}, n)
+print(n)
+"""
+
+
+def consistent(obj) -> bool:
+    """Every tensor of a ``train`` checkpoint is what the writer saved at obj['step']."""
+    n = obj["step"]
+    return bool((obj["w"] == float(n)).all()) and torch.equal(obj["v"], torch.arange(1 << 18, dtype=torch.float64) + n)
+
+
+def test_copies_taken_while_training_are_exact(toy, tmp_path):
+    """A writer checkpoints every iteration; every copy of latest/checkpoint.pt and of
+    latest/state.safetensors made meanwhile is one whole checkpoint (the open pins it)."""
+    writer = subprocess.Popen([sys.executable, "-c", WRITER_SCRIPT, toy.region, "4"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    latest = os.path.join(toy / "train", "latest")
+    copies, steps_seen = 0, set()
+    try:
+        wait_for(lambda: os.path.exists(os.path.join(latest, "checkpoint.pt")), timeout=60, what="first checkpoint")
+        while writer.poll() is None:
+            dst = tmp_path / "copy.pt"
+            try:
+                shutil.copyfile(os.path.join(latest, "checkpoint.pt"), dst)
+                shutil.copyfile(os.path.join(latest, "state.safetensors"), tmp_path / "copy.safetensors")
+            except FileNotFoundError:
+                continue  # latest moved on between the lookup and the open: nothing was copied
+            obj = torch.load(dst, weights_only=True)
+            assert consistent(obj), f"torn copy of step {obj['step']}"
+            st = load_file(str(tmp_path / "copy.safetensors"))
+            assert bool((st["w"] == st["w"][0]).all()) and torch.equal(
+                st["v"], torch.arange(1 << 18, dtype=torch.float64) + float(st["w"][0]))
+            copies += 1
+            steps_seen.add(obj["step"])
+    finally:
+        out, err = writer.communicate(timeout=120)
+    assert writer.returncode == 0, err
+    saved = int(out.strip())
+    assert copies >= 3 and len(steps_seen) >= 2, (copies, steps_seen, saved)
+    assert saved > len(steps_seen)  # the writer kept going while we copied
+
+
+# ------------------------------------------------------------------------------ the daemon's life
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_signal_unmounts_cleanly(toy, tmp_path, signame):
+    from ckptfs.fs.daemon import mount_entry
+    from conftest_mount import start_mount, stop_mount
+
+    m = start_mount(toy.region, str(tmp_path / "mnt"))
+    try:
+        f = open(os.path.join(m.path, TOY_MODEL, "latest", "metadata.json"), "rb")  # a pin held
+        t0 = time.monotonic()
+        m.proc.send_signal(getattr(signal, signame))
+        assert m.proc.wait(30) == 0, m.log()
+        assert time.monotonic() - t0 < 10
+        assert mount_entry(m.path) is None  # detached even though a file was still open
+        with pytest.raises(OSError):  # that file's connection is gone (ENOTCONN on flush)
+            f.close()
+    finally:
+        stop_mount(m)
+
+
+def test_killed_daemon_leaves_no_mount(toy, tmp_path):
+    from ckptfs.fs.daemon import mount_entry
+    from conftest_mount import start_mount, stop_mount
+
+    m = start_mount(toy.region, str(tmp_path / "mnt"))
+    try:
+        m.proc.kill()
+        m.proc.wait()
+        wait_for(lambda: mount_entry(m.path) is None, timeout=10, what="auto_unmount after SIGKILL")
+    finally:
+        stop_mount(m)

@@ -1,0 +1,316 @@
+"""Tier 1: the mount's name space, inode table and errno translation, without a kernel.
+
+A small in-memory Store stands in for the region, so that listings, removals, slot reuse and the
+refresh clock are under the test's control.
+"""
+import errno
+import os
+import stat
+from dataclasses import dataclass, replace
+
+import pyfuse3
+import pytest
+import trio
+
+from ckptfs import errors as E
+from ckptfs.fs.errors import errno_for
+from ckptfs.fs.ops import CkptfsOperations
+from ckptfs.fs.tree import ROOT_INODE, Kind, Tree
+from ckptfs.views import Literal, View
+
+
+@dataclass(frozen=True)
+class Info:
+    model: str
+    step: int
+    counter: int
+    slot: int
+    time_ns: int
+    data_bytes: int
+    latest: bool
+
+
+class FakeVersion:
+    def __init__(self, store, info):
+        self.store, self.info = store, info
+        self.manifest = info  # the fake files_for only needs the identity
+        self.data_base = 0
+        self.closed = False
+
+    def read(self, offset, length):
+        return self.store.region[offset:offset + length]
+
+    def close(self):
+        if not self.closed:
+            self.closed = True
+            self.store.pins[(self.info.model, self.info.step)] -= 1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class FakeStore:
+    def __init__(self):
+        self.path = "/fake.region"
+        self.region = bytes(range(256)) * 16
+        self.table: dict[str, dict[int, Info]] = {}
+        self.pins: dict[tuple, int] = {}
+        self.listings = 0
+        self.counter = 0
+
+    def commit(self, model, step):
+        self.counter += 1
+        versions = self.table.setdefault(model, {})
+        for s, i in versions.items():
+            versions[s] = replace(i, latest=False)
+        versions[step] = Info(model, step, self.counter, 0, 1_000_000_000 * self.counter, 100, True)
+
+    def models(self):
+        self.listings += 1
+        return list(self.table)
+
+    def versions(self, model):
+        if model not in self.table:
+            raise E.NotFoundError(model)
+        return sorted(self.table[model].values(), key=lambda i: i.step)
+
+    def open_version(self, model, step=None):
+        info = self.table.get(model, {}).get(step)
+        if info is None:
+            raise E.NotFoundError(f"{model} {step}")
+        self.pins[(model, step)] = self.pins.get((model, step), 0) + 1
+        return FakeVersion(self, info)
+
+    def remove(self, model, step):
+        info = self.table.get(model, {}).get(step)
+        if info is None:
+            raise E.NotFoundError(f"{model} {step}")
+        if info.latest or self.pins.get((model, step)):
+            raise E.BusyError("busy")
+        del self.table[model][step]
+
+    def status(self):
+        return {"region_bytes": 1 << 30, "used_bytes": 1 << 20}
+
+
+def fake_files_for(info, data_base):
+    """checkpoint.pt: a literal header + 1000 region bytes; sizes depend on the counter."""
+    header = f"v{info.counter}".encode()
+    return {"checkpoint.pt": View([Literal(header), _extent(0, 1000)]),
+            "metadata.json": View([Literal(b"{}" * info.counter)])}
+
+
+def _extent(offset, length):
+    from ckptfs.views import Extent
+
+    return Extent(offset, length)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def env():
+    store, clock = FakeStore(), Clock()
+    for s in (10, 20, 30):
+        store.commit("gpt", s)
+    tree = Tree(store, files_for=fake_files_for, clock=clock)
+    return store, tree, clock
+
+
+def path(tree, *names):
+    node = tree.node(ROOT_INODE)
+    for n in names:
+        node = tree.lookup(node.ino, n)
+    return node
+
+
+def err(fn, *args):
+    with pytest.raises(OSError) as e:
+        fn(*args)
+    return e.value.errno
+
+
+def test_names_kinds_and_attributes(env):
+    store, tree, clock = env
+    assert [n for n, _ in tree.children(ROOT_INODE)] == ["gpt"]
+    model = path(tree, "gpt")
+    assert [n for n, _ in tree.children(model.ino)] == ["latest", "step-00000010", "step-00000020", "step-00000030"]
+    latest = path(tree, "gpt", "latest")
+    assert latest.kind is Kind.LATEST and tree.readlink(latest) == "step-00000030"
+    assert stat.S_ISLNK(tree.attr(latest).mode) and tree.attr(latest).size == len("step-00000030")
+    f = path(tree, "gpt", "step-00000020", "checkpoint.pt")
+    a = tree.attr(f)
+    assert stat.S_ISREG(a.mode) and a.size == 2 + 1000 and a.mtime_ns == store.table["gpt"][20].time_ns
+    assert stat.S_ISDIR(tree.attr(model).mode)
+
+
+def test_inodes_stable_across_refreshes_and_new_for_a_recommitted_step(env):
+    store, tree, clock = env
+    d = path(tree, "gpt", "step-00000020")
+    f = path(tree, "gpt", "step-00000020", "checkpoint.pt")
+    g = path(tree, "gpt", "step-00000010", "checkpoint.pt")
+    assert len({d.ino, f.ino, g.ino, ROOT_INODE}) == 4
+    clock.now += 10
+    store.commit("gpt", 40)
+    assert path(tree, "gpt", "step-00000020").ino == d.ino
+    assert path(tree, "gpt", "step-00000020", "checkpoint.pt").ino == f.ino
+    # step 20 removed and saved again: same directory inode, new file inodes (new bytes)
+    store.table["gpt"].pop(20)
+    store.commit("gpt", 20)
+    clock.now += 10
+    assert path(tree, "gpt", "step-00000020").ino == d.ino
+    f2 = path(tree, "gpt", "step-00000020", "checkpoint.pt")
+    assert f2.ino != f.ino and tree.attr(f2).size == 2 + 1000
+    assert err(tree.attr, f) == errno.ENOENT  # the old file is gone, not silently the new one
+
+
+def test_listing_is_refreshed_at_most_every_half_second(env):
+    store, tree, clock = env
+    path(tree, "gpt")
+    n = store.listings
+    for _ in range(20):
+        path(tree, "gpt", "latest")
+    assert store.listings == n
+    store.commit("gpt", 40)
+    assert err(path, tree, "gpt", "step-00000040") == errno.ENOENT  # not yet seen
+    clock.now += 0.5
+    assert path(tree, "gpt", "step-00000040").kind is Kind.VERSION
+    assert store.listings == n + 1
+    assert tree.readlink(path(tree, "gpt", "latest")) == "step-00000040"
+
+
+def test_vanished_versions_and_models_are_enoent_and_uncached(env):
+    store, tree, clock = env
+    f = path(tree, "gpt", "step-00000010", "checkpoint.pt")
+    assert ("gpt", 10, 1) in tree._files
+    del store.table["gpt"][10]
+    clock.now += 1
+    assert err(path, tree, "gpt", "step-00000010") == errno.ENOENT
+    assert err(tree.attr, f) == errno.ENOENT
+    assert err(tree.open, f, os.O_RDONLY) == errno.ENOENT
+    assert ("gpt", 10, 1) not in tree._files
+    del store.table["gpt"]
+    clock.now += 1
+    assert tree.children(ROOT_INODE) == []
+    assert err(path, tree, "gpt") == errno.ENOENT
+
+
+def test_open_pins_until_close_and_reads_the_view(env):
+    store, tree, clock = env
+    f = path(tree, "gpt", "step-00000020", "checkpoint.pt")
+    h = tree.open(f, os.O_RDONLY)
+    assert store.pins[("gpt", 20)] == 1
+    assert h.read(0, 2) == b"v2" and h.read(2, 4) == store.region[:4] and h.read(1000, 50) == store.region[998:1000]
+    assert h.read(h.size, 10) == b""
+    h.close()
+    assert store.pins[("gpt", 20)] == 0
+
+
+def test_open_of_a_replaced_version_releases_its_pin(env):
+    store, tree, clock = env
+    f = path(tree, "gpt", "step-00000020", "checkpoint.pt")
+    store.table["gpt"][20] = replace(store.table["gpt"][20], counter=99)  # slot reused, same step
+    assert err(tree.open, f, os.O_RDONLY) == errno.ENOENT
+    assert store.pins[("gpt", 20)] == 0
+
+
+def test_changes_allowed_and_refused(env):
+    store, tree, clock = env
+    model = path(tree, "gpt")
+    v10 = path(tree, "gpt", "step-00000010")
+    v30 = path(tree, "gpt", "step-00000030")
+    f = path(tree, "gpt", "step-00000010", "checkpoint.pt")
+    for flags in (os.O_WRONLY, os.O_RDWR, os.O_TRUNC, os.O_APPEND):
+        assert err(tree.open, f, flags) == errno.EROFS
+    assert err(tree.open, v10, os.O_RDONLY) == errno.EISDIR
+    tree.check_unlink(v10.ino, "checkpoint.pt")  # accepted: first half of `rm -r`
+    assert err(tree.check_unlink, v30.ino, "checkpoint.pt") == errno.EBUSY  # latest
+    assert err(tree.check_unlink, model.ino, "latest") == errno.EROFS
+    assert err(tree.check_unlink, model.ino, "step-00000010") == errno.EISDIR
+    assert err(tree.check_unlink, v10.ino, "nope") == errno.ENOENT
+    assert tree.version_to_remove(model.ino, "step-00000010") == ("gpt", 10)
+    assert err(tree.version_to_remove, model.ino, "latest") == errno.ENOTDIR
+    assert err(tree.version_to_remove, v10.ino, "checkpoint.pt") == errno.ENOTDIR
+    assert err(tree.version_to_remove, ROOT_INODE, "gpt") == errno.EROFS
+    assert err(tree.version_to_remove, model.ino, "step-00000099") == errno.ENOENT
+    assert err(tree.lookup, f.ino, "x") == errno.ENOTDIR
+    assert err(tree.readlink, f) == errno.EINVAL
+
+
+@pytest.mark.parametrize("exc, code", [
+    (E.NotFoundError("x"), errno.ENOENT),
+    (E.BusyError("x"), errno.EBUSY),
+    (E.CorruptionError("x"), errno.EIO),
+    (E.RegionFormatError("x"), errno.EIO),
+    (E.InvalidNameError("x"), errno.ENOENT),
+    (E.CkptfsError("x"), errno.EIO),
+    (pyfuse3.FUSEError(errno.EXDEV), errno.EXDEV),
+    (OSError(errno.EROFS, "ro"), errno.EROFS),
+    (FileNotFoundError(errno.ENOENT, "x"), errno.ENOENT),
+    (OSError("no errno"), errno.EIO),
+    (ValueError("bug"), errno.EIO),
+])
+def test_errno_for(exc, code):
+    assert errno_for(exc) == code
+
+
+def _ops(env):
+    store, tree, clock = env
+    return store, tree, CkptfsOperations(store, tree)
+
+
+def test_ops_translate_errors_and_survive_bugs(env):
+    store, tree, ops = _ops(env)
+    f = path(tree, "gpt", "step-00000010", "checkpoint.pt")
+
+    async def scenario():
+        with pytest.raises(pyfuse3.FUSEError) as e:
+            await ops.lookup(ROOT_INODE, b"nope", None)
+        assert e.value.errno == errno.ENOENT
+        with pytest.raises(pyfuse3.FUSEError) as e:
+            await ops.mkdir(ROOT_INODE, b"x", 0o755, None)
+        assert e.value.errno == errno.EROFS
+        info = await ops.open(f.ino, os.O_RDONLY, None)
+        assert info.keep_cache and not info.direct_io
+        assert bytes(await ops.read(info.fh, 0, 2)) == b"v1"
+        ops._files[info.fh].view = None  # a bug below the handler: EIO, not a dead mount
+        with pytest.raises(pyfuse3.FUSEError) as e:
+            await ops.read(info.fh, 0, 2)
+        assert e.value.errno == errno.EIO
+        await ops.release(info.fh)
+        assert store.pins[("gpt", 10)] == 0
+        with pytest.raises(pyfuse3.FUSEError) as e:
+            await ops.rmdir(path(tree, "gpt").ino, b"step-00000030", None)
+        assert e.value.errno == errno.EBUSY
+        await ops.rmdir(path(tree, "gpt").ino, b"step-00000010", None)
+        assert 10 not in store.table["gpt"]
+        assert [n for n, _ in tree.children(path(tree, "gpt").ino)] == ["latest", "step-00000020", "step-00000030"]
+        st = await ops.statfs(None)
+        assert st.f_blocks == (1 << 30) // 4096
+
+    trio.run(scenario)
+
+
+def test_rmdir_waits_for_a_pending_release_of_its_own(env):
+    """close(2) sends RELEASE asynchronously: an rmdir right after must not fail with EBUSY."""
+    store, tree, ops = _ops(env)
+    f = path(tree, "gpt", "step-00000010", "checkpoint.pt")
+
+    async def scenario():
+        info = await ops.open(f.ino, os.O_RDONLY, None)
+        async with trio.open_nursery() as n:
+            n.start_soon(ops.rmdir, path(tree, "gpt").ino, b"step-00000010", None)
+            await trio.sleep(0.1)
+            await ops.release(info.fh)
+        assert 10 not in store.table["gpt"]
+
+    trio.run(scenario)

@@ -1,0 +1,613 @@
+#!/usr/bin/env python3
+"""Save / load benchmark of ckptfs against its peers and the raw device, measured in one run.
+
+For each state (``flat``: ~100 fp32 tensors of --size-gib; ``gpt2``: GPT-2 small + AdamW) it
+measures, on the filesystem of --dir:
+  raw O_DIRECT sequential write / read (the device ceiling), buffered write+fsync, mmap+msync,
+  one warm memcpy of the state (CPU) or a pinned D2H copy (CUDA),
+  torch.save+fsync, safetensors save_file+fsync, torch.distributed.checkpoint save / async_save,
+  ckptfs: stall (until save returns), durable time (until the future resolves), throughput,
+  back-to-back throughput with the writer's in-flight window, Store.load (cold cache),
+and prints absolute figures plus the ratios of DESIGN.md's performance targets.
+
+The measurements run in ROUNDS: each round measures every method once, in a fixed order, and
+each target ratio is computed within a round (ckptfs against the baseline measured seconds
+before it) and reported as the median over the rounds. The disk and the shared machine drift by
+2x within minutes; pairing keeps that drift out of the ratios.
+
+    python tools/bench_save.py                    # 2 GiB flat + GPT-2/AdamW, 3 rounds
+    python tools/bench_save.py --quick            # small end-to-end check (~30 s)
+    python tools/bench_save.py --device cuda --json out/bench.json
+See tools/README.md.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from typing import Any, Callable, Iterator
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _HERE)
+sys.path.insert(1, os.path.dirname(_HERE))
+
+import torch  # noqa: E402
+
+import _bench_common as bc  # noqa: E402
+
+# key -> (label, kind); kind "baseline" rows feed a target ratio
+LABELS: dict[str, tuple[str, str]] = {
+    "raw_write": ("raw O_DIRECT write + fdatasync", "baseline"),
+    "raw_read": ("raw O_DIRECT read", "baseline"),
+    "raw_overwrite": ("raw O_DIRECT overwrite of the file's blocks", "info"),
+    "memcpy": ("memcpy of the state (copy_, warm)", "baseline"),
+    "d2h_pinned": ("D2H copy into pinned memory (warm)", "baseline"),
+    "ckptfs_stall": ("ckptfs save: stall (until save returns)", "ckptfs"),
+    "ckptfs_durable": ("ckptfs save: durable (until future result)", "ckptfs"),
+    "ckptfs_load": ("ckptfs Store.load (cold cache, to cpu)", "ckptfs"),
+    "ckptfs_load_dev": ("ckptfs Store.load (cold cache, to device)", "ckptfs"),
+    "ckptfs_b2b": ("ckptfs back-to-back saves (per save, last round)", "ckptfs"),
+    "torch_save": ("torch.save + fsync", "baseline"),
+    "safetensors": ("safetensors save_file + fsync", "peer"),
+    "dcp_save": ("torch.distributed.checkpoint.save", "peer"),
+    "dcp_async": ("torch.distributed.checkpoint.async_save (durable)", "peer"),
+    "raw_write_mt": ("raw O_DIRECT write, parallel threads", "info"),
+    "raw_read_mt": ("raw O_DIRECT read, parallel threads", "info"),
+    "buffered_write": ("buffered write + fsync", "info"),
+    "mmap_msync": ("mmap write + msync", "info"),
+    "buffered_read": ("buffered read, cold cache", "info"),
+}
+
+PHASES = ["raw", "memcpy", "ckptfs", "torch", "safetensors", "dcp", "dcp_async", "extra"]
+
+
+class Bench:
+    """Rows (one per measured key) and notes for one state."""
+
+    def __init__(self, name: str, nbytes: int, args: argparse.Namespace, root: str):
+        self.name = name
+        self.nbytes = nbytes
+        self.args = args
+        self.root = root
+        self.samples: dict[str, list[dict[str, Any]]] = {}  # key -> per-round {"s": ..., extras}
+        self.rounds: list[dict[str, dict[str, Any]]] = []
+        self.notes: list[str] = []
+        self.dropped_ok = True
+
+    def drop(self) -> None:
+        if self.args.no_drop:
+            os.sync()
+        elif not bc.drop_caches():
+            self.dropped_ok = False
+
+    def note(self, msg: str) -> None:
+        self.notes.append(msg)
+        print(f"  note: {msg}", flush=True)
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.root, name)
+
+    def record(self, rnd: int, key: str, sample: dict[str, Any]) -> None:
+        self.samples.setdefault(key, []).append(sample)
+        while len(self.rounds) <= rnd:
+            self.rounds.append({})
+        self.rounds[rnd][key] = sample
+        label = LABELS.get(key, (key, ""))[0]
+        nb = sample.get("bytes", self.nbytes)
+        extra = "".join(f"  {k}={bc.fmt_s(v) if k.endswith('_s') else v}" for k, v in sample.items()
+                        if k not in ("s", "bytes"))
+        print(f"  [{rnd + 1}] {label:<50} {bc.fmt_s(sample['s']):>9}  {bc.fmt_num(bc.gbps(nb, sample['s'])):>6} GB/s"
+              f"{extra}", flush=True)
+
+    def rows(self) -> dict[str, dict[str, Any]]:
+        out = {}
+        for key, ss in self.samples.items():
+            secs = [s["s"] for s in ss]
+            nb = ss[0].get("bytes", self.nbytes)
+            med = bc.median(secs)
+            row = {"label": LABELS.get(key, (key, ""))[0], "kind": LABELS.get(key, ("", "info"))[1],
+                   "seconds": secs, "median_s": med, "min_s": min(secs), "bytes": nb, "gbps": bc.gbps(nb, med)}
+            for k in ss[0]:
+                if k not in ("s", "bytes"):
+                    vals = [s[k] for s in ss if k in s]
+                    row[k] = bc.median(vals) if all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                   for v in vals) else vals
+            out[key] = row
+        return out
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------------------------
+# methods: generators; each ``next()`` runs one round and yields {key: sample}; closing the
+# generator cleans up
+
+
+def m_raw(b: Bench, buf: bc.AlignedBuffer) -> Iterator[dict]:
+    f = b.path("raw.bin")
+    try:
+        while True:
+            bc.remove(f)
+            b.drop()
+            w = bc.odirect_write(f, b.nbytes, buf, threads=1)
+            b.drop()
+            r = bc.odirect_read(f, b.nbytes, buf, threads=1)
+            b.drop()
+            o = bc.odirect_write(f, b.nbytes, buf, threads=1, overwrite=True)
+            bc.remove(f)
+            yield {"raw_write": {"s": w}, "raw_read": {"s": r}, "raw_overwrite": {"s": o}}
+    finally:
+        bc.remove(f)
+
+
+def m_extra(b: Bench, buf: bc.AlignedBuffer) -> Iterator[dict]:
+    """Other ways to write/read the same bytes (information for choosing the write path)."""
+    n, th = b.nbytes, b.args.raw_threads
+    f = b.path("extra.bin")
+    try:
+        while True:
+            out = {}
+            if th > 1:
+                bc.remove(f)
+                b.drop()
+                out["raw_write_mt"] = {"s": bc.odirect_write(f, n, buf, threads=th), "threads": th}
+                b.drop()
+                out["raw_read_mt"] = {"s": bc.odirect_read(f, n, buf, threads=th), "threads": th}
+            bc.remove(f)
+            b.drop()
+            out["buffered_write"] = {"s": bc.buffered_write_fsync(f, n, buf)}
+            b.drop()
+            out["buffered_read"] = {"s": bc.buffered_read(f, n, buf)}
+            bc.remove(f)
+            b.drop()
+            out["mmap_msync"] = {"s": bc.mmap_write_msync(f, n, buf)}
+            bc.remove(f)
+            yield out
+    finally:
+        bc.remove(f)
+
+
+def m_memcpy(b: Bench, state: Any) -> Iterator[dict]:
+    dev = b.args.device
+    while True:
+        out = {}
+        dst = bc.clone_like(state)
+        bc.copy_state_(dst, state)  # warm: faults in the destination pages
+        bc.cuda_sync(dev)
+        secs = []
+        for _ in range(3):
+            bc.cuda_sync(dev)
+            t0 = time.perf_counter()
+            bc.copy_state_(dst, state)
+            bc.cuda_sync(dev)
+            secs.append(time.perf_counter() - t0)
+        del dst
+        out["memcpy"] = {"s": bc.median(secs)}
+        if dev.startswith("cuda"):
+            pinned = bc.clone_like(state, device="cpu", pin=True)
+            bc.copy_state_(pinned, state, non_blocking=True)
+            torch.cuda.synchronize()
+            secs = []
+            for _ in range(3):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                bc.copy_state_(pinned, state, non_blocking=True)
+                torch.cuda.synchronize()
+                secs.append(time.perf_counter() - t0)
+            del pinned
+            out["d2h_pinned"] = {"s": bc.median(secs)}
+        gc.collect()
+        yield out
+
+
+def m_torch_save(b: Bench, state: Any) -> Iterator[dict]:
+    p = b.path("torch.pt")
+
+    def run():
+        with open(p, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    try:
+        while True:
+            bc.remove(p)
+            b.drop()
+            s = timed(run)
+            bc.remove(p)
+            yield {"torch_save": {"s": s}}
+    finally:
+        bc.remove(p)
+
+
+def m_safetensors(b: Bench, state: Any) -> Iterator[dict]:
+    from safetensors.torch import save_file
+
+    flat = {k: v.contiguous() for k, v in bc.flatten_tensors(state).items()}
+    p = b.path("st.safetensors")
+
+    def run():
+        save_file(flat, p)
+        bc.fsync_path(p)
+
+    try:
+        while True:
+            bc.remove(p)
+            b.drop()
+            s = timed(run)
+            bc.remove(p)
+            yield {"safetensors": {"s": s}}
+    finally:
+        bc.remove(p)
+
+
+def _dcp():
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
+
+
+def m_dcp(b: Bench, state: Any) -> Iterator[dict]:
+    dcp = _dcp()
+    extra = {"no_dist": True} if "no_dist" in inspect.signature(dcp.save).parameters else {}
+    p = b.path("dcp")
+
+    def run():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(p, sync_files=True), **extra)
+        bc.fsync_tree(p)  # directory entries too (FileSystemWriter fsyncs the files only)
+
+    try:
+        while True:
+            bc.remove(p)
+            b.drop()
+            s = timed(run)
+            bc.remove(p)
+            yield {"dcp_save": {"s": s}}
+    finally:
+        bc.remove(p)
+
+
+def m_dcp_async(b: Bench, state: Any) -> Iterator[dict]:
+    dcp = _dcp()
+    if not hasattr(dcp, "async_save"):
+        raise RuntimeError("torch.distributed.checkpoint.async_save is not in this torch")
+    extra = {"no_dist": True} if "no_dist" in inspect.signature(dcp.async_save).parameters else {}
+    p = b.path("dcp_async")
+    try:
+        while True:
+            bc.remove(p)
+            b.drop()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                t0 = time.perf_counter()
+                fut = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(p, sync_files=True), **extra)
+                t1 = time.perf_counter()
+                # torch >= 2.8 may return an AsyncSaveResponse (staging + upload futures)
+                (fut.upload_completion if hasattr(fut, "upload_completion") else fut).result()
+                bc.fsync_tree(p)
+                t2 = time.perf_counter()
+            bc.remove(p)
+            yield {"dcp_async": {"s": t2 - t0, "stall_s": t1 - t0}}
+    finally:
+        bc.remove(p)
+
+
+def m_ckptfs(b: Bench, state: Any) -> Iterator[dict]:
+    import ckptfs
+
+    a = b.args
+    wkw = bc.writer_kwargs(a.max_inflight, a.persist_threads,
+                           a.chunk_mib * bc.MiB if a.chunk_mib else None,
+                           a.staging_mib * bc.MiB if a.staging_mib else None)
+    inflight = wkw.get("max_inflight", 2)
+    region = b.path("region.ckptfs")
+    size = int(a.region_gib * bc.GiB) if a.region_gib else int(b.nbytes * (inflight + 3) * 1.15) + 256 * bc.MiB
+    size = (size + bc.MiB - 1) // bc.MiB * bc.MiB
+    model = "bench"
+    store = ckptfs.Store.create(region, size_bytes=size)
+    w = None
+    try:
+        w = store.writer(model, **wkw)
+        # warm-up: the first save creates the model's slot ring (and the staging pool)
+        t0 = time.perf_counter()
+        for step in range(a.warmup):
+            w.save(state, step=step).result()
+        warm = time.perf_counter() - t0
+        b.notes.append(f"ckptfs region {size / bc.GiB:.2f} GiB, writer options {wkw or 'library defaults'}, "
+                       f"{a.warmup} warm-up save(s) {bc.fmt_s(warm)}")
+        step = a.warmup
+        rnd = 0
+        while True:
+            out = {}
+            b.drop()
+            bc.cuda_sync(a.device)
+            t0 = time.perf_counter()
+            fut = w.save(state, step=step)
+            t1 = time.perf_counter()
+            fut.result()
+            t2 = time.perf_counter()
+            out["ckptfs_stall"] = {"s": t1 - t0}
+            out["ckptfs_durable"] = {"s": t2 - t0}
+            step += 1
+            gc.collect()
+            b.drop()
+            t0 = time.perf_counter()
+            loaded = store.load(model)
+            out["ckptfs_load"] = {"s": time.perf_counter() - t0}
+            if rnd == 0:
+                if not bc.states_equal(loaded, state):
+                    b.note("ckptfs: Store.load returned a state that differs from the one saved!")
+                elif isinstance(state, dict) and list(loaded.keys()) != list(state.keys()):
+                    b.note("ckptfs: Store.load returned different top-level keys / order")
+                else:
+                    out["ckptfs_load"]["verified"] = True
+            del loaded
+            if a.device.startswith("cuda"):
+                gc.collect()
+                b.drop()
+                t0 = time.perf_counter()
+                obj = store.load(model, map_location=a.device)
+                torch.cuda.synchronize()
+                out["ckptfs_load_dev"] = {"s": time.perf_counter() - t0}
+                del obj
+            if rnd == a.repeat - 1:
+                # last round: back to back, the in-flight window kept full
+                k = inflight + 1
+                b.drop()
+                futs, stalls = [], []
+                t0 = time.perf_counter()
+                for _ in range(k):
+                    s0 = time.perf_counter()
+                    futs.append(w.save(state, step=step))
+                    stalls.append(time.perf_counter() - s0)
+                    step += 1
+                for f in futs:
+                    f.result()
+                dt = time.perf_counter() - t0
+                out["ckptfs_b2b"] = {"s": dt / k, "saves": k, "total_s": dt, "stall_max_s": max(stalls)}
+            latest = store.latest(model) if hasattr(store, "latest") else None
+            if latest is not None and latest.step != step - 1:
+                b.note(f"ckptfs: latest step is {latest.step}, expected {step - 1}")
+            rnd += 1
+            yield out
+    finally:
+        try:
+            if w is not None:
+                w.close()
+        finally:
+            store.close()
+            bc.remove(region)
+            gc.collect()
+
+
+# --------------------------------------------------------------------------------------------
+# targets
+
+
+TARGETS = [
+    # figure, ckptfs key, baseline key, ckptfs field, op, target, unit ("GB/s": compare bandwidths)
+    ("durable throughput / raw O_DIRECT write", "ckptfs_durable", "raw_write", ">=", 0.9, "GB/s", "cpu,cuda"),
+    ("durable throughput / torch.save+fsync", "ckptfs_durable", "torch_save", ">=", 3.0, "GB/s", "cpu,cuda"),
+    ("stall / memcpy of the state", "ckptfs_stall", "memcpy", "<=", 1.25, "s", "cpu"),
+    ("GPU stall / pinned D2H copy", "ckptfs_stall", "d2h_pinned", "<=", 1.1, "s", "cuda"),
+    ("Store.load / raw O_DIRECT read", "ckptfs_load", "raw_read", ">=", 0.8, "GB/s", "cpu,cuda"),
+]
+
+
+def targets(b: Bench) -> list[dict[str, Any]]:
+    rows = b.rows()
+    dev = "cuda" if b.args.device.startswith("cuda") else "cpu"
+    out = []
+    for figure, ck, base, op, target, unit, devs in TARGETS:
+        if dev not in devs.split(","):
+            continue
+        # paired ratios: within each round
+        ratios = []
+        for rnd in b.rounds:
+            if ck in rnd and base in rnd:
+                x, y = rnd[ck]["s"], rnd[base]["s"]
+                ratios.append(y / x if unit == "GB/s" else x / y)  # bandwidth ratio = inverse time ratio
+        ratio = bc.median(ratios) if ratios else None
+        ok = None if ratio is None else (ratio >= target if op == ">=" else ratio <= target)
+
+        def fig(key):
+            r = rows.get(key)
+            if r is None:
+                return None
+            return r["gbps"] if unit == "GB/s" else r["median_s"]
+
+        out.append({"figure": figure, "measured": fig(ck), "baseline": fig(base), "ratio": ratio,
+                    "ratios": ratios, "op": op, "target": target, "unit": unit, "ok": ok})
+    return out
+
+
+def print_report(b: Bench, tg: list[dict[str, Any]]) -> None:
+    rows = b.rows()
+    order = [k for k in LABELS if k in rows] + [k for k in rows if k not in LABELS]
+    trs = []
+    for key in order:
+        r = rows[key]
+        extra = []
+        if "stall_s" in r:
+            extra.append(f"stall {bc.fmt_s(r['stall_s'])}")
+        if "threads" in r:
+            extra.append(f"{r['threads']} threads")
+        if key == "ckptfs_b2b":
+            extra.append(f"{r.get('saves')} saves in {bc.fmt_s(r.get('total_s'))}, max stall {bc.fmt_s(r.get('stall_max_s'))}")
+        if r.get("verified") is True or (isinstance(r.get("verified"), list) and True in r["verified"]):
+            extra.append("content verified")
+        trs.append([r["label"], r["kind"], bc.fmt_s(r["median_s"]), bc.fmt_s(r["min_s"]), bc.fmt_num(r["gbps"]),
+                    "  ".join(extra)])
+    print()
+    print(f"all figures, state {b.name} ({b.nbytes / bc.GB:.3f} GB), {b.args.repeat} round(s):")
+    print(bc.table(["method", "", "median", "best", "GB/s", ""], trs))
+    trs = []
+    for t in tg:
+        fm = bc.fmt_s if t["unit"] == "s" else (lambda x: "-" if x is None else f"{x:.2f} GB/s")
+        ok = "-" if t["ok"] is None else ("PASS" if t["ok"] else "FAIL")
+        spread = ""
+        if len(t["ratios"]) > 1:
+            spread = f"{min(t['ratios']):.2f}..{max(t['ratios']):.2f}"
+        trs.append([t["figure"], fm(t["measured"]), fm(t["baseline"]),
+                    "-" if t["ratio"] is None else f"{t['ratio']:.2f}", spread, f"{t['op']} {t['target']}", ok])
+    print()
+    print(f"targets, state {b.name}: ratio = median over rounds of the ratio within a round")
+    print(bc.table(["figure", "ckptfs", "baseline", "ratio", "range", "target", ""], trs))
+    if b.notes:
+        print("notes:\n" + "\n".join(f"  - {n}" for n in b.notes))
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def build_state(name: str, a: argparse.Namespace) -> tuple[str, Any]:
+    if name == "flat":
+        st = bc.make_flat_state(int(a.size_gib * bc.GiB), n_tensors=100, device=a.device)
+        return f"flat ({len(st)} fp32 tensors, {a.size_gib:g} GiB)", st
+    if name == "gpt2":
+        if a.quick:
+            st = bc.make_gpt2_adamw_state(a.device, n_layer=1, vocab=8192)
+            return "gpt2+adamw (quick: 1 layer, vocab 8192)", st
+        st = bc.make_gpt2_adamw_state(a.device)
+        return "gpt2-small+adamw (124M params + AdamW moments)", st
+    raise SystemExit(f"unknown state {name!r}: use flat, gpt2")
+
+
+def run_state(sname: str, a: argparse.Namespace, root: str, skip: set[str]) -> dict[str, Any]:
+    t_build = time.perf_counter()
+    label, state = build_state(sname, a)
+    nbytes = bc.state_nbytes(state)
+    print(f"\n=== state {label}: {nbytes / bc.GB:.3f} GB in {len(list(bc.iter_tensors(state)))} tensors "
+          f"(built in {time.perf_counter() - t_build:.1f} s)", flush=True)
+    b = Bench(label, nbytes, a, root)
+    buf = bc.AlignedBuffer(a.block_mib * bc.MiB)
+    ok, why = bc.ckptfs_status()
+    makers: list[tuple[str, Callable[[], Iterator[dict]]]] = [
+        ("raw", lambda: m_raw(b, buf)),
+        ("memcpy", lambda: m_memcpy(b, state)),
+        ("ckptfs", lambda: m_ckptfs(b, state)),
+        ("torch", lambda: m_torch_save(b, state)),
+        ("safetensors", lambda: m_safetensors(b, state)),
+        ("dcp", lambda: m_dcp(b, state)),
+        ("dcp_async", lambda: m_dcp_async(b, state)),
+        ("extra", lambda: m_extra(b, buf)),
+    ]
+    gens: list[tuple[str, Iterator[dict]]] = []
+    for name, mk in makers:
+        if name in skip:
+            continue
+        if name == "ckptfs" and not ok:
+            b.note(f"ckptfs skipped: {why}")
+            continue
+        gens.append((name, mk()))
+    try:
+        for rnd in range(a.repeat):
+            for name, g in list(gens):
+                try:
+                    res = next(g)
+                except Exception as e:  # noqa: BLE001 - a method failing is a result, not a crash
+                    msg = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                    if name == "dcp_async":
+                        msg = "torch.distributed.checkpoint.async_save without a process group failed: " + msg
+                    b.note(f"{name} failed in round {rnd + 1}: {msg}")
+                    if a.verbose:
+                        traceback.print_exc()
+                    gens.remove((name, g))
+                    continue
+                for key, sample in res.items():
+                    b.record(rnd, key, sample)
+    finally:
+        for _name, g in gens:
+            g.close()
+        buf.close()
+    if not b.dropped_ok:
+        b.note("could not drop the page cache (not root?): cold-cache figures may be warm")
+    tg = targets(b)
+    print_report(b, tg)
+    del state
+    gc.collect()
+    return {"label": label, "bytes": nbytes, "rows": b.rows(), "rounds": b.rounds, "targets": tg, "notes": b.notes}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default="/tmp/ckptfs-bench",
+                    help="directory on the filesystem under test (a private subdirectory is made and removed)")
+    ap.add_argument("--size-gib", type=float, default=2.0, help="size of the flat state")
+    ap.add_argument("--repeat", type=int, default=3, help="rounds (each measures every method once; medians reported)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (where the state lives)")
+    ap.add_argument("--quick", action="store_true",
+                    help="small end-to-end check: 256 MiB flat, 1-layer GPT-2, 1 round")
+    ap.add_argument("--states", default="flat,gpt2", help="comma list of flat, gpt2")
+    ap.add_argument("--skip", default="", help=f"comma list of methods to skip: {', '.join(PHASES)}")
+    ap.add_argument("--json", metavar="OUT", help="write all results as JSON here")
+    ap.add_argument("--block-mib", type=int, default=64, help="block size of the raw O_DIRECT baselines")
+    ap.add_argument("--raw-threads", type=int, default=2, help="threads of the extra parallel raw I/O rows (1: none)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed ckptfs saves first (the first creates the ring)")
+    ap.add_argument("--max-inflight", type=int, help="ckptfs writer max_inflight (library default otherwise)")
+    ap.add_argument("--persist-threads", type=int, help="ckptfs writer persist_threads")
+    ap.add_argument("--chunk-mib", type=int, help="ckptfs writer chunk_bytes, in MiB")
+    ap.add_argument("--staging-mib", type=int, help="ckptfs writer staging_budget_bytes, in MiB")
+    ap.add_argument("--region-gib", type=float, help="ckptfs region size (default: fits max_inflight+3 copies)")
+    ap.add_argument("--no-drop", action="store_true", help="do not drop the page cache (sync only)")
+    ap.add_argument("-v", "--verbose", action="store_true", help="tracebacks of failing methods")
+    a = ap.parse_args(argv)
+    if a.quick:
+        if a.size_gib == 2.0:
+            a.size_gib = 0.25
+        a.repeat = 1
+    if a.repeat < 1 or a.warmup < 1:
+        ap.error("--repeat and --warmup must be >= 1")
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        print("--device cuda: CUDA is not available here", file=sys.stderr)
+        return 2
+    skip = {s.strip() for s in a.skip.split(",") if s.strip()}
+    bad = skip - set(PHASES)
+    if bad:
+        ap.error(f"unknown method(s) in --skip: {', '.join(sorted(bad))}")
+
+    os.makedirs(a.dir, exist_ok=True)
+    root = tempfile.mkdtemp(prefix="bench-", dir=a.dir)
+    fsinfo = bc.fs_of(root)
+    info = bc.machine_info()
+    ok, why = bc.ckptfs_status()
+    print(f"ckptfs bench_save: {fsinfo}; device {a.device}; {info['cpus']} cpus; torch {info['torch']} "
+          f"({info['torch_threads']} threads); load {info['loadavg'][0]:.2f}; "
+          f"ckptfs {'available' if ok else 'NOT available: ' + why}", flush=True)
+    if a.device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name()
+    results: dict[str, Any] = {"tool": "bench_save", "args": vars(a), "machine": info, "filesystem": fsinfo,
+                               "states": {}}
+    t_start = time.perf_counter()
+    try:
+        for sname in [s.strip() for s in a.states.split(",") if s.strip()]:
+            results["states"][sname] = run_state(sname, a, root, skip)
+    finally:
+        bc.remove(root)
+    results["machine"]["loadavg_end"] = os.getloadavg()
+    results["wall_s"] = time.perf_counter() - t_start
+    print(f"\nwall {results['wall_s']:.0f} s; load average at the end {os.getloadavg()[0]:.2f} "
+          "(other work on the machine moves every figure; compare ratios, not absolutes)")
+    if a.json:
+        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+        print(f"wrote {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

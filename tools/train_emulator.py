@@ -1,0 +1,375 @@
+#!/usr/bin/env python3
+"""Training emulator: checkpoint overhead of ckptfs against the PCcheck §3.4 model.
+
+One iteration = ``time.sleep(t)`` (the GPU's forward/backward) + an in-place update of every
+tensor of the state (``p.add_(0.001)``, the optimizer step). Every f iterations the state is
+saved with a writer holding at most N checkpoints in flight (``max_inflight=N``). For each
+(N, f) it prints the throughput overhead against the same loop without checkpoints, the
+measured per-checkpoint persist time T_w, and what the PCcheck runtime model predicts:
+
+    T_w > N·f·t  (training stalls):   overhead ≈ T_w / (N·f·t) − 1
+    otherwise                          overhead ≈ s / (f·t)   (the snapshot stall s only)
+
+(t = measured iteration time without checkpoints, s = stall of one isolated save; the emulator
+prints max of the two terms), and f* = ceil(T_w / (N*·q·t)) with N* = argmin_N T_w(N)/N (eq. 3).
+
+Modes (--mode): ``sync`` calls save() between the update and the next compute, so the snapshot
+stall is on the critical path; ``overlap`` calls save() from a helper thread during the next
+iteration's compute phase and makes the update wait for it (CheckFreq/PCcheck style: the weights
+do not change during forward/backward), so only max(0, s − t_compute) is exposed.
+
+    python tools/train_emulator.py                       # 256 MiB, t=0.05 s, f∈{1,2,5,10}, N∈{1,2,3}
+    python tools/train_emulator.py --quick               # ~30 s smoke run
+    python tools/train_emulator.py --mode both --json out/emu.json
+See tools/README.md.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _HERE)
+sys.path.insert(1, os.path.dirname(_HERE))
+
+import torch  # noqa: E402
+
+import _bench_common as bc  # noqa: E402
+
+
+def ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+class Emulator:
+    def __init__(self, a: argparse.Namespace, root: str):
+        self.a = a
+        self.root = root
+        self.state = bc.make_flat_state(int(a.state_mib * bc.MiB), n_tensors=a.tensors, device=a.device)
+        self.tensors = list(self.state.values())
+        self.nbytes = bc.state_nbytes(self.state)
+        self.region_seq = 0
+
+    # ----------------------------------------------------------------- the loop
+    def _update(self) -> None:
+        for p in self.tensors:
+            p.add_(0.001)
+        bc.cuda_sync(self.a.device)
+
+    def baseline(self, iters: int) -> float:
+        t0 = time.perf_counter()
+        upd = 0.0
+        for _ in range(iters):
+            time.sleep(self.a.t)
+            u = time.perf_counter()
+            self._update()
+            upd += time.perf_counter() - u
+        self.last_update_s = upd / iters
+        return time.perf_counter() - t0
+
+    # ----------------------------------------------------------------- ckptfs plumbing
+    def _open_store(self, n: int):
+        import ckptfs
+
+        self.region_seq += 1
+        path = os.path.join(self.root, f"region-{self.region_seq}.ckptfs")
+        size = int(self.nbytes * (n + 3) * 1.15) + 256 * bc.MiB
+        size = (size + bc.MiB - 1) // bc.MiB * bc.MiB
+        return ckptfs.Store.create(path, size_bytes=size), path
+
+    def _writer_kw(self, n: int) -> dict:
+        a = self.a
+        return bc.writer_kwargs(n, a.persist_threads, a.chunk_mib * bc.MiB if a.chunk_mib else None,
+                                a.staging_mib * bc.MiB if a.staging_mib else None)
+
+    def calibrate(self) -> dict[str, float]:
+        """Isolated saves (N=1, nothing else running): snapshot stall s and persist time T_w0."""
+        store, path = self._open_store(1)
+        stalls, durs = [], []
+        try:
+            with store.writer("calib", **self._writer_kw(1)) as w:
+                w.save(self.state, step=0).result()  # creates the ring
+                for i in range(self.a.calib):
+                    time.sleep(0.05)
+                    t0 = time.perf_counter()
+                    fut = w.save(self.state, step=i + 1)
+                    t1 = time.perf_counter()
+                    fut.result()
+                    t2 = time.perf_counter()
+                    stalls.append(t1 - t0)
+                    durs.append(t2 - t0)
+        finally:
+            store.close()
+            bc.remove(path)
+        return {"stall_s": bc.median(stalls), "tw0_s": bc.median(durs), "stalls": stalls, "durables": durs}
+
+    def run(self, n: int, f: int, iters: int, mode: str) -> dict[str, Any]:
+        a = self.a
+        store, path = self._open_store(n)
+        calls: list[float] = []
+        rets: list[float] = []
+        done: dict[int, float] = {}
+        futs = []
+        exposed: list[float] = []  # stall seen by the training loop per checkpoint
+        errors: list[str] = []
+        lock = threading.Lock()
+
+        def on_done(k):
+            def cb(fut):
+                with lock:
+                    done[k] = time.perf_counter()
+                if fut.exception() is not None:
+                    errors.append(f"{type(fut.exception()).__name__}: {fut.exception()}")
+            return cb
+
+        try:
+            with store.writer("emu", **self._writer_kw(n)) as w:
+                # warm-up: the first save creates the model ring; then fill every slot of the
+                # ring once (first writes into a sparse region allocate blocks) and fault in the
+                # staging pool, so that the loop measures the steady state
+                for k in range(self.a.warmup if self.a.warmup >= 0 else n + 2):
+                    w.save(self.state, step=k)
+                w.wait()
+                first_step = max(self.a.warmup if self.a.warmup >= 0 else n + 2, 1)
+
+                def do_save(step: int) -> None:
+                    k = len(calls)
+                    c = time.perf_counter()
+                    fut = w.save(self.state, step=step)
+                    r = time.perf_counter()
+                    calls.append(c)
+                    rets.append(r)
+                    futs.append(fut)
+                    fut.add_done_callback(on_done(k))
+
+                helper = ThreadPoolExecutor(1, thread_name_prefix="emu-save") if mode == "overlap" else None
+                pending_step = None
+                upd = 0.0
+                t0 = time.perf_counter()
+                for i in range(iters):
+                    if helper is not None and pending_step is not None:
+                        job = helper.submit(do_save, pending_step)
+                        time.sleep(a.t)  # compute overlaps the snapshot
+                        w0 = time.perf_counter()
+                        job.result()  # optimizer step must not run before the snapshot
+                        exposed.append(time.perf_counter() - w0)
+                        pending_step = None
+                    else:
+                        time.sleep(a.t)
+                    u = time.perf_counter()
+                    self._update()
+                    upd += time.perf_counter() - u
+                    if (i + 1) % f == 0:
+                        if helper is None:
+                            c = time.perf_counter()
+                            do_save(first_step + i + 1)
+                            exposed.append(time.perf_counter() - c)
+                        else:
+                            pending_step = first_step + i + 1
+                loop_s = time.perf_counter() - t0
+                if helper is not None:
+                    if pending_step is not None:
+                        helper.submit(do_save, pending_step).result()
+                    helper.shutdown()
+                t_drain = time.perf_counter()
+                w.wait()
+                drain_s = time.perf_counter() - t_drain
+            verified = None
+            if a.verify and iters % f == 0:
+                verified = bc.states_equal(store.load("emu"), self.state)
+        finally:
+            store.close()
+            bc.remove(path)
+        # T_w of checkpoint k: from when it could start (its call, or the completion of the
+        # checkpoint N places earlier, whose in-flight permit it waits for) to durable.
+        tws = []
+        for k in range(len(calls)):
+            if k not in done:
+                continue
+            start = calls[k]
+            if k >= n and (k - n) in done:
+                start = max(start, done[k - n])
+            tws.append(done[k] - start)
+        stalls = [r - c for c, r in zip(calls, rets)]
+        # snapshot time: save() minus the wait for an in-flight permit
+        snaps = []
+        for k in range(len(calls)):
+            start = calls[k]
+            if k >= n and (k - n) in done:
+                start = max(start, done[k - n])
+            snaps.append(max(0.0, rets[k] - start))
+        return {"N": n, "f": f, "mode": mode, "iters": iters, "loop_s": loop_s, "drain_s": drain_s,
+                "checkpoints": len(calls), "tw_s": sum(tws) / len(tws) if tws else float("nan"), "tw_med_s": bc.median(tws),
+                "tw_max_s": max(tws) if tws else None, "tws": tws, "stall_s": bc.median(stalls),
+                "snap_s": sum(snaps) / len(snaps) if snaps else float("nan"), "update_s": upd / iters,
+                "exposed_s": sum(exposed) / len(exposed) if exposed else 0.0,
+                "exposed_total_s": sum(exposed), "errors": errors[:3], "verified": verified}
+
+
+def predict(tw: float, s: float, n: int, f: int, t: float, t_compute: float, mode: str) -> tuple[float, str]:
+    """PCcheck §3.4 runtime model (steady state, A large): overhead fraction and regime."""
+    stall_term = (s if mode == "sync" else max(0.0, s - t_compute)) / (f * t)
+    if tw > n * f * t:
+        return max(tw / (n * f * t) - 1.0, stall_term), "stalls"
+    return stall_term, "hidden"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default="/tmp/ckptfs-bench", help="directory for the regions (private subdir, removed)")
+    ap.add_argument("--state-mib", type=float, default=256, help="state size")
+    ap.add_argument("--tensors", type=int, default=32, help="number of fp32 tensors in the state")
+    ap.add_argument("--t", type=float, default=0.05, help="emulated compute time per iteration (sleep), s")
+    ap.add_argument("--iters", type=int, default=60,
+                    help="iterations per run (a multiple of every N·f keeps the model exact)")
+    ap.add_argument("--f", default="1,2,5,10", help="checkpoint intervals to run, comma list")
+    ap.add_argument("--n", default="1,2,3", help="max checkpoints in flight to run, comma list")
+    ap.add_argument("--q", type=float, default=1.03, help="acceptable slowdown for f* (eq. 3)")
+    ap.add_argument("--target", type=float, default=0.03, help="overhead target at the smallest stall-free f")
+    ap.add_argument("--mode", choices=["sync", "overlap", "both"], default="sync")
+    ap.add_argument("--warmup", type=int, default=-1,
+                    help="saves before each timed run (default N+2: every slot of the ring written once)")
+    ap.add_argument("--calib", type=int, default=3, help="isolated saves for s and T_w0")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (1: the update leaves a core to the persist workers, as a GPU "
+                         "optimizer step would; 0: torch's default)")
+    ap.add_argument("--persist-threads", type=int)
+    ap.add_argument("--chunk-mib", type=int)
+    ap.add_argument("--staging-mib", type=int)
+    ap.add_argument("--no-verify", dest="verify", action="store_false",
+                    help="skip loading the last checkpoint of each run and comparing it with the state")
+    ap.add_argument("--quick", action="store_true", help="64 MiB, 20 iterations, f∈{1,5}, N∈{1,2}")
+    ap.add_argument("--json", metavar="OUT")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.state_mib, a.iters, a.f, a.n, a.calib = 64, 20, "1,5", "1,2", 2
+    fs, ns = ints(a.f), ints(a.n)
+    modes = ["sync", "overlap"] if a.mode == "both" else [a.mode]
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        print("--device cuda: CUDA is not available here", file=sys.stderr)
+        return 2
+    ok, why = bc.ckptfs_status()
+    if not ok:
+        print(f"ckptfs is not usable yet: {why}", file=sys.stderr)
+        return 2
+
+    os.makedirs(a.dir, exist_ok=True)
+    root = tempfile.mkdtemp(prefix="emu-", dir=a.dir)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    info = bc.machine_info()
+    results: dict[str, Any] = {"tool": "train_emulator", "args": vars(a), "machine": info,
+                               "filesystem": bc.fs_of(root), "runs": []}
+    t_start = time.perf_counter()
+    try:
+        emu = Emulator(a, root)
+        print(f"train_emulator: state {emu.nbytes / bc.MiB:.0f} MiB in {len(emu.tensors)} tensors on {a.device}, "
+              f"t(sleep) = {a.t * 1e3:.0f} ms, {a.iters} iterations/run, torch threads {torch.get_num_threads()}, "
+              f"{bc.fs_of(root)}, load {info['loadavg'][0]:.2f}", flush=True)
+        emu.baseline(3)  # warm the update path
+        cal = emu.calibrate()
+        print(f"isolated save (N=1): save() {bc.fmt_s(cal['stall_s'])}, durable after {bc.fmt_s(cal['tw0_s'])} "
+              f"({emu.nbytes / cal['tw0_s'] / bc.GB:.2f} GB/s)", flush=True)
+        # baselines interleaved with the runs: each run is compared with the mean of the
+        # baseline just before and just after it (the machine is shared; load drifts)
+        bases = [emu.baseline(a.iters)]
+        print(f"baseline: {bases[0] / a.iters * 1e3:.1f} ms/iteration", flush=True)
+        runs = []
+        for mode in modes:
+            for n in ns:
+                for f in fs:
+                    try:
+                        r = emu.run(n, f, a.iters, mode)
+                    except Exception as e:  # noqa: BLE001
+                        traceback.print_exc()
+                        r = {"N": n, "f": f, "mode": mode, "failed": f"{type(e).__name__}: {e}"}
+                    bases.append(emu.baseline(a.iters))
+                    r["base_loop_s"] = [bases[-2], bases[-1]]
+                    runs.append(r)
+                    if "failed" in r:
+                        print(f"  {mode} N={n} f={f}: FAILED {r['failed']}", flush=True)
+                    else:
+                        print(f"  {mode} N={n} f={f:>2}: loop {r['loop_s']:.2f} s (baseline {bases[-2]:.2f}/"
+                              f"{bases[-1]:.2f} s), {r['checkpoints']} ckpts, T_w {bc.fmt_s(r['tw_s'])}, "
+                              f"save() {bc.fmt_s(r['stall_s'])}, update {bc.fmt_s(r['update_s'])} "
+                              f"(baseline {bc.fmt_s(emu.last_update_s)})"
+                              + (f", ERRORS {r['errors']}" if r["errors"] else "")
+                              + ("" if r["verified"] in (None, True) else ", LOAD MISMATCH"), flush=True)
+        t_iter = bc.median(bases) / a.iters
+        results["baselines_s"] = bases
+
+        for mode in modes:
+            mruns = [r for r in runs if r["mode"] == mode and "failed" not in r]
+            for r in mruns:
+                base = sum(r["base_loop_s"]) / 2
+                r["t_iter_s"] = ti = base / a.iters
+                r["overhead"] = r["loop_s"] / base - 1.0
+                r["noise"] = abs(r["base_loop_s"][0] - r["base_loop_s"][1]) / base
+                r["pred"], r["regime"] = predict(r["tw_s"], r["snap_s"], r["N"], r["f"], ti, a.t, mode)
+                r["fits"] = r["tw_s"] <= r["N"] * r["f"] * ti
+            # target rows: per N, the smallest f whose T_w fits in N·f·t
+            for n in ns:
+                cand = sorted((r for r in mruns if r["N"] == n and r["fits"]), key=lambda r: r["f"])
+                if cand:
+                    cand[0]["target_row"] = True
+                    cand[0]["target_ok"] = cand[0]["overhead"] <= a.target
+            # f* (eq. 3): T_w(N) = worst (largest) median T_w seen with N in flight
+            twn = {}
+            for n in ns:
+                tw = [r["tw_s"] for r in mruns if r["N"] == n]
+                if tw:
+                    twn[n] = max(tw)
+            fstar = {n: math.ceil(tw / (n * a.q * t_iter)) for n, tw in twn.items()}
+            nstar = min(twn, key=lambda n: twn[n] / n) if twn else None
+
+            print()
+            print(f"mode {mode}: t = {t_iter * 1e3:.1f} ms/iteration without checkpoints (median of {len(bases)} "
+                  f"baseline runs, sleep {a.t * 1e3:.0f} ms + update), state {emu.nbytes / bc.GB:.3f} GB")
+            rows = []
+            for r in sorted(mruns, key=lambda r: (r["N"], r["f"])):
+                mark = ""
+                if r.get("target_row"):
+                    mark = f"<- target: {'PASS' if r['target_ok'] else 'FAIL'} (<= {a.target * 100:g} %)"
+                rows.append([r["N"], r["f"], r["checkpoints"], f"{r['overhead'] * 100:+.1f} %",
+                             f"±{r['noise'] * 100:.1f}", f"{r['pred'] * 100:+.1f} %", r["regime"],
+                             bc.fmt_s(r["tw_s"]), bc.fmt_s(r["tw_max_s"]),
+                             bc.fmt_s(r["N"] * r["f"] * r["t_iter_s"]), bc.fmt_s(r["snap_s"]),
+                             bc.fmt_s(r["exposed_s"]), "" if r["verified"] in (None, True) else "MISMATCH", mark])
+            print(bc.table(["N", "f", "ckpts", "overhead", "noise", "model", "regime", "T_w mean", "T_w max",
+                            "N·f·t", "snapshot", "exposed", "", ""], rows))
+            fs_line = ", ".join(f"N={n}: T_w={bc.fmt_s(twn[n])} -> f*={fstar[n]}" for n in sorted(fstar))
+            print(f"f* = ceil(T_w/(N·q·t)), q = {a.q}: {fs_line}; N* = argmin T_w/N = {nstar}"
+                  + (f" -> f* = {fstar[nstar]}" if nstar is not None else ""))
+            results.setdefault("summary", {})[mode] = {
+                "t_iter_s": t_iter, "tw_by_n_s": twn, "fstar_by_n": fstar, "nstar": nstar,
+                "fstar": fstar.get(nstar) if nstar is not None else None}
+        results["calibration"] = cal
+        results["runs"] = runs
+        print(f"\noverhead: loop time / mean of the baselines run just before and after − 1 (noise: their "
+              f"difference); model: max(T_w/(N·f·t) − 1, s/(f·t)), s = snapshot time of that run "
+              f"(in overlap mode max(0, s − t_sleep)); exposed: mean stall the loop saw per checkpoint. "
+              f"wall {time.perf_counter() - t_start:.0f} s")
+    finally:
+        bc.remove(root)
+        gc.collect()
+    if a.json:
+        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+        print(f"wrote {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
