@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ckptfs.checksum import crc32, crc32_combine
+from ckptfs.checksum import crc32
+from ckptfs.chunks import Chunk, combine_piece_crcs, plan_chunks
 from ckptfs.errors import BusyError, CheckpointTooLargeError, CkptfsError
 from ckptfs.manifest import (DTYPE_NAMES, TENSOR_ALIGN_BYTES, Manifest, TensorRecord, align_up,
                              flatten)
@@ -59,18 +60,10 @@ class SaveResult:
 
 
 @dataclass
-class _Piece:
-    tensor: int
-    tensor_start: int
-    length: int
-    buffer_start: int
-
-
-@dataclass
 class _Layout:
     records: list[TensorRecord]
     data_bytes: int
-    chunks: list[tuple[int, int, list[_Piece]]]  # (data offset, length, pieces)
+    chunks: list[Chunk]
 
 
 @dataclass
@@ -101,24 +94,7 @@ def _plan(names: list[str], tensors: list[torch.Tensor], chunk_bytes: int) -> _L
         nbytes = t.numel() * t.element_size()
         records.append(TensorRecord(name, DTYPE_NAMES[t.dtype], tuple(t.shape), offset, nbytes))
         offset += nbytes
-    data_bytes = offset
-    chunks = []
-    starts = range(0, align_up(data_bytes, 4096), chunk_bytes)
-    index = 0
-    for start in starts:
-        end = min(start + chunk_bytes, align_up(data_bytes, 4096))
-        pieces = []
-        while index < len(records) and records[index].offset + records[index].nbytes <= start:
-            index += 1
-        i = index
-        while i < len(records) and records[i].offset < end:
-            r = records[i]
-            lo, hi = max(r.offset, start), min(r.offset + r.nbytes, end)
-            if hi > lo:
-                pieces.append(_Piece(i, lo - r.offset, hi - lo, lo - start))
-            i += 1
-        chunks.append((start, end - start, pieces))
-    return _Layout(records, data_bytes, chunks)
+    return _Layout(records, offset, plan_chunks(records, offset, chunk_bytes))
 
 
 def _byte_source(t: torch.Tensor) -> torch.Tensor:
@@ -344,23 +320,23 @@ class Writer:
             # The copies must see every kernel already queued on the caller's stream.
             stream.wait_stream(torch.cuda.current_stream())
         events = []
-        for data_start, length, pieces in job.layout.chunks:
+        for chunk in job.layout.chunks:
             buf = pool.acquire(self.timeout_s)
             event = None
             if stream is not None:
                 with torch.cuda.stream(stream):
-                    self._copy_pieces(buf, pieces, sources, non_blocking=True)
+                    self._copy_pieces(buf, chunk.pieces, sources, non_blocking=True)
                     event = torch.cuda.Event()
                     event.record(stream)
                 events.append(event)
             else:
-                self._copy_pieces(buf, pieces, sources, non_blocking=False)
-            self._queue.put(("chunk", job, data_start, length, pieces, buf, pool, event))
+                self._copy_pieces(buf, chunk.pieces, sources, non_blocking=False)
+            self._queue.put(("chunk", job, chunk, buf, pool, event))
         for event in events:
             event.synchronize()
 
     @staticmethod
-    def _copy_pieces(buf: StagingBuffer, pieces: list[_Piece], sources, non_blocking: bool) -> None:
+    def _copy_pieces(buf: StagingBuffer, pieces, sources, non_blocking: bool) -> None:
         for p in pieces:
             src = sources[p.tensor][p.tensor_start:p.tensor_start + p.length]
             buf.tensor[p.buffer_start:p.buffer_start + p.length].copy_(src, non_blocking=non_blocking)
@@ -392,8 +368,8 @@ class Writer:
         if not job.layout.chunks:
             self._commit(job)
 
-    def _persist_chunk(self, job: _InFlight, data_start: int, length: int, pieces: list[_Piece],
-                       buf: StagingBuffer, pool: StagingPool, event) -> None:
+    def _persist_chunk(self, job: _InFlight, chunk: Chunk, buf: StagingBuffer, pool: StagingPool,
+                       event) -> None:
         try:
             if event is not None:
                 event.synchronize()
@@ -402,8 +378,8 @@ class Writer:
                 return
             view = memoryview(buf.mapping)
             crcs = [(p.tensor, p.tensor_start, p.length,
-                     crc32(view[p.buffer_start:p.buffer_start + p.length])) for p in pieces]
-            self.region.write_slot(job.entry, job.slot, job.data_offset + data_start, view[:length])
+                     crc32(view[p.buffer_start:p.buffer_start + p.length])) for p in chunk.pieces]
+            self.region.write_slot(job.entry, job.slot, job.data_offset + chunk.start, view[:chunk.length])
             view.release()
         finally:
             pool.release(buf)
@@ -420,7 +396,7 @@ class Writer:
             return
         region = self.region
         region.backend.barrier()  # every chunk durable before anything points at it
-        manifest = job.manifest.with_crcs([_combine(pieces) for pieces in job.piece_crcs])
+        manifest = job.manifest.with_crcs([combine_piece_crcs(pieces) for pieces in job.piece_crcs])
         raw = manifest.encode()
         moff, doff, _ = slot_layout(len(raw), manifest.data_bytes)
         header = SlotHeader(SLOT_COMMITTED, job.counter, job.step, job.time_ns, job.entry.index, job.slot,
@@ -467,13 +443,6 @@ class Writer:
             job.future.set_exception(error)
         else:
             job.future.set_result(result)
-
-
-def _combine(pieces: list[tuple[int, int, int]]) -> int:
-    crc = 0
-    for _, length, piece_crc in sorted(pieces):
-        crc = crc32_combine(crc, piece_crc, length)
-    return crc
 
 
 def _positive(name: str, value) -> None:
