@@ -176,3 +176,37 @@ def test_load_while_saving_sees_complete_versions(store):
         stop.set()
         t.join()
     assert errors == []
+
+
+def test_async_snapshot_overlaps_and_captures_state_before_mutation(store):
+    w_tensor = torch.zeros(50000)
+    with store.writer("async", max_inflight=2, chunk_bytes=65536) as w:
+        futs = []
+        for step in range(1, 8):
+            w_tensor.fill_(float(step))
+            futs.append(w.save({"w": w_tensor, "step": step}, step=step, async_snapshot=True))
+            w.wait_snapshot()  # as a training loop does before optimizer.step()
+            w_tensor.fill_(-1.0)  # the "update": must not leak into the checkpoint
+        for f in futs:
+            assert f.snapshotted.result() >= 0
+            assert f.result().step in range(1, 8)
+    for step in range(1, 8):
+        try:
+            back = store.load("async", step=step)
+        except ckptfs.errors.NotFoundError:
+            continue  # slot reused by a later step
+        assert torch.equal(back["w"], torch.full((50000,), float(step)))
+    assert store.latest("async").step == 7
+
+
+def test_async_snapshot_failure_reaches_both_futures(store):
+    with store.writer("asyncfail", max_inflight=1, slots=2, timeout_s=0.2) as w:
+        w.save(state(1), step=1).result()
+        w.save(state(2), step=2).result()
+        with store.open_version("asyncfail", 1):  # the only free slot is pinned
+            fut = w.save(state(3), step=3, async_snapshot=True)
+            with pytest.raises(BusyError):
+                fut.snapshotted.result(5)
+            with pytest.raises(BusyError):
+                fut.result(5)
+    assert store.latest("asyncfail").step == 2

@@ -21,7 +21,7 @@ import os
 import queue
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +43,15 @@ log = logging.getLogger("ckptfs")
 DEFAULT_CHUNK_BYTES = 64 << 20
 DEFAULT_PERSIST_THREADS = 2
 SLOT_HEADROOM = 1.10  # slots sized at the first save leave room for the state to grow a little
+
+
+class SaveFuture(Future):
+    """The future of one save; ``snapshotted`` completes (with the stall in seconds) once the
+    tensors have been copied out and may be modified."""
+
+    def __init__(self):
+        super().__init__()
+        self.snapshotted: Future = Future()
 
 
 @dataclass(frozen=True)
@@ -160,15 +169,23 @@ class Writer:
         for w in self._workers:
             w.start()
         self._side_stream = None
+        self._snapshotter: ThreadPoolExecutor | None = None
+        self._last_snapshot: Future | None = None
 
     # ------------------------------------------------------------------ public API
-    def save(self, obj, step: int) -> Future:
+    def save(self, obj, step: int, *, async_snapshot: bool = False) -> "SaveFuture":
         """Snapshot ``obj`` and persist it in the background as version ``step``.
 
-        Returns once the tensors are copied out: the caller may modify them right away. The
-        returned future completes with a SaveResult when the checkpoint is durable and committed,
-        or with the error that stopped it. Raises before writing anything if the object cannot
-        be stored or does not fit.
+        Everything that can be refused (unsupported leaves, a bad step, a checkpoint too large
+        for its slots, a full region) is refused here, before any write. Then:
+          * by default ``save`` returns once the tensors are copied out: the caller may modify
+            them right away;
+          * with ``async_snapshot=True`` it returns at once and the copy runs on a background
+            thread, overlapping the caller's next forward/backward (PCcheck §3.1). The caller must
+            not modify the tensors until ``future.snapshotted`` completes (``wait_snapshot()``),
+            i.e. call it before ``optimizer.step()``.
+        The returned future completes with a SaveResult when the checkpoint is durable and
+        committed, or with the error that stopped it.
         """
         if self._closed:
             raise CkptfsError("this writer is closed; open a new one with store.writer(...)")
@@ -187,25 +204,56 @@ class Writer:
                 f"this checkpoint of {self.model!r} needs {need} bytes but its slots hold {entry.slot_bytes}; "
                 f"remove the model (`ckptfs rm {self.model}`) and save again (slots are sized at the first save), "
                 "or pass a larger slot_bytes when the model is first created")
-        pool = self._pool(any(t.is_cuda for t in flat.tensors), layout.data_bytes)
-        sources = [_byte_source(t) for t in flat.tensors]
-        if not self._permits.acquire(timeout=self.timeout_s):
-            raise BusyError(f"{self.max_inflight} saves of {self.model!r} still in flight after {self.timeout_s} s")
+        future = SaveFuture()
+        with self._outstanding_lock:
+            self._outstanding.add(future)
+        args = (future, entry, step, flat, layout, started)
+        if not async_snapshot:
+            self._start(*args)
+            return future
+        if self._snapshotter is None:
+            self._snapshotter = ThreadPoolExecutor(1, thread_name_prefix="ckptfs-snapshot")
+        self._snapshotter.submit(self._start_in_background, *args)
+        self._last_snapshot = future.snapshotted
+        return future
+
+    def wait_snapshot(self) -> None:
+        """Block until the last background snapshot is taken (the tensors may then change)."""
+        if self._last_snapshot is not None:
+            self._last_snapshot.result()
+
+    def _start_in_background(self, future: "SaveFuture", *args) -> None:
+        try:
+            self._start(future, *args)
+        except BaseException as e:  # noqa: BLE001 - delivered through both futures
+            if not future.done():
+                self._drop(future, e)
+
+    def _start(self, future: "SaveFuture", entry, step: int, flat, layout: _Layout, started: float) -> None:
+        """Permit, counter, slot claim and snapshot of one save; raises (and fails the futures)
+        if any of them cannot be had."""
+        try:
+            pool = self._pool(any(t.is_cuda for t in flat.tensors), layout.data_bytes)
+            sources = [_byte_source(t) for t in flat.tensors]
+            if not self._permits.acquire(timeout=self.timeout_s):
+                raise BusyError(f"{self.max_inflight} saves of {self.model!r} still in flight after {self.timeout_s} s")
+        except BaseException as e:
+            self._drop(future, e)
+            raise
         try:
             counter = self.region.next_counter(entry)
             slot = self._claim_slot(entry)
-        except BaseException:
+        except BaseException as e:
             self._permits.release()
+            self._drop(future, e)
             raise
         time_ns = time.time_ns()
         manifest = Manifest(self.model, step, counter, time_ns, tuple(layout.records), flat.skeleton,
                             layout.data_bytes)
-        job = _InFlight(entry, slot, counter, step, time_ns, manifest, layout, Future(), started,
+        job = _InFlight(entry, slot, counter, step, time_ns, manifest, layout, future, started,
                         chunks_left=len(layout.chunks))
         job.piece_crcs = [[] for _ in layout.records]
         job.data_offset = slot_layout(len(manifest.encode()), layout.data_bytes)[1]
-        with self._outstanding_lock:
-            self._outstanding.add(job.future)
         self._queue.put(("prepare", job))
         try:
             self._snapshot(job, sources, pool)
@@ -213,7 +261,15 @@ class Writer:
             self._fail(job, e)
             raise
         job.stall_s = time.perf_counter() - started
-        return job.future
+        future.snapshotted.set_result(job.stall_s)
+
+    def _drop(self, future: "SaveFuture", error: BaseException) -> None:
+        """Fail a save that never got a slot."""
+        with self._outstanding_lock:
+            self._outstanding.discard(future)
+        if not future.snapshotted.done():
+            future.snapshotted.set_exception(error)
+        future.set_exception(error)
 
     def wait(self) -> list[SaveResult]:
         """Block until every save so far is committed; re-raises the first failure."""
@@ -237,6 +293,8 @@ class Writer:
             self.wait()
         finally:
             self._closed = True
+            if self._snapshotter is not None:
+                self._snapshotter.shutdown(wait=True)
             for _ in self._workers:
                 self._queue.put(None)
             for w in self._workers:
@@ -439,6 +497,8 @@ class Writer:
         self._permits.release()
         with self._outstanding_lock:
             self._outstanding.discard(job.future)
+        if error is not None and not job.future.snapshotted.done():
+            job.future.snapshotted.set_exception(error)
         if error is not None:
             job.future.set_exception(error)
         else:
