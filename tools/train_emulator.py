@@ -14,7 +14,7 @@ measured per-checkpoint persist time T_w, and what the PCcheck runtime model pre
 prints max of the two terms), and f* = ceil(T_w / (N*·q·t)) with N* = argmin_N T_w(N)/N (eq. 3).
 
 Modes (--mode): ``sync`` calls save() between the update and the next compute, so the snapshot
-stall is on the critical path; ``overlap`` calls save() from a helper thread during the next
+stall is on the critical path; ``overlap`` calls save(..., async_snapshot=True), whose copy runs during the next
 iteration's compute phase and makes the update wait for it (CheckFreq/PCcheck style: the weights
 do not change during forward/backward), so only max(0, s − t_compute) is exposed.
 
@@ -142,45 +142,40 @@ class Emulator:
                 w.wait()
                 first_step = max(self.a.warmup if self.a.warmup >= 0 else n + 2, 1)
 
-                def do_save(step: int) -> None:
+                def do_save(step: int, async_snapshot: bool) -> None:
                     k = len(calls)
-                    c = time.perf_counter()
-                    fut = w.save(self.state, step=step)
-                    r = time.perf_counter()
-                    calls.append(c)
-                    rets.append(r)
+                    calls.append(time.perf_counter())
+                    rets.append(float("nan"))
+                    fut = w.save(self.state, step=step, async_snapshot=async_snapshot)
+
+                    def snapshotted(_, k=k):
+                        rets[k] = time.perf_counter()
+                    fut.snapshotted.add_done_callback(snapshotted)
                     futs.append(fut)
                     fut.add_done_callback(on_done(k))
 
-                helper = ThreadPoolExecutor(1, thread_name_prefix="emu-save") if mode == "overlap" else None
-                pending_step = None
+                overlap = mode == "overlap"
+                pending = False
                 upd = 0.0
                 t0 = time.perf_counter()
                 for i in range(iters):
-                    if helper is not None and pending_step is not None:
-                        job = helper.submit(do_save, pending_step)
-                        time.sleep(a.t)  # compute overlaps the snapshot
+                    time.sleep(a.t)  # compute: in overlap mode the last snapshot runs meanwhile
+                    if pending:
                         w0 = time.perf_counter()
-                        job.result()  # optimizer step must not run before the snapshot
+                        w.wait_snapshot()  # the optimizer step must not run before the snapshot
                         exposed.append(time.perf_counter() - w0)
-                        pending_step = None
-                    else:
-                        time.sleep(a.t)
+                        pending = False
                     u = time.perf_counter()
                     self._update()
                     upd += time.perf_counter() - u
                     if (i + 1) % f == 0:
-                        if helper is None:
-                            c = time.perf_counter()
-                            do_save(first_step + i + 1)
-                            exposed.append(time.perf_counter() - c)
+                        c = time.perf_counter()
+                        do_save(first_step + i + 1, async_snapshot=overlap)
+                        if overlap:
+                            pending = True
                         else:
-                            pending_step = first_step + i + 1
+                            exposed.append(time.perf_counter() - c)
                 loop_s = time.perf_counter() - t0
-                if helper is not None:
-                    if pending_step is not None:
-                        helper.submit(do_save, pending_step).result()
-                    helper.shutdown()
                 t_drain = time.perf_counter()
                 w.wait()
                 drain_s = time.perf_counter() - t_drain
