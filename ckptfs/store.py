@@ -12,6 +12,7 @@ from ckptfs.manifest import Manifest
 from ckptfs.reader import VerifyProblem, restore, verify_version
 from ckptfs.region.format import unpack_latest
 from ckptfs.region.region import Region, SlotVersion, validate_model_name
+from ckptfs.writer.progress import read_progress
 from ckptfs.writer.writer import Writer
 
 DEFAULT_REGION_BYTES = 64 << 30  # sparse: only the rings of saved models take disk space
@@ -257,4 +258,4 @@ class Store:
         used = sum(m["slots"] * m["slot_bytes"] for m in models)
         return {"path": self.path, "kind": self.region.backend.kind, "region_bytes": sb.region_bytes,
                 "used_bytes": used, "free_bytes": sb.region_bytes - sb.data_offset - used,
-                "models": models}
+                "models": models, "saves_in_flight": read_progress(sb.uuid)}

@@ -210,3 +210,27 @@ def test_async_snapshot_failure_reaches_both_futures(store):
             with pytest.raises(BusyError):
                 fut.result(5)
     assert store.latest("asyncfail").step == 2
+
+
+def test_status_reports_saves_in_flight_with_progress(store, monkeypatch):
+    gate = threading.Event()
+    original = Writer._commit
+
+    def held_commit(self, job):
+        gate.wait(10)
+        original(self, job)
+
+    monkeypatch.setattr(Writer, "_commit", held_commit)
+    with store.writer("prog", chunk_bytes=65536) as w:
+        fut = w.save({"w": torch.zeros(100000)}, step=7)
+        deadline = time.monotonic() + 5
+        while True:
+            inflight = [s for s in store.status()["saves_in_flight"] if s["model"] == "prog"]
+            if inflight and inflight[0]["persisted_bytes"] == inflight[0]["total_bytes"]:
+                break
+            assert time.monotonic() < deadline, inflight
+            time.sleep(0.05)
+        assert inflight[0]["step"] == 7 and inflight[0]["total_bytes"] == 400000
+        gate.set()
+        fut.result()
+    assert [s for s in store.status()["saves_in_flight"] if s["model"] == "prog"] == []

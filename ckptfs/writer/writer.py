@@ -36,6 +36,7 @@ from ckptfs.region.format import (COUNTER_MAX, SLOT_COMMITTED, SLOT_WRITING, SLO
                                   SlotHeader, pack_latest, slot_layout, unpack_latest)
 from ckptfs.region.locks import LockSpace, slot_lock_offset
 from ckptfs.region.region import Region, validate_model_name
+from ckptfs.writer.progress import ProgressBoard
 from ckptfs.writer.staging import StagingBuffer, StagingPool
 
 log = logging.getLogger("ckptfs")
@@ -158,6 +159,7 @@ class Writer:
         if self._entry is not None:
             self._recover_counter()
         self._claims = LockSpace(region.path, writable=True)
+        self._progress = ProgressBoard(region.superblock.uuid, model)
         self._permits = threading.BoundedSemaphore(max_inflight)
         self._pools: dict[bool, StagingPool] = {}
         self._queue: queue.Queue = queue.Queue()
@@ -254,6 +256,7 @@ class Writer:
                         chunks_left=len(layout.chunks))
         job.piece_crcs = [[] for _ in layout.records]
         job.data_offset = slot_layout(len(manifest.encode()), layout.data_bytes)[1]
+        self._progress.start(counter, step, layout.data_bytes)
         self._queue.put(("prepare", job))
         try:
             self._snapshot(job, sources, pool)
@@ -302,6 +305,7 @@ class Writer:
             for pool in self._pools.values():
                 pool.close()
             self._claims.close()
+            self._progress.close()
 
     def __enter__(self) -> "Writer":
         return self
@@ -446,6 +450,7 @@ class Writer:
                 job.piece_crcs[tensor].append((start, n, crc))
             job.chunks_left -= 1
             last = job.chunks_left == 0
+        self._progress.advance(job.counter, chunk.length, force=last)
         if last:
             self._commit(job)
 
@@ -494,6 +499,7 @@ class Writer:
         self._finish(job, error=error)
 
     def _finish(self, job: _InFlight, result=None, error=None) -> None:
+        self._progress.finish(job.counter)
         self._permits.release()
         with self._outstanding_lock:
             self._outstanding.discard(job.future)
