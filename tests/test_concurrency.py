@@ -230,7 +230,7 @@ def test_status_reports_saves_in_flight_with_progress(store, monkeypatch):
                 break
             assert time.monotonic() < deadline, inflight
             time.sleep(0.05)
-        assert inflight[0]["step"] == 7 and inflight[0]["total_bytes"] == 400000
+        assert inflight[0]["step"] == 7 and inflight[0]["total_bytes"] == 401408  # 400000, page padded
         gate.set()
         fut.result()
     assert [s for s in store.status()["saves_in_flight"] if s["model"] == "prog"] == []

@@ -256,7 +256,7 @@ class Writer:
                         chunks_left=len(layout.chunks))
         job.piece_crcs = [[] for _ in layout.records]
         job.data_offset = slot_layout(len(manifest.encode()), layout.data_bytes)[1]
-        self._progress.start(counter, step, layout.data_bytes)
+        self._progress.start(counter, step, sum(c.length for c in layout.chunks))
         self._queue.put(("prepare", job))
         try:
             self._snapshot(job, sources, pool)
