@@ -28,6 +28,16 @@ PAGE_BYTES = mmap.PAGESIZE
 DEVDAX_ALIGN_BYTES = 2 << 20
 
 
+def _pread_full(fd: int, view: memoryview, offset: int, path: str) -> None:
+    """Read exactly len(view) bytes at ``offset``; a short read is an I/O error."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO, f"short read from {path} at {offset + done}")
+        done += n
+
+
 def aligned_buffer(nbytes: int) -> mmap.mmap:
     """A zeroed, page-aligned anonymous buffer (O_DIRECT needs aligned memory)."""
     return mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -66,12 +76,7 @@ class Backend:
         view = memoryview(buf).cast("B")
         if offset < 0 or offset + len(view) > self.size_bytes:
             raise ValueError(f"read of {len(view)} bytes at {offset} is outside the region")
-        done = 0
-        while done < len(view):
-            n = os.preadv(self._fd, [view[done:]], offset + done)
-            if n <= 0:
-                raise OSError(errno.EIO, f"short read from {self.path} at {offset + done}")
-            done += n
+        _pread_full(self._fd, view, offset, self.path)
 
     def read_direct(self, offset: int, buf) -> None:
         """Fill page-aligned ``buf`` (length a multiple of 4 KiB) from ``offset`` bypassing the
@@ -156,13 +161,7 @@ class FileBackend(Backend):
                 self._read_direct_fd = -1
         if self._read_direct_fd < 0:
             return self.read_into(offset, buf)
-        view = memoryview(buf).cast("B")
-        done = 0
-        while done < len(view):
-            n = os.preadv(self._read_direct_fd, [view[done:]], offset + done)
-            if n <= 0:
-                raise OSError(errno.EIO, f"short read from {self.path} at {offset + done}")
-            done += n
+        _pread_full(self._read_direct_fd, memoryview(buf).cast("B"), offset, self.path)
 
     def persist_mapped(self, offset: int, length: int) -> None:
         start = offset - offset % PAGE_BYTES
