@@ -199,3 +199,19 @@ def test_remove_version_and_model(store):
             store.remove("r", 2)
     store.remove_model("r")
     assert store.models() == []
+
+
+def test_saves_in_flight_are_committed_when_a_script_exits_without_close(region_path, store):
+    import subprocess
+    import sys
+    script = (
+        "import torch, ckptfs\n"
+        f"s = ckptfs.Store({region_path!r})\n"
+        "w = s.writer('exit', max_inflight=2)\n"
+        "for step in range(3):\n"
+        "    w.save({'w': torch.full((1 << 20,), float(step))}, step=step)\n"
+        "# no close(), no wait(): the interpreter exits with saves in flight\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    assert store.latest("exit").step == 2
+    assert torch.equal(store.load("exit")["w"], torch.full((1 << 20,), 2.0))

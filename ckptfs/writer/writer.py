@@ -16,11 +16,13 @@ never leaves an old header in front of half-new data.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -40,6 +42,19 @@ from ckptfs.writer.progress import ProgressBoard
 from ckptfs.writer.staging import StagingBuffer, StagingPool
 
 log = logging.getLogger("ckptfs")
+
+_open_writers: "weakref.WeakSet[Writer]" = weakref.WeakSet()
+
+
+@atexit.register
+def _commit_in_flight_at_exit() -> None:
+    """A script that ends without closing its writer still gets its saves committed."""
+    for writer in list(_open_writers):
+        try:
+            writer.close()
+        except BaseException as e:  # noqa: BLE001 - report and go on with the others
+            log.error("ckptfs: a save of %s failed at exit: %s", writer.model, e)
+
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 DEFAULT_PERSIST_THREADS = 2
@@ -173,6 +188,8 @@ class Writer:
         self._side_stream = None
         self._snapshotter: ThreadPoolExecutor | None = None
         self._last_snapshot: Future | None = None
+        self._setup_lock = threading.Lock()  # lazy set-up may race when save() is called from threads
+        _open_writers.add(self)
 
     # ------------------------------------------------------------------ public API
     def save(self, obj, step: int, *, async_snapshot: bool = False) -> "SaveFuture":
@@ -213,8 +230,9 @@ class Writer:
         if not async_snapshot:
             self._start(*args)
             return future
-        if self._snapshotter is None:
-            self._snapshotter = ThreadPoolExecutor(1, thread_name_prefix="ckptfs-snapshot")
+        with self._setup_lock:
+            if self._snapshotter is None:
+                self._snapshotter = ThreadPoolExecutor(1, thread_name_prefix="ckptfs-snapshot")
         self._snapshotter.submit(self._start_in_background, *args)
         self._last_snapshot = future.snapshotted
         return future
@@ -296,6 +314,7 @@ class Writer:
             self.wait()
         finally:
             self._closed = True
+            _open_writers.discard(self)
             if self._snapshotter is not None:
                 self._snapshotter.shutdown(wait=True)
             for _ in self._workers:
@@ -320,12 +339,13 @@ class Writer:
         self.region.raise_counter(self._entry, max(highest, latest[0] if latest else 0))
 
     def _ensure_model(self, need_bytes: int):
-        if self._entry is None:
-            nslots = self._slots or self.max_inflight + 2
-            slot_bytes = self._slot_bytes or int(need_bytes * SLOT_HEADROOM)
-            self._entry = self.region.create_model(self.model, nslots, max(slot_bytes, need_bytes))
-            self._recover_counter()
-        return self._entry
+        with self._setup_lock:
+            if self._entry is None:
+                nslots = self._slots or self.max_inflight + 2
+                slot_bytes = self._slot_bytes or int(need_bytes * SLOT_HEADROOM)
+                self._entry = self.region.create_model(self.model, nslots, max(slot_bytes, need_bytes))
+                self._recover_counter()
+            return self._entry
 
     def _claim_slot(self, entry) -> int:
         """Claim the free slot holding the oldest version (or none); wait while all are busy."""
@@ -364,6 +384,10 @@ class Writer:
                 raise CkptfsError(f"tensors on {t.device} are not supported yet; move them to cpu or cuda")
 
     def _pool(self, cuda: bool, data_bytes: int) -> StagingPool:
+        with self._setup_lock:
+            return self._pool_locked(cuda, data_bytes)
+
+    def _pool_locked(self, cuda: bool, data_bytes: int) -> StagingPool:
         if cuda not in self._pools:
             budget = self.staging_budget_bytes
             if budget is None:
