@@ -108,6 +108,16 @@ def test_tree_names_sizes_times_and_links(toy, store):
                 assert len(f.read()) == view.size
 
 
+def test_mount_options_and_readahead(toy):
+    from ckptfs.fs.daemon import READAHEAD_KB, _mountinfo
+
+    dev, fstype, source = _mountinfo(toy.path)
+    assert (fstype, source) == ("fuse.ckptfs", toy.region)
+    if os.geteuid() == 0:
+        with open(f"/sys/class/bdi/{dev}/read_ahead_kb") as f:
+            assert int(f.read()) == READAHEAD_KB
+
+
 def test_inodes_are_stable_and_distinct(toy):
     base = toy / TOY_MODEL
     paths = [os.path.join(base, vdir(s), n) for s in TOY_STEPS for n in ("checkpoint.pt", "metadata.json")]
@@ -282,12 +292,13 @@ import sys, time, torch, ckptfs
 region, seconds = sys.argv[1], float(sys.argv[2])
 store = ckptfs.Store(region)
 n = 0
-with store.writer("train", max_inflight=2) as w:
+with store.writer("train", max_inflight=1, slots=2) as w:  # the next save reuses latest's predecessor
     t_end = time.monotonic() + seconds
     while time.monotonic() < t_end:
         n += 1
         w.save({"w": torch.full((1 << 20,), float(n)), "v": torch.arange(1 << 18, dtype=torch.float64) + n,
                 "step": n}, n)
+        time.sleep(0.1)  # the rest of the iteration; versions live about as long as a slow copy
 print(n)
 """
 
@@ -298,35 +309,52 @@ def consistent(obj) -> bool:
     return bool((obj["w"] == float(n)).all()) and torch.equal(obj["v"], torch.arange(1 << 18, dtype=torch.float64) + n)
 
 
+def slow_copy(src: str, dst) -> bool:
+    """Copy in 64 KiB reads with a pause between them and no readahead (each read reaches the
+    daemon when it is made), so that one copy spans several saves. False if ``src`` could not
+    be opened (the version it named is gone); any error after the open fails the test."""
+    try:
+        f = open(src, "rb", buffering=0)
+    except FileNotFoundError:
+        return False
+    with f, open(dst, "wb") as out:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+        while chunk := f.read(64 << 10):
+            out.write(chunk)
+            time.sleep(0.003)
+    return True
+
+
 def test_copies_taken_while_training_are_exact(toy, tmp_path):
-    """A writer checkpoints every iteration; every copy of latest/checkpoint.pt and of
-    latest/state.safetensors made meanwhile is one whole checkpoint (the open pins it)."""
-    writer = subprocess.Popen([sys.executable, "-c", WRITER_SCRIPT, toy.region, "4"],
+    """A writer checkpoints every iteration into a ring of two slots; every copy of
+    latest/checkpoint.pt and of latest/state.safetensors made meanwhile is one whole checkpoint:
+    the open pins the version, so the writer waits instead of reusing its slot. (Without the pin
+    the next save but one overwrites the slot being copied, and this test fails.)"""
+    writer = subprocess.Popen([sys.executable, "-c", WRITER_SCRIPT, toy.region, "5"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     latest = os.path.join(toy / "train", "latest")
     copies, steps_seen = 0, set()
     try:
         wait_for(lambda: os.path.exists(os.path.join(latest, "checkpoint.pt")), timeout=60, what="first checkpoint")
         while writer.poll() is None:
-            dst = tmp_path / "copy.pt"
-            try:
-                shutil.copyfile(os.path.join(latest, "checkpoint.pt"), dst)
-                shutil.copyfile(os.path.join(latest, "state.safetensors"), tmp_path / "copy.safetensors")
-            except FileNotFoundError:
-                continue  # latest moved on between the lookup and the open: nothing was copied
-            obj = torch.load(dst, weights_only=True)
-            assert consistent(obj), f"torn copy of step {obj['step']}"
-            st = load_file(str(tmp_path / "copy.safetensors"))
-            assert bool((st["w"] == st["w"][0]).all()) and torch.equal(
-                st["v"], torch.arange(1 << 18, dtype=torch.float64) + float(st["w"][0]))
-            copies += 1
-            steps_seen.add(obj["step"])
+            if slow_copy(os.path.join(latest, "checkpoint.pt"), tmp_path / "copy.pt"):
+                obj = torch.load(tmp_path / "copy.pt", weights_only=True)
+                assert consistent(obj), f"torn copy of checkpoint.pt, step {obj['step']}"
+                copies += 1
+                steps_seen.add(obj["step"])
+            if slow_copy(os.path.join(latest, "state.safetensors"), tmp_path / "copy.safetensors"):
+                st = load_file(str(tmp_path / "copy.safetensors"))
+                step = float(st["w"][0])
+                assert bool((st["w"] == step).all()) and torch.equal(
+                    st["v"], torch.arange(1 << 18, dtype=torch.float64) + step), "torn copy of state.safetensors"
+                copies += 1
+                steps_seen.add(int(step))
     finally:
         out, err = writer.communicate(timeout=120)
     assert writer.returncode == 0, err
     saved = int(out.strip())
-    assert copies >= 3 and len(steps_seen) >= 2, (copies, steps_seen, saved)
-    assert saved > len(steps_seen)  # the writer kept going while we copied
+    assert copies >= 4 and len(steps_seen) >= 2, (copies, steps_seen, saved)
+    assert saved > len(steps_seen) + 3  # the writer kept going while we copied
 
 
 # ------------------------------------------------------------------------------ the daemon's life

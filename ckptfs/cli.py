@@ -1,0 +1,484 @@
+"""The ``ckptfs`` command.
+
+Every command takes ``--region PATH`` (default: ``$CKPTFS_REGION``, else the per-user default
+region). Errors are one line on stderr and a non-zero exit status (1 for an error, 2 for a usage
+error, 130 when interrupted); a traceback is printed only with ``CKPTFS_DEBUG=1``.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import re
+import sys
+from typing import Any
+
+import click
+
+from ckptfs.errors import CkptfsError
+from ckptfs.fs.daemon import READAHEAD_KB
+
+EXPORT_BLOCK_BYTES = 8 << 20
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def _region_option(f):
+    return click.option(
+        "--region", "region", metavar="PATH", envvar="CKPTFS_REGION", show_envvar=True,
+        help="The region (file, block device or /dev/daxX.Y). Default: the per-user default region.",
+    )(f)
+
+
+def _json_option(f):
+    return click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")(f)
+
+
+def _open_store(region: str | None):
+    from ckptfs import Store
+
+    return Store(region)
+
+
+def _parse_size(text: str) -> int:
+    """'64G', '512MiB', '1.5T', '4096' -> bytes (binary multiples)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise click.BadParameter(f"{text!r} is not a size (e.g. 64G, 512M, 4096)")
+    scale = 1024 ** "bkmgtp".index((m.group(2) or "b").lower())
+    return int(float(m.group(1)) * scale)
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _when(time_ns: int) -> str:
+    return datetime.datetime.fromtimestamp(time_ns / 1e9).isoformat(sep=" ", timespec="seconds")
+
+
+def _table(rows: list[list[Any]], header: list[str]) -> None:
+    cells = [header] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    for r in cells:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
+def _info_dict(v) -> dict:
+    return {"model": v.model, "step": v.step, "counter": v.counter, "slot": v.slot,
+            "time_ns": v.time_ns, "data_bytes": v.data_bytes, "latest": bool(v.latest)}
+
+
+def _progress(total: int | None, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+                file=sys.stderr, disable=None, leave=False)
+
+
+def _version_step(store, model: str, step: int | None):
+    """The VersionInfo of ``step`` (None: the latest) or NotFoundError."""
+    from ckptfs.errors import NotFoundError
+
+    if step is None:
+        latest = store.latest(model)
+        if latest is None:
+            raise NotFoundError(f"{model} has no committed version yet")
+        return latest
+    for v in store.versions(model):
+        if v.step == step:
+            return v
+    raise NotFoundError(f"{model} has no committed step {step}; see: ckptfs ls {model}")
+
+
+# ------------------------------------------------------------------------------ the commands
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="ckptfs", prog_name="ckptfs")
+def cli():
+    """ckptfs: a checkpoint store for ML training, browsable as files.
+
+    \b
+    Quick look:   ckptfs ls; ckptfs mount /ckpt; ls /ckpt/<model>/latest/
+    Errors: one line on stderr, non-zero exit; CKPTFS_DEBUG=1 shows tracebacks.
+    """
+
+
+@cli.command()
+@_region_option
+@click.option("--size", "size", metavar="SIZE", help="Region size for a file-backed region, e.g. 64G.")
+@click.option("--exist-ok", is_flag=True, help="Succeed without change if a region is already there.")
+@click.argument("path", required=False, metavar="[REGION]")
+def mkfs(region, size, exist_ok, path):
+    """Format a new region (a sparse file, a block device or a devdax device).
+
+    REGION (or --region) defaults to the per-user default region."""
+    from ckptfs import Store, default_region_path
+
+    if path is not None and region is not None and path != region:
+        raise click.UsageError("give the region once: REGION or --region")
+    region = path or region or default_region_path()
+
+    kwargs: dict[str, Any] = {"exist_ok": exist_ok}
+    if size is not None:
+        kwargs["size_bytes"] = _parse_size(size)
+    store = Store.create(region, **kwargs)
+    try:
+        click.echo(f"region {store.path} ready")
+    finally:
+        store.close()
+
+
+@cli.command()
+@_region_option
+@click.option("--foreground", "-f", is_flag=True, help="Stay in the foreground (for debugging and services).")
+@click.option("--allow-other", is_flag=True, help="Let other users read the mount (root, or user_allow_other).")
+@click.option("-o", "options", multiple=True, metavar="OPT[,OPT...]", help="Extra libfuse mount options.")
+@click.option("--auto-unmount/--no-auto-unmount", default=True, show_default=True,
+              help="Have fusermount3 unmount if the daemon dies.")
+@click.option("--readahead-kb", type=click.IntRange(0), default=READAHEAD_KB, show_default=True,
+              help="Kernel readahead of the mount (root only; 0: leave FUSE's 128 KiB).")
+@click.option("--log-file", type=click.Path(dir_okay=False), help="Where the daemon logs (default: stderr).")
+@click.option("--debug", is_flag=True, help="Verbose log: pyfuse3 internals and every error answered to the kernel.")
+@click.option("--ready-fd", type=int, hidden=True)
+@click.argument("mountpoint", type=click.Path(file_okay=False))
+def mount(region, foreground, allow_other, options, auto_unmount, readahead_kb, log_file, debug, ready_fd,
+          mountpoint):
+    """Mount the region at MOUNTPOINT: /MODEL/latest, /MODEL/step-NNNNNNNN/{checkpoint.pt, ...}.
+
+    Returns once the mount is up; the daemon keeps serving in the background (--foreground to
+    stay attached). Unmount with `ckptfs umount MOUNTPOINT`, or SIGTERM/SIGINT to the daemon.
+    """
+    from ckptfs.fs import daemon
+
+    mountpoint = os.path.abspath(mountpoint)
+    extra = [o.strip() for opt in options for o in opt.split(",")]
+    if not foreground:
+        daemon.check_mountpoint(mountpoint)
+        store = _open_store(region)  # report a bad region here, from the caller
+        path = os.path.abspath(store.path)  # the daemon runs in /
+        store.close()
+        argv = daemon.foreground_argv() + ["mount", "--foreground", "--region", path, mountpoint]
+        argv += ["--allow-other"] * allow_other + [f"-o{o}" for o in extra]
+        argv += [] if auto_unmount else ["--no-auto-unmount"]
+        argv += ["--readahead-kb", str(readahead_kb)]
+        argv += ["--log-file", os.path.abspath(log_file)] if log_file else []
+        argv += ["--debug"] if debug else []
+        daemon.spawn_background(argv)
+        return 0
+
+    handler = logging.FileHandler(log_file) if log_file else logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s ckptfs[%(process)d] %(levelname)s %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG if debug else logging.INFO)
+    if ready_fd is not None:
+        os.chdir("/")
+    try:
+        store = _open_store(region)
+    except CkptfsError as exc:
+        daemon.report_failure(ready_fd, str(exc))
+        raise
+    try:
+        daemon.serve(store, mountpoint, allow_other=allow_other, auto_unmount=auto_unmount,
+                     extra_options=extra, readahead_kb=readahead_kb,
+                     on_ready=daemon.ready_signaller(ready_fd))
+    except (CkptfsError, daemon.MountError, OSError) as exc:
+        daemon.report_failure(ready_fd, _one_line(exc))
+        raise
+    finally:
+        store.close()
+    return 0
+
+
+@cli.command()
+@_region_option
+@click.argument("mountpoint", type=click.Path(file_okay=False))
+def umount(region, mountpoint):
+    """Unmount a ckptfs mount (lazily if it is busy: it goes when its last user closes it)."""
+    from ckptfs.fs import daemon
+
+    entry = daemon.mount_entry(mountpoint)
+    if region is not None and entry is not None and entry[1] != region.replace(",", "_") \
+            and os.path.realpath(entry[1]) != os.path.realpath(region):
+        raise daemon.MountError(f"{mountpoint} shows region {entry[1]}, not {region}")
+    if daemon.umount(mountpoint) == "detached":
+        click.echo(f"{mountpoint} is busy: detached it; it goes away when its last user closes it", err=True)
+    return 0
+
+
+@cli.command(name="ls")
+@_region_option
+@_json_option
+@click.argument("model", required=False)
+def ls_(region, as_json, model):
+    """List the models, or the committed versions of MODEL."""
+    store = _open_store(region)
+    try:
+        if model is None:
+            rows = []
+            for name in store.models():
+                versions = store.versions(name)
+                latest = next((v for v in versions if v.latest), None)
+                rows.append({"model": name, "versions": len(versions),
+                             "latest_step": latest.step if latest else None,
+                             "latest_bytes": latest.data_bytes if latest else 0})
+            if as_json:
+                click.echo(json.dumps(rows, indent=1))
+            else:
+                _table([[r["model"], r["versions"], "-" if r["latest_step"] is None else r["latest_step"],
+                         _human(r["latest_bytes"])] for r in rows], ["MODEL", "VERSIONS", "LATEST", "SIZE"])
+            return 0
+        versions = store.versions(model)
+        if as_json:
+            click.echo(json.dumps([_info_dict(v) for v in versions], indent=1))
+        else:
+            _table([[v.step, "latest" if v.latest else "", _when(v.time_ns), _human(v.data_bytes), v.counter]
+                    for v in versions], ["STEP", "", "TIME", "SIZE", "COUNTER"])
+        return 0
+    finally:
+        store.close()
+
+
+@cli.command()
+@_region_option
+@_json_option
+@click.option("--step", type=int, help="The version (default: the latest).")
+@click.argument("model")
+def info(region, as_json, step, model):
+    """Show one version of MODEL: step, time, tensors (dtype, shape, size, CRC32), files."""
+    from ckptfs.views import files_for
+
+    store = _open_store(region)
+    try:
+        with store.open_version(model, _version_step(store, model, step).step) as v:
+            m = v.manifest
+            files = {name: view.size for name, view in files_for(m, v.data_base).items()}
+            doc = dict(_info_dict(v.info), files=files, tensors=[
+                {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes,
+                 "crc32": f"{t.crc32:08x}"} for t in m.tensors])
+        if as_json:
+            click.echo(json.dumps(doc, indent=1))
+            return 0
+        click.echo(f"model    {doc['model']}")
+        click.echo(f"step     {doc['step']}{' (latest)' if doc['latest'] else ''}")
+        click.echo(f"time     {_when(doc['time_ns'])}")
+        click.echo(f"counter  {doc['counter']}  slot {doc['slot']}")
+        click.echo(f"data     {_human(doc['data_bytes'])} in {len(doc['tensors'])} tensors")
+        click.echo("files    " + ", ".join(f"{n} ({_human(s)})" for n, s in files.items()))
+        click.echo()
+        _table([[t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar", _human(t["nbytes"]), t["crc32"]]
+                for t in doc["tensors"]], ["TENSOR", "DTYPE", "SHAPE", "SIZE", "CRC32"])
+        return 0
+    finally:
+        store.close()
+
+
+@cli.command()
+@_region_option
+@click.option("--step", type=int, help="Only this version (needs MODEL).")
+@click.argument("model", required=False)
+def verify(region, step, model):
+    """Check the CRC32 of every tensor of a version, of a model, or of the whole region.
+
+    Exits 1 and prints one line per problem on a mismatch."""
+    if step is not None and model is None:
+        raise click.UsageError("--step needs a MODEL")
+    store = _open_store(region)
+    try:
+        total = sum(v.data_bytes for name in ([model] if model else store.models())
+                    for v in store.versions(name) if step is None or v.step == step)
+        with _progress(total, "verify") as bar:
+            problems = store.verify(model, step, progress=bar.update)  # called with bytes just checked
+        for p in problems:
+            click.echo(f"ckptfs: verify: {p}", err=True)
+        what = f"{model} step {step}" if step is not None else (model or "the region")
+        if problems:
+            click.echo(f"ckptfs: {len(problems)} problem(s) in {what}", err=True)
+            return 1
+        click.echo(f"ok: {what} verified")
+        return 0
+    finally:
+        store.close()
+
+
+@cli.command()
+@_region_option
+@click.option("--step", type=int, help="The version (default: the latest).")
+@click.option("--file", "file_name", metavar="NAME",
+              help="Which file of the version: checkpoint.pt, state.safetensors, KEY.safetensors, metadata.json.")
+@click.option("--key", metavar="KEY", help="Export KEY.safetensors (the tensors under one top-level key).")
+@click.argument("model")
+@click.argument("output", type=click.Path(dir_okay=False, allow_dash=False))
+def export(region, step, file_name, key, model, output):
+    """Write a version of MODEL to OUTPUT, as the mount shows it.
+
+    The file is chosen by --file, else --key, else by OUTPUT's extension: .pt/.pth ->
+    checkpoint.pt, .safetensors -> state.safetensors, .json -> metadata.json."""
+    from ckptfs.views import files_for
+
+    if file_name is None:
+        ext = os.path.splitext(output)[1].lower()
+        if key is not None:
+            file_name = f"{key}.safetensors"
+        elif ext in (".pt", ".pth"):
+            file_name = "checkpoint.pt"
+        elif ext == ".safetensors":
+            file_name = "state.safetensors"
+        elif ext == ".json":
+            file_name = "metadata.json"
+        else:
+            raise click.UsageError(f"cannot tell the format from {output!r}; use --file NAME")
+    out_dir = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(out_dir):
+        raise CkptfsError(f"cannot write {output}: no directory {out_dir}")
+    store = _open_store(region)
+    try:
+        with store.open_version(model, _version_step(store, model, step).step) as v:
+            views = files_for(v.manifest, v.data_base)
+            if file_name not in views:
+                raise CkptfsError(f"{model} step {v.info.step} has no {file_name}; it has: {', '.join(views)}")
+            view = views[file_name]
+            tmp = output + ".ckptfs-part"
+            try:
+                with open(tmp, "wb") as f, _progress(view.size, file_name) as bar:
+                    for block in view.iter_blocks(v.read, EXPORT_BLOCK_BYTES):
+                        f.write(block)
+                        bar.update(len(block))
+                os.replace(tmp, output)
+            except BaseException:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+                raise
+        click.echo(f"exported {model} step {v.info.step} {file_name} to {output} ({_human(view.size)})")
+        return 0
+    finally:
+        store.close()
+
+
+@cli.command(name="import")
+@_region_option
+@click.option("--step", type=int, help="Step of the new version (default: one past the latest, or 0).")
+@click.option("--format", "fmt", type=click.Choice(["safetensors", "torch"]),
+              help="Default: from the extension, else from the first bytes.")
+@click.option("--key", metavar="KEY", help="Store the tensors of a .safetensors under this top-level key.")
+@click.argument("model")
+@click.argument("file", type=click.Path(dir_okay=False))
+def import_(region, step, fmt, key, model, file):
+    """Import FILE (.safetensors, or a torch.save file) as a new version of MODEL.
+
+    The file is validated completely first; malformed or hostile input is refused with nothing
+    written. Torch files are read with torch.load(weights_only=True)."""
+    from ckptfs.importer import import_file
+
+    store = _open_store(region)
+    try:
+        v = import_file(store, model, file, step=step, fmt=fmt, key=key)
+        click.echo(f"imported {file} as {model} step {v.step} ({_human(v.data_bytes)})")
+        return 0
+    finally:
+        store.close()
+
+
+@cli.command()
+@_region_option
+@click.option("--all", "all_", is_flag=True, help="Remove MODEL itself with every version.")
+@click.argument("model")
+@click.argument("steps", nargs=-1, type=int)
+def rm(region, all_, model, steps):
+    """Remove versions STEPS of MODEL (not the latest, not while pinned), or the model with --all."""
+    if all_ == bool(steps):
+        raise click.UsageError("give the STEPS to remove, or --all (and no steps) to remove the whole model")
+    store = _open_store(region)
+    try:
+        if all_:
+            store.remove_model(model)
+            click.echo(f"removed {model}")
+        for s in steps:
+            store.remove(model, s)
+            click.echo(f"removed {model} step {s}")
+        return 0
+    finally:
+        store.close()
+
+
+@cli.command()
+@_region_option
+@_json_option
+def status(region, as_json):
+    """Region usage, models, and the saves in flight with their progress."""
+    store = _open_store(region)
+    try:
+        st = store.status()
+    finally:
+        store.close()
+    if as_json:
+        click.echo(json.dumps(st, indent=1, default=str))
+        return 0
+    click.echo(f"region   {st['path']} ({st['kind']}): {_human(st['region_bytes'])}, "
+               f"{_human(st['used_bytes'])} in model rings, {_human(st['free_bytes'])} free")
+    click.echo()
+    _table([[m["name"], m["versions"], "-" if m["latest_step"] is None else m["latest_step"], m["slots"],
+             _human(m["slot_bytes"]), m["saves_in_flight"]] for m in st["models"]],
+           ["MODEL", "VERSIONS", "LATEST", "SLOTS", "SLOT SIZE", "WRITING"])
+    saves = st.get("saves_in_flight") or []
+    click.echo()
+    if not saves:
+        click.echo("no saves in flight")
+    else:
+        _table([[sv["model"], sv["step"], f"{_human(sv['persisted_bytes'])} / {_human(sv['total_bytes'])}",
+                 f"{100 * sv['persisted_bytes'] / max(sv['total_bytes'], 1):.0f}%", sv["pid"]] for sv in saves],
+               ["SAVING", "STEP", "PERSISTED", "", "PID"])
+    return 0
+
+
+# ------------------------------------------------------------------------------ entry point
+
+
+def _one_line(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        where = f": {exc.filename}" if exc.filename else ""
+        return f"{exc.strerror}{where}"
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the CLI; exit with its status. Errors: one line on stderr, never a traceback
+    (unless CKPTFS_DEBUG=1)."""
+    from ckptfs.fs.daemon import MountError
+
+    debug = os.environ.get("CKPTFS_DEBUG", "") not in ("", "0")
+    try:
+        rv = cli.main(args=argv, prog_name="ckptfs", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        click.echo("ckptfs: interrupted", err=True)
+        sys.exit(130)
+    except (CkptfsError, MountError, OSError, ValueError) as exc:  # ValueError: a bad argument
+        if debug:
+            raise
+        click.echo(f"ckptfs: error: {_one_line(exc)}", err=True)
+        sys.exit(1)
+    except Exception as exc:  # noqa: BLE001 - never a traceback for the user
+        if debug:
+            raise
+        click.echo(f"ckptfs: internal error: {type(exc).__name__}: {_one_line(exc)} "
+                   "(run with CKPTFS_DEBUG=1 for details)", err=True)
+        sys.exit(70)
+    sys.exit(rv if isinstance(rv, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

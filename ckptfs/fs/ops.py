@@ -1,0 +1,250 @@
+"""pyfuse3 operations: a thin layer over :class:`ckptfs.fs.tree.Tree`.
+
+Each handler decodes its arguments, calls the tree, and encodes the answer; every exception
+becomes an errno in one place (:func:`ckptfs.fs.errors.fuse_errors`). Nothing here blocks the trio
+loop except reads of the mapped region and short metadata reads of the Store.
+
+Caching contract with the kernel:
+
+* files of a version are immutable, so their entries and attributes are cached for
+  ``IMMUTABLE_TTL``; directories and ``latest`` for ``LISTING_TTL``, so that a new version, a new
+  ``latest`` target and a version that went away show within about a second (a path to a file
+  is walked through its version directory, whose entry is revalidated that often);
+* files are opened with ``keep_cache`` and without ``direct_io``: the kernel page cache serves
+  repeated reads, and ``mmap`` of a mounted file works.
+"""
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import os
+
+import pyfuse3
+import trio
+
+from ckptfs.errors import BusyError
+from ckptfs.fs.errors import fuse_errors, read_only
+from ckptfs.fs.tree import ROOT_INODE, Kind, Node, OpenFile, Tree
+
+log = logging.getLogger("ckptfs.fs")
+
+assert ROOT_INODE == pyfuse3.ROOT_INODE
+
+LISTING_TTL = 0.5  # seconds: directories and latest
+IMMUTABLE_TTL = 5.0  # seconds: files of a version
+RELEASE_GRACE = 0.5  # seconds rmdir waits for this mount's own pending releases
+BLOCK_SIZE = 128 * 1024  # st_blksize: what `cp` sizes its buffer by (larger ones leave the L2 cache)
+
+
+class CkptfsOperations(pyfuse3.Operations):
+    """The FUSE request handlers of a ckptfs mount."""
+
+    enable_writeback_cache = False
+    enable_acl = False
+
+    def __init__(self, store, tree: Tree | None = None):
+        super().__init__()
+        self.store = store
+        self.tree = tree or Tree(store)
+        self._files: dict[int, OpenFile] = {}
+        self._dirs: dict[int, list[tuple[bytes, Node]]] = {}
+        self._fh = itertools.count(1)
+        self.initialized = False  # set once the kernel's INIT request has been answered
+
+    def init(self):
+        self.initialized = True
+
+    # -------------------------------------------------------------- attributes and names
+
+    def _entry(self, node: Node) -> pyfuse3.EntryAttributes:
+        a = self.tree.attr(node)
+        e = pyfuse3.EntryAttributes()
+        e.st_ino = a.ino
+        e.generation = 0
+        ttl = IMMUTABLE_TTL if node.kind is Kind.FILE else LISTING_TTL
+        e.entry_timeout = ttl
+        e.attr_timeout = ttl
+        e.st_mode = a.mode
+        e.st_nlink = a.nlink
+        e.st_uid = self.tree.uid
+        e.st_gid = self.tree.gid
+        e.st_rdev = 0
+        e.st_size = a.size
+        e.st_blksize = BLOCK_SIZE
+        e.st_blocks = (a.size + 511) // 512
+        e.st_atime_ns = e.st_mtime_ns = e.st_ctime_ns = a.mtime_ns
+        return e
+
+    async def lookup(self, parent_inode, name, ctx=None):
+        with fuse_errors("lookup"):
+            return self._entry(self.tree.lookup(parent_inode, os.fsdecode(name)))
+
+    async def getattr(self, inode, ctx=None):
+        with fuse_errors("getattr"):
+            return self._entry(self.tree.node(inode))
+
+    async def readlink(self, inode, ctx):
+        with fuse_errors("readlink"):
+            return os.fsencode(self.tree.readlink(self.tree.node(inode)))
+
+    async def forget(self, inode_list):
+        """Inodes are kept for the life of the mount (a few per version), so nothing to do."""
+
+    # -------------------------------------------------------------- directories
+
+    async def opendir(self, inode, ctx):
+        """Snapshot the entries now, so that a listing that changes meanwhile is read consistently."""
+        with fuse_errors("opendir"):
+            entries = [(os.fsencode(n), node) for n, node in self.tree.children(inode)]
+            fh = next(self._fh)
+            self._dirs[fh] = entries
+            return fh
+
+    async def readdir(self, fh, start_id, token):
+        with fuse_errors("readdir"):
+            entries = self._dirs[fh]
+            for i in range(start_id, len(entries)):
+                name, node = entries[i]
+                try:
+                    entry = self._entry(node)
+                except FileNotFoundError:  # gone since opendir
+                    continue
+                if not pyfuse3.readdir_reply(token, name, entry, i + 1):
+                    break
+
+    async def releasedir(self, fh):
+        self._dirs.pop(fh, None)
+
+    # -------------------------------------------------------------- files
+
+    async def open(self, inode, flags, ctx):
+        with fuse_errors("open"):
+            handle = self.tree.open(self.tree.node(inode), flags)
+            fh = next(self._fh)
+            self._files[fh] = handle
+            return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=False)
+
+    async def read(self, fh, off, size):
+        with fuse_errors("read"):
+            return self._files[fh].read(off, size)
+
+    async def release(self, fh):
+        with fuse_errors("release"):
+            handle = self._files.pop(fh, None)
+            if handle is not None:
+                handle.close()
+
+    async def flush(self, fh):
+        pass
+
+    async def fsync(self, fh, datasync):
+        pass
+
+    # -------------------------------------------------------------- the one change: rm -r of a version
+
+    async def rmdir(self, parent_inode, name, ctx):
+        """Remove a version from the region (``store.remove``: a metadata update, done inline).
+
+        The kernel sends RELEASE asynchronously after close(2), so ``cp dir/f x; rm -r dir``
+        can find the version still pinned by this mount; while one of our own handles pins it,
+        wait up to ``RELEASE_GRACE`` seconds for pending releases before answering EBUSY."""
+        with fuse_errors("rmdir"):
+            model, step = self.tree.version_to_remove(parent_inode, os.fsdecode(name))
+            deadline = trio.current_time() + RELEASE_GRACE
+            while True:
+                try:
+                    self.store.remove(model, step)
+                    break
+                except BusyError:
+                    if trio.current_time() > deadline or not self._pinned_here(model, step):
+                        raise
+                    await trio.sleep(0.02)
+            self.tree.removed()
+
+    def _pinned_here(self, model: str, step: int) -> bool:
+        return any(h.version.info.model == model and h.version.info.step == step for h in self._files.values())
+
+    async def unlink(self, parent_inode, name, ctx):
+        """Accepted as a no-op for files of a non-latest version (see ckptfs.fs.tree)."""
+        with fuse_errors("unlink"):
+            self.tree.check_unlink(parent_inode, os.fsdecode(name))
+
+    # -------------------------------------------------------------- everything else is read-only
+
+    async def _refuse(self, what: str):
+        with fuse_errors(what):
+            raise read_only(what)
+
+    async def setattr(self, inode, attr, fields, fh, ctx):
+        await self._refuse("setattr")
+
+    async def mknod(self, parent_inode, name, mode, rdev, ctx):
+        await self._refuse("mknod")
+
+    async def mkdir(self, parent_inode, name, mode, ctx):
+        await self._refuse("mkdir")
+
+    async def symlink(self, parent_inode, name, target, ctx):
+        await self._refuse("symlink")
+
+    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+        await self._refuse("rename")
+
+    async def link(self, inode, new_parent_inode, new_name, ctx):
+        await self._refuse("link")
+
+    async def create(self, parent_inode, name, mode, flags, ctx):
+        await self._refuse("create")
+
+    async def write(self, fh, off, buf):
+        await self._refuse("write")
+
+    async def setxattr(self, inode, name, value, ctx):
+        await self._refuse("setxattr")
+
+    async def removexattr(self, inode, name, ctx):
+        await self._refuse("removexattr")
+
+    async def getxattr(self, inode, name, ctx):
+        raise pyfuse3.FUSEError(errno.ENODATA)
+
+    async def listxattr(self, inode, ctx):
+        return []
+
+    async def statfs(self, ctx):
+        """Region size and use, in 4 KiB blocks (from ``store.status()``)."""
+        with fuse_errors("statfs"):
+            st = pyfuse3.StatvfsData()
+            st.f_bsize = st.f_frsize = 4096
+            total, used = _region_usage(self.store)
+            st.f_blocks = total // 4096
+            st.f_bfree = st.f_bavail = max(total - used, 0) // 4096
+            st.f_files = self.tree.inode_count()
+            st.f_ffree = st.f_favail = 0
+            st.f_namemax = 255
+            return st
+
+    # -------------------------------------------------------------- shutdown
+
+    def close_all(self) -> None:
+        """Release every pin still held (at unmount)."""
+        for handle in self._files.values():
+            try:
+                handle.close()
+            except Exception:  # noqa: BLE001
+                log.exception("closing a pinned version")
+        self._files.clear()
+        self._dirs.clear()
+
+
+def _region_usage(store) -> tuple[int, int]:
+    """(total, used) bytes of the region, from ``store.status()``; zeros if it does not say."""
+    try:
+        status = store.status()
+    except Exception:  # noqa: BLE001 - statfs must answer
+        log.exception("store.status()")
+        return 0, 0
+    total = status.get("region_bytes") or status.get("size_bytes") or 0
+    used = status.get("used_bytes") or 0
+    return int(total), int(used)

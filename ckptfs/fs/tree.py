@@ -1,0 +1,386 @@
+"""The mounted tree: which names exist, their inodes and attributes. No FUSE calls in here.
+
+::
+
+    /                                   ROOT     one directory per model
+    /<model>/                           MODEL    committed versions + ``latest``
+    /<model>/latest -> step-00001200    LATEST   symlink to the newest committed version
+    /<model>/step-00001200/             VERSION  one directory per committed version
+    /<model>/step-00001200/<file>       FILE     the views of that version (``ckptfs.views.files_for``)
+
+Contracts:
+
+* **Listing.** The list of models and committed versions is a snapshot of the Store taken at most
+  every ``refresh_interval`` seconds (0.5 s), when a lookup, a readdir or a getattr needs it, so a
+  new version appears within about a second and a version whose slot was reused disappears as
+  soon as the snapshot no longer holds it. Only committed versions are shown (``store.versions``).
+* **Inodes** are allocated on first sight and never reused or changed for the life of the mount:
+  a model, ``<model>/latest`` and ``<model>/step-N`` keep their inode; a file's inode is keyed by
+  ``(model, step, counter, name)``, so it is stable for a given version and a step that is
+  committed again later (after a removal) gets new file inodes: their bytes differ, and the
+  kernel page cache of the old ones (``keep_cache``) must not be served for them.
+* **Files** of a version are computed once per version from its manifest (one short pin through
+  ``store.open_version``) and cached while the version is listed. A version is immutable once
+  committed, so sizes and contents never change under a given file inode.
+* **Reads** go through :class:`OpenFile`, which holds the version pinned from ``open`` to
+  ``release``: the writer never reuses a pinned slot, so a copy taken during training is exact.
+* **Changes.** Only the removal of a non-latest version is allowed: ``rmdir`` of a version
+  directory removes it from the region (``store.remove``; EBUSY while it is latest or pinned).
+  So that ``rm -r <model>/step-N`` works, ``unlink`` of a file *inside* a version directory is
+  accepted and does nothing (EBUSY if the version is the latest, so ``rm -r`` stops before its
+  ``rmdir``); the version and its files disappear with the ``rmdir``. Everything else is EROFS.
+
+Errors are raised as ``OSError`` subclasses carrying their errno, or as ckptfs errors; the FUSE
+layer translates them (``ckptfs.fs.errors.errno_for``).
+"""
+from __future__ import annotations
+
+import enum
+import errno
+import logging
+import os
+import stat
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ckptfs.fs.errors import read_only
+
+log = logging.getLogger("ckptfs.fs")
+
+ROOT_INODE = 1  # == pyfuse3.ROOT_INODE
+REFRESH_INTERVAL = 0.5  # seconds between two snapshots of the Store's listing
+LATEST = "latest"
+
+
+def version_dirname(step: int) -> str:
+    """``step-00001200``: zero-padded to at least 8 digits so that ``ls`` sorts versions."""
+    return f"step-{step:08d}"
+
+
+class Kind(enum.Enum):
+    ROOT = "root"
+    MODEL = "model"
+    LATEST = "latest"
+    VERSION = "version"
+    FILE = "file"
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """One name in the tree; ``ino`` is fixed for the life of the mount."""
+
+    ino: int
+    kind: Kind
+    model: str = ""
+    step: int = -1
+    counter: int = -1  # FILE only: the counter of the version the file belongs to
+    name: str = ""  # FILE only: the file name inside the version directory
+
+    @property
+    def is_dir(self) -> bool:
+        return self.kind in (Kind.ROOT, Kind.MODEL, Kind.VERSION)
+
+
+@dataclass(frozen=True, slots=True)
+class Attr:
+    """What ``stat`` shows; the FUSE layer copies it into an EntryAttributes."""
+
+    ino: int
+    mode: int
+    nlink: int
+    size: int
+    mtime_ns: int
+
+
+@dataclass
+class _Model:
+    versions: dict[int, Any] = field(default_factory=dict)  # step -> VersionInfo, ascending
+    dirnames: dict[str, int] = field(default_factory=dict)  # "step-00001200" -> 1200
+    latest: Any = None  # VersionInfo | None
+    mtime_ns: int = 0
+
+
+class OpenFile:
+    """An open file: its version stays pinned until :meth:`close`."""
+
+    __slots__ = ("version", "view")
+
+    def __init__(self, version, view):
+        self.version = version
+        self.view = view
+
+    @property
+    def size(self) -> int:
+        return self.view.size
+
+    def read(self, offset: int, size: int) -> bytes:
+        """Up to ``size`` bytes at ``offset``; fewer only at the end of the file."""
+        return self.view.read(offset, size, self.version.read)
+
+    def close(self) -> None:
+        self.version.close()
+
+
+def _default_files_for(manifest, data_base):
+    from ckptfs.views import files_for
+
+    return files_for(manifest, data_base)
+
+
+class Tree:
+    """The inode table and the name space of one mount, backed by a Store.
+
+    ``files_for(manifest, data_base) -> dict[name, View]`` defaults to ``ckptfs.views.files_for``;
+    ``clock`` is ``time.monotonic`` (tests pass their own).
+    """
+
+    def __init__(self, store, *, files_for: Callable | None = None,
+                 refresh_interval: float = REFRESH_INTERVAL,
+                 clock: Callable[[], float] = time.monotonic):
+        self.store = store
+        self._files_for = files_for or _default_files_for
+        self._refresh_interval = refresh_interval
+        self._clock = clock
+        self._refreshed_at: float | None = None
+        self._models: dict[str, _Model] = {}
+        self._files: dict[tuple[str, int, int], dict[str, Any]] = {}  # (model, step, counter) -> views
+        self._by_key: dict[tuple, Node] = {}
+        self._by_ino: dict[int, Node] = {}
+        self._next_ino = ROOT_INODE + 1
+        self.uid, self.gid = os.getuid(), os.getgid()
+        self.mounted_ns = time.time_ns()
+        root = Node(ROOT_INODE, Kind.ROOT)
+        self._by_key[("root",)] = root
+        self._by_ino[ROOT_INODE] = root
+
+    # ---------------------------------------------------------------- listing snapshot
+
+    def refresh(self, force: bool = False) -> None:
+        """Take a new snapshot of the Store's models and committed versions if the last one is
+        older than the refresh interval (or ``force``). Drops cached files of versions that are
+        gone."""
+        now = self._clock()
+        if not force and self._refreshed_at is not None and now - self._refreshed_at < self._refresh_interval:
+            return
+        models: dict[str, _Model] = {}
+        for name in sorted(self.store.models()):
+            try:
+                infos = self.store.versions(name)
+            except Exception as exc:  # noqa: BLE001 - removed between models() and versions()
+                log.debug("listing %r: %s", name, exc)
+                continue
+            m = _Model()
+            for info in sorted(infos, key=lambda i: i.step):
+                m.versions[info.step] = info
+                m.dirnames[version_dirname(info.step)] = info.step
+                if info.latest:
+                    m.latest = info
+                m.mtime_ns = max(m.mtime_ns, info.time_ns)
+            models[name] = m
+        self._models = models
+        self._refreshed_at = now
+        live = {(n, s, i.counter) for n, m in models.items() for s, i in m.versions.items()}
+        for key in [k for k in self._files if k not in live]:
+            del self._files[key]
+
+    def _model(self, name: str) -> _Model:
+        m = self._models.get(name)
+        if m is None:
+            raise FileNotFoundError(errno.ENOENT, f"no model {name!r}")
+        return m
+
+    def _version(self, model: str, step: int):
+        info = self._model(model).versions.get(step)
+        if info is None:
+            raise FileNotFoundError(errno.ENOENT, f"{model} has no committed step {step}")
+        return info
+
+    # ---------------------------------------------------------------- inodes
+
+    def _node(self, key: tuple, **fields) -> Node:
+        node = self._by_key.get(key)
+        if node is None:
+            node = Node(self._next_ino, **fields)
+            self._next_ino += 1
+            self._by_key[key] = node
+            self._by_ino[node.ino] = node
+        return node
+
+    def node(self, ino: int) -> Node:
+        """The node of an inode handed out earlier (ENOENT for one the kernel invented)."""
+        try:
+            return self._by_ino[ino]
+        except KeyError:
+            raise FileNotFoundError(errno.ENOENT, f"unknown inode {ino}") from None
+
+    def _model_node(self, model: str) -> Node:
+        return self._node(("model", model), kind=Kind.MODEL, model=model)
+
+    def _latest_node(self, model: str) -> Node:
+        return self._node(("latest", model), kind=Kind.LATEST, model=model)
+
+    def _version_node(self, model: str, step: int) -> Node:
+        return self._node(("version", model, step), kind=Kind.VERSION, model=model, step=step)
+
+    def _file_node(self, model: str, step: int, counter: int, name: str) -> Node:
+        return self._node(("file", model, step, counter, name), kind=Kind.FILE, model=model,
+                          step=step, counter=counter, name=name)
+
+    # ---------------------------------------------------------------- files of a version
+
+    def _views(self, model: str, step: int, version=None) -> tuple[int, dict[str, Any]]:
+        """(counter, {file name: View}) of the listed version ``model``/``step``. Computed from
+        its manifest on first use: through ``version`` if the caller holds it pinned, else under a
+        short pin of its own."""
+        info = self._version(model, step)
+        key = (model, step, info.counter)
+        views = self._files.get(key)
+        if views is None:
+            if version is not None:
+                views = self._views_of(version, info)
+            else:
+                with self.store.open_version(model, step) as pinned:
+                    views = self._views_of(pinned, info)
+            self._files[key] = views
+        return info.counter, views
+
+    def _views_of(self, version, info) -> dict[str, Any]:
+        if version.info.counter != info.counter:  # the slot was reused since the snapshot
+            self.refresh(force=True)
+            raise FileNotFoundError(errno.ENOENT, f"{info.model} step {info.step} was replaced")
+        return dict(self._files_for(version.manifest, version.data_base))
+
+    def _live(self, node: Node) -> None:
+        """Raise ENOENT if ``node`` is no longer in the snapshot."""
+        if node.kind is Kind.ROOT:
+            return
+        m = self._model(node.model)
+        if node.kind is Kind.LATEST and m.latest is None:
+            raise FileNotFoundError(errno.ENOENT, f"{node.model} has no committed version")
+        if node.kind in (Kind.VERSION, Kind.FILE):
+            info = self._version(node.model, node.step)
+            if node.kind is Kind.FILE and (info.counter != node.counter
+                                           or node.name not in self._views(node.model, node.step)[1]):
+                raise FileNotFoundError(errno.ENOENT, f"{node.name} is gone")
+
+    # ---------------------------------------------------------------- name space
+
+    def lookup(self, parent_ino: int, name: str) -> Node:
+        """The node called ``name`` in directory ``parent_ino`` (ENOENT, ENOTDIR)."""
+        parent = self.node(parent_ino)
+        if not parent.is_dir:
+            raise NotADirectoryError(errno.ENOTDIR, f"{parent.name or parent.kind.value} is not a directory")
+        self.refresh()
+        self._live(parent)
+        if name == ".":
+            return parent
+        if parent.kind is Kind.ROOT:
+            self._model(name)
+            return self._model_node(name)
+        if parent.kind is Kind.MODEL:
+            m = self._model(parent.model)
+            if name == LATEST and m.latest is not None:
+                return self._latest_node(parent.model)
+            step = m.dirnames.get(name)
+            if step is None:
+                raise FileNotFoundError(errno.ENOENT, f"{parent.model} has no {name}")
+            return self._version_node(parent.model, step)
+        counter, views = self._views(parent.model, parent.step)
+        if name not in views:
+            raise FileNotFoundError(errno.ENOENT, f"{version_dirname(parent.step)} has no {name}")
+        return self._file_node(parent.model, parent.step, counter, name)
+
+    def children(self, ino: int) -> list[tuple[str, Node]]:
+        """The entries of directory ``ino``, sorted by name (``latest`` first in a model)."""
+        node = self.node(ino)
+        if not node.is_dir:
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory")
+        self.refresh()
+        self._live(node)
+        if node.kind is Kind.ROOT:
+            return [(name, self._model_node(name)) for name in self._models]
+        if node.kind is Kind.MODEL:
+            m = self._model(node.model)
+            out = [(LATEST, self._latest_node(node.model))] if m.latest is not None else []
+            return out + [(d, self._version_node(node.model, s)) for d, s in m.dirnames.items()]
+        counter, views = self._views(node.model, node.step)
+        return [(name, self._file_node(node.model, node.step, counter, name)) for name in views]
+
+    def attr(self, node: Node) -> Attr:
+        """``stat`` of a live node (ENOENT if it disappeared)."""
+        self.refresh()
+        self._live(node)
+        if node.kind is Kind.ROOT:
+            mtime = max((m.mtime_ns for m in self._models.values()), default=0) or self.mounted_ns
+            return Attr(node.ino, stat.S_IFDIR | 0o755, 2 + len(self._models), 0, mtime)
+        m = self._model(node.model)
+        if node.kind is Kind.MODEL:
+            return Attr(node.ino, stat.S_IFDIR | 0o755, 2 + len(m.versions), 0, m.mtime_ns or self.mounted_ns)
+        if node.kind is Kind.LATEST:
+            return Attr(node.ino, stat.S_IFLNK | 0o777, 1, len(version_dirname(m.latest.step)), m.latest.time_ns)
+        info = self._version(node.model, node.step)
+        if node.kind is Kind.VERSION:
+            return Attr(node.ino, stat.S_IFDIR | 0o755, 2, 0, info.time_ns)
+        size = self._views(node.model, node.step)[1][node.name].size
+        return Attr(node.ino, stat.S_IFREG | 0o444, 1, size, info.time_ns)
+
+    def readlink(self, node: Node) -> str:
+        """Target of ``<model>/latest``: ``step-…`` of the newest committed version."""
+        if node.kind is not Kind.LATEST:
+            raise OSError(errno.EINVAL, "not a symbolic link")
+        self.refresh()
+        self._live(node)
+        return version_dirname(self._model(node.model).latest.step)
+
+    def open(self, node: Node, flags: int) -> OpenFile:
+        """Open a file for reading and pin its version (EROFS for writing, EISDIR, ENOENT)."""
+        if node.is_dir:
+            raise IsADirectoryError(errno.EISDIR, "is a directory")
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
+            raise read_only("open for writing")
+        if node.kind is not Kind.FILE:
+            raise OSError(errno.EINVAL, "cannot open a symbolic link")
+        self.refresh()
+        self._version(node.model, node.step)
+        version = self.store.open_version(node.model, node.step)
+        try:
+            if version.info.counter != node.counter:
+                raise FileNotFoundError(errno.ENOENT, f"{node.name}: its version was replaced")
+            return OpenFile(version, self._views(node.model, node.step, version)[1][node.name])
+        except BaseException:
+            version.close()
+            raise
+
+    # ---------------------------------------------------------------- the one change allowed
+
+    def version_to_remove(self, parent_ino: int, name: str) -> tuple[str, int]:
+        """``rmdir parent/name``: the (model, step) to pass to ``store.remove``.
+
+        ENOTDIR for a file or ``latest``, EROFS for a model directory, ENOENT if absent."""
+        parent = self.node(parent_ino)
+        node = self.lookup(parent_ino, name)
+        if not node.is_dir:
+            raise NotADirectoryError(errno.ENOTDIR, f"{name} is not a directory")
+        if parent.kind is not Kind.MODEL:
+            raise read_only(f"rmdir {name} (remove its versions, or use `ckptfs rm`)")
+        return node.model, node.step
+
+    def check_unlink(self, parent_ino: int, name: str) -> None:
+        """``unlink parent/name``: succeeds (and does nothing) only for a file inside a version
+        that is not the latest, as the first half of ``rm -r``; EBUSY inside the latest version,
+        EISDIR for a directory, EROFS for ``latest``, ENOENT if absent."""
+        node = self.lookup(parent_ino, name)
+        if node.is_dir:
+            raise IsADirectoryError(errno.EISDIR, f"{name} is a directory")
+        if node.kind is Kind.LATEST:
+            raise read_only("unlink latest")
+        if self._version(node.model, node.step).latest:
+            raise OSError(errno.EBUSY, f"{version_dirname(node.step)} is the latest version of {node.model}")
+
+    def removed(self) -> None:
+        """Call after ``store.remove`` succeeded: the next lookup sees the new listing."""
+        self.refresh(force=True)
+
+    def inode_count(self) -> int:
+        return len(self._by_ino)

@@ -1,0 +1,287 @@
+"""Import a ``.safetensors`` file or a torch file as a new version of a model.
+
+Everything is parsed and validated before anything is written: a malformed or hostile file raises
+:class:`~ckptfs.errors.MalformedInputError` (or UnsupportedObjectError for a leaf ckptfs cannot
+store) and leaves the region untouched -- no writer is created, no model ring allocated.
+
+* safetensors: the header is parsed here, strictly -- the 8-byte length within bounds and within
+  the file, a JSON object with no duplicate keys, known dtypes, non-negative integer shapes,
+  ``shape x itemsize == end - begin``, extents that start at 0 and tile the data exactly (no
+  overlap, no hole, nothing past the end, nothing after the last tensor). The tensors are then
+  read from a private mapping of the file (no copy before the writer's own snapshot) and saved as
+  a flat ``{name: tensor}`` dict in header order (or ``{key: {...}}`` with ``key=``).
+* torch files: ``torch.load(weights_only=True)``, which refuses any global outside torch's
+  allowlist (``os.system``, arbitrary classes); every failure becomes MalformedInputError.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import pickle
+import struct
+import zipfile
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ckptfs.errors import CkptfsError, MalformedInputError, UnsupportedObjectError
+from ckptfs.manifest import DTYPES
+from ckptfs.views.safetensors import SAFETENSORS_DTYPES
+
+# safetensors dtype code -> ckptfs (torch) dtype name: the inverse of the map the views write with.
+FROM_SAFETENSORS = {code: name for name, code in SAFETENSORS_DTYPES.items() if name in DTYPES}
+MAX_HEADER_BYTES = 100_000_000  # the limit of the safetensors reference implementation
+
+
+@dataclass(frozen=True)
+class SafetensorsEntry:
+    name: str
+    dtype: str  # ckptfs dtype name
+    shape: tuple[int, ...]  # torch's shape
+    begin: int  # relative to the start of the data section
+    end: int
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    entries: tuple[SafetensorsEntry, ...]  # in header order
+    metadata: dict[str, str]
+    data_start: int  # absolute file offset of the data section
+
+
+def _reject(path: str, what: str) -> MalformedInputError:
+    return MalformedInputError(f"{path}: {what}; nothing was imported")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    d: dict = {}
+    for k, v in pairs:
+        if k in d:
+            raise ValueError(f"duplicate key {k!r}")
+        d[k] = v
+    return d
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def parse_safetensors_header(head: bytes, file_size: int, path: str = "<input>") -> SafetensorsHeader:
+    """Validate a safetensors header; ``head`` holds at least the first ``8 + n`` bytes of a file
+    of ``file_size`` bytes (fewer if the file is shorter). Raises MalformedInputError."""
+    if file_size < 8 or len(head) < 8:
+        raise _reject(path, f"truncated: {file_size} bytes, a safetensors file starts with an 8-byte header length")
+    (n,) = struct.unpack("<Q", head[:8])
+    if n < 2 or n > MAX_HEADER_BYTES:
+        raise _reject(path, f"bad header length {n} (must be 2..{MAX_HEADER_BYTES} bytes)")
+    if 8 + n > file_size or len(head) < 8 + n:
+        raise _reject(path, f"truncated: header length {n} runs past the end of the {file_size}-byte file")
+    raw = head[8:8 + n]
+    if raw[:1] != b"{":
+        raise _reject(path, "the header is not a JSON object")
+    try:
+        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise _reject(path, f"the header is not valid JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise _reject(path, "the header is not a JSON object")
+    metadata = doc.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                  for k, v in metadata.items()):
+        raise _reject(path, "__metadata__ must map strings to strings")
+    entries = []
+    for name, info in doc.items():
+        if not name:
+            raise _reject(path, "a tensor has an empty name")
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise _reject(path, f"tensor {name!r} must have exactly dtype, shape and data_offsets")
+        code, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        dtype = FROM_SAFETENSORS.get(code) if isinstance(code, str) else None
+        if dtype is None:
+            raise _reject(path, f"tensor {name!r} has unknown or unsupported dtype {code!r} "
+                                f"(supported: {', '.join(FROM_SAFETENSORS)})")
+        if not isinstance(shape, list) or not all(_is_int(s) and s >= 0 for s in shape):
+            raise _reject(path, f"tensor {name!r} has an invalid shape {shape!r}")
+        torch_shape = list(shape)
+        if code == "F4":  # safetensors counts 4-bit elements; torch packs two per byte
+            if not shape or shape[-1] % 2:
+                raise _reject(path, f"tensor {name!r}: F4 needs an even last dimension, got {shape}")
+            torch_shape[-1] //= 2
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1]):
+            raise _reject(path, f"tensor {name!r} has invalid data_offsets {offsets!r}")
+        numel = 1
+        for s in torch_shape:
+            numel *= s
+        expected = numel * DTYPES[dtype].itemsize
+        if offsets[1] - offsets[0] != expected:
+            raise _reject(path, f"tensor {name!r}: shape {shape} of {code} needs {expected} bytes, "
+                                f"data_offsets {offsets} hold {offsets[1] - offsets[0]}")
+        entries.append(SafetensorsEntry(name, dtype, tuple(torch_shape), offsets[0], offsets[1]))
+    data_len = file_size - 8 - n
+    position = 0
+    for e in sorted(entries, key=lambda e: (e.begin, e.end)):
+        if e.begin < position:
+            raise _reject(path, f"tensor {e.name!r} overlaps the previous tensor (data_offsets {[e.begin, e.end]})")
+        if e.begin > position:
+            raise _reject(path, f"a hole of {e.begin - position} bytes before tensor {e.name!r}")
+        position = e.end
+    if position > data_len:
+        raise _reject(path, f"truncated: the tensors need {position} data bytes, the file holds {data_len}")
+    if position < data_len:
+        raise _reject(path, f"{data_len - position} unexpected bytes after the last tensor")
+    return SafetensorsHeader(tuple(entries), metadata, 8 + n)
+
+
+class SafetensorsFile:
+    """A validated safetensors file, its tensors mapped read-only (copy-on-write) from disk.
+
+    Use as a context manager; tensors from :meth:`tensors` are valid until it closes."""
+
+    def __init__(self, path: str):
+        self.path = path
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) == 8:
+                n = struct.unpack("<Q", head)[0]
+                if n <= MAX_HEADER_BYTES:
+                    head += f.read(n)
+            self.header = parse_safetensors_header(head, size, path)
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+
+    def tensors(self) -> "OrderedDict[str, torch.Tensor]":
+        out: OrderedDict[str, torch.Tensor] = OrderedDict()
+        base = self.header.data_start
+        for e in self.header.entries:
+            dtype = DTYPES[e.dtype]
+            if e.end == e.begin:
+                out[e.name] = torch.empty(e.shape, dtype=dtype)
+            else:
+                raw = torch.frombuffer(self._map, dtype=torch.uint8, count=e.end - e.begin, offset=base + e.begin)
+                out[e.name] = raw.view(dtype).reshape(e.shape)
+        return out
+
+    def close(self) -> None:
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a tensor still refers to it; the mapping goes with the last one
+                pass
+            self._map = None
+
+    def __enter__(self) -> "SafetensorsFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def load_torch_file(path: str) -> Any:
+    """``torch.load(path, weights_only=True)`` onto the CPU; any failure -- a forbidden global,
+    a truncated or corrupt archive, not a torch file at all -- is MalformedInputError."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    is_zip = zipfile.is_zipfile(path)
+    if magic == b"PK\x03\x04" and not is_zip:
+        raise _reject(path, "truncated or damaged: a zip archive (torch.save format) without its central directory")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=is_zip)
+    except pickle.UnpicklingError as exc:
+        raise _reject(path, f"refused by torch.load(weights_only=True): {_unpickler_reason(str(exc))}") from None
+    except Exception as exc:  # noqa: BLE001 - hostile input may fail anywhere in torch.load
+        text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise _reject(path, f"not a loadable torch file ({type(exc).__name__}: {text})") from None
+
+
+def _unpickler_reason(text: str) -> str:
+    """The specific part of torch's weights-only refusal, without its advice to turn it off."""
+    text = text.split("Check the documentation", 1)[0]
+    text = text.split("WeightsUnpickler error:", 1)[-1]
+    lines = [ln.strip() for ln in text.splitlines()
+             if ln.strip() and not ln.strip().startswith(("Weights only load failed", "Please file an issue"))]
+    return lines[0] if lines else "the pickle holds something other than tensors and plain containers"
+
+
+def detect_format(path: str) -> str:
+    """"safetensors" or "torch": by extension, else by the first bytes."""
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".safetensors":
+        return "safetensors"
+    if ext in (".pt", ".pth", ".bin", ".ckpt", ".tar"):
+        return "torch"
+    with open(path, "rb") as f:
+        head = f.read(9)
+    if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":
+        return "torch"
+    if len(head) == 9 and head[8:9] == b"{":
+        return "safetensors"
+    raise MalformedInputError(f"{path}: neither a safetensors nor a torch file; "
+                              "name it .safetensors or .pt, or pass --format")
+
+
+def import_file(store, model: str, path: str, *, step: int | None = None, fmt: str | None = None,
+                key: str | None = None):
+    """Import ``path`` as version ``step`` of ``model`` (default: one past the latest step, or 0)
+    and wait until it is durable. Returns the new VersionInfo.
+
+    ``key`` nests the imported tensors under that top-level key (``{key: tensors}``), e.g.
+    ``model`` so that the mount shows ``model.safetensors``. Raises MalformedInputError /
+    CkptfsError before anything is written; the writer's ``save`` does the remaining checks
+    (UnsupportedObjectError, CheckpointTooLargeError) before it writes."""
+    if not os.path.isfile(path):
+        raise CkptfsError(f"{path}: no such file")
+    fmt = fmt or detect_format(path)
+    if step is None:
+        latest = _latest(store, model)
+        step = 0 if latest is None else latest.step + 1
+    elif step < 0:
+        raise CkptfsError(f"step must be >= 0, got {step}")
+    if any(v.step == step for v in _versions(store, model)):
+        raise CkptfsError(f"{model} already has step {step}; pick another --step or remove it first")
+
+    if fmt == "safetensors":
+        source = SafetensorsFile(path)
+        obj: Any = source.tensors()
+    elif fmt == "torch":
+        source = None
+        obj = load_torch_file(path)
+    else:
+        raise CkptfsError(f"unknown format {fmt!r}; use safetensors or torch")
+    try:
+        if key is not None:
+            obj = {key: obj}
+        writer = store.writer(model)
+        try:
+            writer.save(obj, step).result()
+            writer.wait()
+        finally:
+            writer.close()
+    except UnsupportedObjectError as exc:  # raised by save before it writes anything
+        raise UnsupportedObjectError(f"{path}: {exc}; nothing was imported") from None
+    finally:
+        obj = None
+        if source is not None:
+            source.close()
+    return next(v for v in store.versions(model) if v.step == step)
+
+
+def _versions(store, model: str) -> list:
+    from ckptfs.errors import NotFoundError
+
+    try:
+        return list(store.versions(model))
+    except NotFoundError:
+        return []
+
+
+def _latest(store, model: str):
+    from ckptfs.errors import NotFoundError
+
+    try:
+        return store.latest(model)
+    except NotFoundError:
+        return None
