@@ -105,6 +105,7 @@ class _InFlight:
     chunks_left: int
     data_offset: int = 0  # where the tensor bytes start within the slot
     ready: threading.Event = field(default_factory=threading.Event)
+    snapshot_taken: threading.Event = field(default_factory=threading.Event)
     piece_crcs: list = field(default_factory=list)
     error: BaseException | None = None
     stall_s: float = 0.0
@@ -283,6 +284,7 @@ class Writer:
             raise
         job.stall_s = time.perf_counter() - started
         future.snapshotted.set_result(job.stall_s)
+        job.snapshot_taken.set()
 
     def _drop(self, future: "SaveFuture", error: BaseException) -> None:
         """Fail a save that never got a slot."""
@@ -442,6 +444,15 @@ class Writer:
             except BaseException as e:  # noqa: BLE001 - delivered through the future
                 self._fail(job, e)
 
+    @staticmethod
+    def _yield_to_snapshot(job: _InFlight, pool: StagingPool) -> None:
+        """Hold the chunk's CRC until the snapshot is taken: on a CPU-only host the checksums
+        would otherwise take cores from the copy the caller is waiting for. The writes already
+        issued keep the device busy meanwhile, so durability is not delayed. Never waits while
+        the snapshot itself waits for a staging buffer (this one must then be freed)."""
+        while not job.future.snapshotted.done() and not pool.starved:
+            job.snapshot_taken.wait(0.002)
+
     def _prepare_slot(self, job: _InFlight) -> None:
         header = self.region.read_header(job.entry, job.slot)
         if header is not None and header.state == SLOT_COMMITTED:
@@ -463,9 +474,10 @@ class Writer:
             if job.error is not None:
                 return
             view = memoryview(buf.mapping)
+            self.region.write_slot(job.entry, job.slot, job.data_offset + chunk.start, view[:chunk.length])
+            self._yield_to_snapshot(job, pool)
             crcs = [(p.tensor, p.tensor_start, p.length,
                      crc32(view[p.buffer_start:p.buffer_start + p.length])) for p in chunk.pieces]
-            self.region.write_slot(job.entry, job.slot, job.data_offset + chunk.start, view[:chunk.length])
             view.release()
         finally:
             pool.release(buf)
