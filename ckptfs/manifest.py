@@ -127,26 +127,38 @@ class Manifest:
     @classmethod
     def decode(cls, raw: bytes) -> "Manifest":
         """Parse and validate a manifest; raises MalformedInputError on anything inconsistent."""
+        # Strict: a region may come from anywhere (tests/test_hostile.py), so every field has
+        # exactly its type and nothing can make the parser fail any other way.
         try:
             doc = json.loads(raw)
-            if doc["format"] != MANIFEST_FORMAT:
-                raise MalformedInputError(f"manifest format {doc['format']} is not supported")
-            tensors = tuple(
-                TensorRecord(str(t["name"]), str(t["dtype"]), tuple(int(s) for s in t["shape"]),
-                             int(t["offset"]), int(t["nbytes"]), int(t["crc32"], 16))
-                for t in doc["tensors"]
-            )
-            m = cls(str(doc["model"]), int(doc["step"]), int(doc["counter"]), int(doc["time_ns"]),
-                    tensors, doc["skeleton"], int(doc["data_bytes"]))
+            if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
+                raise MalformedInputError(f"manifest format {doc.get('format') if isinstance(doc, dict) else None!r} "
+                                          "is not supported")
+            if not isinstance(doc["tensors"], list):
+                raise MalformedInputError("manifest tensors must be a list")
+            tensors = []
+            for t in doc["tensors"]:
+                if not isinstance(t["shape"], list) or not isinstance(t["crc32"], str) or len(t["crc32"]) != 8:
+                    raise MalformedInputError(f"tensor record {t!r:.80} is not valid")
+                tensors.append(TensorRecord(_str(t["name"]), _str(t["dtype"]), tuple(_int(s) for s in t["shape"]),
+                                            _int(t["offset"]), _int(t["nbytes"]), int(t["crc32"], 16)))
+            m = cls(_str(doc["model"]), _int(doc["step"]), _int(doc["counter"]), _int(doc["time_ns"]),
+                    tuple(tensors), doc["skeleton"], _int(doc["data_bytes"]))
+            m.validate()
         except MalformedInputError:
             raise
-        except (ValueError, KeyError, TypeError) as e:
-            raise MalformedInputError(f"manifest is not valid: {e!r}") from None
-        m.validate()
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+            raise MalformedInputError(f"manifest is not valid: {e!r:.200}") from None
         return m
 
     def validate(self) -> None:
-        """Check internal consistency: known dtypes, sizes matching shapes, extents in bounds."""
+        """Check internal consistency: known dtypes, sizes matching shapes, extents in bounds,
+        unique tensor names, a well-formed skeleton whose tensor references exist."""
+        if self.data_bytes < 0:
+            raise MalformedInputError(f"negative data_bytes {self.data_bytes}")
+        if len({t.name for t in self.tensors}) != len(self.tensors):
+            raise MalformedInputError("two tensor records have the same name")
+        _check_skeleton(self.skeleton, len(self.tensors), 0)
         for t in self.tensors:
             if t.dtype not in DTYPES:
                 raise MalformedInputError(f"tensor {t.name!r} has unknown dtype {t.dtype!r}")
@@ -157,9 +169,57 @@ class Manifest:
                                           f"shape {list(t.shape)} of {t.dtype}")
             if t.offset + t.nbytes > self.data_bytes:
                 raise MalformedInputError(f"tensor {t.name!r} extends past the version's data")
-        for _, index in _walk_tensor_refs(self.skeleton, ()):
-            if not 0 <= index < len(self.tensors):
-                raise MalformedInputError(f"skeleton refers to tensor {index} of {len(self.tensors)}")
+
+
+MAX_DEPTH = 200  # nesting of a saved object (and of a skeleton); deeper ones are refused
+_SCALAR_KINDS = {"str": str, "int": int, "float": str, "bool": bool, "none": type(None)}
+
+
+def _int(x) -> int:
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise MalformedInputError(f"{x!r:.40} is not an integer")
+    return x
+
+
+def _str(x) -> str:
+    if not isinstance(x, str):
+        raise MalformedInputError(f"{x!r:.40} is not a string")
+    return x
+
+
+def _check_skeleton(node, ntensors: int, depth: int) -> None:
+    """Raise MalformedInputError unless ``node`` is a skeleton node (see the module doc)."""
+    if depth > MAX_DEPTH:
+        raise MalformedInputError(f"skeleton nests deeper than {MAX_DEPTH}")
+    if not isinstance(node, dict) or len(node) != 1:
+        raise MalformedInputError(f"skeleton node {node!r:.60} is not a one-key object")
+    (kind, value), = node.items()
+    if kind == "tensor":
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < ntensors:
+            raise MalformedInputError(f"skeleton refers to tensor {value!r:.20} of {ntensors}")
+    elif kind in _SCALAR_KINDS:
+        if isinstance(value, bool) != (kind == "bool") or not isinstance(value, _SCALAR_KINDS[kind]):
+            raise MalformedInputError(f"skeleton {kind} node holds {value!r:.40}")
+        if kind == "float":
+            float.fromhex(value)  # ValueError if it is not a hex float
+    elif kind in ("list", "tuple"):
+        if not isinstance(value, list):
+            raise MalformedInputError(f"skeleton {kind} node holds {value!r:.40}")
+        for v in value:
+            _check_skeleton(v, ntensors, depth + 1)
+    elif kind in ("dict", "odict"):
+        if not isinstance(value, list):
+            raise MalformedInputError(f"skeleton {kind} node holds {value!r:.40}")
+        for item in value:
+            if not isinstance(item, list) or len(item) != 2:
+                raise MalformedInputError(f"skeleton {kind} item {item!r:.40} is not a [key, value] pair")
+            key, v = item
+            if not isinstance(key, dict) or len(key) != 1 or next(iter(key)) not in _SCALAR_KINDS:
+                raise MalformedInputError(f"skeleton {kind} key {key!r:.40} is not a plain value")
+            _check_skeleton(key, ntensors, depth + 1)
+            _check_skeleton(v, ntensors, depth + 1)
+    else:
+        raise MalformedInputError(f"unknown skeleton node kind {kind!r:.40}")
 
 
 def expected_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
@@ -184,6 +244,7 @@ class Flattened:
     skeleton: dict
     tensors: list[torch.Tensor] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
+    taken_names: set[str] = field(default_factory=set)
 
 
 def _key_text(key: Any) -> str:
@@ -205,6 +266,9 @@ def flatten(obj: Any) -> Flattened:
 
 def _flatten(obj: Any, path: tuple[str, ...], out: Flattened, seen: dict, active: set) -> dict:
     where = ".".join(path) or "<root>"
+    if len(path) > MAX_DEPTH:
+        raise UnsupportedObjectError(f"{where[:200]}...: the object nests deeper than {MAX_DEPTH} levels; "
+                                     "flatten it (e.g. into a dict of tensors)")
     if isinstance(obj, torch.Tensor):
         return {"tensor": _add_tensor(obj, path, where, out, seen)}
     if obj is None:
@@ -264,10 +328,23 @@ def _add_tensor(t: torch.Tensor, path: tuple[str, ...], where: str, out: Flatten
             return seen[key]
     index = len(out.tensors)
     out.tensors.append(t.detach())
-    out.names.append(".".join(path) or "tensor")
+    name = _unique_name(".".join(path) or "tensor", out.taken_names)
+    out.names.append(name)
+    out.taken_names.add(name)
     if key is not None:
         seen[key] = index
     return index
+
+
+def _unique_name(name: str, taken: set[str]) -> str:
+    """``name``, or ``name#1``, ``name#2``... when another tensor already has it (keys that
+    contain dots can collide with nested paths: {"a.b": x, "a": {"b": y}})."""
+    if name not in taken:
+        return name
+    n = 1
+    while f"{name}#{n}" in taken:
+        n += 1
+    return f"{name}#{n}"
 
 
 def unflatten(skeleton: dict, tensors: list) -> Any:

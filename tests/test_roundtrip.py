@@ -215,3 +215,10 @@ def test_saves_in_flight_are_committed_when_a_script_exits_without_close(region_
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
     assert store.latest("exit").step == 2
     assert torch.equal(store.load("exit")["w"], torch.full((1 << 20,), 2.0))
+
+
+def test_dotted_keys_colliding_with_nested_paths(store):
+    obj = {"a.b": torch.ones(2), "a": {"b": torch.zeros(3)}}
+    with store.writer("dots") as w:
+        w.save(obj, step=1).result()
+    assert_same(obj, store.load("dots"))
