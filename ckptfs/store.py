@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -10,10 +11,12 @@ from typing import Callable
 from ckptfs.errors import BusyError, CorruptionError, NotFoundError, RegionFormatError
 from ckptfs.manifest import Manifest
 from ckptfs.reader import VerifyProblem, restore, verify_version
-from ckptfs.region.format import unpack_latest
+from ckptfs.region.format import COUNTER_MAX, SUPERBLOCK_BYTES, Superblock, unpack_latest
 from ckptfs.region.region import Region, SlotVersion, validate_model_name
 from ckptfs.writer.progress import read_progress
 from ckptfs.writer.writer import Writer
+
+log = logging.getLogger("ckptfs")
 
 DEFAULT_REGION_BYTES = 64 << 30  # sparse: only the rings of saved models take disk space
 PIN_RETRIES = 20
@@ -167,6 +170,9 @@ class Store:
                 raise NotFoundError(f"model {model!r} has no committed checkpoint yet")
             return latest, True
         matches = [v for v in self.region.committed(entry) if v.header.step == step]
+        if not matches and any(m is not None and m.step == step for _, _, m in self.region.unreadable_slots(entry)):
+            raise CorruptionError(f"version {step} of {model!r} is damaged: its slot header is unreadable, so its "
+                                  "bytes cannot be trusted; load another version and run `ckptfs verify`")
         if not matches:
             raise NotFoundError(f"model {model!r} has no version at step {step} "
                                 f"(it may have been reused by a newer checkpoint; see `ckptfs ls {model}`)")
@@ -198,21 +204,47 @@ class Store:
         """The saved object of a version (``step`` None: latest), tensors on ``map_location``.
 
         The version stays pinned while it is read; every tensor is checked against its CRC
-        unless ``verify`` is False (CorruptionError on a mismatch).
+        unless ``verify`` is False (CorruptionError on a mismatch). With ``step`` None, a latest
+        version whose bytes are damaged is skipped for the newest older one that loads intact,
+        with a warning; CorruptionError only when none does.
         """
-        with self.open_version(model, step) as version:
-            return version.load(map_location, verify)
+        try:
+            with self.open_version(model, step) as version:
+                return version.load(map_location, verify)
+        except CorruptionError as damaged:
+            if step is not None or not verify:
+                raise
+            entry = self.region.get(model)
+            latest = self.region.latest(entry)
+            for v in reversed(self.region.committed(entry)):
+                if latest is None or v.header.counter >= latest.header.counter:
+                    continue  # only versions older than the damaged latest
+                try:
+                    with self.open_version(model, v.header.step) as version:
+                        if version.info.counter != v.header.counter:
+                            continue
+                        obj = version.load(map_location, verify)
+                except (CorruptionError, NotFoundError):
+                    continue
+                log.warning("%s; loaded step %d of %r instead, the newest intact version",
+                            damaged, v.header.step, model)
+                return obj
+            raise
 
     def verify(self, model: str | None = None, step: int | None = None,
                progress: Callable[[int], None] | None = None) -> list[VerifyProblem]:
         """Check every tensor of the selected versions against its CRC; [] means all good."""
         problems: list[VerifyProblem] = []
         models = [model] if model is not None else self.models()
+        if model is None:
+            problems += self._region_problems()
         for name in models:
             entry = self.region.get(name)
             targets = [v for v in self.region.committed(entry) if step is None or v.header.step == step]
             if step is not None and not targets:
                 raise NotFoundError(f"model {name!r} has no version at step {step}")
+            if step is None:
+                problems += self._model_problems(entry)
             for v in targets:
                 if not self.region.pin(v):
                     continue  # reused since listing: nothing left to verify
@@ -224,6 +256,43 @@ class Store:
                 finally:
                     self.region.unpin(v)
         return problems
+
+    def _region_problems(self) -> list[VerifyProblem]:
+        """Damage outside the versions: superblock and its backup, model table entries."""
+        out = []
+        region = self.region
+        try:
+            primary = Superblock.unpack(bytes(region.backend.view(0, SUPERBLOCK_BYTES)), self.path)
+        except RegionFormatError as e:
+            primary = None
+            out.append(VerifyProblem("<region>", -1, None, f"{e}; the region was opened from its backup superblock"))
+        backup = region.backup_superblock()
+        if backup is None or (primary is not None and backup != primary):
+            out.append(VerifyProblem("<region>", -1, None, "the backup superblock in the region's last 4 KiB is "
+                                     "missing or damaged (the region still works; re-create it to restore the copy)"))
+        for index, name, what in region.damaged_entries():
+            out.append(VerifyProblem(name or f"<model table entry {index}>", -1, None,
+                                     f"{what}: the model is unreadable; its versions are lost"))
+        return out
+
+    def _model_problems(self, entry) -> list[VerifyProblem]:
+        """Damage of a model outside its intact versions: the latest pointer, unreadable headers."""
+        out = []
+        counter = self.region.counter_word(entry)
+        if counter > COUNTER_MAX:
+            out.append(VerifyProblem(entry.name, -1, None, f"the version counter holds {counter:#x}, more than a latest "
+                                     "pointer can name: the model table entry is damaged; new saves of this model "
+                                     "are refused (export its versions and re-create it)"))
+        problem = self.region.latest_problem(entry)
+        if problem is not None:
+            out.append(VerifyProblem(entry.name, -1, None, f"{problem}; `load` falls back to the newest intact version"))
+        for slot, offset, index in self.region.unreadable_slots(entry):
+            said = (f"its index says step {index.step} ({len(index.tensors)} tensors)" if index is not None
+                    else "its index is unreadable too")
+            out.append(VerifyProblem(entry.name, index.step if index is not None else -1, None,
+                                     f"the header of slot {slot} (region offset {offset}) is unreadable -- damaged, "
+                                     f"or torn by a crash while it was rewritten; {said}; that version is lost"))
+        return out
 
     # ------------------------------------------------------------------ removal
     def remove(self, model: str, step: int) -> None:

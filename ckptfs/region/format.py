@@ -94,6 +94,8 @@ class Superblock:
         if raw[:8] != SUPERBLOCK_MAGIC:
             raise RegionFormatError(
                 f"{path} is not a ckptfs region (no superblock magic); format it with `ckptfs mkfs {path}`")
+        if len(raw) < cls._FMT.size:
+            raise RegionFormatError(f"superblock of {path} is truncated ({len(raw)} bytes); the region is damaged")
         major, minor = struct.unpack_from("<HH", raw, 8)
         if major > FORMAT_MAJOR:
             raise IncompatibleVersionError(
@@ -126,6 +128,7 @@ class ModelEntry:
     created_ns: int
 
     _FMT = struct.Struct(f"<8sIIQQQH{NAME_MAX_BYTES}sI")
+    NAME_OFFSET = 42  # of the name bytes within the static part (for salvage in messages)
 
     @property
     def ring_bytes(self) -> int:
@@ -143,6 +146,10 @@ class ModelEntry:
     def unpack_static(cls, index: int, raw: bytes) -> "ModelEntry | None":
         """The entry, or None for a free slot of the table. Raises on a damaged entry."""
         if raw[:8] != ENTRY_MAGIC:
+            if any(raw[:8]):
+                # Free entries have an all-zero magic (never used, or cleared by removal): anything
+                # else there is damage, not a free entry -- else one flipped bit hides a model.
+                raise RegionFormatError(f"model table entry {index} has a damaged magic")
             return None
         magic, state, nslots, slot_bytes, ring_offset, created_ns, name_len, name = _checked(
             cls._FMT, raw, f"model table entry {index}")
@@ -150,8 +157,11 @@ class ModelEntry:
             return None
         if name_len > NAME_MAX_BYTES or nslots < 1 or nslots > SLOTS_MAX or slot_bytes <= 0:
             raise RegionFormatError(f"model table entry {index} is inconsistent")
-        return cls(index, name[:name_len].decode("utf-8", "replace"), nslots, slot_bytes,
-                   ring_offset, created_ns)
+        try:
+            text = name[:name_len].decode("utf-8")
+        except UnicodeDecodeError:
+            raise RegionFormatError(f"model table entry {index} holds a name that is not UTF-8") from None
+        return cls(index, text, nslots, slot_bytes, ring_offset, created_ns)
 
     @classmethod
     def free_static(cls) -> bytes:

@@ -22,6 +22,7 @@ _FLOCK = struct.Struct("hhxxxxqqixxxx")  # struct flock on 64-bit Linux
 META_LOCK_OFFSET = 1 << 40
 SLOT_LOCK_BASE = 1 << 41
 SLOT_LOCK_STRIDE = 1 << 16
+EXCLUSIVE = -1  # LockSpace._counts value of a byte held exclusively
 
 
 def slot_lock_offset(model_index: int, slot: int) -> int:
@@ -43,7 +44,10 @@ class LockSpace:
     """One open file description on the region, holding a set of lock bytes.
 
     Within one description a byte is either unlocked, shared or exclusive; a reference count
-    per byte lets several pins of one process share a single shared lock.
+    per byte lets several pins of one process share a single shared lock. Locks of one
+    description never conflict in the kernel (a second request converts the first), so the
+    exclusion between threads of this process is this bookkeeping: ``_counts[offset]`` is the
+    number of shared references, or EXCLUSIVE while an exclusive lock is held *or being taken*.
     """
 
     def __init__(self, path: str, writable: bool = True):
@@ -55,8 +59,11 @@ class LockSpace:
     def try_shared(self, offset: int) -> bool:
         """Add a reference to a shared lock on ``offset``; False if someone holds it exclusively."""
         with self._mutex:
-            if self._counts.get(offset, 0) > 0:
-                self._counts[offset] += 1
+            count = self._counts.get(offset, 0)
+            if count == EXCLUSIVE:
+                return False  # this description holds it (or is taking it) exclusively
+            if count > 0:
+                self._counts[offset] = count + 1
                 return True
             if not _fcntl_lock(self._fd, fcntl.F_RDLCK, offset, wait=False):
                 return False
@@ -64,21 +71,30 @@ class LockSpace:
             return True
 
     def try_exclusive(self, offset: int, wait: bool = False) -> bool:
-        """Take ``offset`` exclusively; False if anyone (another description) holds it."""
+        """Take ``offset`` exclusively; False if anyone (this or another description) holds it."""
         with self._mutex:
-            if self._counts.get(offset, 0) > 0:
+            if self._counts.get(offset, 0) != 0:
                 return False
-        if not _fcntl_lock(self._fd, fcntl.F_WRLCK, offset, wait=wait):
-            return False
-        with self._mutex:
-            self._counts[offset] = 1
-        return True
+            # Reserve it before the (possibly blocking) fcntl, outside the mutex: a pin taken by
+            # another thread of this process in between would otherwise be *converted* by the
+            # kernel into this exclusive lock (found by tests/test_contention.py).
+            self._counts[offset] = EXCLUSIVE
+        try:
+            ok = _fcntl_lock(self._fd, fcntl.F_WRLCK, offset, wait=wait)
+        except BaseException:
+            ok = False
+            raise
+        finally:
+            if not ok:
+                with self._mutex:
+                    del self._counts[offset]
+        return ok
 
     def release(self, offset: int) -> None:
         """Drop one reference; the lock goes when the last reference does."""
         with self._mutex:
             count = self._counts.get(offset, 0)
-            if count <= 0:
+            if count == 0:
                 raise RuntimeError(f"lock byte {offset:#x} is not held")
             if count > 1:
                 self._counts[offset] = count - 1

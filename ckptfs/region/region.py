@@ -25,7 +25,7 @@ from ckptfs.errors import (CorruptionError, InvalidNameError, MalformedInputErro
 from ckptfs.manifest import Manifest
 from ckptfs.checksum import crc32
 from ckptfs.region.backend import Backend, aligned_buffer, is_devdax, open_backend
-from ckptfs.region.format import (COUNTER_WORD_OFFSET, ENTRY_BYTES, ENTRY_STATIC_OFFSET,
+from ckptfs.region.format import (COUNTER_MAX, COUNTER_WORD_OFFSET, ENTRY_BYTES, ENTRY_STATIC_OFFSET,
                                   LATEST_WORD_OFFSET, NAME_MAX_BYTES, SLOT_COMMITTED,
                                   SLOT_HEADER_BYTES, SUPERBLOCK_BYTES, ModelEntry, SlotHeader,
                                   Superblock, pack_latest, unpack_latest, _align)
@@ -42,7 +42,7 @@ def validate_model_name(name) -> str:
         raise InvalidNameError(f"model name {name!r} is not allowed; use letters, digits, '-', '_' or '.'")
     if "/" in name or "\0" in name:
         raise InvalidNameError(f"model name {name!r} contains '/' or NUL; use e.g. {name.replace('/', '-')!r}")
-    if any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") for c in name):
+    if any(unicodedata.category(c) in ("Cc", "Cf", "Cs", "Zl", "Zp") for c in name):
         raise InvalidNameError(f"model name {name!r} contains control characters")
     if name != name.strip():
         raise InvalidNameError(f"model name {name!r} has leading or trailing whitespace")
@@ -74,7 +74,7 @@ class Region:
         self.writable = writable
         self.backend: Backend = backend if backend is not None else open_backend(path, writable)
         try:
-            self.superblock = Superblock.unpack(bytes(self.backend.view(0, SUPERBLOCK_BYTES)), path)
+            self.superblock = self._read_superblock()
             if self.superblock.region_bytes > self.backend.size_bytes:
                 raise RegionFormatError(
                     f"{path} is {self.backend.size_bytes} bytes but its superblock says "
@@ -84,6 +84,36 @@ class Region:
             self.backend.close()
             raise
         self._meta_mutex = threading.Lock()
+
+    def _backup_superblock_offset(self) -> int:
+        return self.backend.size_bytes - SUPERBLOCK_BYTES
+
+    def _read_superblock(self) -> Superblock:
+        """The superblock; if it is damaged, the backup mkfs wrote in the region's last 4 KiB."""
+        if self.backend.size_bytes < SUPERBLOCK_BYTES:
+            raise RegionFormatError(f"{self.path} is {self.backend.size_bytes} bytes, too small to be a ckptfs region; "
+                                    f"format it with `ckptfs mkfs {self.path}`")
+        try:
+            return Superblock.unpack(bytes(self.backend.view(0, SUPERBLOCK_BYTES)), self.path)
+        except RegionFormatError as primary_error:
+            backup = self.backup_superblock()
+            if backup is None:
+                raise
+            log.warning("the superblock of %s is damaged (%s); using its backup copy from the end of the "
+                        "region. Copy your checkpoints out (`ckptfs export`) and re-create the region",
+                        self.path, primary_error)
+            return backup
+
+    def backup_superblock(self) -> Superblock | None:
+        """The backup superblock if it is intact and matches this device's size, else None."""
+        offset = self._backup_superblock_offset()
+        if offset < SUPERBLOCK_BYTES:
+            return None
+        try:
+            sb = Superblock.unpack(bytes(self.backend.view(offset, SUPERBLOCK_BYTES)), self.path)
+        except RegionFormatError:
+            return None
+        return sb if sb.region_bytes == self.backend.size_bytes else None
 
     # ---------------------------------------------------------------- creation
     @classmethod
@@ -119,6 +149,11 @@ class Region:
             mapping = backend.mapping
             mapping[sb.table_offset:sb.table_offset + table_bytes] = bytes(table_bytes)
             backend.persist_mapped(sb.table_offset, table_bytes)
+            # A backup in the last 4 KiB (never given to a ring): a damaged superblock does not
+            # take every checkpoint of the region with it.
+            backup = backend.size_bytes - SUPERBLOCK_BYTES
+            mapping[backup:backup + SUPERBLOCK_BYTES] = sb.pack()
+            backend.persist_mapped(backup, SUPERBLOCK_BYTES)
             # The superblock goes last: a half-formatted region is not recognized as one.
             mapping[0:SUPERBLOCK_BYTES] = sb.pack()
             backend.persist_mapped(0, SUPERBLOCK_BYTES)
@@ -136,25 +171,62 @@ class Region:
 
     def _read_entry(self, index: int) -> ModelEntry | None:
         off = self._entry_offset(index) + ENTRY_STATIC_OFFSET
-        return ModelEntry.unpack_static(index, bytes(self.backend.view(off, ENTRY_BYTES - ENTRY_STATIC_OFFSET)))
+        entry = ModelEntry.unpack_static(index, bytes(self.backend.view(off, ENTRY_BYTES - ENTRY_STATIC_OFFSET)))
+        sb = self.superblock
+        if entry is not None:
+            try:
+                validate_model_name(entry.name)
+            except InvalidNameError as e:
+                raise RegionFormatError(f"model table entry {index} holds an impossible name: {e}") from None
+        if entry is not None and (entry.ring_offset % sb.block_bytes or entry.slot_bytes % sb.block_bytes
+                                  or entry.ring_offset < sb.data_offset
+                                  or entry.ring_offset + entry.ring_bytes > sb.region_bytes):
+            raise RegionFormatError(f"model table entry {index} places its ring outside the region's data area")
+        return entry
 
     def entries(self) -> list[ModelEntry]:
-        """Every model of the region. A damaged entry is logged and left out."""
-        out = []
+        """Every model of the region. A damaged entry is logged and left out (see damaged_entries)."""
+        return self._scan_entries()[0]
+
+    def damaged_entries(self) -> list[tuple[int, str | None, str]]:
+        """(index, the name it seems to hold or None, what is wrong) of every damaged table entry."""
+        return self._scan_entries()[1]
+
+    def _scan_entries(self) -> tuple[list[ModelEntry], list[tuple[int, str | None, str]]]:
+        out, damaged = [], []
         for index in range(self.superblock.table_entries):
+            # No lock: an entry is created body first and magic last (one atomic store), and
+            # removed by clearing the magic, so a concurrent creation never shows a torn entry.
+            # (Taking the table lock here deadlocked create_model, which scans under it.)
             try:
                 entry = self._read_entry(index)
-            except RegionFormatError:
-                # Possibly a concurrent creation; look again once the table is quiet.
-                with self.meta_locked():
-                    try:
-                        entry = self._read_entry(index)
-                    except RegionFormatError as e:
-                        log.warning("skipping model table entry %d: %s", index, e)
-                        entry = None
+            except RegionFormatError as e:
+                name = self._salvage_entry_name(index)
+                log.warning("skipping model table entry %d%s: %s", index,
+                            f" (model {name!r}?)" if name else "", e)
+                damaged.append((index, name, str(e)))
+                entry = None
             if entry is not None:
                 out.append(entry)
-        return out
+        # Two rings over the same bytes can only come from damage (or a crafted region); writing
+        # one would corrupt the other, so neither is trusted.
+        ordered = sorted(out, key=lambda e: e.ring_offset)
+        clash = {e.index for a, b in zip(ordered, ordered[1:]) if a.ring_offset + a.ring_bytes > b.ring_offset
+                 for e in (a, b)}
+        for e in [e for e in out if e.index in clash]:
+            log.warning("skipping model table entry %d (model %r): its ring overlaps another model's", e.index, e.name)
+            damaged.append((e.index, e.name, f"model table entry {e.index} has a ring that overlaps another model's"))
+        out = [e for e in out if e.index not in clash]
+        return out, damaged
+
+    def _salvage_entry_name(self, index: int) -> str | None:
+        """The name a damaged entry seems to hold (for messages only; never trusted)."""
+        off = self._entry_offset(index) + ENTRY_STATIC_OFFSET + ModelEntry.NAME_OFFSET
+        raw = bytes(self.backend.view(off, NAME_MAX_BYTES)).split(b"\0", 1)[0]
+        try:
+            return validate_model_name(raw.decode("utf-8")) if raw else None
+        except (UnicodeDecodeError, InvalidNameError):
+            return None
 
     def find(self, name: str) -> ModelEntry | None:
         for entry in self.entries():
@@ -165,6 +237,13 @@ class Region:
     def get(self, name: str) -> ModelEntry:
         entry = self.find(validate_model_name(name))
         if entry is None:
+            damaged = sorted(self.damaged_entries(), key=lambda d: d[1] != name)
+            if damaged:
+                index, guess, _ = damaged[0]
+                seems = f", which seems to hold {guess!r}" if guess else ""
+                raise CorruptionError(
+                    f"model {name!r} is not readable in {self.path}: model table entry {index}{seems} is damaged "
+                    "and may have been this model; run `ckptfs verify`")
             raise NotFoundError(f"model {name!r} does not exist in {self.path} (see `ckptfs ls`)")
         return entry
 
@@ -184,11 +263,12 @@ class Region:
         block = self.superblock.block_bytes
         slot_bytes = _align(slot_bytes, block)
         with self.meta_locked():
-            entries = self.entries()
+            entries, damaged = self._scan_entries()
             for entry in entries:
                 if entry.name == name:
                     return entry
-            used = {e.index for e in entries}
+            # a damaged entry's index is not free: keep it (and what may be salvaged from it)
+            used = {e.index for e in entries} | {index for index, _, _ in damaged}
             index = next((i for i in range(self.superblock.table_entries) if i not in used), None)
             if index is None:
                 raise RegionFullError(f"the model table of {self.path} is full "
@@ -202,9 +282,15 @@ class Region:
             self._wipe_slot_headers(entry)
             _native.atomic_store_u64(mapping, base + LATEST_WORD_OFFSET, 0)
             _native.atomic_store_u64(mapping, base + COUNTER_WORD_OFFSET, 0)
+            # Everything but the magic first, then the magic with one atomic 8-byte store: a crash
+            # (or a reader) sees a free entry or a complete one, never a torn one, even though the
+            # kernel may write the page back at any moment of the copy.
             static = entry.pack_static()
-            mapping[base + ENTRY_STATIC_OFFSET:base + ENTRY_STATIC_OFFSET + len(static)] = static
+            start = base + ENTRY_STATIC_OFFSET
+            mapping[start + 8:start + len(static)] = static[8:]
             self.backend.persist_mapped(base, ENTRY_BYTES)
+            _native.atomic_store_u64(mapping, start, int.from_bytes(static[:8], "little"))
+            self.backend.persist_mapped(start, 8)
             return entry
 
     def _find_gap(self, entries: list[ModelEntry], nbytes: int) -> int:
@@ -214,9 +300,10 @@ class Region:
             if e.ring_offset - cursor >= nbytes:
                 return cursor
             cursor = max(cursor, e.ring_offset + e.ring_bytes)
-        if sb.region_bytes - cursor >= nbytes:
+        end = (sb.region_bytes - SUPERBLOCK_BYTES) // sb.block_bytes * sb.block_bytes  # backup superblock
+        if end - cursor >= nbytes:
             return cursor
-        free = sb.region_bytes - sb.data_offset - sum(e.ring_bytes for e in entries)
+        free = end - sb.data_offset - sum(e.ring_bytes for e in entries)
         raise RegionFullError(
             f"region {self.path} has no contiguous {nbytes} bytes free for a new model ring "
             f"({free} bytes free in all); remove models with `ckptfs rm MODEL`, or create a larger "
@@ -240,10 +327,11 @@ class Region:
                         raise BusyError(f"model {name!r} is in use (a writer or a reader holds slot {slot}); "
                                         "close it first")
                     claimed.append(off)
-                base = self._entry_offset(entry.index)
-                static = ModelEntry.free_static()
-                self.backend.mapping[base + ENTRY_STATIC_OFFSET:base + ENTRY_STATIC_OFFSET + len(static)] = static
-                self.backend.persist_mapped(base, ENTRY_BYTES)
+                # Clearing the magic (one atomic 8-byte store) frees the entry; the rest is left
+                # as it is, so a crash cannot leave a half-cleared entry that looks damaged.
+                start = self._entry_offset(entry.index) + ENTRY_STATIC_OFFSET
+                _native.atomic_store_u64(self.backend.mapping, start, 0)
+                self.backend.persist_mapped(start, 8)
             finally:
                 for off in claimed:
                     self.pins.release(off)
@@ -259,9 +347,17 @@ class Region:
         return _native.atomic_cas_u64(self.backend.mapping, self._word(entry, LATEST_WORD_OFFSET),
                                       expected, desired)
 
+    def counter_word(self, entry: ModelEntry) -> int:
+        return _native.atomic_load_u64(self.backend.mapping, self._word(entry, COUNTER_WORD_OFFSET))
+
     def next_counter(self, entry: ModelEntry) -> int:
         """A counter larger than any handed out before for this model (PCcheck's global counter)."""
-        return _native.atomic_fetch_add_u64(self.backend.mapping, self._word(entry, COUNTER_WORD_OFFSET), 1) + 1
+        counter = _native.atomic_fetch_add_u64(self.backend.mapping, self._word(entry, COUNTER_WORD_OFFSET), 1) + 1
+        if counter > COUNTER_MAX:
+            raise CorruptionError(f"the version counter of model {entry.name!r} holds {counter - 1:#x}, more than a "
+                                  f"latest pointer can name ({COUNTER_MAX:#x}): the model table is damaged; "
+                                  "export the model's versions and re-create it")
+        return counter
 
     def raise_counter(self, entry: ModelEntry, at_least: int) -> None:
         """Make the next counter exceed ``at_least`` (after a crash lost the counter's last update)."""
@@ -283,7 +379,7 @@ class Region:
             return None
         if header.state == SLOT_COMMITTED:
             end = header.data_offset + header.data_bytes
-            if (header.manifest_offset < SLOT_HEADER_BYTES
+            if (header.manifest_offset < SLOT_HEADER_BYTES or header.data_offset % SLOT_HEADER_BYTES
                     or header.manifest_offset + header.manifest_bytes > header.data_offset
                     or end > entry.slot_bytes):
                 return None
@@ -301,27 +397,82 @@ class Region:
     def latest(self, entry: ModelEntry) -> SlotVersion | None:
         """The version the latest pointer names.
 
-        If the pointer names a slot whose header does not match (a damaged region), falls back to
-        the newest committed version whose manifest verifies, with a warning.
+        If the pointer names a slot that does not hold that version, or one whose index fails its
+        checksum (a damaged region), falls back to the newest committed version whose index
+        verifies, with a warning. (Tensor bytes are checked by ``load``, which falls back too.)
         """
-        target = unpack_latest(self.latest_word(entry))
-        if target is not None:
-            counter, slot = target
-            if slot < entry.nslots:
-                header = self.read_header(entry, slot)
-                if header is not None and header.state == SLOT_COMMITTED and header.counter == counter:
-                    return SlotVersion(entry, slot, header)
-            log.warning("latest pointer of model %r names slot %d counter %d, which does not hold it; "
-                        "falling back to the newest intact version", entry.name, slot, counter)
-        for version in reversed(self.committed(entry)):
-            if target is not None and version.header.counter > target[0]:
-                continue  # committed after the pointer's checkpoint but never published
-            try:
-                self.read_manifest(version)
-            except CorruptionError:
-                continue
+        version, problem = self._resolve_latest(entry)
+        if problem is None:
             return version
+        for version in reversed(self.committed(entry)):
+            if self._index_ok(version):
+                log.warning("model %r: %s; falling back to step %d, the newest intact version",
+                            entry.name, problem, version.header.step)
+                return version
+        log.warning("model %r: %s; no intact version is left", entry.name, problem)
         return None
+
+    def latest_problem(self, entry: ModelEntry) -> str | None:
+        """None if the latest pointer is empty or names an intact version, else what is wrong."""
+        return self._resolve_latest(entry)[1]
+
+    def _resolve_latest(self, entry: ModelEntry) -> tuple[SlotVersion | None, str | None]:
+        for _ in range(100):
+            word = self.latest_word(entry)
+            target = unpack_latest(word)
+            if target is None:
+                # Nothing published yet. A committed version can still be there: its save's commit
+                # was cut before the pointer reached the media (never reported durable, but
+                # complete), or the pointer word itself was zeroed. Take the newest intact one.
+                for version in reversed(self.committed(entry)):
+                    if self._index_ok(version):
+                        return version, None
+                return None, None
+            counter, slot = target
+            header = self.read_header(entry, slot) if slot < entry.nslots else None
+            version = None
+            if header is not None and header.state == SLOT_COMMITTED and header.counter == counter:
+                version = SlotVersion(entry, slot, header)
+                if self._index_ok(version):
+                    return version, None
+            if self.latest_word(entry) == word:
+                break
+            # The pointer moved on while we looked (a newer save published and the old slot is
+            # already being rewritten): that is not damage; look again.
+        if version is None:
+            return None, f"the latest pointer names slot {slot} counter {counter}, which does not hold it"
+        return None, f"the index of the latest version (step {version.header.step}, slot {slot}) fails its checksum"
+
+    def _index_ok(self, version: SlotVersion) -> bool:
+        h = version.header
+        start = version.entry.slot_offset(version.slot) + h.manifest_offset
+        return crc32(self.backend.view(start, h.manifest_bytes)) == h.manifest_crc
+
+    def unreadable_slots(self, entry: ModelEntry) -> list[tuple[int, int, Manifest | None]]:
+        """(slot, region offset, the index behind it if readable) of every slot whose header is
+        neither empty nor valid: damaged by the media, or torn by a crash in the middle of
+        rewriting it (only where a write can tear below a 512-byte sector, e.g. devdax). The
+        version it held, if any, is lost. (A header zeroed as a whole looks like an empty slot:
+        that is what removal leaves, and a fresh slot's index is written before its header.)"""
+        out = []
+        for slot in range(entry.nslots):
+            offset = entry.slot_offset(slot)
+            raw = bytes(self.backend.view(offset, SLOT_HEADER_BYTES))
+            if not any(raw) or self.read_header(entry, slot) is not None:
+                continue
+            out.append((slot, offset, self._salvage_index(entry, slot)))
+        return out
+
+    def _salvage_index(self, entry: ModelEntry, slot: int) -> Manifest | None:
+        start = entry.slot_offset(slot) + SLOT_HEADER_BYTES
+        room = entry.slot_bytes - SLOT_HEADER_BYTES
+        if room <= 0 or self.backend.view(start, 1)[0] != ord("{"):
+            return None
+        raw = bytes(self.backend.view(start, min(room, 1 << 20)))
+        try:
+            return Manifest.decode(raw.split(b"\0", 1)[0])
+        except (MalformedInputError, RecursionError):
+            return None
 
     def read_manifest(self, version: SlotVersion) -> Manifest:
         h = version.header

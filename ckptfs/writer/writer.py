@@ -34,7 +34,7 @@ from ckptfs.errors import BusyError, CheckpointTooLargeError, CkptfsError
 from ckptfs.manifest import (DTYPE_NAMES, TENSOR_ALIGN_BYTES, Manifest, TensorRecord, align_up,
                              flatten)
 from ckptfs.region.backend import aligned_buffer
-from ckptfs.region.format import (COUNTER_MAX, SLOT_COMMITTED, SLOT_WRITING, SLOTS_MAX,
+from ckptfs.region.format import (COUNTER_MAX, SLOT_COMMITTED, SLOT_HEADER_BYTES, SLOT_WRITING, SLOTS_MAX,
                                   SlotHeader, pack_latest, slot_layout, unpack_latest)
 from ckptfs.region.locks import LockSpace, slot_lock_offset
 from ckptfs.region.region import Region, validate_model_name
@@ -494,17 +494,22 @@ class Writer:
         if job.error is not None:
             return
         region = self.region
-        region.backend.barrier()  # every chunk durable before anything points at it
         manifest = job.manifest.with_crcs([combine_piece_crcs(pieces) for pieces in job.piece_crcs])
         raw = manifest.encode()
         moff, doff, _ = slot_layout(len(raw), manifest.data_bytes)
+        index = aligned_buffer(doff - moff)
+        index[:len(raw)] = raw
+        region.write_slot(job.entry, job.slot, moff, index)
+        # One barrier makes the tensor bytes and the index durable; only then the header that
+        # vouches for them is written, alone in its page: a torn commit leaves at worst an
+        # invalid header (no version), never a valid header over a torn index.
+        region.backend.barrier()
         header = SlotHeader(SLOT_COMMITTED, job.counter, job.step, job.time_ns, job.entry.index, job.slot,
                             moff, len(raw), crc32(raw), doff, manifest.data_bytes)
-        buf = aligned_buffer(doff)
-        buf[0:4096] = header.pack()
-        buf[moff:moff + len(raw)] = raw
-        region.write_slot(job.entry, job.slot, 0, buf)
-        region.backend.barrier()  # header + index durable before the pointer moves
+        page = aligned_buffer(SLOT_HEADER_BYTES)
+        page[:] = header.pack()
+        region.write_slot(job.entry, job.slot, 0, page)
+        region.backend.barrier()  # header durable before the pointer moves
         published = self._publish(job)
         region.persist_words(job.entry)
         self._release_claim(job)

@@ -1,0 +1,443 @@
+"""Tier 4: hostile input -- property tests of every parser that takes bytes from outside.
+
+* the region's own structures, as found in an untrusted region: Manifest.decode, Superblock /
+  SlotHeader / ModelEntry unpack, on random and mutated bytes;
+* whole regions: random garbage, and valid regions with fields rewritten *and their CRCs fixed
+  up* (a crafted region passes the checksums, so only validation stands between it and the
+  code): opening, listing, verify, load and the mount's views raise ckptfs errors only, and
+  never write;
+* model names through the API (path traversal, NUL, very long, unicode);
+* the importer (safetensors headers and files, torch files), when it exists.
+
+Every failure must be a ckptfs.errors.CkptfsError with a message; anything else (a struct.error,
+a RecursionError, an IndexError...) is a finding. CKPTFS_HYPOTHESIS_EXAMPLES scales the runs.
+"""
+import json
+import os
+import struct
+import zlib
+from collections import OrderedDict
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, example, given, settings
+from hypothesis import strategies as st
+
+import ckptfs
+from ckptfs.checksum import crc32
+from ckptfs.errors import CkptfsError, InvalidNameError, MalformedInputError, RegionFormatError
+from ckptfs.manifest import Manifest
+from ckptfs.region.format import (ENTRY_BYTES, ENTRY_STATIC_OFFSET, SLOT_HEADER_BYTES, ModelEntry,
+                                  SlotHeader, Superblock)
+from ckptfs.testing.recording import copy_sparse
+
+EXAMPLES = int(os.environ.get("CKPTFS_HYPOTHESIS_EXAMPLES", "60"))
+SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=os.environ.get("CKPTFS_HYPOTHESIS_RANDOM") is None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                           HealthCheck.data_too_large])
+TRIED = {"n": 0}  # inputs tried, for tools/reliability.py
+
+
+def tried():
+    TRIED["n"] += 1
+
+
+# ------------------------------------------------------------------------------ a known region
+
+def _state(step):
+    g = torch.Generator().manual_seed(step)
+    return {"model": OrderedDict(w=torch.randn(300, generator=g), b=torch.arange(7, dtype=torch.int16)),
+            "optim": {"state": {0: {"step": torch.tensor(1.0)}}, "param_groups": [{"lr": 0.1, "params": [0]}]},
+            "meta": ("x", None, True, 1.5)}
+
+
+@pytest.fixture(scope="module")
+def good_region(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("hostile") / "good.region")
+    with ckptfs.Store.create(path, size_bytes=64 << 20) as s:
+        with s.writer("m", max_inflight=1, slots=3) as w:
+            for step in (1, 2):
+                w.save(_state(step), step).result()
+    with ckptfs.Store(path) as s:
+        entry = s.region.get("m")
+        v = s.region.latest(entry)
+        layout = {"table": s.region.superblock.table_offset, "entry": entry.index,
+                  "slot": entry.slot_offset(v.slot), "header": v.header,
+                  "manifest": json.loads(bytes(s.region.backend.view(entry.slot_offset(v.slot) + v.header.manifest_offset,
+                                                                     v.header.manifest_bytes)))}
+    return path, layout
+
+
+def _fingerprint(path):
+    with open(path, "rb") as f:
+        return zlib.crc32(f.read(8 << 20)), os.path.getsize(path)
+
+
+def exercise(path):
+    """Everything a reader (the CLI, the mount, load) does with a region; only ckptfs errors."""
+    from ckptfs.views import files_for
+
+    before = _fingerprint(path)
+    try:
+        store = ckptfs.Store(path)
+    except CkptfsError:
+        assert _fingerprint(path) == before, "opening a hostile region wrote to it"
+        return
+    try:
+        store.status()
+        try:
+            for p in store.verify():
+                assert str(p)
+        except CkptfsError:
+            pass
+        for model in store.models():
+            for call in (lambda: store.versions(model), lambda: store.latest(model), lambda: store.load(model),
+                         lambda: store.verify(model)):
+                try:
+                    call()
+                except CkptfsError:
+                    pass
+            try:
+                versions = store.versions(model)
+            except CkptfsError:
+                continue
+            for info in versions:
+                try:
+                    store.load(model, info.step)
+                except CkptfsError:
+                    pass
+                try:
+                    with store.open_version(model, info.step) as v:
+                        for name, view in files_for(v.manifest, v.data_base).items():
+                            assert view.size >= 0
+                            view.read(0, min(view.size, 1 << 16), lambda o, n: bytes(store.read_region(o, n)))
+                except CkptfsError:
+                    pass
+    finally:
+        store.close()
+    assert _fingerprint(path) == before, "reading a hostile region wrote to it"
+
+
+def _patch(path, offset, data):
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.pwrite(fd, data, offset)
+    finally:
+        os.close(fd)
+
+
+def _with_crc(body: bytes) -> bytes:
+    return body + struct.pack("<I", crc32(body))
+
+
+# ------------------------------------------------------------------------------ structures
+
+@SETTINGS
+@given(st.binary(max_size=5000))
+def test_structures_on_random_bytes(raw):
+    tried()
+    for parse in (lambda: Superblock.unpack(raw), lambda: SlotHeader.unpack(raw),
+                  lambda: ModelEntry.unpack_static(0, raw)):
+        try:
+            parse()
+        except RegionFormatError as e:
+            assert str(e)
+
+
+@SETTINGS
+@given(st.sampled_from(["sb", "slot", "entry"]), st.data())
+def test_structures_with_valid_crc_and_random_fields(which, data):
+    # a crafted structure: any field values, a correct checksum
+    tried()
+    fmt = {"sb": Superblock._FMT, "slot": SlotHeader._FMT, "entry": ModelEntry._FMT}[which]
+    magic = {"sb": b"CKPTFSRG", "slot": b"CKPTSLOT", "entry": b"CKMODEL\0"}[which]
+    body = magic + data.draw(st.binary(min_size=fmt.size - 12, max_size=fmt.size - 12))
+    raw = _with_crc(body).ljust(4096, b"\0")
+    try:
+        if which == "sb":
+            sb = Superblock.unpack(raw)
+            assert sb.data_offset <= sb.region_bytes and sb.block_bytes >= 4096
+        elif which == "slot":
+            SlotHeader.unpack(raw)
+        else:
+            e = ModelEntry.unpack_static(0, raw)
+            assert e is None or (1 <= e.nslots and e.slot_bytes > 0)
+    except RegionFormatError as e:
+        assert str(e)
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+                    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+                    max_leaves=25)
+
+
+@SETTINGS
+@given(st.one_of(st.binary(max_size=3000), JSON.map(lambda d: json.dumps(d).encode())))
+def test_manifest_decode_random(raw):
+    tried()
+    try:
+        m = Manifest.decode(raw)
+    except MalformedInputError as e:
+        assert str(e)
+        return
+    m.validate()
+
+
+def _manifest_mutations():
+    keys = ["format", "model", "step", "counter", "time_ns", "data_bytes", "tensors", "skeleton"]
+    tkeys = ["name", "dtype", "shape", "offset", "nbytes", "crc32"]
+    return st.one_of(
+        st.tuples(st.just("top"), st.sampled_from(keys), JSON),
+        st.tuples(st.just("tensor"), st.sampled_from(tkeys), JSON),
+        st.tuples(st.just("drop"), st.sampled_from(keys), st.none()),
+        st.tuples(st.just("skeleton"), st.just("skeleton"), JSON),
+        st.tuples(st.just("deep"), st.integers(10, 5000), st.none()),
+    )
+
+
+def _mutate_manifest(doc, mutation) -> bytes:
+    kind, key, value = mutation
+    if kind == "deep":  # built as text: json itself cannot encode it
+        text = json.dumps(dict(doc, skeleton="@"))
+        return text.replace('"@"', '{"list":[' * key + '{"tensor":0}' + "]}" * key).encode()
+    doc = json.loads(json.dumps(doc))
+    if kind == "top":
+        doc[key] = value
+    elif kind == "tensor":
+        doc["tensors"][0][key] = value
+    elif kind == "drop":
+        doc.pop(key)
+    else:
+        doc["skeleton"] = {"dict": [[{"str": "k"}, value]]} if isinstance(value, dict) else value
+    return json.dumps(doc).encode()
+
+
+@SETTINGS
+@given(_manifest_mutations())
+def test_manifest_decode_mutated(good_region, mutation):
+    tried()
+    raw = _mutate_manifest(good_region[1]["manifest"], mutation)
+    try:
+        Manifest.decode(raw)
+    except MalformedInputError as e:
+        assert str(e)
+
+
+# ------------------------------------------------------------------------------ whole regions
+
+@SETTINGS
+@given(st.binary(min_size=0, max_size=8192), st.booleans())
+def test_open_random_garbage_region(tmp_path, garbage, sized):
+    tried()
+    path = str(tmp_path / "garbage.region")
+    with open(path, "wb") as f:
+        f.write(garbage)
+        if sized:
+            f.truncate(64 << 20)
+    exercise(path)
+
+
+@SETTINGS
+@given(st.sampled_from(["sb", "entry", "latest", "header", "manifest", "bytes"]), st.data())
+def test_open_crafted_region(good_region, tmp_path, target, data):
+    # fields rewritten with checksums fixed up, so that only validation can refuse them
+    tried()
+    src, layout = good_region
+    path = str(tmp_path / "crafted.region")
+    copy_sparse(src, path)
+    ints = st.one_of(st.integers(0, 1 << 64 - 1), st.integers(0, 1 << 24), st.sampled_from([0, 1, 4095, 4096, 1 << 20, 1 << 26, (1 << 64) - 1]))
+    if target == "sb":
+        sb = Superblock.unpack(open(path, "rb").read(4096))
+        fields = dict(block_bytes=data.draw(st.sampled_from([4096, 8192, 1 << 21, 3, 0, 1 << 31])),
+                      region_bytes=data.draw(ints), table_offset=data.draw(ints),
+                      table_entries=data.draw(st.integers(0, 1 << 20)), data_offset=data.draw(ints))
+        name = data.draw(st.sampled_from(sorted(fields)))
+        sb = Superblock(**{**sb.__dict__, name: fields[name]})
+        try:
+            _patch(path, 0, sb.pack())
+        except struct.error:
+            assume(False)
+    elif target == "entry":
+        base = layout["table"] + layout["entry"] * ENTRY_BYTES
+        e = ModelEntry(layout["entry"], "m", 3, 0, 0, 0)
+        with ckptfs.Store(src) as s:
+            e = s.region.get("m")
+        fields = dict(nslots=data.draw(st.integers(0, 70000)), slot_bytes=data.draw(ints),
+                      ring_offset=data.draw(ints), name=data.draw(st.text(max_size=300)))
+        name = data.draw(st.sampled_from(sorted(fields)))
+        e = ModelEntry(**{**e.__dict__, name: fields[name]})
+        try:
+            raw = e.pack_static()
+        except struct.error:
+            assume(False)
+        _patch(path, base + ENTRY_STATIC_OFFSET, raw)
+    elif target == "latest":
+        base = layout["table"] + layout["entry"] * ENTRY_BYTES
+        _patch(path, base + data.draw(st.sampled_from([0, 8])), struct.pack("<Q", data.draw(ints)))
+    elif target == "header":
+        h = layout["header"]
+        fields = dict(state=data.draw(st.integers(0, 5)), counter=data.draw(ints), slot=data.draw(st.integers(0, 9)),
+                      model_index=data.draw(st.integers(0, 3)), manifest_offset=data.draw(ints),
+                      manifest_bytes=data.draw(ints), data_offset=data.draw(ints), data_bytes=data.draw(ints),
+                      step=data.draw(st.integers(-(1 << 63), (1 << 63) - 1)))
+        name = data.draw(st.sampled_from(sorted(fields)))
+        h = SlotHeader(**{**h.__dict__, name: fields[name]})
+        try:
+            _patch(path, layout["slot"], h.pack())
+        except struct.error:
+            assume(False)
+    elif target == "manifest":
+        raw = _mutate_manifest(layout["manifest"], data.draw(_manifest_mutations()))
+        h = layout["header"]
+        assume(h.manifest_offset + len(raw) <= h.data_offset)
+        h = SlotHeader(**{**h.__dict__, "manifest_bytes": len(raw), "manifest_crc": crc32(raw)})
+        _patch(path, layout["slot"] + h.manifest_offset, raw)
+        _patch(path, layout["slot"], h.pack())
+    else:  # random bytes anywhere in the metadata or the slot
+        offset = data.draw(st.sampled_from([0, layout["table"], layout["slot"], layout["slot"] + SLOT_HEADER_BYTES]))
+        offset += data.draw(st.integers(0, 600))
+        _patch(path, offset, data.draw(st.binary(min_size=1, max_size=64)))
+    exercise(path)
+
+
+# ------------------------------------------------------------------------------ names
+
+NAMES = st.one_of(
+    st.text(min_size=0, max_size=300),
+    st.sampled_from(["..", ".", "../escape", "a/../../b", "/abs", "a\0b", "x" * 255, "x" * 256, "é" * 128,
+                     "e\u0301", "\u202eevil", " lead", "trail ", "tab\tname", "new\nline", "\ud800", "ok-name_1.2",
+                     "日本語モデル", "🦙" * 63, "🦙" * 64, "latest", "step-00000001", "CON", "a" * 300]),
+)
+
+
+@pytest.fixture(scope="module")
+def name_store(tmp_path_factory):
+    d = tmp_path_factory.mktemp("names")
+    s = ckptfs.Store.create(str(d / "names.region"), size_bytes=256 << 20)
+    yield s, d
+    s.close()
+
+
+@SETTINGS
+@given(NAMES)
+@example("x" * 255)  # the longest name: every file derived from it must still be nameable
+@example("🦙" * 63)
+@example("../escape")
+@example("a\0b")
+@example("\ud800")
+def test_model_names_through_the_api(name_store, name):
+    tried()
+    store, d = name_store
+    listing = sorted(os.listdir(d))
+    try:
+        with store.writer(name, max_inflight=1, slots=2, slot_bytes=64 << 10) as w:
+            w.save({"t": torch.arange(3)}, 1).result()
+    except InvalidNameError as e:
+        assert str(e)
+        with pytest.raises(InvalidNameError):
+            store.load(name)
+    except ckptfs.errors.RegionFullError:
+        pass
+    else:
+        assert name in store.models()
+        assert torch.equal(store.load(name)["t"], torch.arange(3))
+        assert "/" not in name and "\0" not in name and len(name.encode()) <= 255 and name not in (".", "..")
+        store.remove_model(name)
+    assert sorted(os.listdir(d)) == listing, "a model name created something next to the region"
+
+
+# ------------------------------------------------------------------------------ importer
+
+importer = pytest.importorskip("ckptfs.importer", reason="the importer (ckptfs/importer.py) is not there yet")
+
+
+def _safetensors_bytes():
+    from safetensors.torch import save
+
+    return save({"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(4, dtype=torch.int64)})
+
+
+@SETTINGS
+@given(st.one_of(
+    st.binary(max_size=600),
+    st.tuples(st.integers(0, 700), st.binary(min_size=1, max_size=16)),
+    JSON.map(lambda d: json.dumps(d).encode()),
+))
+def test_safetensors_header_parser(spec):
+    tried()
+    good = _safetensors_bytes()
+    if isinstance(spec, tuple):
+        at, junk = spec
+        raw = bytearray(good)
+        raw[at:at + len(junk)] = junk
+        raw = bytes(raw)
+    elif spec[:1] == b"{" or spec[:1] == b"[":
+        raw = struct.pack("<Q", len(spec)) + spec
+    else:
+        raw = spec
+    try:
+        header = importer.parse_safetensors_header(raw, len(raw))
+    except MalformedInputError as e:
+        assert str(e)
+        return
+    assert header.data_start <= len(raw)
+
+
+def test_import_of_a_zip_that_claims_several_disks(tmp_path):
+    import io
+    buf = io.BytesIO()
+    torch.save({"w": torch.arange(10.0)}, buf)
+    raw = bytearray(buf.getvalue())
+    locator = raw.rindex(b"PK\x06\x07")  # the zip64 end-of-central-directory locator
+    raw[locator + 16:locator + 20] = struct.pack("<I", 2)  # "total number of disks"
+    path = str(tmp_path / "multidisk.pt")
+    with open(path, "wb") as f:
+        f.write(raw)
+    with pytest.raises(MalformedInputError):
+        importer.load_torch_file(path)
+
+
+@pytest.fixture(scope="module")
+def import_store(tmp_path_factory):
+    d = tmp_path_factory.mktemp("import")
+    s = ckptfs.Store.create(str(d / "import.region"), size_bytes=256 << 20)
+    yield s, d
+    s.close()
+
+
+def _region_metadata(store):
+    return bytes(store.read_region(0, store.region.superblock.data_offset))
+
+
+@SETTINGS
+@given(st.sampled_from(["safetensors", "torch"]), st.integers(0, 4000), st.binary(min_size=0, max_size=24),
+       st.booleans())
+def test_import_of_mutated_files(import_store, fmt, at, junk, truncate):
+    tried()
+    store, d = import_store
+    path = str(d / ("in.safetensors" if fmt == "safetensors" else "in.pt"))
+    if fmt == "safetensors":
+        raw = bytearray(_safetensors_bytes())
+    else:
+        import io
+        buf = io.BytesIO()
+        torch.save({"w": torch.arange(10.0), "n": 3, "s": "x"}, buf)
+        raw = bytearray(buf.getvalue())
+    at = at % (len(raw) + 1)
+    if truncate:
+        raw = raw[:at]
+    else:
+        raw[at:at + len(junk)] = junk
+    with open(path, "wb") as f:
+        f.write(raw)
+    models_before = store.models()
+    meta_before = _region_metadata(store)
+    try:
+        info = importer.import_file(store, "imported", path)
+    except CkptfsError as e:
+        assert str(e)
+        assert store.models() == models_before, "a refused import created a model"
+        assert _region_metadata(store) == meta_before, "a refused import wrote to the region"
+        return
+    assert info.model == "imported"
+    store.remove_model("imported")
