@@ -185,7 +185,10 @@ def load_torch_file(path: str) -> Any:
     a truncated or corrupt archive, not a torch file at all -- is MalformedInputError."""
     with open(path, "rb") as f:
         magic = f.read(4)
-    is_zip = zipfile.is_zipfile(path)
+    try:
+        is_zip = zipfile.is_zipfile(path)
+    except Exception:  # noqa: BLE001 - e.g. BadZipFile("zipfiles that span multiple disks ...")
+        is_zip = False
     if magic == b"PK\x03\x04" and not is_zip:
         raise _reject(path, "truncated or damaged: a zip archive (torch.save format) without its central directory")
     try:

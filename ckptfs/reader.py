@@ -35,7 +35,8 @@ class VerifyProblem:
     message: str
 
     def __str__(self) -> str:
-        where = f"{self.model} step {self.step}" + (f" tensor {self.tensor}" if self.tensor else "")
+        where = (self.model + (f" step {self.step}" if self.step >= 0 else "")
+                 + (f" tensor {self.tensor}" if self.tensor else ""))
         return f"{where}: {self.message}"
 
 

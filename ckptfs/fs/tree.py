@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import enum
 import errno
+import bisect
 import logging
 import os
 import stat
@@ -44,6 +45,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ckptfs.checksum import crc32
+from ckptfs.errors import CorruptionError
 from ckptfs.fs.errors import read_only
 
 log = logging.getLogger("ckptfs.fs")
@@ -102,13 +105,21 @@ class _Model:
 
 
 class OpenFile:
-    """An open file: its version stays pinned until :meth:`close`."""
+    """An open file: its version stays pinned until :meth:`close`.
 
-    __slots__ = ("version", "view")
+    Tensor bytes are checked before any of them is handed out: the first read that touches a
+    tensor checksums the whole tensor (once per open file) and a mismatch is CorruptionError,
+    EIO for the reader -- damaged bytes never leave the mount as if they were data."""
+
+    __slots__ = ("version", "view", "_starts", "_records", "_checked")
 
     def __init__(self, version, view):
         self.version = version
         self.view = view
+        records = sorted((version.data_base + r.offset, r) for r in getattr(version.manifest, "tensors", ()) if r.nbytes)
+        self._starts = [start for start, _ in records]
+        self._records = [r for _, r in records]
+        self._checked: set[int] = set()
 
     @property
     def size(self) -> int:
@@ -116,7 +127,24 @@ class OpenFile:
 
     def read(self, offset: int, size: int) -> bytes:
         """Up to ``size`` bytes at ``offset``; fewer only at the end of the file."""
-        return self.view.read(offset, size, self.version.read)
+        return self.view.read(offset, size, self._read_checked)
+
+    def _read_checked(self, offset: int, length: int):
+        i = max(bisect.bisect_right(self._starts, offset) - 1, 0)
+        while i < len(self._records) and self._starts[i] < offset + length:
+            if i not in self._checked:
+                r, start = self._records[i], self._starts[i]
+                if offset < start + r.nbytes:
+                    view = self.version.read(start, r.nbytes)
+                    ok = crc32(view) == r.crc32
+                    view.release()
+                    if not ok:
+                        m = self.version.manifest
+                        raise CorruptionError(f"tensor {r.name!r} of {m.model} step {m.step} fails its checksum; "
+                                              "the stored bytes are damaged (run `ckptfs verify`)")
+                    self._checked.add(i)
+            i += 1
+        return self.version.read(offset, length)
 
     def close(self) -> None:
         self.version.close()

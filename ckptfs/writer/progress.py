@@ -6,6 +6,7 @@ goes to the region: progress is advisory, and a file whose process is gone is ig
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -25,7 +26,8 @@ class ProgressBoard:
 
     def __init__(self, region_uuid: bytes, model: str):
         self._dir = progress_dir(region_uuid)
-        self._path = os.path.join(self._dir, f"{model.encode().hex()}.{os.getpid()}.json")
+        # hashed: a 255-byte model name would make an over-long file name
+        self._path = os.path.join(self._dir, f"{hashlib.sha1(model.encode()).hexdigest()}.{os.getpid()}.json")
         self._model = model
         self._saves: dict[int, list[int]] = {}
         self._mutex = threading.Lock()
@@ -51,8 +53,8 @@ class ProgressBoard:
     def close(self) -> None:
         try:
             os.unlink(self._path)
-        except FileNotFoundError:
-            pass
+        except OSError:
+            pass  # advisory, as in _publish
 
     def _publish(self, force: bool = False) -> None:
         now = time.monotonic()

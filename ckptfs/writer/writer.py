@@ -112,15 +112,16 @@ class _InFlight:
     mutex: threading.Lock = field(default_factory=threading.Lock)
 
 
-def _plan(names: list[str], tensors: list[torch.Tensor], chunk_bytes: int) -> _Layout:
-    """Tensor offsets (64-byte aligned, in object order) and the chunks that cover them."""
+def _plan(names: list[str], tensors: list[torch.Tensor], chunk_bytes_for) -> _Layout:
+    """Tensor offsets (64-byte aligned, in object order) and the chunks that cover them;
+    ``chunk_bytes_for(data_bytes)`` gives the chunk size."""
     records, offset = [], 0
     for name, t in zip(names, tensors):
         offset = align_up(offset, TENSOR_ALIGN_BYTES)
         nbytes = t.numel() * t.element_size()
         records.append(TensorRecord(name, DTYPE_NAMES[t.dtype], tuple(t.shape), offset, nbytes))
         offset += nbytes
-    return _Layout(records, offset, plan_chunks(records, offset, chunk_bytes))
+    return _Layout(records, offset, plan_chunks(records, offset, chunk_bytes_for(offset)))
 
 
 def _byte_source(t: torch.Tensor) -> torch.Tensor:
@@ -190,6 +191,7 @@ class Writer:
         self._snapshotter: ThreadPoolExecutor | None = None
         self._last_snapshot: Future | None = None
         self._setup_lock = threading.Lock()  # lazy set-up may race when save() is called from threads
+        self._effective_chunk_bytes: int | None = None
         _open_writers.add(self)
 
     # ------------------------------------------------------------------ public API
@@ -214,7 +216,7 @@ class Writer:
         started = time.perf_counter()
         flat = flatten(obj)
         self._check_devices(flat.tensors)
-        layout = _plan(flat.names, flat.tensors, self.chunk_bytes)
+        layout = _plan(flat.names, flat.tensors, self._chunk_bytes_for)
         probe = Manifest(self.model, step, COUNTER_MAX, time.time_ns(), tuple(layout.records),
                          flat.skeleton, layout.data_bytes)
         need = slot_layout(len(probe.encode()), layout.data_bytes)[2]
@@ -385,6 +387,14 @@ class Writer:
             if t.device.type not in ("cpu", "cuda"):
                 raise CkptfsError(f"tensors on {t.device} are not supported yet; move them to cpu or cuda")
 
+    def _chunk_bytes_for(self, data_bytes: int) -> int:
+        """The chunk size, fixed at the first save: ``chunk_bytes``, or less for a small state,
+        so that a checkpoint of a few KiB does not pre-fault 64 MiB staging buffers."""
+        with self._setup_lock:
+            if self._effective_chunk_bytes is None:
+                self._effective_chunk_bytes = min(self.chunk_bytes, max(align_up(data_bytes, 4096), 4096))
+            return self._effective_chunk_bytes
+
     def _pool(self, cuda: bool, data_bytes: int) -> StagingPool:
         with self._setup_lock:
             return self._pool_locked(cuda, data_bytes)
@@ -394,8 +404,10 @@ class Writer:
             budget = self.staging_budget_bytes
             if budget is None:
                 physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-                budget = min(self.max_inflight * align_up(max(data_bytes, 1), self.chunk_bytes), physical // 2)
-            self._pools[cuda] = StagingPool(self.chunk_bytes, max(budget, self.chunk_bytes), pinned=cuda)
+                chunk = self._effective_chunk_bytes or self.chunk_bytes
+                budget = min(self.max_inflight * align_up(max(data_bytes, 1), chunk), physical // 2)
+            chunk = self._effective_chunk_bytes or self.chunk_bytes
+            self._pools[cuda] = StagingPool(chunk, max(budget, chunk), pinned=cuda)
         return self._pools[cuda]
 
     def _snapshot(self, job: _InFlight, sources: list[torch.Tensor], pool: StagingPool) -> None:
