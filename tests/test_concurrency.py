@@ -12,11 +12,9 @@ from ckptfs.writer.writer import Writer
 from conftest import mp_context
 
 
-def state(step, n=4096):
-    return {"w": torch.full((n,), float(step)), "step": step}
-
-
-def test_n_in_flight_and_backpressure(store, monkeypatch):
+@pytest.fixture
+def held_commits(monkeypatch):
+    """Every commit waits until the returned event is set (saves stay in flight)."""
     gate = threading.Event()
     original = Writer._commit
 
@@ -25,6 +23,16 @@ def test_n_in_flight_and_backpressure(store, monkeypatch):
         original(self, job)
 
     monkeypatch.setattr(Writer, "_commit", held_commit)
+    yield gate
+    gate.set()
+
+
+def state(step, n=4096):
+    return {"w": torch.full((n,), float(step)), "step": step}
+
+
+def test_n_in_flight_and_backpressure(store, held_commits):
+    gate = held_commits
     with store.writer("bp", max_inflight=2, slots=4) as w:
         f1, f2 = w.save(state(1), step=1), w.save(state(2), step=2)
         blocked = threading.Event()
@@ -212,15 +220,8 @@ def test_async_snapshot_failure_reaches_both_futures(store):
     assert store.latest("asyncfail").step == 2
 
 
-def test_status_reports_saves_in_flight_with_progress(store, monkeypatch):
-    gate = threading.Event()
-    original = Writer._commit
-
-    def held_commit(self, job):
-        gate.wait(10)
-        original(self, job)
-
-    monkeypatch.setattr(Writer, "_commit", held_commit)
+def test_status_reports_saves_in_flight_with_progress(store, held_commits):
+    gate = held_commits
     with store.writer("prog", chunk_bytes=65536) as w:
         fut = w.save({"w": torch.zeros(100000)}, step=7)
         deadline = time.monotonic() + 5
