@@ -1,7 +1,6 @@
 """The public entry point: a Store is an open region with the operations users need."""
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import time
@@ -11,8 +10,8 @@ from typing import Callable
 from ckptfs.errors import BusyError, CorruptionError, NotFoundError, RegionFormatError
 from ckptfs.manifest import Manifest
 from ckptfs.reader import VerifyProblem, restore, verify_version
-from ckptfs.region.format import COUNTER_MAX, SUPERBLOCK_BYTES, Superblock, unpack_latest
-from ckptfs.region.region import Region, SlotVersion, validate_model_name
+from ckptfs.region.format import COUNTER_MAX, SUPERBLOCK_BYTES, Superblock
+from ckptfs.region.region import Region, SlotVersion
 from ckptfs.writer.progress import read_progress
 from ckptfs.writer.writer import Writer
 

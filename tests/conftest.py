@@ -1,5 +1,4 @@
 """Shared fixtures. A thread that raises inside a test fails that test (see pytest.ini options)."""
-import os
 
 import pytest
 import torch
@@ -40,11 +39,6 @@ def assert_same(a, b, path="obj"):
         assert a == b, f"{path}: {a!r} != {b!r}"
 
 
-def mp_context():
-    """Processes for multi-process tests: forked from a clean single-threaded server that has
-    torch and ckptfs imported (fast like fork, without forking this threaded test process)."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "ckptfs"])
-    return ctx
+# Processes for multi-process tests: forked from a clean single-threaded server that has torch
+# and ckptfs imported (fast like fork, without forking this threaded test process).
+from ckptfs.testing.load import mp_context  # noqa: E402,F401 - re-exported for the tests

@@ -1,5 +1,4 @@
 """Tier 2: several checkpoints in flight, out-of-order completion, pins, several processes."""
-import multiprocessing as mp
 import threading
 import time
 

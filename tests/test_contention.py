@@ -3,7 +3,6 @@ deadlock (every test runs under a pytest-timeout much shorter than the suite's).
 """
 import os
 import random
-import shutil
 import signal
 import subprocess
 import threading

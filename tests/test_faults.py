@@ -13,7 +13,7 @@ import random
 import pytest
 
 import ckptfs
-from ckptfs.errors import CorruptionError, NotFoundError, RegionFormatError
+from ckptfs.errors import CorruptionError, RegionFormatError
 from ckptfs.testing import faults as F
 from ckptfs.testing.crashsim import same
 from ckptfs.testing.recording import copy_sparse

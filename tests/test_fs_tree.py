@@ -6,7 +6,7 @@ refresh clock are under the test's control.
 import errno
 import os
 import stat
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import pyfuse3
 import pytest
@@ -19,15 +19,7 @@ from ckptfs.fs.tree import ROOT_INODE, Kind, Tree
 from ckptfs.views import Literal, View
 
 
-@dataclass(frozen=True)
-class Info:
-    model: str
-    step: int
-    counter: int
-    slot: int
-    time_ns: int
-    data_bytes: int
-    latest: bool
+from ckptfs.store import VersionInfo as Info  # noqa: E402 - the fake store lists real records
 
 
 class FakeVersion:

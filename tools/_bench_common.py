@@ -8,6 +8,7 @@ command line.
 from __future__ import annotations
 
 import mmap
+import json
 import os
 import shutil
 import statistics
@@ -482,3 +483,11 @@ def fs_of(path: str) -> str:
     except OSError:
         pass
     return best[1] or "?"
+
+
+def write_json(path: str, results) -> None:
+    """Write a tool's results as JSON (creating the folder) and say where."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    print(f"wrote {path}")

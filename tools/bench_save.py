@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import gc
 import inspect
-import json
 import os
 import sys
 import tempfile
@@ -220,15 +219,20 @@ def m_torch_save(b: Bench, state: Any) -> Iterator[dict]:
             f.flush()
             os.fsync(f.fileno())
 
+    yield from _rounds_writing(b, p, "torch_save", run)
+
+
+def _rounds_writing(b: Bench, path: str, key: str, run) -> Iterator[dict]:
+    """One timed ``run`` per round into ``path``, which is removed before and after each."""
     try:
         while True:
-            bc.remove(p)
+            bc.remove(path)
             b.drop()
             s = timed(run)
-            bc.remove(p)
-            yield {"torch_save": {"s": s}}
+            bc.remove(path)
+            yield {key: {"s": s}}
     finally:
-        bc.remove(p)
+        bc.remove(path)
 
 
 def m_safetensors(b: Bench, state: Any) -> Iterator[dict]:
@@ -241,15 +245,7 @@ def m_safetensors(b: Bench, state: Any) -> Iterator[dict]:
         save_file(flat, p)
         bc.fsync_path(p)
 
-    try:
-        while True:
-            bc.remove(p)
-            b.drop()
-            s = timed(run)
-            bc.remove(p)
-            yield {"safetensors": {"s": s}}
-    finally:
-        bc.remove(p)
+    yield from _rounds_writing(b, p, "safetensors", run)
 
 
 def _dcp():
@@ -269,15 +265,7 @@ def m_dcp(b: Bench, state: Any) -> Iterator[dict]:
             dcp.save(state, storage_writer=dcp.FileSystemWriter(p, sync_files=True), **extra)
         bc.fsync_tree(p)  # directory entries too (FileSystemWriter fsyncs the files only)
 
-    try:
-        while True:
-            bc.remove(p)
-            b.drop()
-            s = timed(run)
-            bc.remove(p)
-            yield {"dcp_save": {"s": s}}
-    finally:
-        bc.remove(p)
+    yield from _rounds_writing(b, p, "dcp_save", run)
 
 
 def m_dcp_async(b: Bench, state: Any) -> Iterator[dict]:
@@ -602,10 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwall {results['wall_s']:.0f} s; load average at the end {os.getloadavg()[0]:.2f} "
           "(other work on the machine moves every figure; compare ratios, not absolutes)")
     if a.json:
-        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-        with open(a.json, "w") as f:
-            json.dump(results, f, indent=1, default=str)
-        print(f"wrote {a.json}")
+        bc.write_json(a.json, results)
     return 0
 
 

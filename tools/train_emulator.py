@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import sys
@@ -35,7 +34,6 @@ import tempfile
 import threading
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -359,10 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         bc.remove(root)
         gc.collect()
     if a.json:
-        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-        with open(a.json, "w") as f:
-            json.dump(results, f, indent=1, default=str)
-        print(f"wrote {a.json}")
+        bc.write_json(a.json, results)
     return 0
 
 

@@ -24,11 +24,11 @@ from ckptfs.errors import (CorruptionError, InvalidNameError, MalformedInputErro
                            RegionFormatError, RegionFullError, BusyError)
 from ckptfs.manifest import Manifest
 from ckptfs.checksum import crc32
-from ckptfs.region.backend import Backend, aligned_buffer, is_devdax, open_backend
+from ckptfs.region.backend import Backend, aligned_buffer, open_backend
 from ckptfs.region.format import (COUNTER_MAX, COUNTER_WORD_OFFSET, ENTRY_BYTES, ENTRY_STATIC_OFFSET,
                                   LATEST_WORD_OFFSET, NAME_MAX_BYTES, SLOT_COMMITTED,
                                   SLOT_HEADER_BYTES, SUPERBLOCK_BYTES, ModelEntry, SlotHeader,
-                                  Superblock, pack_latest, unpack_latest, _align)
+                                  Superblock, unpack_latest, _align)
 from ckptfs.region.locks import META_LOCK_OFFSET, LockSpace, slot_lock_offset
 
 log = logging.getLogger("ckptfs")
@@ -123,7 +123,6 @@ class Region:
         A regular file is created sparse with ``size_bytes``; a block or devdax device keeps its
         own size. Refuses to overwrite an existing region unless ``force``.
         """
-        devdax = is_devdax(path)
         exists = os.path.exists(path)
         special = exists and not stat.S_ISREG(os.stat(path).st_mode)
         if exists and not force:

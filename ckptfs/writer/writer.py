@@ -219,7 +219,9 @@ class Writer:
         layout = _plan(flat.names, flat.tensors, self._chunk_bytes_for)
         probe = Manifest(self.model, step, COUNTER_MAX, time.time_ns(), tuple(layout.records),
                          flat.skeleton, layout.data_bytes)
-        need = slot_layout(len(probe.encode()), layout.data_bytes)[2]
+        # The probe has the widest counter, so its index is at least as long as the real one:
+        # its length fixes the slot layout, and the real index is encoded once, at commit.
+        _, data_offset, need = slot_layout(len(probe.encode()), layout.data_bytes)
         entry = self._ensure_model(need)
         if need > entry.slot_bytes:
             raise CheckpointTooLargeError(
@@ -229,7 +231,7 @@ class Writer:
         future = SaveFuture()
         with self._outstanding_lock:
             self._outstanding.add(future)
-        args = (future, entry, step, flat, layout, started)
+        args = (future, entry, step, flat, layout, data_offset, started)
         if not async_snapshot:
             self._start(*args)
             return future
@@ -252,7 +254,8 @@ class Writer:
             if not future.done():
                 self._drop(future, e)
 
-    def _start(self, future: "SaveFuture", entry, step: int, flat, layout: _Layout, started: float) -> None:
+    def _start(self, future: "SaveFuture", entry, step: int, flat, layout: _Layout, data_offset: int,
+               started: float) -> None:
         """Permit, counter, slot claim and snapshot of one save; raises (and fails the futures)
         if any of them cannot be had."""
         try:
@@ -276,7 +279,7 @@ class Writer:
         job = _InFlight(entry, slot, counter, step, time_ns, manifest, layout, future, started,
                         chunks_left=len(layout.chunks))
         job.piece_crcs = [[] for _ in layout.records]
-        job.data_offset = slot_layout(len(manifest.encode()), layout.data_bytes)[1]
+        job.data_offset = data_offset
         self._progress.start(counter, step, sum(c.length for c in layout.chunks))
         self._queue.put(("prepare", job))
         try:
@@ -508,7 +511,10 @@ class Writer:
         region = self.region
         manifest = job.manifest.with_crcs([combine_piece_crcs(pieces) for pieces in job.piece_crcs])
         raw = manifest.encode()
-        moff, doff, _ = slot_layout(len(raw), manifest.data_bytes)
+        moff, doff = SLOT_HEADER_BYTES, job.data_offset
+        if len(raw) > doff - moff:
+            raise CkptfsError(f"the index of {self.model} step {job.step} outgrew its reserved space; "
+                              "this is a bug in ckptfs, please report it")
         index = aligned_buffer(doff - moff)
         index[:len(raw)] = raw
         region.write_slot(job.entry, job.slot, moff, index)
