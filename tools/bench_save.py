@@ -47,6 +47,7 @@ LABELS: dict[str, tuple[str, str]] = {
     "raw_read": ("raw O_DIRECT read", "baseline"),
     "raw_overwrite": ("raw O_DIRECT overwrite of the file's blocks", "info"),
     "memcpy": ("memcpy of the state (copy_, warm)", "baseline"),
+    "memcpy_nt": ("same copy by ckptfs's copy_spans (streaming stores)", "info"),
     "d2h_pinned": ("D2H copy into pinned memory (warm)", "baseline"),
     "ckptfs_stall": ("ckptfs save: stall (until save returns)", "ckptfs"),
     "ckptfs_durable": ("ckptfs save: durable (until future result)", "ckptfs"),
@@ -191,8 +192,10 @@ def m_memcpy(b: Bench, state: Any) -> Iterator[dict]:
             bc.copy_state_(dst, state)
             bc.cuda_sync(dev)
             secs.append(time.perf_counter() - t0)
-        del dst
         out["memcpy"] = {"s": bc.median(secs)}
+        if dev == "cpu":
+            out["memcpy_nt"] = _ckptfs_copy(dst, state)
+        del dst
         if dev.startswith("cuda"):
             pinned = bc.clone_like(state, device="cpu", pin=True)
             bc.copy_state_(pinned, state, non_blocking=True)
@@ -208,6 +211,23 @@ def m_memcpy(b: Bench, state: Any) -> Iterator[dict]:
             out["d2h_pinned"] = {"s": bc.median(secs)}
         gc.collect()
         yield out
+
+
+def _ckptfs_copy(dst: Any, state: Any) -> dict:
+    """The copy routine ckptfs snapshots with, alone, over the same tensors: how much of the stall
+    is the copy itself and how much the rest of ``save`` (and the device writing meanwhile)."""
+    from ckptfs.memcopy import copy_spans, default_copy_threads, host_bytes
+
+    threads = default_copy_threads()
+    pairs = [(host_bytes(d.reshape(-1).view(torch.uint8)), host_bytes(s.contiguous().reshape(-1).view(torch.uint8)))
+             for d, s in zip(bc.iter_tensors(dst), bc.iter_tensors(state)) if s.numel()]
+    secs = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for d, s in pairs:
+            copy_spans(d, [(0, s, 0, len(s))], threads)
+        secs.append(time.perf_counter() - t0)
+    return {"s": bc.median(secs), "threads": threads}
 
 
 def m_torch_save(b: Bench, state: Any) -> Iterator[dict]:
