@@ -306,3 +306,27 @@ def test_rmdir_waits_for_a_pending_release_of_its_own(env):
         assert 10 not in store.table["gpt"]
 
     trio.run(scenario)
+
+
+def test_a_version_is_checksummed_once_per_mount_not_once_per_open(tmp_path, monkeypatch):
+    import torch
+
+    import ckptfs
+    import ckptfs.fs.tree as tree_mod
+
+    with ckptfs.Store.create(str(tmp_path / "r.region"), size_bytes=64 << 20) as store:
+        with store.writer("m") as w:
+            w.save({"a": torch.arange(1000.0), "b": torch.ones(3000)}, step=1).result()
+        calls = []
+        real_crc32 = tree_mod.crc32
+        monkeypatch.setattr(tree_mod, "crc32", lambda data: calls.append(len(data)) or real_crc32(data))
+        tree = Tree(store)
+        version_dir = tree.lookup(tree.lookup(ROOT_INODE, "m").ino, "step-00000001")
+        node = tree.lookup(version_dir.ino, "state.safetensors")
+        contents = []
+        for _ in range(3):
+            f = tree.open(node, os.O_RDONLY)
+            contents.append(f.read(0, f.size))
+            f.close()
+        assert contents[0] == contents[1] == contents[2]
+        assert sorted(calls) == [4000, 12000]  # each tensor once, by the first open

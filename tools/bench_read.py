@@ -12,12 +12,18 @@ sides read the same bytes from the same disk.
 
 Each round times, alternating which side goes first:
 
-| row | what is timed |
+| row | what is timed (every measurement starts with ``sync; echo 3 > drop_caches``) |
 | --- | --- |
-| cp cold | ``sync; echo 3 > drop_caches``, then ``cp FILE /dev/null`` (mount: state.safetensors) |
-| cp warm | the same right after an untimed ``cp`` of that file (page cache filled) |
-| torch.load cold | drop caches, ``torch.load(checkpoint.pt, weights_only=True)`` in a fresh process |
-| torch.load warm | the same after an untimed load (info) |
+| cp cold | ``cp FILE /dev/null`` (mount: state.safetensors) |
+| cp 2nd read | the same after one untimed ``cp`` (info: the read that promotes the cached pages) |
+| cp warm | the same after two untimed ``cp`` (the file resident in the page cache) |
+| torch.load cold | ``torch.load(checkpoint.pt, weights_only=True)`` in a fresh process |
+| torch.load warm | the same after two untimed loads |
+
+The second read of a file is where the kernel moves its cached pages to the active LRU list, one
+page at a time for a FUSE file (FUSE caches 4 KiB pages; ext4 caches large folios, 16x fewer),
+so the mount pays ~0.1 s per 2 GiB once, on that read only; the row shows it, apart from the
+steady warm state the target is about.
 
 Targets (DESIGN.md): ``cp`` from the mount >= 0.8x the plain file's throughput (ratio = plain
 time / mount time), cold and warm; ``torch.load`` from the mount <= 1.25x the time of the plain
@@ -92,21 +98,28 @@ def unmount(proc: subprocess.Popen, mnt: str) -> None:
         proc.wait()
 
 
-def measure(pairs: dict[str, tuple[str, str]], rounds: int, cold_ok: bool) -> dict:
-    """{row: {"mount": [s...], "plain": [s...]}} for every row, ``rounds`` times."""
+# row, kind, untimed runs after dropping the caches (None: caches not dropped, cold)
+ROWS = [("cp cold", "cp", None), ("cp 2nd read", "cp", 1), ("cp warm", "cp", 2),
+        ("torch.load cold", "load", None), ("torch.load warm", "load", 2)]
+
+
+def measure(pairs: dict[str, tuple[str, str]], rounds: int, kinds: set[str]) -> dict:
+    """{row: {"mount": [s...], "plain": [s...]}} for every row of ``kinds`` (cp, load), ``rounds`` times.
+
+    Every measurement starts from dropped caches, so no row depends on what ran before it:
+    cold rows time the first read; "2nd read" times the read right after the one that filled
+    the cache; warm rows time a read of a file already read twice (resident, steady state)."""
     samples: dict[str, dict[str, list[float]]] = {}
-    rows = [("cp cold", "cp", True), ("cp warm", "cp", False),
-            ("torch.load cold", "load", True), ("torch.load warm", "load", False)]
+    rows = [row for row in ROWS if row[1] in kinds]
     for r in range(rounds):
-        for row, kind, cold in rows:
+        for row, kind, untimed in rows:
             paths = pairs[kind]
             order = ("mount", "plain") if r % 2 == 0 else ("plain", "mount")
             for side in order:
                 path = paths[0] if side == "mount" else paths[1]
                 fn = timed_cp if kind == "cp" else timed_load
-                if cold:
-                    drop_caches()
-                else:
+                drop_caches()
+                for _ in range(untimed or 0):
                     fn(path)
                 samples.setdefault(row, {"mount": [], "plain": []})[side].append(fn(path))
         print(f"  round {r + 1}/{rounds} done", file=sys.stderr)
@@ -114,8 +127,8 @@ def measure(pairs: dict[str, tuple[str, str]], rounds: int, cold_ok: bool) -> di
 
 
 def report(samples: dict, nbytes: dict[str, int], cold_ok: bool) -> dict:
-    targets = {"cp cold": (">=", 0.8), "cp warm": (">=", 0.8), "torch.load cold": ("<=", 1.25),
-               "torch.load warm": ("<=", 1.25)}
+    targets = {"cp cold": (">=", 0.8), "cp 2nd read": (">=", None), "cp warm": (">=", 0.8),
+               "torch.load cold": ("<=", 1.25), "torch.load warm": ("<=", 1.25)}
     out = {}
     print(f"\n{'row':<16} {'mount s':>9} {'plain s':>9} {'mount GB/s':>11} {'plain GB/s':>11} "
           f"{'ratio':>7} {'target':>8}  verdict")
@@ -126,14 +139,17 @@ def report(samples: dict, nbytes: dict[str, int], cold_ok: bool) -> dict:
         per_round = [(pp / mm if kind == "cp" else mm / pp) for mm, pp in zip(s["mount"], s["plain"])]
         ratio = statistics.median(per_round)
         op, goal = targets[row]
-        ok = ratio >= goal if op == ">=" else ratio <= goal
-        verdict = "ok" if ok else "MISSED"
-        if row.endswith("cold") and not cold_ok:
-            verdict += " (caches not dropped: not cold)"
+        if goal is None:
+            ok, verdict, target = None, "info", "-"
+        else:
+            ok = ratio >= goal if op == ">=" else ratio <= goal
+            verdict, target = ("ok" if ok else "MISSED"), op + str(goal)
+        if not cold_ok:
+            verdict += " (caches not dropped: every row is warm)"
         print(f"{row:<16} {m:>9.3f} {p:>9.3f} {nbytes[kind] / m / GB:>11.2f} {nbytes[kind] / p / GB:>11.2f} "
-              f"{ratio:>7.2f} {op + str(goal):>8}  {verdict}")
+              f"{ratio:>7.2f} {target:>8}  {verdict}")
         out[row] = {"mount_s": s["mount"], "plain_s": s["plain"], "ratios": per_round, "ratio": ratio,
-                    "target": f"{op} {goal}", "ok": ok}
+                    "target": target, "ok": ok}
     return out
 
 
@@ -144,6 +160,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="256 MiB, 2 rounds")
     ap.add_argument("--dir", default="/tmp/ckptfs-bench", help="where the region and plain files go")
     ap.add_argument("--json", help="write every sample and ratio here")
+    ap.add_argument("--only", choices=["cp", "load"], help="measure only the cp rows or only the torch.load rows")
     args = ap.parse_args()
     size = 256 * MiB if args.quick else int(args.size_gib * GiB)
     rounds = 2 if args.quick else args.rounds
@@ -166,7 +183,7 @@ def main() -> None:
         cold_ok = drop_caches()
         if not cold_ok:
             print("bench_read: cannot drop the page cache (not root?): cold rows are warm", file=sys.stderr)
-        samples = measure(pairs, rounds, cold_ok)
+        samples = measure(pairs, rounds, {args.only} if args.only else {"cp", "load"})
         result = report(samples, nbytes, cold_ok)
         print(f"\nstate.safetensors {nbytes['cp'] / GiB:.2f} GiB, checkpoint.pt {nbytes['load'] / GiB:.2f} GiB; "
               f"{rounds} rounds, medians; load average now {os.getloadavg()[0]:.2f}")

@@ -34,7 +34,7 @@ assert ROOT_INODE == pyfuse3.ROOT_INODE
 LISTING_TTL = 0.5  # seconds: directories and latest
 IMMUTABLE_TTL = 5.0  # seconds: files of a version
 RELEASE_GRACE = 0.5  # seconds rmdir waits for this mount's own pending releases
-BLOCK_SIZE = 128 * 1024  # st_blksize: what `cp` sizes its buffer by (larger ones leave the L2 cache)
+BLOCK_SIZE = 1 << 20  # st_blksize, by which `cp` sizes its reads: each FUSE read also revalidates attributes
 
 
 class CkptfsOperations(pyfuse3.Operations):

@@ -108,18 +108,21 @@ class OpenFile:
     """An open file: its version stays pinned until :meth:`close`.
 
     Tensor bytes are checked before any of them is handed out: the first read that touches a
-    tensor checksums the whole tensor (once per open file) and a mismatch is CorruptionError,
-    EIO for the reader -- damaged bytes never leave the mount as if they were data."""
+    tensor checksums the whole tensor and a mismatch is CorruptionError, EIO for the reader --
+    damaged bytes never leave the mount as if they were data. ``checked`` (indices of tensors
+    already found intact) may be shared by every open file of one version, so a version is
+    checksummed once per mount rather than once per open: its bytes cannot change while it is
+    committed, and re-checking would checksum the page cache, not the device."""
 
     __slots__ = ("version", "view", "_starts", "_records", "_checked")
 
-    def __init__(self, version, view):
+    def __init__(self, version, view, checked: set[int] | None = None):
         self.version = version
         self.view = view
         records = sorted((version.data_base + r.offset, r) for r in getattr(version.manifest, "tensors", ()) if r.nbytes)
         self._starts = [start for start, _ in records]
         self._records = [r for _, r in records]
-        self._checked: set[int] = set()
+        self._checked: set[int] = set() if checked is None else checked
 
     @property
     def size(self) -> int:
@@ -173,6 +176,7 @@ class Tree:
         self._refreshed_at: float | None = None
         self._models: dict[str, _Model] = {}
         self._files: dict[tuple[str, int, int], dict[str, Any]] = {}  # (model, step, counter) -> views
+        self._checked: dict[tuple[str, int, int], set[int]] = {}  # same key -> tensors found intact
         self._by_key: dict[tuple, Node] = {}
         self._by_ino: dict[int, Node] = {}
         self._next_ino = ROOT_INODE + 1
@@ -211,6 +215,8 @@ class Tree:
         live = {(n, s, i.counter) for n, m in models.items() for s, i in m.versions.items()}
         for key in [k for k in self._files if k not in live]:
             del self._files[key]
+        for key in [k for k in self._checked if k not in live]:
+            del self._checked[key]
 
     def _model(self, name: str) -> _Model:
         m = self._models.get(name)
@@ -375,7 +381,9 @@ class Tree:
         try:
             if version.info.counter != node.counter:
                 raise FileNotFoundError(errno.ENOENT, f"{node.name}: its version was replaced")
-            return OpenFile(version, self._views(node.model, node.step, version)[1][node.name])
+            views = self._views(node.model, node.step, version)[1]
+            checked = self._checked.setdefault((node.model, node.step, node.counter), set())
+            return OpenFile(version, views[node.name], checked)
         except BaseException:
             version.close()
             raise

@@ -110,6 +110,7 @@ class _InFlight:
     piece_crcs: list = field(default_factory=list)
     error: BaseException | None = None
     stall_s: float = 0.0
+    crc_in_snapshot: bool = False  # see _snapshot
     mutex: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -259,15 +260,16 @@ class Writer:
 
     def _start_in_background(self, future: "SaveFuture", *args) -> None:
         try:
-            self._start(future, *args)
+            self._start(future, *args, background=True)
         except BaseException as e:  # noqa: BLE001 - delivered through both futures
             if not future.done():
                 self._drop(future, e)
 
     def _start(self, future: "SaveFuture", entry, step: int, flat, layout: _Layout, data_offset: int,
-               started: float) -> None:
+               started: float, background: bool = False) -> None:
         """Permit, counter, slot claim and snapshot of one save; raises (and fails the futures)
-        if any of them cannot be had."""
+        if any of them cannot be had. ``background``: the snapshot runs beside the caller's
+        compute (async_snapshot), so it also takes the chunks' CRCs."""
         try:
             pool = self._pool(any(t.is_cuda for t in flat.tensors), layout.data_bytes)
             sources = [_byte_source(t) for t in flat.tensors]
@@ -290,6 +292,7 @@ class Writer:
                         chunks_left=len(layout.chunks))
         job.piece_crcs = [[] for _ in layout.records]
         job.data_offset = data_offset
+        job.crc_in_snapshot = background
         self._progress.start(counter, step, sum(c.length for c in layout.chunks))
         self._queue.put(("prepare", job))
         try:
@@ -467,10 +470,16 @@ class Writer:
                     event = torch.cuda.Event()
                     event.record(stream)
                 events.append(event)
-            else:
+            crcs = None
+            if stream is None:
                 copy_spans(buf.mapping, [(p.buffer_start, sources[p.tensor], p.tensor_start, p.length)
                                          for p in chunk.pieces], self._copy_threads)
-            self._queue.put(("chunk", job, chunk, buf, pool, event))
+                if job.crc_in_snapshot:
+                    # A background snapshot runs while the caller computes: checksumming here
+                    # keeps that memory traffic out of the caller's next optimizer step, which
+                    # the persist workers' checksums would otherwise overlap.
+                    crcs = _piece_crcs(buf, chunk)
+            self._queue.put(("chunk", job, chunk, buf, pool, event, crcs))
         for event in events:
             event.synchronize()
 
@@ -537,23 +546,22 @@ class Writer:
             self._commit(job)
 
     def _persist_chunk(self, job: _InFlight, chunk: Chunk, buf: StagingBuffer, pool: StagingPool,
-                       event) -> None:
+                       event, crcs) -> None:
         try:
             if event is not None:
                 event.synchronize()
             job.ready.wait()
             if job.error is not None:
                 return
-            view = memoryview(buf.mapping)
             self._enter_write(pool)
             try:
-                self.region.write_slot(job.entry, job.slot, job.data_offset + chunk.start, view[:chunk.length])
+                with memoryview(buf.mapping) as view:
+                    self.region.write_slot(job.entry, job.slot, job.data_offset + chunk.start, view[:chunk.length])
             finally:
                 self._exit_write()
-            self._yield_to_snapshot(job, pool)
-            crcs = [(p.tensor, p.tensor_start, p.length,
-                     crc32(view[p.buffer_start:p.buffer_start + p.length])) for p in chunk.pieces]
-            view.release()
+            if crcs is None:
+                self._yield_to_snapshot(job, pool)
+                crcs = _piece_crcs(buf, chunk)
         finally:
             pool.release(buf)
         with job.mutex:
@@ -630,6 +638,16 @@ class Writer:
             job.future.set_exception(error)
         else:
             job.future.set_result(result)
+
+
+def _piece_crcs(buf: StagingBuffer, chunk: Chunk) -> list[tuple[int, int, int, int]]:
+    """(tensor, tensor_start, length, crc32) of every tensor piece in a filled staging buffer."""
+    view = memoryview(buf.mapping)
+    try:
+        return [(p.tensor, p.tensor_start, p.length, crc32(view[p.buffer_start:p.buffer_start + p.length]))
+                for p in chunk.pieces]
+    finally:
+        view.release()
 
 
 def _positive(name: str, value) -> None:
