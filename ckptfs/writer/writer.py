@@ -5,9 +5,12 @@ One ``save`` goes through (PCcheck §3.1, §4.1):
   2. take an in-flight permit (at most ``max_inflight`` saves; the next one waits), a counter,
      and claim a free slot (not latest, not pinned, not claimed);
   3. snapshot: copy the tensors chunk by chunk into staging buffers (a side CUDA stream for GPU
-     tensors) and hand each chunk to the persist workers; ``save`` returns here;
-  4. persist workers: CRC32 of each tensor piece in the chunk, O_DIRECT write at its place in the
-     slot, buffer back to the pool;
+     tensors; for CPU tensors the native multi-threaded copy of ckptfs.memcopy) and hand each
+     chunk to the persist workers; ``save`` returns here. While a snapshot runs, only one chunk
+     write is in flight, so the copy the caller waits for keeps the memory bandwidth;
+  4. persist workers: O_DIRECT write of the chunk at its place in the slot, CRC32 of each tensor
+     piece in it (taken by the snapshot itself when it runs in the background), buffer back to
+     the pool;
   5. commit, by the worker that finishes the last chunk: data durable → header + manifest with
      the combined CRCs → durable → CAS the latest pointer if this counter is newer → pointer
      durable → release the claim → complete the future.
