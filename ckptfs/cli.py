@@ -129,11 +129,8 @@ def mkfs(region, size, exist_ok, path):
     kwargs: dict[str, Any] = {"exist_ok": exist_ok}
     if size is not None:
         kwargs["size_bytes"] = _parse_size(size)
-    store = Store.create(region, **kwargs)
-    try:
+    with Store.create(region, **kwargs) as store:
         click.echo(f"region {store.path} ready")
-    finally:
-        store.close()
 
 
 @cli.command()
@@ -220,8 +217,7 @@ def umount(region, mountpoint):
 @click.argument("model", required=False)
 def ls_(region, as_json, model):
     """List the models, or the committed versions of MODEL."""
-    store = _open_store(region)
-    try:
+    with _open_store(region) as store:
         if model is None:
             rows = []
             for name in store.models():
@@ -243,8 +239,6 @@ def ls_(region, as_json, model):
             _table([[v.step, "latest" if v.latest else "", _when(v.time_ns), _human(v.data_bytes), v.counter]
                     for v in versions], ["STEP", "", "TIME", "SIZE", "COUNTER"])
         return 0
-    finally:
-        store.close()
 
 
 @cli.command()
@@ -256,8 +250,7 @@ def info(region, as_json, step, model):
     """Show one version of MODEL: step, time, tensors (dtype, shape, size, CRC32), files."""
     from ckptfs.views import files_for
 
-    store = _open_store(region)
-    try:
+    with _open_store(region) as store:
         with store.open_version(model, _version_step(store, model, step).step) as v:
             m = v.manifest
             files = {name: view.size for name, view in files_for(m, v.data_base).items()}
@@ -277,8 +270,6 @@ def info(region, as_json, step, model):
         _table([[t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar", _human(t["nbytes"]), t["crc32"]]
                 for t in doc["tensors"]], ["TENSOR", "DTYPE", "SHAPE", "SIZE", "CRC32"])
         return 0
-    finally:
-        store.close()
 
 
 @cli.command()
@@ -291,8 +282,7 @@ def verify(region, step, model):
     Exits 1 and prints one line per problem on a mismatch."""
     if step is not None and model is None:
         raise click.UsageError("--step needs a MODEL")
-    store = _open_store(region)
-    try:
+    with _open_store(region) as store:
         total = sum(v.data_bytes for name in ([model] if model else store.models())
                     for v in store.versions(name) if step is None or v.step == step)
         with _progress(total, "verify") as bar:
@@ -305,8 +295,6 @@ def verify(region, step, model):
             return 1
         click.echo(f"ok: {what} verified")
         return 0
-    finally:
-        store.close()
 
 
 @cli.command()
@@ -339,8 +327,7 @@ def export(region, step, file_name, key, model, output):
     out_dir = os.path.dirname(os.path.abspath(output))
     if not os.path.isdir(out_dir):
         raise CkptfsError(f"cannot write {output}: no directory {out_dir}")
-    store = _open_store(region)
-    try:
+    with _open_store(region) as store:
         with store.open_version(model, _version_step(store, model, step).step) as v:
             views = files_for(v.manifest, v.data_base)
             if file_name not in views:
@@ -359,8 +346,6 @@ def export(region, step, file_name, key, model, output):
                 raise
         click.echo(f"exported {model} step {v.info.step} {file_name} to {output} ({_human(view.size)})")
         return 0
-    finally:
-        store.close()
 
 
 @cli.command(name="import")
@@ -378,13 +363,10 @@ def import_(region, step, fmt, key, model, file):
     written. Torch files are read with torch.load(weights_only=True)."""
     from ckptfs.importer import import_file
 
-    store = _open_store(region)
-    try:
+    with _open_store(region) as store:
         v = import_file(store, model, file, step=step, fmt=fmt, key=key)
         click.echo(f"imported {file} as {model} step {v.step} ({_human(v.data_bytes)})")
         return 0
-    finally:
-        store.close()
 
 
 @cli.command()
@@ -396,8 +378,7 @@ def rm(region, all_, model, steps):
     """Remove versions STEPS of MODEL (not the latest, not while pinned), or the model with --all."""
     if all_ == bool(steps):
         raise click.UsageError("give the STEPS to remove, or --all (and no steps) to remove the whole model")
-    store = _open_store(region)
-    try:
+    with _open_store(region) as store:
         if all_:
             store.remove_model(model)
             click.echo(f"removed {model}")
@@ -405,8 +386,6 @@ def rm(region, all_, model, steps):
             store.remove(model, s)
             click.echo(f"removed {model} step {s}")
         return 0
-    finally:
-        store.close()
 
 
 @cli.command()
@@ -414,11 +393,8 @@ def rm(region, all_, model, steps):
 @_json_option
 def status(region, as_json):
     """Region usage, models, and the saves in flight with their progress."""
-    store = _open_store(region)
-    try:
+    with _open_store(region) as store:
         st = store.status()
-    finally:
-        store.close()
     if as_json:
         click.echo(json.dumps(st, indent=1, default=str))
         return 0

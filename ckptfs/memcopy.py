@@ -1,9 +1,10 @@
 """The snapshot copy of CPU tensors into a staging buffer, at the memory bandwidth of the host.
 
 ``save`` stalls the training loop for exactly this copy, so it must be as fast as a plain copy
-of the state. torch's ``copy_`` is an element-wise kernel; glibc's ``memcpy`` (non-temporal
-stores for large spans) run by a few threads with the GIL released is about a quarter faster on
-the hosts measured (tools/bench_save.py prints both), which also pays for the persist workers
+of the state. torch's ``copy_`` is an element-wise kernel with ordinary stores; the native copy
+splits the spans over a few threads with the GIL released and writes spans of 256 KiB and more
+with streaming stores (no read of the destination lines first). On the hosts measured it is
+about a third faster (tools/bench_save.py prints both), which also pays for the persist workers
 writing the previous chunks at the same time.
 """
 from __future__ import annotations

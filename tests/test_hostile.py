@@ -310,12 +310,16 @@ NAMES = st.one_of(
 )
 
 
+def _module_store(tmp_path_factory, name: str):
+    """A 256 MiB region shared by one module's tests, and its directory."""
+    d = tmp_path_factory.mktemp(name)
+    with ckptfs.Store.create(str(d / f"{name}.region"), size_bytes=256 << 20) as s:
+        yield s, d
+
+
 @pytest.fixture(scope="module")
 def name_store(tmp_path_factory):
-    d = tmp_path_factory.mktemp("names")
-    s = ckptfs.Store.create(str(d / "names.region"), size_bytes=256 << 20)
-    yield s, d
-    s.close()
+    yield from _module_store(tmp_path_factory, "names")
 
 
 @SETTINGS
@@ -399,10 +403,7 @@ def test_import_of_a_zip_that_claims_several_disks(tmp_path):
 
 @pytest.fixture(scope="module")
 def import_store(tmp_path_factory):
-    d = tmp_path_factory.mktemp("import")
-    s = ckptfs.Store.create(str(d / "import.region"), size_bytes=256 << 20)
-    yield s, d
-    s.close()
+    yield from _module_store(tmp_path_factory, "import")
 
 
 def _region_metadata(store):

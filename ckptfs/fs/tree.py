@@ -213,10 +213,9 @@ class Tree:
         self._models = models
         self._refreshed_at = now
         live = {(n, s, i.counter) for n, m in models.items() for s, i in m.versions.items()}
-        for key in [k for k in self._files if k not in live]:
-            del self._files[key]
-        for key in [k for k in self._checked if k not in live]:
-            del self._checked[key]
+        for key in (self._files.keys() | self._checked.keys()) - live:
+            self._files.pop(key, None)
+            self._checked.pop(key, None)
 
     def _model(self, name: str) -> _Model:
         m = self._models.get(name)

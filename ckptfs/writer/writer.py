@@ -129,19 +129,16 @@ def _plan(names: list[str], tensors: list[torch.Tensor], chunk_bytes_for) -> _La
     return _Layout(records, offset, plan_chunks(records, offset, chunk_bytes_for(offset)))
 
 
-def _byte_source(t: torch.Tensor):
-    """The tensor's bytes, without a copy when it is contiguous: a flat uint8 tensor for CUDA
-    tensors, a buffer (see ``host_bytes``) for CPU tensors."""
+def _byte_source(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor, without a copy when it is contiguous."""
     # Conjugate / negative views are lazy bits on top of the storage: materialize them, as the
     # bytes must hold the values the caller sees.
     t = t.resolve_conj().resolve_neg()
     if not t.is_contiguous():
         t = t.contiguous()
     if t.numel() == 0:
-        t = torch.empty(0, dtype=torch.uint8, device=t.device)
-    else:
-        t = t.reshape(-1).view(torch.uint8)
-    return t if t.is_cuda else host_bytes(t)
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
+    return t.reshape(-1).view(torch.uint8)
 
 
 class Writer:
@@ -292,10 +289,8 @@ class Writer:
         manifest = Manifest(self.model, step, counter, time_ns, tuple(layout.records), flat.skeleton,
                             layout.data_bytes)
         job = _InFlight(entry, slot, counter, step, time_ns, manifest, layout, future, started,
-                        chunks_left=len(layout.chunks))
+                        chunks_left=len(layout.chunks), data_offset=data_offset, crc_in_snapshot=background)
         job.piece_crcs = [[] for _ in layout.records]
-        job.data_offset = data_offset
-        job.crc_in_snapshot = background
         self._progress.start(counter, step, sum(c.length for c in layout.chunks))
         self._queue.put(("prepare", job))
         try:
@@ -444,7 +439,7 @@ class Writer:
             self._pools[cuda] = StagingPool(chunk, max(budget, chunk), pinned=cuda)
         return self._pools[cuda]
 
-    def _snapshot_gated(self, job: _InFlight, sources: list, pool: StagingPool) -> None:
+    def _snapshot_gated(self, job: _InFlight, sources: list[torch.Tensor], pool: StagingPool) -> None:
         with self._write_gate:
             self._snapshots_running += 1
         try:
@@ -454,8 +449,8 @@ class Writer:
                 self._snapshots_running -= 1
                 self._write_gate.notify_all()
 
-    def _snapshot(self, job: _InFlight, sources: list, pool: StagingPool) -> None:
-        cuda = any(isinstance(t, torch.Tensor) for t in sources)  # CPU bytes come as buffers
+    def _snapshot(self, job: _InFlight, sources: list[torch.Tensor], pool: StagingPool) -> None:
+        cuda = any(t.is_cuda for t in sources)
         stream = None
         if cuda:
             if self._side_stream is None:
@@ -463,6 +458,7 @@ class Writer:
             stream = self._side_stream
             # The copies must see every kernel already queued on the caller's stream.
             stream.wait_stream(torch.cuda.current_stream())
+        host = None if cuda else [host_bytes(t) for t in sources]
         events = []
         for chunk in job.layout.chunks:
             buf = pool.acquire(self.timeout_s)
@@ -475,7 +471,7 @@ class Writer:
                 events.append(event)
             crcs = None
             if stream is None:
-                copy_spans(buf.mapping, [(p.buffer_start, sources[p.tensor], p.tensor_start, p.length)
+                copy_spans(buf.mapping, [(p.buffer_start, host[p.tensor], p.tensor_start, p.length)
                                          for p in chunk.pieces], self._copy_threads)
                 if job.crc_in_snapshot:
                     # A background snapshot runs while the caller computes: checksumming here
@@ -489,10 +485,7 @@ class Writer:
     @staticmethod
     def _copy_pieces(buf: StagingBuffer, pieces, sources, non_blocking: bool) -> None:
         for p in pieces:
-            src = sources[p.tensor]
-            if not isinstance(src, torch.Tensor):  # a CPU tensor's bytes in a CUDA snapshot
-                src = torch.from_numpy(src)
-            src = src[p.tensor_start:p.tensor_start + p.length]
+            src = sources[p.tensor][p.tensor_start:p.tensor_start + p.length]
             buf.tensor[p.buffer_start:p.buffer_start + p.length].copy_(src, non_blocking=non_blocking)
 
     # ------------------------------------------------------------------ persist workers
