@@ -66,13 +66,16 @@ class Emulator:
 
     def baseline(self, iters: int) -> float:
         t0 = time.perf_counter()
-        upd = 0.0
+        upd = slept = 0.0
         for _ in range(iters):
+            s = time.perf_counter()
             time.sleep(self.a.t)
             u = time.perf_counter()
+            slept += u - s
             self._update()
             upd += time.perf_counter() - u
         self.last_update_s = upd / iters
+        self.last_sleep_s = slept / iters
         return time.perf_counter() - t0
 
     # ----------------------------------------------------------------- ckptfs plumbing
@@ -154,10 +157,12 @@ class Emulator:
 
                 overlap = mode == "overlap"
                 pending = False
-                upd = 0.0
+                upd = slept = called = 0.0
                 t0 = time.perf_counter()
                 for i in range(iters):
+                    s = time.perf_counter()
                     time.sleep(a.t)  # compute: in overlap mode the last snapshot runs meanwhile
+                    slept += time.perf_counter() - s
                     if pending:
                         w0 = time.perf_counter()
                         w.wait_snapshot()  # the optimizer step must not run before the snapshot
@@ -169,6 +174,7 @@ class Emulator:
                     if (i + 1) % f == 0:
                         c = time.perf_counter()
                         do_save(first_step + i + 1, async_snapshot=overlap)
+                        called += time.perf_counter() - c
                         if overlap:
                             pending = True
                         else:
@@ -205,6 +211,7 @@ class Emulator:
                 "checkpoints": len(calls), "tw_s": sum(tws) / len(tws) if tws else float("nan"), "tw_med_s": bc.median(tws),
                 "tw_max_s": max(tws) if tws else None, "tws": tws, "stall_s": bc.median(stalls),
                 "snap_s": sum(snaps) / len(snaps) if snaps else float("nan"), "update_s": upd / iters,
+                "sleep_s": slept / iters, "call_s": called / len(calls) if calls else 0.0,
                 "exposed_s": sum(exposed) / len(exposed) if exposed else 0.0,
                 "exposed_total_s": sum(exposed), "errors": errors[:3], "verified": verified}
 
@@ -296,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"  {mode} N={n} f={f:>2}: loop {r['loop_s']:.2f} s (baseline {bases[-2]:.2f}/"
                               f"{bases[-1]:.2f} s), {r['checkpoints']} ckpts, T_w {bc.fmt_s(r['tw_s'])}, "
                               f"save() {bc.fmt_s(r['stall_s'])}, update {bc.fmt_s(r['update_s'])} "
-                              f"(baseline {bc.fmt_s(emu.last_update_s)})"
+                              f"(baseline {bc.fmt_s(emu.last_update_s)}), sleep {bc.fmt_s(r['sleep_s'])} "
+                              f"(baseline {bc.fmt_s(emu.last_sleep_s)}), save() call {bc.fmt_s(r['call_s'])}"
                               + (f", ERRORS {r['errors']}" if r["errors"] else "")
                               + ("" if r["verified"] in (None, True) else ", LOAD MISMATCH"), flush=True)
         t_iter = bc.median(bases) / a.iters
