@@ -7,6 +7,8 @@
  *    without re-reading the data;
  *  - persistence of a range of a devdax mapping through libpmem (flush + fence), loaded with
  *    dlopen so that the extension builds and imports on machines without PMDK;
+ *  - msync of a range of a file mapping with the GIL released (mmap.flush holds it for the
+ *    whole disk flush, which stalls a training loop's Python thread behind every commit);
  *  - the snapshot copy: many (destination, source) byte ranges copied by several threads with
  *    the GIL released, because one thread of torch's element-wise copy does not reach the
  *    memory bandwidth a save's stall is measured against.
@@ -17,9 +19,12 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <dlfcn.h>
+#include <errno.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 #include <zlib.h>
 
 static int
@@ -187,6 +192,36 @@ pmem_persist_py(PyObject *self, PyObject *args)
     p_persist((char *)view.buf + offset, (size_t)length);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
+/* msync(MS_SYNC) of the pages covering buf[offset, offset+length), GIL released. */
+static PyObject *
+msync_range(PyObject *self, PyObject *args)
+{
+    Py_buffer view;
+    Py_ssize_t offset, length;
+    if (!PyArg_ParseTuple(args, "w*nn", &view, &offset, &length))
+        return NULL;
+    if (range_in(&view, offset, length) < 0) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t start = (uintptr_t)view.buf + (uintptr_t)offset;
+    uintptr_t aligned = start - start % page;
+    size_t span = (size_t)(start + (uintptr_t)length - aligned);
+    int rc, err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    rc = msync((void *)aligned, span, MS_SYNC);
+    if (rc != 0)
+        err = errno;
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    if (rc != 0) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
     Py_RETURN_NONE;
 }
 
@@ -393,6 +428,7 @@ static PyMethodDef methods[] = {
     {"pmem_persist", pmem_persist_py, METH_VARARGS, "pmem_persist(buf, offset, length)"},
     {"pmem_memcpy_persist", pmem_memcpy_persist_py, METH_VARARGS,
      "pmem_memcpy_persist(dst, offset, src)"},
+    {"msync_range", msync_range, METH_VARARGS, "msync_range(mapping, offset, length): MS_SYNC, GIL released"},
     {"pmem_is_pmem", pmem_is_pmem_py, METH_VARARGS, "pmem_is_pmem(buf) -> bool"},
     {"copy_spans", copy_spans_py, METH_VARARGS,
      "copy_spans(dst, [(dst_offset, src, src_offset, length), ...], threads)"},

@@ -42,3 +42,37 @@ def test_file_region_without_o_direct(tmp_path, monkeypatch):
         with s.writer("m") as w:
             w.save({"a": torch.arange(100000)}, step=1).result()
         assert torch.equal(s.load("m")["a"], torch.arange(100000))
+
+
+def test_msync_range_persists_a_mapped_range_and_checks_bounds(tmp_path):
+    import mmap
+    import os
+    p = tmp_path / "f"
+    p.write_bytes(bytes(3 * mmap.PAGESIZE))
+    with open(p, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+        m[mmap.PAGESIZE + 5:mmap.PAGESIZE + 8] = b"abc"
+        _native.msync_range(m, mmap.PAGESIZE + 5, 3)  # an unaligned range: its page is synced
+        assert os.pread(f.fileno(), 3, mmap.PAGESIZE + 5) == b"abc"
+        with pytest.raises(ValueError, match="outside"):
+            _native.msync_range(m, 2 * mmap.PAGESIZE, mmap.PAGESIZE + 1)
+        with pytest.raises(ValueError, match="outside"):
+            _native.msync_range(m, -1, 1)
+
+
+def test_read_bytes_sees_o_direct_writes_and_checks_bounds(region_path):
+    """Headers are read with pread (no page fault under the GIL); it must see what an O_DIRECT
+    write just put there, and refuse ranges outside the region."""
+    from ckptfs.region.backend import FileBackend, aligned_buffer
+    Region.format(region_path, 64 << 20).close()
+    backend = FileBackend(region_path, writable=True)
+    try:
+        before = backend.read_bytes(40 << 20, 4096)
+        buf = aligned_buffer(4096)
+        buf[:4] = b"\x01\x02\x03\x04"
+        backend.write(40 << 20, buf)
+        assert before == bytes(4096)
+        assert backend.read_bytes(40 << 20, 6) == b"\x01\x02\x03\x04\x00\x00"
+        with pytest.raises(ValueError, match="outside the region"):
+            backend.read_bytes(backend.size_bytes - 2, 4)
+    finally:
+        backend.close()

@@ -62,10 +62,18 @@ class Backend:
 
     def view(self, offset: int, length: int) -> memoryview:
         """Zero-copy view of region bytes; raises ValueError outside the region."""
+        self._check_range(offset, length)
+        return self._view[offset:offset + length]
+
+    def read_bytes(self, offset: int, length: int) -> bytes:
+        """A copy of a few region bytes (headers) that a concurrent writer thread may need
+        without holding the GIL through a disk read; ValueError outside the region."""
+        return bytes(self.view(offset, length))
+
+    def _check_range(self, offset: int, length: int) -> None:
         if offset < 0 or length < 0 or offset + length > self.size_bytes:
             raise ValueError(f"range [{offset}, {offset + length}) is outside the region "
                              f"of {self.size_bytes} bytes")
-        return self._view[offset:offset + length]
 
     @property
     def mapping(self) -> mmap.mmap:
@@ -164,8 +172,17 @@ class FileBackend(Backend):
         _pread_full(self._read_direct_fd, memoryview(buf).cast("B"), offset, self.path)
 
     def persist_mapped(self, offset: int, length: int) -> None:
-        start = offset - offset % PAGE_BYTES
-        self._map.flush(start, offset + length - start)
+        # Not mmap.flush: it holds the GIL for the whole msync, a disk flush of several ms that
+        # would stall the training loop's thread behind every commit.
+        _native.msync_range(self._map, offset, length)
+
+    def read_bytes(self, offset: int, length: int) -> bytes:
+        # pread, not the mapping: a page whose cache copy an O_DIRECT write just invalidated
+        # would be faulted in from disk with the GIL held.
+        self._check_range(offset, length)
+        view = memoryview(bytearray(length))
+        _pread_full(self._fd, view, offset, self.path)
+        return bytes(view)
 
     def reserve(self, offset: int, length: int) -> None:
         if self.kind != "file":

@@ -372,7 +372,7 @@ class Region:
     # ---------------------------------------------------------------- slots
     def read_header(self, entry: ModelEntry, slot: int) -> SlotHeader | None:
         """The slot's header if it is valid and belongs to this model and slot."""
-        raw = bytes(self.backend.view(entry.slot_offset(slot), SLOT_HEADER_BYTES))
+        raw = self.backend.read_bytes(entry.slot_offset(slot), SLOT_HEADER_BYTES)
         header = SlotHeader.unpack(raw)
         if header is None or header.model_index != entry.index or header.slot != slot:
             return None
