@@ -11,7 +11,6 @@ import json
 import os
 import tempfile
 import threading
-import time
 
 MIN_INTERVAL_S = 0.25
 
@@ -22,7 +21,12 @@ def progress_dir(region_uuid: bytes) -> str:
 
 
 class ProgressBoard:
-    """The saves in flight of one writer: step -> (bytes persisted, bytes total)."""
+    """The saves in flight of one writer: step -> (bytes persisted, bytes total).
+
+    Updates only touch a dict; a publisher thread writes the file, at most once per
+    ``MIN_INTERVAL_S`` and only after a change. Publishing from the persist workers instead
+    (JSON, a file write and a rename per chunk and per commit) would hold the GIL in bursts
+    that the training loop's thread waits behind."""
 
     def __init__(self, region_uuid: bytes, model: str):
         self._dir = progress_dir(region_uuid)
@@ -30,49 +34,82 @@ class ProgressBoard:
         self._path = os.path.join(self._dir, f"{hashlib.sha1(model.encode()).hexdigest()}.{os.getpid()}.json")
         self._model = model
         self._saves: dict[int, list[int]] = {}
-        self._mutex = threading.Lock()
-        self._published = 0.0
+        self._changed = threading.Condition()
+        self._dirty = False
+        self._closed = False
+        self._publisher: threading.Thread | None = None
 
     def start(self, counter: int, step: int, total_bytes: int) -> None:
-        with self._mutex:
+        with self._changed:
             self._saves[counter] = [step, 0, total_bytes]
-        self._publish(force=True)
+            self._mark_dirty()
 
-    def advance(self, counter: int, nbytes: int, force: bool = False) -> None:
-        """Count ``nbytes`` more persisted; ``force`` publishes now (e.g. the last chunk)."""
-        with self._mutex:
+    def advance(self, counter: int, nbytes: int) -> None:
+        """Count ``nbytes`` more persisted."""
+        with self._changed:
             if counter in self._saves:
                 self._saves[counter][1] += nbytes
-        self._publish(force)
+                self._mark_dirty()
 
     def finish(self, counter: int) -> None:
-        with self._mutex:
+        with self._changed:
             self._saves.pop(counter, None)
-        self._publish(force=True)
+            self._mark_dirty()
 
     def close(self) -> None:
+        """Stop publishing and remove the file (waits for a publish in progress)."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+            publisher = self._publisher
+        if publisher is not None:
+            publisher.join()
         try:
             os.unlink(self._path)
         except OSError:
             pass  # advisory, as in _publish
 
-    def _publish(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._published < MIN_INTERVAL_S:
+    def _mark_dirty(self) -> None:
+        """Caller holds ``_changed``."""
+        if self._closed:
             return
-        self._published = now
-        with self._mutex:
-            saves = [{"step": s, "persisted_bytes": done, "total_bytes": total}
-                     for s, done, total in self._saves.values()]
+        self._dirty = True
+        if self._publisher is None:
+            self._publisher = threading.Thread(target=self._publish_loop, name="ckptfs-progress", daemon=True)
+            self._publisher.start()
+        self._changed.notify_all()
+
+    def _publish_loop(self) -> None:
+        made_dir = False
+        while True:
+            with self._changed:
+                while not self._dirty and not self._closed:
+                    self._changed.wait()
+                if self._closed:
+                    return
+                self._dirty = False
+                saves = [{"step": s, "persisted_bytes": done, "total_bytes": total}
+                         for s, done, total in self._saves.values()]
+            made_dir = self._publish(saves, made_dir)
+            with self._changed:
+                self._changed.wait_for(lambda: self._closed, MIN_INTERVAL_S)
+
+    def _publish(self, saves: list[dict], made_dir: bool) -> bool:
+        """Replace the file atomically; returns whether the directory exists now."""
         doc = {"model": self._model, "pid": os.getpid(), "saves": saves}
         try:
-            os.makedirs(self._dir, exist_ok=True)
+            if not made_dir:
+                os.makedirs(self._dir, exist_ok=True)
+                made_dir = True
             tmp = f"{self._path}.tmp"
             with open(tmp, "w") as f:
                 json.dump(doc, f)
             os.replace(tmp, self._path)
+        except FileNotFoundError:
+            return False  # the directory was removed: make it again next time
         except OSError:
             pass  # progress is advisory: never fail a save over it
+        return made_dir
 
 
 def read_progress(region_uuid: bytes) -> list[dict]:

@@ -565,7 +565,7 @@ class Writer:
                 job.piece_crcs[tensor].append((start, n, crc))
             job.chunks_left -= 1
             last = job.chunks_left == 0
-        self._progress.advance(job.counter, chunk.length, force=last)
+        self._progress.advance(job.counter, chunk.length)
         if last:
             self._commit(job)
 
