@@ -248,7 +248,7 @@ class Flattened:
 
 
 def _key_text(key: Any) -> str:
-    return key if isinstance(key, str) else repr(key)
+    return key if type(key) is str or isinstance(key, str) else repr(key)
 
 
 def flatten(obj: Any) -> Flattened:
@@ -264,70 +264,92 @@ def flatten(obj: Any) -> Flattened:
     return out
 
 
+def _where(path: tuple[str, ...]) -> str:
+    return ".".join(path) or "<root>"
+
+
 def _flatten(obj: Any, path: tuple[str, ...], out: Flattened, seen: dict, active: set) -> dict:
-    where = ".".join(path) or "<root>"
+    # Called once per node of every save, so the common exact types are dispatched on first
+    # (isinstance against torch.Tensor goes through its metaclass and costs several times more)
+    # and the dotted path is only joined for a message or a tensor name.
     if len(path) > MAX_DEPTH:
-        raise UnsupportedObjectError(f"{where[:200]}...: the object nests deeper than {MAX_DEPTH} levels; "
+        raise UnsupportedObjectError(f"{_where(path)[:200]}...: the object nests deeper than {MAX_DEPTH} levels; "
                                      "flatten it (e.g. into a dict of tensors)")
-    if isinstance(obj, torch.Tensor):
-        return {"tensor": _add_tensor(obj, path, where, out, seen)}
+    kind = type(obj)
+    if kind is float:
+        return {"float": obj.hex()}
+    if kind is int:
+        return {"int": obj}
+    if kind is str:
+        return {"str": obj}
+    if kind is bool:
+        return {"bool": obj}
     if obj is None:
         return {"none": None}
-    if isinstance(obj, bool):
-        return {"bool": obj}
+    if kind in _CONTAINER_KINDS:
+        return _flatten_container(obj, path, out, seen, active)
+    if isinstance(obj, torch.Tensor):
+        return {"tensor": _add_tensor(obj, path, out, seen)}
+    # subclasses of the plain types (IntEnum, str enums...) are stored as their base value
     if isinstance(obj, int):
         return {"int": int(obj)}
     if isinstance(obj, float):
         return {"float": float(obj).hex()}
     if isinstance(obj, str):
         return {"str": str(obj)}
-    if isinstance(obj, (dict, list, tuple)):
-        if id(obj) in active:
-            raise UnsupportedObjectError(f"{where}: the object contains itself; ckptfs stores trees only")
-        active.add(id(obj))
-        try:
-            if isinstance(obj, dict):
-                if type(obj) not in (dict, OrderedDict):
-                    raise UnsupportedObjectError(
-                        f"{where}: {type(obj).__name__} is not supported; convert it to a dict")
-                kind = "odict" if isinstance(obj, OrderedDict) else "dict"
-                items = []
-                for k, v in obj.items():
-                    if not isinstance(k, (str, int, float, bool)) and k is not None:
-                        raise UnsupportedObjectError(
-                            f"{where}: dict key {k!r} of type {type(k).__name__} is not supported; "
-                            "use str, int, float, bool or None keys")
-                    items.append([_flatten(k, path + ("<key>",), out, seen, active),
-                                  _flatten(v, path + (_key_text(k),), out, seen, active)])
-                return {kind: items}
-            if type(obj) not in (list, tuple):
-                raise UnsupportedObjectError(
-                    f"{where}: {type(obj).__name__} is not supported; convert it to a list or tuple")
-            kind = "list" if isinstance(obj, list) else "tuple"
-            return {kind: [_flatten(v, path + (str(i),), out, seen, active) for i, v in enumerate(obj)]}
-        finally:
-            active.discard(id(obj))
+    if isinstance(obj, dict):
+        raise UnsupportedObjectError(f"{_where(path)}: {type(obj).__name__} is not supported; convert it to a dict")
+    if isinstance(obj, (list, tuple)):
+        raise UnsupportedObjectError(
+            f"{_where(path)}: {type(obj).__name__} is not supported; convert it to a list or tuple")
     raise UnsupportedObjectError(
-        f"{where}: {type(obj).__module__}.{type(obj).__qualname__} cannot be stored; ckptfs stores "
+        f"{_where(path)}: {type(obj).__module__}.{type(obj).__qualname__} cannot be stored; ckptfs stores "
         "tensors, dicts, lists, tuples, str, int, float, bool and None (convert it, e.g. to a "
         "tensor or a plain value)")
 
 
-def _add_tensor(t: torch.Tensor, path: tuple[str, ...], where: str, out: Flattened, seen: dict) -> int:
+_CONTAINER_KINDS = {dict: "dict", OrderedDict: "odict", list: "list", tuple: "tuple"}
+
+
+def _flatten_container(obj, path: tuple[str, ...], out: Flattened, seen: dict, active: set) -> dict:
+    if id(obj) in active:
+        raise UnsupportedObjectError(f"{_where(path)}: the object contains itself; ckptfs stores trees only")
+    active.add(id(obj))
+    try:
+        kind = _CONTAINER_KINDS[type(obj)]
+        if kind in ("list", "tuple"):
+            return {kind: [_flatten(v, path + (str(i),), out, seen, active) for i, v in enumerate(obj)]}
+        items = []
+        for k, v in obj.items():
+            if type(k) not in _KEY_TYPES and not isinstance(k, (str, int, float, bool)) and k is not None:
+                raise UnsupportedObjectError(
+                    f"{_where(path)}: dict key {k!r} of type {type(k).__name__} is not supported; "
+                    "use str, int, float, bool or None keys")
+            items.append([_flatten(k, path + ("<key>",), out, seen, active),
+                          _flatten(v, path + (_key_text(k),), out, seen, active)])
+        return {kind: items}
+    finally:
+        active.discard(id(obj))
+
+
+_KEY_TYPES = (str, int, float, bool, type(None))
+
+
+def _add_tensor(t: torch.Tensor, path: tuple[str, ...], out: Flattened, seen: dict) -> int:
     if t.layout != torch.strided:
-        raise UnsupportedObjectError(f"{where}: {t.layout} tensors are not supported; use .to_dense()")
+        raise UnsupportedObjectError(f"{_where(path)}: {t.layout} tensors are not supported; use .to_dense()")
     if t.dtype not in DTYPE_NAMES:
-        raise UnsupportedObjectError(f"{where}: dtype {t.dtype} is not supported; dequantize or convert it")
+        raise UnsupportedObjectError(f"{_where(path)}: dtype {t.dtype} is not supported; dequantize or convert it")
     if t.device.type == "meta":
-        raise UnsupportedObjectError(f"{where}: meta tensors have no data to save")
+        raise UnsupportedObjectError(f"{_where(path)}: meta tensors have no data to save")
     key = None
     if t.numel() > 0:
-        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
-               tuple(t.stride()), t.dtype)
+        # The same first byte, shape, strides and dtype on the same device: the same view, stored once.
+        key = (t.device, t.data_ptr(), t.shape, t.stride(), t.dtype)
         if key in seen:
             return seen[key]
     index = len(out.tensors)
-    out.tensors.append(t.detach())
+    out.tensors.append(t)  # detached where its bytes are taken (writer._byte_source)
     name = _unique_name(".".join(path) or "tensor", out.taken_names)
     out.names.append(name)
     out.taken_names.add(name)

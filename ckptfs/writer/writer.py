@@ -133,7 +133,7 @@ def _byte_source(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as a flat uint8 tensor, without a copy when it is contiguous."""
     # Conjugate / negative views are lazy bits on top of the storage: materialize them, as the
     # bytes must hold the values the caller sees.
-    t = t.resolve_conj().resolve_neg()
+    t = t.detach().resolve_conj().resolve_neg()
     if not t.is_contiguous():
         t = t.contiguous()
     if t.numel() == 0:
