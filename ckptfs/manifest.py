@@ -106,23 +106,23 @@ class Manifest:
     def with_crcs(self, crcs: list[int]) -> "Manifest":
         return replace(self, tensors=tuple(replace(t, crc32=c) for t, c in zip(self.tensors, crcs)))
 
-    def encode(self) -> bytes:
-        """Canonical JSON; its length does not depend on the CRC values."""
-        doc = {
+    def encode(self, tensors_json: str | None = None) -> bytes:
+        """Canonical JSON; its length does not depend on the CRC values. ``tensors_json``:
+        ``encode_tensors`` of this manifest's records made earlier (with any CRCs: only the
+        length is needed) or with the CRCs to store, instead of the records' own."""
+        head = _dumps({
             "format": MANIFEST_FORMAT,
             "model": self.model,
             "step": self.step,
             "counter": self.counter,
             "time_ns": self.time_ns,
             "data_bytes": self.data_bytes,
-            "tensors": [
-                {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "offset": t.offset,
-                 "nbytes": t.nbytes, "crc32": f"{t.crc32:08x}"}
-                for t in self.tensors
-            ],
-            "skeleton": self.skeleton,
-        }
-        return json.dumps(doc, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+        })
+        if tensors_json is None:
+            tensors_json = encode_tensors(self.tensors)
+        # the same bytes as one json.dumps of the whole document, built from its parts so that
+        # the part that only changes with the object's structure can be reused
+        return f'{head[:-1]},"tensors":{tensors_json},"skeleton":{_dumps(self.skeleton)}}}'.encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> "Manifest":
@@ -169,6 +169,18 @@ class Manifest:
                                           f"shape {list(t.shape)} of {t.dtype}")
             if t.offset + t.nbytes > self.data_bytes:
                 raise MalformedInputError(f"tensor {t.name!r} extends past the version's data")
+
+
+def _dumps(doc) -> str:
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
+def encode_tensors(records, crcs: list[int] | None = None) -> str:
+    """The manifest's ``tensors`` array; ``crcs`` replace the records' own CRC32s."""
+    if crcs is None:
+        crcs = [t.crc32 for t in records]
+    return _dumps([{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "offset": t.offset,
+                    "nbytes": t.nbytes, "crc32": f"{crc:08x}"} for t, crc in zip(records, crcs, strict=True)])
 
 
 MAX_DEPTH = 200  # nesting of a saved object (and of a skeleton); deeper ones are refused

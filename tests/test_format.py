@@ -5,7 +5,7 @@ import pytest
 
 from ckptfs.checksum import crc32, crc32_combine
 from ckptfs.errors import IncompatibleVersionError, InvalidNameError, MalformedInputError, RegionFormatError
-from ckptfs.manifest import Manifest, TensorRecord
+from ckptfs.manifest import Manifest, TensorRecord, encode_tensors
 from ckptfs.region.format import (SLOT_COMMITTED, ModelEntry, SlotHeader, Superblock, pack_latest,
                                   slot_layout, unpack_latest)
 from ckptfs.region.region import validate_model_name
@@ -97,6 +97,22 @@ def test_manifest_length_independent_of_crcs_and_roundtrips():
     m2 = m.with_crcs([0xFFFFFFFF, 1])
     assert len(m.encode()) == len(m2.encode())
     assert Manifest.decode(m2.encode()) == m2
+
+
+def test_manifest_bytes_exact():
+    recs = (TensorRecord("w", "float32", (2, 3), 0, 24, 0xDEADBEEF), TensorRecord("b\u00e9", "bfloat16", (), 64, 2))
+    m = Manifest("m", 3, 42, 1, recs, {"dict": [[{"str": "w"}, {"tensor": 0}], [{"int": 7}, {"float": "0x1.0p-1"}],
+                                                [{"str": "b"}, {"tensor": 1}]]}, 66)
+    assert m.encode() == (
+        b'{"format":1,"model":"m","step":3,"counter":42,"time_ns":1,"data_bytes":66,"tensors":['
+        b'{"name":"w","dtype":"float32","shape":[2,3],"offset":0,"nbytes":24,"crc32":"deadbeef"},'
+        b'{"name":"b\\u00e9","dtype":"bfloat16","shape":[],"offset":64,"nbytes":2,"crc32":"00000000"}],'
+        b'"skeleton":{"dict":[[{"str":"w"},{"tensor":0}],[{"int":7},{"float":"0x1.0p-1"}],'
+        b'[{"str":"b"},{"tensor":1}]]}}')
+    # the writer's commit: CRCs given apart from the records give the same bytes as records holding them
+    assert m.encode(encode_tensors(recs, [0xDEADBEEF, 5])) == m.with_crcs([0xDEADBEEF, 5]).encode()
+    with pytest.raises(ValueError):
+        encode_tensors(recs, [1])
 
 
 @pytest.mark.parametrize("mutate", [

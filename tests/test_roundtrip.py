@@ -222,3 +222,33 @@ def test_dotted_keys_colliding_with_nested_paths(store):
     with store.writer("dots") as w:
         w.save(obj, step=1).result()
     assert_same(obj, store.load("dots"))
+
+
+def test_structure_changes_between_saves_of_one_writer(store):
+    """The writer plans a layout once per object structure: the same names with another shape
+    or dtype, or a plain leaf that changes, must still come back exactly."""
+    states = [
+        {"w": torch.arange(1000, dtype=torch.float32), "lr": 0.1, "tag": "a"},
+        {"w": torch.arange(1000, dtype=torch.float32) * 2, "lr": 0.05, "tag": "a longer plain leaf" * 20},
+        {"w": torch.arange(3000, dtype=torch.float32), "lr": 0.05, "tag": "b"},  # same name, larger
+        {"w": torch.arange(1000, dtype=torch.float64), "lr": 0.05, "tag": "b"},  # same shape, new dtype
+        {"w": torch.arange(1000, dtype=torch.float32), "extra": torch.ones(5), "lr": None, "tag": "c"},
+    ]
+    with store.writer("shapes", max_inflight=2, slot_bytes=1 << 20) as w:
+        for step, state in enumerate(states):
+            w.save(state, step=step)
+    for step, state in enumerate(states[-3:], start=len(states) - 3):
+        assert_same(state, store.load("shapes", step=step))
+
+
+def test_tensors_that_require_grad(store):
+    """Parameters and tensors in an autograd graph are saved by value (async snapshot too)."""
+    p = torch.nn.Parameter(torch.randn(64, 8))
+    obj = {"param": p, "activation": p * 2, "conj": (torch.randn(4, dtype=torch.complex64, requires_grad=True)).conj()}
+    with store.writer("grad") as w:
+        w.save(obj, step=1, async_snapshot=True).result()
+    back = store.load("grad")
+    assert not back["param"].requires_grad
+    assert torch.equal(back["param"], p.detach())
+    assert torch.equal(back["activation"], (p * 2).detach())
+    assert torch.equal(back["conj"], obj["conj"].detach().resolve_conj())

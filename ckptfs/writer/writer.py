@@ -36,7 +36,7 @@ from ckptfs.chunks import Chunk, combine_piece_crcs, plan_chunks
 from ckptfs.errors import BusyError, CheckpointTooLargeError, CkptfsError
 from ckptfs.memcopy import copy_spans, default_copy_threads, host_bytes
 from ckptfs.manifest import (DTYPE_NAMES, TENSOR_ALIGN_BYTES, Manifest, TensorRecord, align_up,
-                             flatten)
+                             encode_tensors, flatten)
 from ckptfs.region.backend import aligned_buffer
 from ckptfs.region.format import (COUNTER_MAX, SLOT_COMMITTED, SLOT_HEADER_BYTES, SLOT_WRITING, SLOTS_MAX,
                                   SlotHeader, pack_latest, slot_layout, unpack_latest)
@@ -88,11 +88,14 @@ class SaveResult:
     durable_s: float
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Layout:
-    records: list[TensorRecord]
+    """Where each tensor of one object structure goes; shared by the saves of that structure."""
+
+    records: tuple[TensorRecord, ...]
     data_bytes: int
     chunks: list[Chunk]
+    tensors_json: str  # encode_tensors(records): its length sizes the index
 
 
 @dataclass
@@ -126,7 +129,13 @@ def _plan(names: list[str], tensors: list[torch.Tensor], chunk_bytes_for) -> _La
         nbytes = t.numel() * t.element_size()
         records.append(TensorRecord(name, DTYPE_NAMES[t.dtype], tuple(t.shape), offset, nbytes))
         offset += nbytes
-    return _Layout(records, offset, plan_chunks(records, offset, chunk_bytes_for(offset)))
+    return _Layout(tuple(records), offset, plan_chunks(records, offset, chunk_bytes_for(offset)),
+                   encode_tensors(records))
+
+
+def _structure(flat) -> tuple:
+    """What the layout of a flattened object depends on: tensor names, dtypes and shapes."""
+    return tuple(flat.names), tuple(t.dtype for t in flat.tensors), tuple(t.shape for t in flat.tensors)
 
 
 def _byte_source(t: torch.Tensor) -> torch.Tensor:
@@ -199,6 +208,7 @@ class Writer:
         self._effective_chunk_bytes: int | None = None
         self._copy_threads = default_copy_threads()
         self._slot_age_cache: list[int] | None = None
+        self._layout_cache: tuple[tuple, _Layout] | None = None
         # While a snapshot copy runs, one chunk write at a time (see _enter_write).
         self._write_gate = threading.Condition()
         self._snapshots_running = 0
@@ -227,12 +237,12 @@ class Writer:
         started = time.perf_counter()
         flat = flatten(obj)
         self._check_devices(flat.tensors)
-        layout = _plan(flat.names, flat.tensors, self._chunk_bytes_for)
-        probe = Manifest(self.model, step, COUNTER_MAX, time.time_ns(), tuple(layout.records),
-                         flat.skeleton, layout.data_bytes)
+        layout = self._layout(flat)
+        probe = Manifest(self.model, step, COUNTER_MAX, time.time_ns(), layout.records, flat.skeleton,
+                         layout.data_bytes)
         # The probe has the widest counter, so its index is at least as long as the real one:
         # its length fixes the slot layout, and the real index is encoded once, at commit.
-        _, data_offset, need = slot_layout(len(probe.encode()), layout.data_bytes)
+        _, data_offset, need = slot_layout(len(probe.encode(layout.tensors_json)), layout.data_bytes)
         entry = self._ensure_model(need)
         if need > entry.slot_bytes:
             raise CheckpointTooLargeError(
@@ -286,7 +296,7 @@ class Writer:
             self._drop(future, e)
             raise
         time_ns = time.time_ns()
-        manifest = Manifest(self.model, step, counter, time_ns, tuple(layout.records), flat.skeleton,
+        manifest = Manifest(self.model, step, counter, time_ns, layout.records, flat.skeleton,
                             layout.data_bytes)
         job = _InFlight(entry, slot, counter, step, time_ns, manifest, layout, future, started,
                         chunks_left=len(layout.chunks), data_offset=data_offset, crc_in_snapshot=background)
@@ -415,6 +425,17 @@ class Writer:
         for t in tensors:
             if t.device.type not in ("cpu", "cuda"):
                 raise CkptfsError(f"tensors on {t.device} are not supported yet; move them to cpu or cuda")
+
+    def _layout(self, flat) -> _Layout:
+        """The layout of ``flat``, planned once per object structure: a training loop saves the
+        same structure every time, and planning a large one costs the caller milliseconds."""
+        structure = _structure(flat)
+        cached = self._layout_cache
+        if cached is not None and cached[0] == structure:
+            return cached[1]
+        layout = _plan(flat.names, flat.tensors, self._chunk_bytes_for)
+        self._layout_cache = (structure, layout)
+        return layout
 
     def _chunk_bytes_for(self, data_bytes: int) -> int:
         """The chunk size, fixed at the first save: ``chunk_bytes``, or less for a small state,
@@ -573,8 +594,8 @@ class Writer:
         if job.error is not None:
             return
         region = self.region
-        manifest = job.manifest.with_crcs([combine_piece_crcs(pieces) for pieces in job.piece_crcs])
-        raw = manifest.encode()
+        manifest = job.manifest
+        raw = manifest.encode(encode_tensors(manifest.tensors, [combine_piece_crcs(p) for p in job.piece_crcs]))
         moff, doff = SLOT_HEADER_BYTES, job.data_offset
         if len(raw) > doff - moff:
             raise CkptfsError(f"the index of {self.model} step {job.step} outgrew its reserved space; "
