@@ -224,6 +224,31 @@ def predict(tw: float, s: float, n: int, f: int, t: float, t_compute: float, mod
     return stall_term, "hidden"
 
 
+def combine_rounds(runs: list[dict]) -> list[dict]:
+    """One row per (N, f) from its runs: median overhead and noise (a disk hiccup in one run
+    does not decide), T_w and snapshot averaged over every checkpoint, the worst T_w max."""
+    groups: dict[tuple[int, int], list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["N"], r["f"]), []).append(r)
+    rows = []
+    for (n, f), rs in groups.items():
+        ckpts = sum(r["checkpoints"] for r in rs)
+        tws = [tw for r in rs for tw in r["tws"]]
+
+        def per_ckpt(key: str, rs=rs, ckpts=ckpts) -> float:
+            return sum(r[key] * r["checkpoints"] for r in rs) / ckpts if ckpts else float("nan")
+        rows.append({
+            "N": n, "f": f, "checkpoints": ckpts, "overhead": bc.median([r["overhead"] for r in rs]),
+            "overheads": [r["overhead"] for r in rs], "noise": bc.median([r["noise"] for r in rs]),
+            "t_iter_s": sum(r["t_iter_s"] for r in rs) / len(rs),
+            "tw_s": sum(tws) / len(tws) if tws else float("nan"),
+            "tw_max_s": max(tws) if tws else None, "snap_s": per_ckpt("snap_s"),
+            "exposed_s": per_ckpt("exposed_s"),
+            "verified": None if all(r["verified"] is None for r in rs) else all(r["verified"] in (None, True) for r in rs),
+        })
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default="/tmp/ckptfs-bench", help="directory for the regions (private subdir, removed)")
@@ -232,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--t", type=float, default=0.05, help="emulated compute time per iteration (sleep), s")
     ap.add_argument("--iters", type=int, default=60,
                     help="iterations per run (a multiple of every N·f keeps the model exact)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs of every configuration (rounds over all of them); the table shows the median")
     ap.add_argument("--f", default="1,2,5,10", help="checkpoint intervals to run, comma list")
     ap.add_argument("--n", default="1,2,3", help="max checkpoints in flight to run, comma list")
     ap.add_argument("--q", type=float, default=1.03, help="acceptable slowdown for f* (eq. 3)")
@@ -286,39 +313,43 @@ def main(argv: list[str] | None = None) -> int:
         bases = [emu.baseline(a.iters)]
         print(f"baseline: {bases[0] / a.iters * 1e3:.1f} ms/iteration", flush=True)
         runs = []
-        for mode in modes:
-            for n in ns:
-                for f in fs:
-                    try:
-                        r = emu.run(n, f, a.iters, mode)
-                    except Exception as e:  # noqa: BLE001
-                        traceback.print_exc()
-                        r = {"N": n, "f": f, "mode": mode, "failed": f"{type(e).__name__}: {e}"}
-                    bases.append(emu.baseline(a.iters))
-                    r["base_loop_s"] = [bases[-2], bases[-1]]
-                    runs.append(r)
-                    if "failed" in r:
-                        print(f"  {mode} N={n} f={f}: FAILED {r['failed']}", flush=True)
-                    else:
-                        print(f"  {mode} N={n} f={f:>2}: loop {r['loop_s']:.2f} s (baseline {bases[-2]:.2f}/"
-                              f"{bases[-1]:.2f} s), {r['checkpoints']} ckpts, T_w {bc.fmt_s(r['tw_s'])}, "
-                              f"save() {bc.fmt_s(r['stall_s'])}, update {bc.fmt_s(r['update_s'])} "
-                              f"(baseline {bc.fmt_s(emu.last_update_s)}), sleep {bc.fmt_s(r['sleep_s'])} "
-                              f"(baseline {bc.fmt_s(emu.last_sleep_s)}), save() call {bc.fmt_s(r['call_s'])}"
-                              + (f", ERRORS {r['errors']}" if r["errors"] else "")
-                              + ("" if r["verified"] in (None, True) else ", LOAD MISMATCH"), flush=True)
+        # whole rounds over the configurations: a slow spell of the shared disk then hits one
+        # run of several configurations, not every run of one
+        for rnd, mode, n, f in ((rnd, mode, n, f) for rnd in range(a.repeat) for mode in modes
+                                for n in ns for f in fs):
+            try:
+                r = emu.run(n, f, a.iters, mode)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                r = {"N": n, "f": f, "mode": mode, "failed": f"{type(e).__name__}: {e}"}
+            bases.append(emu.baseline(a.iters))
+            r["base_loop_s"] = [bases[-2], bases[-1]]
+            r["round"] = rnd
+            runs.append(r)
+            if "failed" in r:
+                print(f"  {mode} N={n} f={f}: FAILED {r['failed']}", flush=True)
+            else:
+                print(f"  {mode} N={n} f={f:>2}: loop {r['loop_s']:.2f} s (baseline {bases[-2]:.2f}/"
+                      f"{bases[-1]:.2f} s), {r['checkpoints']} ckpts, T_w {bc.fmt_s(r['tw_s'])}, "
+                      f"save() {bc.fmt_s(r['stall_s'])}, update {bc.fmt_s(r['update_s'])} "
+                      f"(baseline {bc.fmt_s(emu.last_update_s)}), sleep {bc.fmt_s(r['sleep_s'])} "
+                      f"(baseline {bc.fmt_s(emu.last_sleep_s)}), save() call {bc.fmt_s(r['call_s'])}"
+                      + (f", ERRORS {r['errors']}" if r["errors"] else "")
+                      + ("" if r["verified"] in (None, True) else ", LOAD MISMATCH"), flush=True)
         t_iter = bc.median(bases) / a.iters
         results["baselines_s"] = bases
 
         for mode in modes:
-            mruns = [r for r in runs if r["mode"] == mode and "failed" not in r]
+            for r in runs:
+                if r["mode"] == mode and "failed" not in r:
+                    base = sum(r["base_loop_s"]) / 2
+                    r["t_iter_s"] = base / a.iters
+                    r["overhead"] = r["loop_s"] / base - 1.0
+                    r["noise"] = abs(r["base_loop_s"][0] - r["base_loop_s"][1]) / base
+            mruns = combine_rounds([r for r in runs if r["mode"] == mode and "failed" not in r])
             for r in mruns:
-                base = sum(r["base_loop_s"]) / 2
-                r["t_iter_s"] = ti = base / a.iters
-                r["overhead"] = r["loop_s"] / base - 1.0
-                r["noise"] = abs(r["base_loop_s"][0] - r["base_loop_s"][1]) / base
-                r["pred"], r["regime"] = predict(r["tw_s"], r["snap_s"], r["N"], r["f"], ti, a.t, mode)
-                r["fits"] = r["tw_s"] <= r["N"] * r["f"] * ti
+                r["pred"], r["regime"] = predict(r["tw_s"], r["snap_s"], r["N"], r["f"], r["t_iter_s"], a.t, mode)
+                r["fits"] = r["tw_s"] <= r["N"] * r["f"] * r["t_iter_s"]
             # target rows: per N, the smallest f whose T_w fits in N·f·t
             for n in ns:
                 cand = sorted((r for r in mruns if r["N"] == n and r["fits"]), key=lambda r: r["f"])
@@ -343,22 +374,24 @@ def main(argv: list[str] | None = None) -> int:
                 if r.get("target_row"):
                     mark = f"<- target: {'PASS' if r['target_ok'] else 'FAIL'} (<= {a.target * 100:g} %)"
                 rows.append([r["N"], r["f"], r["checkpoints"], f"{r['overhead'] * 100:+.1f} %",
+                             " ".join(f"{o * 100:+.1f}" for o in r["overheads"]),
                              f"±{r['noise'] * 100:.1f}", f"{r['pred'] * 100:+.1f} %", r["regime"],
                              bc.fmt_s(r["tw_s"]), bc.fmt_s(r["tw_max_s"]),
                              bc.fmt_s(r["N"] * r["f"] * r["t_iter_s"]), bc.fmt_s(r["snap_s"]),
                              bc.fmt_s(r["exposed_s"]), "" if r["verified"] in (None, True) else "MISMATCH", mark])
-            print(bc.table(["N", "f", "ckpts", "overhead", "noise", "model", "regime", "T_w mean", "T_w max",
+            print(bc.table(["N", "f", "ckpts", "overhead", "runs", "noise", "model", "regime", "T_w mean", "T_w max",
                             "N·f·t", "snapshot", "exposed", "", ""], rows))
             fs_line = ", ".join(f"N={n}: T_w={bc.fmt_s(twn[n])} -> f*={fstar[n]}" for n in sorted(fstar))
             print(f"f* = ceil(T_w/(N·q·t)), q = {a.q}: {fs_line}; N* = argmin T_w/N = {nstar}"
                   + (f" -> f* = {fstar[nstar]}" if nstar is not None else ""))
             results.setdefault("summary", {})[mode] = {
                 "t_iter_s": t_iter, "tw_by_n_s": twn, "fstar_by_n": fstar, "nstar": nstar,
-                "fstar": fstar.get(nstar) if nstar is not None else None}
+                "fstar": fstar.get(nstar) if nstar is not None else None,
+                "rows": [{k: v for k, v in r.items() if k != "tws"} for r in mruns]}
         results["calibration"] = cal
         results["runs"] = runs
-        print(f"\noverhead: loop time / mean of the baselines run just before and after − 1 (noise: their "
-              f"difference); model: max(T_w/(N·f·t) − 1, s/(f·t)), s = snapshot time of that run "
+        print(f"\noverhead: loop time / mean of the baselines run just before and after − 1, median of the "
+              f"{a.repeat} run(s) listed under 'runs' (noise: median difference of the two baselines); model: max(T_w/(N·f·t) − 1, s/(f·t)), s = snapshot time of that run "
               f"(in overlap mode max(0, s − t_sleep)); exposed: mean stall the loop saw per checkpoint. "
               f"wall {time.perf_counter() - t_start:.0f} s")
     finally:
