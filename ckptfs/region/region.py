@@ -372,7 +372,10 @@ class Region:
     # ---------------------------------------------------------------- slots
     def read_header(self, entry: ModelEntry, slot: int) -> SlotHeader | None:
         """The slot's header if it is valid and belongs to this model and slot."""
-        raw = self.backend.read_bytes(entry.slot_offset(slot), SLOT_HEADER_BYTES)
+        return self._parse_header(entry, slot, self.backend.read_bytes(entry.slot_offset(slot), SLOT_HEADER_BYTES))
+
+    @staticmethod
+    def _parse_header(entry: ModelEntry, slot: int, raw: bytes) -> SlotHeader | None:
         header = SlotHeader.unpack(raw)
         if header is None or header.model_index != entry.index or header.slot != slot:
             return None
@@ -456,11 +459,25 @@ class Region:
         out = []
         for slot in range(entry.nslots):
             offset = entry.slot_offset(slot)
-            raw = bytes(self.backend.view(offset, SLOT_HEADER_BYTES))
-            if not any(raw) or self.read_header(entry, slot) is not None:
+            if self._header_readable(entry, slot):
                 continue
-            out.append((slot, offset, self._salvage_index(entry, slot)))
+            # Confirm with the slot pinned: a writer or a removal holding it rewrites the header
+            # right now, and what was read may be half old, half new. Such a slot is in flux,
+            # not lost.
+            lock = slot_lock_offset(entry.index, slot)
+            if not self.pins.try_shared(lock):
+                continue
+            try:
+                if not self._header_readable(entry, slot):
+                    out.append((slot, offset, self._salvage_index(entry, slot)))
+            finally:
+                self.pins.release(lock)
         return out
+
+    def _header_readable(self, entry: ModelEntry, slot: int) -> bool:
+        """Empty (never written, or removed) or valid, from one read of the header."""
+        raw = self.backend.read_bytes(entry.slot_offset(slot), SLOT_HEADER_BYTES)
+        return not any(raw) or self._parse_header(entry, slot, raw) is not None
 
     def _salvage_index(self, entry: ModelEntry, slot: int) -> Manifest | None:
         start = entry.slot_offset(slot) + SLOT_HEADER_BYTES
