@@ -260,7 +260,7 @@ class Flattened:
 
 
 def _key_text(key: Any) -> str:
-    return key if type(key) is str or isinstance(key, str) else repr(key)
+    return key if isinstance(key, str) else repr(key)
 
 
 def flatten(obj: Any) -> Flattened:
@@ -321,6 +321,7 @@ def _flatten(obj: Any, path: tuple[str, ...], out: Flattened, seen: dict, active
 
 
 _CONTAINER_KINDS = {dict: "dict", OrderedDict: "odict", list: "list", tuple: "tuple"}
+_KEY_TYPES = (str, int, float, bool, type(None))
 
 
 def _flatten_container(obj, path: tuple[str, ...], out: Flattened, seen: dict, active: set) -> dict:
@@ -333,7 +334,7 @@ def _flatten_container(obj, path: tuple[str, ...], out: Flattened, seen: dict, a
             return {kind: [_flatten(v, path + (str(i),), out, seen, active) for i, v in enumerate(obj)]}
         items = []
         for k, v in obj.items():
-            if type(k) not in _KEY_TYPES and not isinstance(k, (str, int, float, bool)) and k is not None:
+            if not isinstance(k, _KEY_TYPES):
                 raise UnsupportedObjectError(
                     f"{_where(path)}: dict key {k!r} of type {type(k).__name__} is not supported; "
                     "use str, int, float, bool or None keys")
@@ -342,9 +343,6 @@ def _flatten_container(obj, path: tuple[str, ...], out: Flattened, seen: dict, a
         return {kind: items}
     finally:
         active.discard(id(obj))
-
-
-_KEY_TYPES = (str, int, float, bool, type(None))
 
 
 def _add_tensor(t: torch.Tensor, path: tuple[str, ...], out: Flattened, seen: dict) -> int:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import math
 import os
 import sys
@@ -315,8 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = []
         # whole rounds over the configurations: a slow spell of the shared disk then hits one
         # run of several configurations, not every run of one
-        for rnd, mode, n, f in ((rnd, mode, n, f) for rnd in range(a.repeat) for mode in modes
-                                for n in ns for f in fs):
+        for rnd, mode, n, f in itertools.product(range(a.repeat), modes, ns, fs):
             try:
                 r = emu.run(n, f, a.iters, mode)
             except Exception as e:  # noqa: BLE001

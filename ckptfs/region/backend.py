@@ -180,9 +180,9 @@ class FileBackend(Backend):
         # pread, not the mapping: a page whose cache copy an O_DIRECT write just invalidated
         # would be faulted in from disk with the GIL held.
         self._check_range(offset, length)
-        view = memoryview(bytearray(length))
-        _pread_full(self._fd, view, offset, self.path)
-        return bytes(view)
+        buf = bytearray(length)
+        _pread_full(self._fd, memoryview(buf), offset, self.path)
+        return bytes(buf)
 
     def reserve(self, offset: int, length: int) -> None:
         if self.kind != "file":

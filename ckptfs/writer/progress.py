@@ -80,7 +80,6 @@ class ProgressBoard:
         self._changed.notify_all()
 
     def _publish_loop(self) -> None:
-        made_dir = False
         while True:
             with self._changed:
                 while not self._dirty and not self._closed:
@@ -90,26 +89,25 @@ class ProgressBoard:
                 self._dirty = False
                 saves = [{"step": s, "persisted_bytes": done, "total_bytes": total}
                          for s, done, total in self._saves.values()]
-            made_dir = self._publish(saves, made_dir)
+            self._publish(saves)
             with self._changed:
                 self._changed.wait_for(lambda: self._closed, MIN_INTERVAL_S)
 
-    def _publish(self, saves: list[dict], made_dir: bool) -> bool:
-        """Replace the file atomically; returns whether the directory exists now."""
+    def _publish(self, saves: list[dict]) -> None:
+        """Replace the file atomically (making its directory when it is missing)."""
         doc = {"model": self._model, "pid": os.getpid(), "saves": saves}
+        tmp = f"{self._path}.tmp"
         try:
-            if not made_dir:
+            try:
+                f = open(tmp, "w")
+            except FileNotFoundError:
                 os.makedirs(self._dir, exist_ok=True)
-                made_dir = True
-            tmp = f"{self._path}.tmp"
-            with open(tmp, "w") as f:
+                f = open(tmp, "w")
+            with f:
                 json.dump(doc, f)
             os.replace(tmp, self._path)
-        except FileNotFoundError:
-            return False  # the directory was removed: make it again next time
         except OSError:
             pass  # progress is advisory: never fail a save over it
-        return made_dir
 
 
 def read_progress(region_uuid: bytes) -> list[dict]:
