@@ -113,20 +113,26 @@ def cli():
 
 @cli.command()
 @_region_option
-@click.option("--size", "size", metavar="SIZE", help="Region size for a file-backed region, e.g. 64G.")
+@click.option("--size", "size", metavar="SIZE",
+              help="Size of a file region, e.g. 64G (default 64G, sparse). A device region takes the whole device.")
 @click.option("--exist-ok", is_flag=True, help="Succeed without change if a region is already there.")
+@click.option("--force", is_flag=True,
+              help="Overwrite whatever is there: a region (every checkpoint in it), a file, a device holding data.")
 @click.argument("path", required=False, metavar="[REGION]")
-def mkfs(region, size, exist_ok, path):
+def mkfs(region, size, exist_ok, force, path):
     """Format a new region (a sparse file, a block device or a devdax device).
 
-    REGION (or --region) defaults to the per-user default region."""
+    REGION (or --region) defaults to the per-user default region. Refuses to overwrite an
+    existing region, a non-empty file or a device holding data unless --force."""
     from ckptfs import Store, default_region_path
 
     if path is not None and region is not None and path != region:
         raise click.UsageError("give the region once: REGION or --region")
     region = path or region or default_region_path()
 
-    kwargs: dict[str, Any] = {"exist_ok": exist_ok}
+    if force and exist_ok:
+        raise click.UsageError("--force and --exist-ok contradict each other: give one")
+    kwargs: dict[str, Any] = {"exist_ok": exist_ok, "force": force}
     if size is not None:
         kwargs["size_bytes"] = _parse_size(size)
     with Store.create(region, **kwargs) as store:

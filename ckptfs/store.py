@@ -1,8 +1,10 @@
 """The public entry point: a Store is an open region with the operations users need."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import stat
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -19,6 +21,13 @@ log = logging.getLogger("ckptfs")
 
 DEFAULT_REGION_BYTES = 64 << 30  # sparse: only the rings of saved models take disk space
 PIN_RETRIES = 20
+
+
+def _is_device(path: str) -> bool:
+    try:
+        return not stat.S_ISREG(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return False
 
 
 def default_region_path() -> str:
@@ -107,20 +116,20 @@ class Store:
             self.region = Region(path, writable=False)
 
     @classmethod
-    def create(cls, path: str, size_bytes: int = DEFAULT_REGION_BYTES, *, exist_ok: bool = False,
+    def create(cls, path: str, size_bytes: int | None = None, *, exist_ok: bool = False,
                force: bool = False) -> "Store":
-        """Format a region at ``path`` (a new sparse file of ``size_bytes``, or a device)."""
-        if os.path.exists(path) and not force:
-            try:
-                store = cls(path)
-            except RegionFormatError:
-                store = None
-            if store is not None:
-                if exist_ok:
-                    return store
-                store.close()
-                raise RegionFormatError(f"{path} already holds a ckptfs region; open it with Store(path)")
-        Region.format(path, size_bytes, force=True).close()
+        """Format a region at ``path`` and open it: a new sparse file of ``size_bytes`` (default
+        64 GiB), or a whole block / devdax device (``size_bytes`` left out).
+
+        With ``exist_ok`` an existing region is opened instead. Otherwise whatever is already
+        there (a region, a non-empty file, a device holding data) raises RegionFormatError and is
+        left untouched, unless ``force``."""
+        if exist_ok and not force and os.path.exists(path) and not os.path.isdir(path):
+            with contextlib.suppress(RegionFormatError):
+                return cls(path)
+        if size_bytes is None and not _is_device(path):
+            size_bytes = DEFAULT_REGION_BYTES
+        Region.format(path, size_bytes, force=force).close()
         return cls(path)
 
     def close(self) -> None:

@@ -5,7 +5,8 @@ cd "$(dirname "$0")/.."
 
 SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-APT_PACKAGES="fuse3 libfuse3-dev pkg-config libpmem-dev zlib1g-dev unzip"
+# mount: losetup, for the tests of regions on a block device (a loop device)
+APT_PACKAGES="fuse3 libfuse3-dev pkg-config libpmem-dev zlib1g-dev unzip mount"
 missing=""
 for p in $APT_PACKAGES; do
     dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"

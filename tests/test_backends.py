@@ -4,6 +4,7 @@ import torch
 
 import ckptfs
 from ckptfs import _native
+from ckptfs.errors import RegionFormatError
 from ckptfs.region.backend import DevdaxBackend
 from ckptfs.region.region import Region
 from ckptfs.store import Store
@@ -76,3 +77,110 @@ def test_read_bytes_sees_o_direct_writes_and_checks_bounds(region_path):
             backend.read_bytes(backend.size_bytes - 2, 4)
     finally:
         backend.close()
+
+
+# ------------------------------------------------------------------ formatting guards
+def test_create_refuses_a_non_empty_file_and_keeps_it(tmp_path):
+    precious = tmp_path / "notes.txt"
+    precious.write_bytes(b"do not lose me\n" * 100)
+    with pytest.raises(RegionFormatError, match="not a ckptfs region.*force"):
+        Store.create(str(precious), size_bytes=64 << 20)
+    assert precious.read_bytes() == b"do not lose me\n" * 100
+    empty = tmp_path / "empty"
+    empty.touch()  # an empty file (e.g. from mktemp) holds nothing to lose
+    with Store.create(str(empty), size_bytes=64 << 20) as s:
+        assert s.models() == []
+    with pytest.raises(RegionFormatError, match="is a directory"):
+        Store.create(str(tmp_path), size_bytes=64 << 20)
+
+
+def test_create_over_a_region_needs_force_and_then_erases_it(region_path):
+    with Store.create(region_path, size_bytes=64 << 20) as s:
+        s.writer("m").save({"a": torch.ones(4)}, step=1).result()
+    with pytest.raises(RegionFormatError, match="already holds a ckptfs region"):
+        Region.format(region_path, 64 << 20)
+    with Store.create(region_path, size_bytes=64 << 20, force=True) as s:
+        assert s.models() == []
+
+
+def test_concurrent_formats_of_one_path_leave_one_whole_region(tmp_path):
+    """As when several ranks open the default region on first use at once."""
+    import threading
+    path = str(tmp_path / "shared.region")
+    outcomes, barrier = [], threading.Barrier(4)
+
+    def create():
+        barrier.wait()
+        try:
+            Region.format(path, 64 << 20).close()
+            outcomes.append("made")
+        except RegionFormatError:
+            outcomes.append("lost")
+    threads = [threading.Thread(target=create) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(outcomes) == ["lost"] * 3 + ["made"]
+    assert [f.name for f in tmp_path.iterdir()] == ["shared.region"]  # no temporary left behind
+    with Store(path) as s:
+        assert s.region.superblock.region_bytes == 64 << 20
+
+
+# ------------------------------------------------------------------ a real block device
+@pytest.fixture
+def loop_device(tmp_path):
+    """A 128 MiB loop device over a sparse file (root and util-linux's losetup; CI has both)."""
+    import os
+    import shutil
+    import subprocess
+    if os.geteuid() != 0 or shutil.which("losetup") is None:
+        pytest.skip("a loop device needs root and losetup")
+    image = tmp_path / "disk.img"
+    with open(image, "wb") as f:
+        f.truncate(128 << 20)
+    made = subprocess.run(["losetup", "--find", "--show", str(image)],
+                          capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"no loop device here: {made.stderr.strip()}")
+    device = made.stdout.strip()
+    try:
+        yield device, image
+    finally:
+        subprocess.run(["losetup", "--detach", device], check=True)
+
+
+def test_block_device_region_round_trip(loop_device):
+    device, _ = loop_device
+    with pytest.raises(ValueError, match="takes all of it"):
+        Store.create(device, size_bytes=64 << 20)
+    state = {"w": torch.randn(256, 512), "ids": torch.arange(5000), "epoch": 2}
+    with Store.create(device) as s:
+        assert s.region.backend.kind == "block"
+        assert s.region.superblock.region_bytes == 128 << 20
+        with s.writer("blk", chunk_bytes=1 << 20) as w:
+            for step in range(4):  # more saves than slots: the ring is reused
+                state["w"].add_(1)
+                w.save(state, step=step).result()
+    with Store(device) as s:  # a fresh open reads what O_DIRECT wrote past the page cache
+        assert_same(state, s.load("blk"))
+        assert s.latest("blk").step == 3
+        assert s.verify() == []
+
+
+def test_block_device_holding_data_is_not_formatted(loop_device):
+    device, image = loop_device
+    label = b"\x53\xef" + b"an ext4 superblock, say"
+    with open(device, "r+b") as dev:
+        dev.seek(1080)
+        dev.write(label)
+        dev.flush()
+        import os
+        os.fsync(dev.fileno())
+    with pytest.raises(RegionFormatError, match="not blank.*wipefs"):
+        Store.create(device)
+    with open(device, "rb") as dev:
+        dev.seek(1080)
+        assert dev.read(len(label)) == label
+    with Store.create(device, force=True) as s:
+        assert s.models() == []

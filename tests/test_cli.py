@@ -127,6 +127,20 @@ def test_mkfs(capsys, tmp_path):
     assert code == 2 and "Traceback" not in err
 
 
+def test_mkfs_refuses_to_overwrite_unless_forced(capsys, tmp_path):
+    precious = tmp_path / "model.pt"
+    precious.write_bytes(b"weights" * 1000)
+    code, _, err = run(capsys, "mkfs", precious, "--size", "64M")
+    assert code == 1 and "not a ckptfs region" in one_error_line(err) and "--force" in err
+    assert precious.read_bytes() == b"weights" * 1000
+    code, _, err = run(capsys, "mkfs", precious, "--force", "--exist-ok")
+    assert code == 2 and "contradict" in err
+    assert run(capsys, "mkfs", precious, "--size", "64M", "--force")[0] == 0
+    assert os.path.getsize(precious) == 64 << 20
+    with ckptfs.Store(str(precious)) as store:
+        assert store.models() == []
+
+
 def test_ls_and_info(capsys, toy_region):
     code, out, _ = run(capsys, "ls", "--region", toy_region, "--json")
     assert code == 0

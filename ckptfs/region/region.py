@@ -11,6 +11,7 @@ Concurrency model (several processes may open one region):
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import stat
@@ -27,7 +28,7 @@ from ckptfs.checksum import crc32
 from ckptfs.region.backend import Backend, aligned_buffer, open_backend
 from ckptfs.region.format import (COUNTER_MAX, COUNTER_WORD_OFFSET, ENTRY_BYTES, ENTRY_STATIC_OFFSET,
                                   LATEST_WORD_OFFSET, NAME_MAX_BYTES, SLOT_COMMITTED,
-                                  SLOT_HEADER_BYTES, SUPERBLOCK_BYTES, ModelEntry, SlotHeader,
+                                  SLOT_HEADER_BYTES, SUPERBLOCK_BYTES, SUPERBLOCK_MAGIC, ModelEntry, SlotHeader,
                                   Superblock, unpack_latest, _align)
 from ckptfs.region.locks import META_LOCK_OFFSET, LockSpace, slot_lock_offset
 
@@ -118,46 +119,33 @@ class Region:
     # ---------------------------------------------------------------- creation
     @classmethod
     def format(cls, path: str, size_bytes: int | None = None, *, force: bool = False) -> "Region":
-        """Write a fresh superblock and empty model table.
+        """Write a fresh superblock and empty model table; return the open region.
 
-        A regular file is created sparse with ``size_bytes``; a block or devdax device keeps its
-        own size. Refuses to overwrite an existing region unless ``force``.
+        A new regular file is created sparse with ``size_bytes``, under a temporary name first
+        and linked into place, so a concurrent ``format`` of the same path or a reader never
+        sees a half-formatted region (the loser gets RegionFormatError). A block or devdax
+        device keeps its own size (``size_bytes``, if given, must equal it).
+
+        Nothing is overwritten unless ``force``: not a region, not a non-empty file, not a
+        device whose first MiB holds data (a filesystem, a partition table) - RegionFormatError
+        says which and how to proceed.
         """
         exists = os.path.exists(path)
         special = exists and not stat.S_ISREG(os.stat(path).st_mode)
+        if exists and os.path.isdir(path):
+            raise RegionFormatError(f"{path} is a directory; a region is a file or a device: give a file path "
+                                    f"such as {os.path.join(path, 'ckptfs.region')}")
         if exists and not force:
-            with open(path, "rb") as f:
-                if f.read(8) == b"CKPTFSRG":
-                    raise RegionFormatError(f"{path} already holds a ckptfs region; pass force to reformat it")
-        if not special:
-            if size_bytes is None:
-                raise ValueError("size_bytes is required to create a region file")
-            if size_bytes < 64 << 20:
-                raise ValueError(f"size_bytes={size_bytes} is too small; a region needs at least 64 MiB")
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            try:
-                os.ftruncate(fd, 0)
-                os.ftruncate(fd, size_bytes)
-            finally:
-                os.close(fd)
-        backend = open_backend(path, writable=True)
-        try:
-            sb = Superblock.new(backend.size_bytes, backend.block_bytes, time.time_ns())
-            table_bytes = sb.data_offset - sb.table_offset
-            mapping = backend.mapping
-            mapping[sb.table_offset:sb.table_offset + table_bytes] = bytes(table_bytes)
-            backend.persist_mapped(sb.table_offset, table_bytes)
-            # A backup in the last 4 KiB (never given to a ring): a damaged superblock does not
-            # take every checkpoint of the region with it.
-            backup = backend.size_bytes - SUPERBLOCK_BYTES
-            mapping[backup:backup + SUPERBLOCK_BYTES] = sb.pack()
-            backend.persist_mapped(backup, SUPERBLOCK_BYTES)
-            # The superblock goes last: a half-formatted region is not recognized as one.
-            mapping[0:SUPERBLOCK_BYTES] = sb.pack()
-            backend.persist_mapped(0, SUPERBLOCK_BYTES)
-        finally:
-            backend.close()
+            _refuse_to_overwrite(path, special)
+        if special:
+            _format_in_place(path, size_bytes)
+        elif exists:
+            _check_file_size(size_bytes)
+            _make_sparse_file(path, size_bytes, truncate=True)
+            _format_in_place(path, None)
+        else:
+            _check_file_size(size_bytes)
+            _format_new_file(path, size_bytes)
         return cls(path)
 
     def close(self) -> None:
@@ -552,3 +540,116 @@ class Region:
             self.backend.barrier()
         finally:
             self.pins.release(off)
+
+
+# ------------------------------------------------------------------ formatting helpers
+_BLANK_PROBE_BYTES = 1 << 20  # where filesystems, partition tables and LVM keep their labels
+
+
+def _refuse_to_overwrite(path: str, special: bool) -> None:
+    """RegionFormatError unless ``path`` is an empty file or a blank device."""
+    if not special:
+        size = os.path.getsize(path)
+        if size == 0:
+            return
+    backend = open_backend(path, writable=False) if special else None
+    try:
+        if backend is not None:
+            head = bytes(backend.view(0, min(_BLANK_PROBE_BYTES, backend.size_bytes)))
+        else:
+            with open(path, "rb") as f:
+                head = f.read(_BLANK_PROBE_BYTES)
+    finally:
+        if backend is not None:
+            backend.close()
+    if head[:len(SUPERBLOCK_MAGIC)] == SUPERBLOCK_MAGIC:
+        raise RegionFormatError(f"{path} already holds a ckptfs region; open it with Store(path), or pass "
+                                "force=True (`ckptfs mkfs --force`) to erase every checkpoint in it")
+    if special:
+        if head.count(0) != len(head):
+            raise RegionFormatError(
+                f"{path} is not blank: its first MiB holds data (a filesystem or a partition table?). "
+                "Formatting would destroy it; wipe the device first (`wipefs -a`), or pass force=True "
+                "(`ckptfs mkfs --force`)")
+        return
+    raise RegionFormatError(f"{path} exists and is not a ckptfs region ({size} bytes); formatting would "
+                            "destroy it. Choose a new path, or pass force=True (`ckptfs mkfs --force`) "
+                            "to overwrite it")
+
+
+def _check_file_size(size_bytes: int | None) -> None:
+    if size_bytes is None:
+        raise ValueError("size_bytes is required to create a region file")
+    if size_bytes < 64 << 20:
+        raise ValueError(f"size_bytes={size_bytes} is too small; a region needs at least 64 MiB")
+
+
+def _make_sparse_file(path: str, size_bytes: int, *, truncate: bool, exclusive: bool = False) -> None:
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | (os.O_EXCL if exclusive else 0)
+    fd = os.open(path, flags, 0o644)
+    try:
+        if truncate:
+            os.ftruncate(fd, 0)  # drops the old blocks: the new region reads as zeros
+        os.ftruncate(fd, size_bytes)
+    finally:
+        os.close(fd)
+
+
+def _format_new_file(path: str, size_bytes: int) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.formatting-{os.getpid()}-{threading.get_ident()}")
+    _make_sparse_file(tmp, size_bytes, truncate=False, exclusive=True)
+    try:
+        _format_in_place(tmp, None)
+        _publish_new_file(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    with contextlib.suppress(OSError):  # the new name is durable with its directory entry
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def _publish_new_file(tmp: str, path: str) -> None:
+    """Give the formatted ``tmp`` the name ``path``, unless something has taken that name."""
+    taken = RegionFormatError(f"{path} appeared (another process created it) while this one formatted it; "
+                              "open it with Store(path)")
+    try:
+        os.link(tmp, path)  # unlike rename, fails if the name is taken
+    except FileExistsError:
+        raise taken from None
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS):
+            raise
+        # No hard links on this filesystem: rename, which leaves a short race with another creator.
+        if os.path.exists(path):
+            raise taken from None
+        os.rename(tmp, path)
+
+
+def _format_in_place(path: str, size_bytes: int | None) -> None:
+    """Superblock, empty model table and the backup superblock, on a file or device of its own size."""
+    backend = open_backend(path, writable=True)
+    try:
+        if size_bytes is not None and backend.kind != "file" and size_bytes != backend.size_bytes:
+            raise ValueError(f"{path} is a {backend.kind} device of {backend.size_bytes} bytes and a region on a "
+                             f"device takes all of it; leave size_bytes out (got {size_bytes})")
+        sb = Superblock.new(backend.size_bytes, backend.block_bytes, time.time_ns())
+        table_bytes = sb.data_offset - sb.table_offset
+        mapping = backend.mapping
+        mapping[sb.table_offset:sb.table_offset + table_bytes] = bytes(table_bytes)
+        backend.persist_mapped(sb.table_offset, table_bytes)
+        # A backup in the last 4 KiB (never given to a ring): a damaged superblock does not
+        # take every checkpoint of the region with it.
+        backup = backend.size_bytes - SUPERBLOCK_BYTES
+        mapping[backup:backup + SUPERBLOCK_BYTES] = sb.pack()
+        backend.persist_mapped(backup, SUPERBLOCK_BYTES)
+        # The superblock goes last: a half-formatted region is not recognized as one.
+        mapping[0:SUPERBLOCK_BYTES] = sb.pack()
+        backend.persist_mapped(0, SUPERBLOCK_BYTES)
+    finally:
+        backend.close()
