@@ -4,7 +4,9 @@
 For each state (``flat``: ~100 fp32 tensors of --size-gib; ``gpt2``: GPT-2 small + AdamW) it
 measures, on the filesystem of --dir:
   raw O_DIRECT sequential write / read (the device ceiling), buffered write+fsync, mmap+msync,
-  one warm memcpy of the state (CPU) or a pinned D2H copy (CUDA),
+  one warm memcpy of the state (CPU) or a pinned D2H copy (CUDA), and on the CPU a memcpy
+  timed beside each ckptfs save, after the same cache drop (the stall's baseline: on VMs the
+  seconds after freeing GBs of page cache slow every copy, up to 4x here),
   torch.save+fsync, safetensors save_file+fsync, torch.distributed.checkpoint save / async_save,
   ckptfs: stall (until save returns), durable time (until the future resolves), throughput,
   back-to-back throughput with the writer's in-flight window, Store.load (cold cache),
@@ -47,6 +49,7 @@ LABELS: dict[str, tuple[str, str]] = {
     "raw_read": ("raw O_DIRECT read", "baseline"),
     "raw_overwrite": ("raw O_DIRECT overwrite of the file's blocks", "info"),
     "memcpy": ("memcpy of the state (copy_, warm)", "baseline"),
+    "memcpy_moment": ("memcpy of the state, beside the save (same cache drop)", "baseline"),
     "memcpy_nt": ("same copy by ckptfs's copy_spans (streaming stores)", "info"),
     "d2h_pinned": ("D2H copy into pinned memory (warm)", "baseline"),
     "ckptfs_stall": ("ckptfs save: stall (until save returns)", "ckptfs"),
@@ -326,7 +329,7 @@ def m_ckptfs(b: Bench, state: Any) -> Iterator[dict]:
     size = (size + bc.MiB - 1) // bc.MiB * bc.MiB
     model = "bench"
     store = ckptfs.Store.create(region, size_bytes=size)
-    w = None
+    w = copy_dst = None
     try:
         w = store.writer(model, **wkw)
         # warm-up: the first save creates the model's slot ring (and the staging pool)
@@ -338,10 +341,18 @@ def m_ckptfs(b: Bench, state: Any) -> Iterator[dict]:
                        f"{a.warmup} warm-up save(s) {bc.fmt_s(warm)}")
         step = a.warmup
         rnd = 0
+        if a.device == "cpu":
+            copy_dst = bc.clone_like(state)
+            bc.copy_state_(copy_dst, state)  # faults in its pages
         while True:
             out = {}
             b.drop()
             bc.cuda_sync(a.device)
+            # The memcpy baseline of the stall, taken beside the save under the same conditions;
+            # which goes first alternates, as the seconds after the drop are the slowest.
+            memcpy_first = rnd % 2 == 0
+            if copy_dst is not None and memcpy_first:
+                out["memcpy_moment"] = {"s": _timed_copy(copy_dst, state)}
             t0 = time.perf_counter()
             fut = w.save(state, step=step)
             t1 = time.perf_counter()
@@ -349,6 +360,8 @@ def m_ckptfs(b: Bench, state: Any) -> Iterator[dict]:
             t2 = time.perf_counter()
             out["ckptfs_stall"] = {"s": t1 - t0}
             out["ckptfs_durable"] = {"s": t2 - t0}
+            if copy_dst is not None and not memcpy_first:
+                out["memcpy_moment"] = {"s": _timed_copy(copy_dst, state)}
             step += 1
             gc.collect()
             b.drop()
@@ -392,6 +405,7 @@ def m_ckptfs(b: Bench, state: Any) -> Iterator[dict]:
             rnd += 1
             yield out
     finally:
+        del copy_dst
         try:
             if w is not None:
                 w.close()
@@ -399,6 +413,12 @@ def m_ckptfs(b: Bench, state: Any) -> Iterator[dict]:
             store.close()
             bc.remove(region)
             gc.collect()
+
+
+def _timed_copy(dst: Any, state: Any) -> float:
+    t0 = time.perf_counter()
+    bc.copy_state_(dst, state)
+    return time.perf_counter() - t0
 
 
 # --------------------------------------------------------------------------------------------
@@ -409,7 +429,8 @@ TARGETS = [
     # figure, ckptfs key, baseline key, ckptfs field, op, target, unit ("GB/s": compare bandwidths)
     ("durable throughput / raw O_DIRECT write", "ckptfs_durable", "raw_write", ">=", 0.9, "GB/s", "cpu,cuda"),
     ("durable throughput / torch.save+fsync", "ckptfs_durable", "torch_save", ">=", 3.0, "GB/s", "cpu,cuda"),
-    ("stall / memcpy of the state", "ckptfs_stall", "memcpy", "<=", 1.25, "s", "cpu"),
+    ("stall / memcpy beside it", "ckptfs_stall", "memcpy_moment", "<=", 1.25, "s", "cpu"),
+    ("stall / warm memcpy (best case)", "ckptfs_stall", "memcpy", None, None, "s", "cpu"),
     ("GPU stall / pinned D2H copy", "ckptfs_stall", "d2h_pinned", "<=", 1.1, "s", "cuda"),
     ("Store.load / raw O_DIRECT read", "ckptfs_load", "raw_read", ">=", 0.8, "GB/s", "cpu,cuda"),
 ]
@@ -429,7 +450,7 @@ def targets(b: Bench) -> list[dict[str, Any]]:
                 x, y = rnd[ck]["s"], rnd[base]["s"]
                 ratios.append(y / x if unit == "GB/s" else x / y)  # bandwidth ratio = inverse time ratio
         ratio = bc.median(ratios) if ratios else None
-        ok = None if ratio is None else (ratio >= target if op == ">=" else ratio <= target)
+        ok = None if ratio is None or op is None else (ratio >= target if op == ">=" else ratio <= target)
 
         def fig(key):
             r = rows.get(key)
@@ -470,7 +491,8 @@ def print_report(b: Bench, tg: list[dict[str, Any]]) -> None:
         if len(t["ratios"]) > 1:
             spread = f"{min(t['ratios']):.2f}..{max(t['ratios']):.2f}"
         trs.append([t["figure"], fm(t["measured"]), fm(t["baseline"]),
-                    "-" if t["ratio"] is None else f"{t['ratio']:.2f}", spread, f"{t['op']} {t['target']}", ok])
+                    "-" if t["ratio"] is None else f"{t['ratio']:.2f}", spread,
+                    "info" if t["op"] is None else f"{t['op']} {t['target']}", ok])
     print()
     print(f"targets, state {b.name}: ratio = median over rounds of the ratio within a round")
     print(bc.table(["figure", "ckptfs", "baseline", "ratio", "range", "target", ""], trs))
