@@ -577,10 +577,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default="/tmp/ckptfs-bench",
                     help="directory on the filesystem under test (a private subdirectory is made and removed)")
     ap.add_argument("--size-gib", type=float, default=2.0, help="size of the flat state")
-    ap.add_argument("--repeat", type=int, default=3, help="rounds (each measures every method once; medians reported)")
+    ap.add_argument("--repeat", type=int, help="rounds (each measures every method once; medians reported); default 3, 1 with --quick")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (where the state lives)")
     ap.add_argument("--quick", action="store_true",
-                    help="small end-to-end check: 256 MiB flat, 1-layer GPT-2, 1 round")
+                    help="small end-to-end check: 256 MiB flat, 1-layer GPT-2, 1 round unless --repeat")
     ap.add_argument("--states", default="flat,gpt2", help="comma list of flat, gpt2")
     ap.add_argument("--skip", default="", help=f"comma list of methods to skip: {', '.join(PHASES)}")
     ap.add_argument("--json", metavar="OUT", help="write all results as JSON here")
@@ -598,7 +598,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.quick:
         if a.size_gib == 2.0:
             a.size_gib = 0.25
-        a.repeat = 1
+    if a.repeat is None:
+        a.repeat = 1 if a.quick else 3
     if a.repeat < 1 or a.warmup < 1:
         ap.error("--repeat and --warmup must be >= 1")
     if a.device.startswith("cuda") and not torch.cuda.is_available():

@@ -1,0 +1,54 @@
+"""The benchmarks in tools/ still run end to end on a tiny state, so they do not rot between the
+runs by hand that produce the figures. No timing is asserted here (speed is the benchmarks'
+business, not CI's): only that every method ran, every ratio was computed and ckptfs read back
+what it saved."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
+
+
+def run_tool(name: str, *args: str, timeout_s: float = 120) -> None:
+    proc = subprocess.run([sys.executable, os.path.join(TOOLS, name), *args], capture_output=True, text=True,
+                          timeout=timeout_s)
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
+def test_bench_save_runs_every_method_and_ratio(tmp_path):
+    out = tmp_path / "save.json"
+    run_tool("bench_save.py", "--quick", "--states", "gpt2", "--repeat", "2", "--dir", str(tmp_path / "b"),
+             "--json", str(out))
+    state = json.loads(out.read_text())["states"]["gpt2"]
+    rows = state["rows"]
+    for key in ("raw_write", "raw_read", "memcpy", "memcpy_moment", "ckptfs_stall", "ckptfs_durable", "ckptfs_load",
+                "torch_save", "safetensors", "dcp_save"):
+        assert key in rows and rows[key]["median_s"] > 0, key
+    assert rows["ckptfs_load"].get("verified") == [True]  # checked in the first round
+    figures = {t["figure"]: t for t in state["targets"]}
+    assert set(figures) == {"durable throughput / raw O_DIRECT write", "durable throughput / torch.save+fsync",
+                            "stall / memcpy beside it", "stall / warm memcpy (best case)",
+                            "Store.load / raw O_DIRECT read"}
+    for t in figures.values():
+        assert len(t["ratios"]) == 2 and t["ratio"] > 0, t
+    assert not os.listdir(tmp_path / "b"), "bench_save left files behind"
+
+
+@pytest.mark.parametrize("mode", ["sync", "overlap"])
+def test_train_emulator_runs_and_verifies(tmp_path, mode):
+    out = tmp_path / "emu.json"
+    run_tool("train_emulator.py", "--mode", mode, "--state-mib", "8", "--tensors", "4", "--t", "0.005",
+             "--iters", "4", "--f", "1,2", "--n", "1,2", "--calib", "1", "--dir", str(tmp_path / "e"),
+             "--json", str(out))
+    result = json.loads(out.read_text())
+    runs = result["runs"]
+    assert sorted((r["N"], r["f"]) for r in runs) == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    for r in runs:
+        assert "failed" not in r and not r["errors"], r
+        assert r["verified"] is True and r["checkpoints"] == 4 // r["f"]
+    rows = result["summary"][mode]["rows"]
+    assert all("overhead" in r and "pred" in r for r in rows)
+    assert not os.listdir(tmp_path / "e"), "train_emulator left files behind"
