@@ -546,22 +546,24 @@ class Region:
 _BLANK_PROBE_BYTES = 1 << 20  # where filesystems, partition tables and LVM keep their labels
 
 
+def _read_head(path: str, special: bool) -> bytes:
+    """The first MiB of a file or device (a devdax device has no read(): through its mapping)."""
+    if not special:
+        with open(path, "rb") as f:
+            return f.read(_BLANK_PROBE_BYTES)
+    backend = open_backend(path, writable=False)
+    try:
+        return bytes(backend.view(0, min(_BLANK_PROBE_BYTES, backend.size_bytes)))
+    finally:
+        backend.close()
+
+
 def _refuse_to_overwrite(path: str, special: bool) -> None:
     """RegionFormatError unless ``path`` is an empty file or a blank device."""
-    if not special:
-        size = os.path.getsize(path)
-        if size == 0:
-            return
-    backend = open_backend(path, writable=False) if special else None
-    try:
-        if backend is not None:
-            head = bytes(backend.view(0, min(_BLANK_PROBE_BYTES, backend.size_bytes)))
-        else:
-            with open(path, "rb") as f:
-                head = f.read(_BLANK_PROBE_BYTES)
-    finally:
-        if backend is not None:
-            backend.close()
+    size = None if special else os.path.getsize(path)
+    if size == 0:
+        return
+    head = _read_head(path, special)
     if head[:len(SUPERBLOCK_MAGIC)] == SUPERBLOCK_MAGIC:
         raise RegionFormatError(f"{path} already holds a ckptfs region; open it with Store(path), or pass "
                                 "force=True (`ckptfs mkfs --force`) to erase every checkpoint in it")
