@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
@@ -102,9 +102,6 @@ class Manifest:
     def plain_part(self) -> Any:
         """The object with every tensor replaced by the string ``"<tensor NAME>"`` (for metadata)."""
         return unflatten(self.skeleton, [f"<tensor {t.name}>" for t in self.tensors])
-
-    def with_crcs(self, crcs: list[int]) -> "Manifest":
-        return replace(self, tensors=tuple(replace(t, crc32=c) for t, c in zip(self.tensors, crcs)))
 
     def encode(self, tensors_json: str | None = None) -> bytes:
         """Canonical JSON; its length does not depend on the CRC values. ``tensors_json``:

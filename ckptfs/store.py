@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import stat
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -19,15 +18,7 @@ from ckptfs.writer.writer import Writer
 
 log = logging.getLogger("ckptfs")
 
-DEFAULT_REGION_BYTES = 64 << 30  # sparse: only the rings of saved models take disk space
 PIN_RETRIES = 20
-
-
-def _is_device(path: str) -> bool:
-    try:
-        return not stat.S_ISREG(os.stat(path).st_mode)
-    except FileNotFoundError:
-        return False
 
 
 def default_region_path() -> str:
@@ -101,7 +92,7 @@ class Store:
             path = default_region_path()
             if not os.path.exists(path):
                 try:
-                    Region.format(path, DEFAULT_REGION_BYTES).close()
+                    Region.format(path).close()
                 except RegionFormatError:
                     pass  # another process created it first
         elif not os.path.exists(path):
@@ -127,8 +118,6 @@ class Store:
         if exist_ok and not force and os.path.exists(path) and not os.path.isdir(path):
             with contextlib.suppress(RegionFormatError):
                 return cls(path)
-        if size_bytes is None and not _is_device(path):
-            size_bytes = DEFAULT_REGION_BYTES
         Region.format(path, size_bytes, force=force).close()
         return cls(path)
 

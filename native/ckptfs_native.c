@@ -172,22 +172,31 @@ range_in(Py_buffer *view, Py_ssize_t offset, Py_ssize_t length)
     return 0;
 }
 
+/* Parses (writable buffer, offset, length) and checks the range; on failure the buffer is
+ * released and an exception set. */
+static int
+parse_buffer_range(PyObject *args, Py_buffer *view, Py_ssize_t *offset, Py_ssize_t *length)
+{
+    if (!PyArg_ParseTuple(args, "w*nn", view, offset, length))
+        return -1;
+    if (range_in(view, *offset, *length) < 0) {
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *
 pmem_persist_py(PyObject *self, PyObject *args)
 {
     Py_buffer view;
     Py_ssize_t offset, length;
-    if (!PyArg_ParseTuple(args, "w*nn", &view, &offset, &length))
-        return NULL;
     if (!load_pmem()) {
-        PyBuffer_Release(&view);
         PyErr_SetString(PyExc_OSError, "libpmem.so.1 is not available; install libpmem1");
         return NULL;
     }
-    if (range_in(&view, offset, length) < 0) {
-        PyBuffer_Release(&view);
+    if (parse_buffer_range(args, &view, &offset, &length) < 0)
         return NULL;
-    }
     Py_BEGIN_ALLOW_THREADS
     p_persist((char *)view.buf + offset, (size_t)length);
     Py_END_ALLOW_THREADS
@@ -201,12 +210,8 @@ msync_range(PyObject *self, PyObject *args)
 {
     Py_buffer view;
     Py_ssize_t offset, length;
-    if (!PyArg_ParseTuple(args, "w*nn", &view, &offset, &length))
+    if (parse_buffer_range(args, &view, &offset, &length) < 0)
         return NULL;
-    if (range_in(&view, offset, length) < 0) {
-        PyBuffer_Release(&view);
-        return NULL;
-    }
     uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
     uintptr_t start = (uintptr_t)view.buf + (uintptr_t)offset;
     uintptr_t aligned = start - start % page;

@@ -340,13 +340,13 @@ def main(argv: list[str] | None = None) -> int:
         results["baselines_s"] = bases
 
         for mode in modes:
-            for r in runs:
-                if r["mode"] == mode and "failed" not in r:
-                    base = sum(r["base_loop_s"]) / 2
-                    r["t_iter_s"] = base / a.iters
-                    r["overhead"] = r["loop_s"] / base - 1.0
-                    r["noise"] = abs(r["base_loop_s"][0] - r["base_loop_s"][1]) / base
-            mruns = combine_rounds([r for r in runs if r["mode"] == mode and "failed" not in r])
+            done = [r for r in runs if r["mode"] == mode and "failed" not in r]
+            for r in done:
+                base = sum(r["base_loop_s"]) / 2
+                r["t_iter_s"] = base / a.iters
+                r["overhead"] = r["loop_s"] / base - 1.0
+                r["noise"] = abs(r["base_loop_s"][0] - r["base_loop_s"][1]) / base
+            mruns = combine_rounds(done)
             for r in mruns:
                 r["pred"], r["regime"] = predict(r["tw_s"], r["snap_s"], r["N"], r["f"], r["t_iter_s"], a.t, mode)
                 r["fits"] = r["tw_s"] <= r["N"] * r["f"] * r["t_iter_s"]

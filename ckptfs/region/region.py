@@ -34,6 +34,8 @@ from ckptfs.region.locks import META_LOCK_OFFSET, LockSpace, slot_lock_offset
 
 log = logging.getLogger("ckptfs")
 
+DEFAULT_REGION_BYTES = 64 << 30  # a region file is sparse: only the rings of saved models take disk space
+
 
 def validate_model_name(name) -> str:
     """Return ``name`` if it can name a model (a directory in the mount); else InvalidNameError."""
@@ -121,30 +123,36 @@ class Region:
     def format(cls, path: str, size_bytes: int | None = None, *, force: bool = False) -> "Region":
         """Write a fresh superblock and empty model table; return the open region.
 
-        A new regular file is created sparse with ``size_bytes``, under a temporary name first
-        and linked into place, so a concurrent ``format`` of the same path or a reader never
-        sees a half-formatted region (the loser gets RegionFormatError). A block or devdax
+        A new regular file is created sparse with ``size_bytes`` (default 64 GiB), under a
+        temporary name first and linked into place, so a concurrent ``format`` of the same path
+        or a reader never sees a half-formatted region (the loser gets RegionFormatError). A block or devdax
         device keeps its own size (``size_bytes``, if given, must equal it).
 
         Nothing is overwritten unless ``force``: not a region, not a non-empty file, not a
         device whose first MiB holds data (a filesystem, a partition table) - RegionFormatError
         says which and how to proceed.
         """
-        exists = os.path.exists(path)
-        special = exists and not stat.S_ISREG(os.stat(path).st_mode)
-        if exists and os.path.isdir(path):
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
+            mode = None
+        exists = mode is not None
+        special = exists and not stat.S_ISREG(mode)
+        if exists and stat.S_ISDIR(mode):
             raise RegionFormatError(f"{path} is a directory; a region is a file or a device: give a file path "
                                     f"such as {os.path.join(path, 'ckptfs.region')}")
         if exists and not force:
             _refuse_to_overwrite(path, special)
         if special:
             _format_in_place(path, size_bytes)
-        elif exists:
-            _check_file_size(size_bytes)
+            return cls(path)
+        size_bytes = DEFAULT_REGION_BYTES if size_bytes is None else size_bytes
+        if size_bytes < 64 << 20:
+            raise ValueError(f"size_bytes={size_bytes} is too small; a region needs at least 64 MiB")
+        if exists:
             _make_sparse_file(path, size_bytes, truncate=True)
             _format_in_place(path, None)
         else:
-            _check_file_size(size_bytes)
             _format_new_file(path, size_bytes)
         return cls(path)
 
@@ -547,10 +555,11 @@ _BLANK_PROBE_BYTES = 1 << 20  # where filesystems, partition tables and LVM keep
 
 
 def _read_head(path: str, special: bool) -> bytes:
-    """The first MiB of a file or device (a devdax device has no read(): through its mapping)."""
+    """What tells a region or data: the magic of a file (any other content is data), the first
+    MiB of a device (a devdax device has no read(): through its mapping)."""
     if not special:
         with open(path, "rb") as f:
-            return f.read(_BLANK_PROBE_BYTES)
+            return f.read(len(SUPERBLOCK_MAGIC))
     backend = open_backend(path, writable=False)
     try:
         return bytes(backend.view(0, min(_BLANK_PROBE_BYTES, backend.size_bytes)))
@@ -577,13 +586,6 @@ def _refuse_to_overwrite(path: str, special: bool) -> None:
     raise RegionFormatError(f"{path} exists and is not a ckptfs region ({size} bytes); formatting would "
                             "destroy it. Choose a new path, or pass force=True (`ckptfs mkfs --force`) "
                             "to overwrite it")
-
-
-def _check_file_size(size_bytes: int | None) -> None:
-    if size_bytes is None:
-        raise ValueError("size_bytes is required to create a region file")
-    if size_bytes < 64 << 20:
-        raise ValueError(f"size_bytes={size_bytes} is too small; a region needs at least 64 MiB")
 
 
 def _make_sparse_file(path: str, size_bytes: int, *, truncate: bool, exclusive: bool = False) -> None:
