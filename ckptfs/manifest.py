@@ -107,6 +107,18 @@ class Manifest:
         """Canonical JSON; its length does not depend on the CRC values. ``tensors_json``:
         ``encode_tensors`` of this manifest's records made earlier (with any CRCs: only the
         length is needed) or with the CRCs to store, instead of the records' own."""
+        head, tensors_json, skeleton = self._parts(tensors_json)
+        # the same bytes as one json.dumps of the whole document, built from its parts so that
+        # the part that only changes with the object's structure can be reused
+        return f'{head[:-1]},"tensors":{tensors_json},"skeleton":{skeleton}}}'.encode()
+
+    def encoded_length(self, tensors_json: str | None = None) -> int:
+        """``len(self.encode(tensors_json))``, without building the document."""
+        head, tensors_json, skeleton = self._parts(tensors_json)
+        # ASCII only (ensure_ascii), so characters and bytes count the same
+        return len(head) - 1 + len(',"tensors":') + len(tensors_json) + len(',"skeleton":') + len(skeleton) + 1
+
+    def _parts(self, tensors_json: str | None) -> tuple[str, str, str]:
         head = _dumps({
             "format": MANIFEST_FORMAT,
             "model": self.model,
@@ -117,9 +129,7 @@ class Manifest:
         })
         if tensors_json is None:
             tensors_json = encode_tensors(self.tensors)
-        # the same bytes as one json.dumps of the whole document, built from its parts so that
-        # the part that only changes with the object's structure can be reused
-        return f'{head[:-1]},"tensors":{tensors_json},"skeleton":{_dumps(self.skeleton)}}}'.encode()
+        return head, tensors_json, _dumps(self.skeleton)
 
     @classmethod
     def decode(cls, raw: bytes) -> "Manifest":
@@ -168,8 +178,12 @@ class Manifest:
                 raise MalformedInputError(f"tensor {t.name!r} extends past the version's data")
 
 
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
 def _dumps(doc) -> str:
-    return json.dumps(doc, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    """Compact ASCII JSON, the encoding of every manifest (json.dumps with these options)."""
+    return _ENCODER.encode(doc)
 
 
 def encode_tensors(records, crcs: list[int] | None = None) -> str:
@@ -253,11 +267,9 @@ class Flattened:
     skeleton: dict
     tensors: list[torch.Tensor] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
-    taken_names: set[str] = field(default_factory=set)
-
-
-def _key_text(key: Any) -> str:
-    return key if isinstance(key, str) else repr(key)
+    # (name, dtype name, shape) of each tensor: all that a layout of the tensor bytes depends on
+    signature: tuple[tuple[str, str, tuple[int, ...]], ...] = ()
+    devices: frozenset[torch.device] = frozenset()
 
 
 def flatten(obj: Any) -> Flattened:
@@ -266,103 +278,157 @@ def flatten(obj: Any) -> Flattened:
     Tensors that are the same view of the same storage (tied weights) are stored once and come
     back shared. Raises UnsupportedObjectError naming the path of the first leaf it cannot store.
     """
-    out = Flattened(skeleton={})
-    seen: dict[tuple, int] = {}
-    active: set[int] = set()
-    out.skeleton = _flatten(obj, (), out, seen, active)
-    return out
+    walk = _Walk()
+    skeleton = walk.node(obj)
+    return Flattened(skeleton, walk.tensors, walk.names, tuple(walk.signature), frozenset(walk.devices))
 
 
-def _where(path: tuple[str, ...]) -> str:
-    return ".".join(path) or "<root>"
-
-
-def _flatten(obj: Any, path: tuple[str, ...], out: Flattened, seen: dict, active: set) -> dict:
-    # Called once per node of every save, so the common exact types are dispatched on first
-    # (isinstance against torch.Tensor goes through its metaclass and costs several times more)
-    # and the dotted path is only joined for a message or a tensor name.
-    if len(path) > MAX_DEPTH:
-        raise UnsupportedObjectError(f"{_where(path)[:200]}...: the object nests deeper than {MAX_DEPTH} levels; "
-                                     "flatten it (e.g. into a dict of tensors)")
-    kind = type(obj)
-    if kind is float:
-        return {"float": obj.hex()}
-    if kind is int:
-        return {"int": obj}
-    if kind is str:
-        return {"str": obj}
-    if kind is bool:
-        return {"bool": obj}
-    if obj is None:
-        return {"none": None}
-    if kind in _CONTAINER_KINDS:
-        return _flatten_container(obj, path, out, seen, active)
-    if isinstance(obj, torch.Tensor):
-        return {"tensor": _add_tensor(obj, path, out, seen)}
-    # subclasses of the plain types (IntEnum, str enums...) are stored as their base value
-    if isinstance(obj, int):
-        return {"int": int(obj)}
-    if isinstance(obj, float):
-        return {"float": float(obj).hex()}
-    if isinstance(obj, str):
-        return {"str": str(obj)}
-    if isinstance(obj, dict):
-        raise UnsupportedObjectError(f"{_where(path)}: {type(obj).__name__} is not supported; convert it to a dict")
-    if isinstance(obj, (list, tuple)):
-        raise UnsupportedObjectError(
-            f"{_where(path)}: {type(obj).__name__} is not supported; convert it to a list or tuple")
-    raise UnsupportedObjectError(
-        f"{_where(path)}: {type(obj).__module__}.{type(obj).__qualname__} cannot be stored; ckptfs stores "
-        "tensors, dicts, lists, tuples, str, int, float, bool and None (convert it, e.g. to a "
-        "tensor or a plain value)")
-
-
-_CONTAINER_KINDS = {dict: "dict", OrderedDict: "odict", list: "list", tuple: "tuple"}
 _KEY_TYPES = (str, int, float, bool, type(None))
 
 
-def _flatten_container(obj, path: tuple[str, ...], out: Flattened, seen: dict, active: set) -> dict:
-    if id(obj) in active:
-        raise UnsupportedObjectError(f"{_where(path)}: the object contains itself; ckptfs stores trees only")
-    active.add(id(obj))
-    try:
-        kind = _CONTAINER_KINDS[type(obj)]
-        if kind in ("list", "tuple"):
-            return {kind: [_flatten(v, path + (str(i),), out, seen, active) for i, v in enumerate(obj)]}
+class _Walk:
+    """One walk over a saved object, building its skeleton.
+
+    It runs on the caller's thread on every save, right after the caller's own work, when the
+    interpreter's caches are cold (a 32-tensor dict costs 5x its hot time then), so it does each
+    thing once: exact types are dispatched on first (isinstance against torch.Tensor goes through
+    its metaclass), the path is a stack joined only for a tensor's name or a message, and each
+    tensor's attributes are read once for the checks, the tied-weight key and the signature.
+    """
+
+    __slots__ = ("tensors", "names", "signature", "devices", "_taken", "_seen", "_active", "_path")
+
+    def __init__(self):
+        self.tensors: list[torch.Tensor] = []
+        self.names: list[str] = []
+        self.signature: list[tuple[str, str, tuple[int, ...]]] = []
+        self.devices: set[torch.device] = set()
+        self._taken: set[str] = set()
+        self._seen: dict[tuple, int] = {}
+        self._active: set[int] = set()
+        self._path: list = []  # keys (str) and list indexes / int keys (int), root first
+
+    def node(self, obj: Any) -> dict:
+        kind = type(obj)
+        if kind is float:
+            return {"float": obj.hex()}
+        if kind is int:
+            return {"int": obj}
+        if kind is str:
+            return {"str": obj}
+        if kind is bool:
+            return {"bool": obj}
+        if obj is None:
+            return {"none": None}
+        if kind is dict:
+            return self._mapping(obj, "dict")
+        if kind is list:
+            return self._sequence(obj, "list")
+        if kind is OrderedDict:
+            return self._mapping(obj, "odict")
+        if kind is tuple:
+            return self._sequence(obj, "tuple")
+        if isinstance(obj, torch.Tensor):
+            return {"tensor": self._tensor(obj)}
+        return self._other(obj)
+
+    def _enter(self, obj) -> None:
+        if id(obj) in self._active:
+            raise UnsupportedObjectError(f"{self._where()}: the object contains itself; ckptfs stores trees only")
+        if obj and len(self._path) >= MAX_DEPTH:
+            raise UnsupportedObjectError(f"{self._where()[:200]}...: the object nests deeper than {MAX_DEPTH} "
+                                         "levels; flatten it (e.g. into a dict of tensors)")
+        self._active.add(id(obj))
+
+    def _mapping(self, obj: dict, kind: str) -> dict:
+        self._enter(obj)
+        path = self._path
         items = []
         for k, v in obj.items():
-            if not isinstance(k, _KEY_TYPES):
+            key_kind = type(k)
+            if key_kind is str:
+                key, text = {"str": k}, k
+            elif key_kind is int:
+                key, text = {"int": k}, k
+            elif isinstance(k, _KEY_TYPES):
+                path.append("<key>")
+                key = self.node(k)  # a subclass of a plain type is stored as its base value
+                path.pop()
+                text = k if isinstance(k, str) else repr(k)
+            else:
                 raise UnsupportedObjectError(
-                    f"{_where(path)}: dict key {k!r} of type {type(k).__name__} is not supported; "
+                    f"{self._where()}: dict key {k!r} of type {type(k).__name__} is not supported; "
                     "use str, int, float, bool or None keys")
-            items.append([_flatten(k, path + ("<key>",), out, seen, active),
-                          _flatten(v, path + (_key_text(k),), out, seen, active)])
+            path.append(text)
+            items.append([key, self.node(v)])
+            path.pop()
+        self._active.discard(id(obj))
         return {kind: items}
-    finally:
-        active.discard(id(obj))
+
+    def _sequence(self, obj, kind: str) -> dict:
+        self._enter(obj)
+        path = self._path
+        items = []
+        for i, v in enumerate(obj):
+            path.append(i)
+            items.append(self.node(v))
+            path.pop()
+        self._active.discard(id(obj))
+        return {kind: items}
+
+    def _tensor(self, t: torch.Tensor) -> int:
+        if t.layout != torch.strided:
+            raise UnsupportedObjectError(f"{self._where()}: {t.layout} tensors are not supported; use .to_dense()")
+        dtype = t.dtype
+        dtype_name = DTYPE_NAMES.get(dtype)
+        if dtype_name is None:
+            raise UnsupportedObjectError(f"{self._where()}: dtype {dtype} is not supported; dequantize or convert it")
+        if t.is_meta:
+            raise UnsupportedObjectError(f"{self._where()}: meta tensors have no data to save")
+        device, shape = t.device, t.shape
+        key = None
+        if 0 not in shape:  # not empty
+            # The same first byte, shape, strides and dtype on the same device: the same view, stored once.
+            key = (device, t.data_ptr(), shape, t.stride(), dtype)
+            index = self._seen.get(key)
+            if index is not None:
+                return index
+            self._seen[key] = len(self.tensors)
+        name = _unique_name(self._dotted() or "tensor", self._taken)
+        self._taken.add(name)
+        self.tensors.append(t)  # detached where its bytes are taken (writer._byte_source)
+        self.names.append(name)
+        self.signature.append((name, dtype_name, tuple(shape)))
+        self.devices.add(device)
+        return len(self.tensors) - 1
+
+    def _other(self, obj) -> dict:
+        """Subclasses of the plain types (IntEnum, str enums...) as their base value; else an error."""
+        if isinstance(obj, int):
+            return {"int": int(obj)}
+        if isinstance(obj, float):
+            return {"float": float(obj).hex()}
+        if isinstance(obj, str):
+            return {"str": str(obj)}
+        if isinstance(obj, dict):
+            raise UnsupportedObjectError(f"{self._where()}: {type(obj).__name__} is not supported; convert it to a dict")
+        if isinstance(obj, (list, tuple)):
+            raise UnsupportedObjectError(
+                f"{self._where()}: {type(obj).__name__} is not supported; convert it to a list or tuple")
+        raise UnsupportedObjectError(
+            f"{self._where()}: {type(obj).__module__}.{type(obj).__qualname__} cannot be stored; ckptfs stores "
+            "tensors, dicts, lists, tuples, str, int, float, bool and None (convert it, e.g. to a "
+            "tensor or a plain value)")
+
+    def _dotted(self) -> str:
+        return ".".join([p if isinstance(p, str) else str(p) for p in self._path])
+
+    def _where(self) -> str:
+        return self._dotted() or "<root>"
 
 
-def _add_tensor(t: torch.Tensor, path: tuple[str, ...], out: Flattened, seen: dict) -> int:
-    if t.layout != torch.strided:
-        raise UnsupportedObjectError(f"{_where(path)}: {t.layout} tensors are not supported; use .to_dense()")
-    if t.dtype not in DTYPE_NAMES:
-        raise UnsupportedObjectError(f"{_where(path)}: dtype {t.dtype} is not supported; dequantize or convert it")
-    if t.device.type == "meta":
-        raise UnsupportedObjectError(f"{_where(path)}: meta tensors have no data to save")
-    key = None
-    if t.numel() > 0:
-        # The same first byte, shape, strides and dtype on the same device: the same view, stored once.
-        key = (t.device, t.data_ptr(), t.shape, t.stride(), t.dtype)
-        if key in seen:
-            return seen[key]
-    index = len(out.tensors)
-    out.tensors.append(t)  # detached where its bytes are taken (writer._byte_source)
-    name = _unique_name(".".join(path) or "tensor", out.taken_names)
-    out.names.append(name)
-    out.taken_names.add(name)
-    if key is not None:
-        seen[key] = index
-    return index
+def _key_text(key: Any) -> str:
+    return key if isinstance(key, str) else repr(key)
 
 
 def _unique_name(name: str, taken: set[str]) -> str:

@@ -105,6 +105,18 @@ def test_manifest_length_independent_of_crcs_and_roundtrips():
     assert Manifest.decode(m2.encode()) == m2
 
 
+@pytest.mark.parametrize("model, key", [("m", "w"), ("mod\u00e9le", "cl\u00e9 \u2713"), ("m", "a\"b\\c\n")])
+def test_manifest_encoded_length_is_the_length_of_its_bytes(model, key):
+    """The writer sizes a slot's index from encoded_length without building the document."""
+    recs = (TensorRecord(key, "float32", (2, 3), 0, 24), TensorRecord("b", "bfloat16", (), 64, 2))
+    m = Manifest(model, 12345, 2 ** 63 - 1, 1_700_000_000_000_000_000, recs,
+                 {"dict": [[{"str": key}, {"tensor": 0}], [{"int": -7}, {"float": "0x1.8p+1"}],
+                           [{"str": "b"}, {"list": [{"tensor": 1}, {"none": None}, {"bool": True}]}]]}, 66)
+    assert m.encoded_length() == len(m.encode())
+    tensors_json = encode_tensors(recs, [0xDEADBEEF, 5])
+    assert m.encoded_length(tensors_json) == len(m.encode(tensors_json)) == len(m.encode())
+
+
 def test_manifest_bytes_exact():
     recs = (TensorRecord("w", "float32", (2, 3), 0, 24, 0xDEADBEEF), TensorRecord("b\u00e9", "bfloat16", (), 64, 2))
     m = Manifest("m", 3, 42, 1, recs, {"dict": [[{"str": "w"}, {"tensor": 0}], [{"int": 7}, {"float": "0x1.0p-1"}],

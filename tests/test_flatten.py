@@ -1,0 +1,94 @@
+"""Tier 1: flatten, the split of a saved object into skeleton + tensors (no region involved)."""
+import collections
+import enum
+
+import pytest
+import torch
+
+from ckptfs.errors import UnsupportedObjectError
+from ckptfs.manifest import MAX_DEPTH, flatten, unflatten
+
+
+def nested(depth: int, leaf):
+    obj = leaf
+    for _ in range(depth):
+        obj = {"k": obj}
+    return obj
+
+
+def test_skeleton_names_signature_and_devices_of_a_state_dict():
+    w, b = torch.ones(2, 3), torch.zeros(3, dtype=torch.bfloat16)
+    obj = {"model": {"w": w, "b": b}, "optim": {"state": {0: {"m": torch.ones(1)}}, "lr": 0.5},
+           "steps": [w, 7]}
+    flat = flatten(obj)
+    assert flat.skeleton == {"dict": [
+        [{"str": "model"}, {"dict": [[{"str": "w"}, {"tensor": 0}], [{"str": "b"}, {"tensor": 1}]]}],
+        [{"str": "optim"}, {"dict": [[{"str": "state"}, {"dict": [[{"int": 0}, {"dict": [[{"str": "m"}, {"tensor": 2}]]}]]}],
+                                     [{"str": "lr"}, {"float": "0x1.0000000000000p-1"}]]}],
+        [{"str": "steps"}, {"list": [{"tensor": 0}, {"int": 7}]}]]}
+    assert flat.names == ["model.w", "model.b", "optim.state.0.m"]
+    assert flat.tensors[0] is w and flat.tensors[1] is b and len(flat.tensors) == 3
+    assert flat.signature == (("model.w", "float32", (2, 3)), ("model.b", "bfloat16", (3,)),
+                              ("optim.state.0.m", "float32", (1,)))
+    assert flat.devices == frozenset({torch.device("cpu")})
+    back = unflatten(flat.skeleton, flat.tensors)
+    assert back["steps"][0] is back["model"]["w"]  # a tensor referenced twice is stored once
+
+
+def test_signature_tells_apart_what_changes_a_layout():
+    a = flatten({"w": torch.ones(4)}).signature
+    assert flatten({"w": torch.zeros(4)}).signature == a  # values do not matter
+    assert flatten({"w": torch.ones(5)}).signature != a
+    assert flatten({"w": torch.ones(4, dtype=torch.float64)}).signature != a
+    assert flatten({"v": torch.ones(4)}).signature != a
+
+
+def test_views_of_one_storage_are_distinct_unless_identical():
+    base = torch.arange(12.0).reshape(3, 4)
+    flat = flatten({"a": base, "b": base.view(3, 4), "t": base.t(), "row": base[1], "empty": base[:0]})
+    assert flat.names == ["a", "t", "row", "empty"]  # b is the same view as a
+
+
+def test_plain_subclasses_are_stored_as_their_base_value():
+    class Color(enum.IntEnum):
+        RED = 3
+
+    class Mode(str, enum.Enum):
+        FAST = "fast"
+
+    flat = flatten({Color.RED: Color.RED, Mode.FAST: [Mode.FAST], "t": torch.ones(1)})
+    (k1, v1), (k2, v2), _ = flat.skeleton["dict"]
+    assert (k1, v1) == ({"int": 3}, {"int": 3})
+    assert k2 == {"str": str(Mode.FAST)} and v2 == {"list": [{"str": str(Mode.FAST)}]}
+
+
+@pytest.mark.parametrize("obj, match", [
+    ({"a": {"b": [1, object()]}}, r"^a\.b\.1: builtins\.object cannot be stored"),
+    ({"a": collections.defaultdict(int)}, r"^a: defaultdict is not supported; convert it to a dict"),
+    ({"a": collections.namedtuple("Point", "x y")(1, 2)}, r"^a: Point is not supported; convert it to a list"),
+    ({"a": {(1, 2): 3}}, r"^a: dict key \(1, 2\) of type tuple is not supported"),
+    ({"a": [torch.ones(2).to_sparse()]}, r"^a\.0: torch\.sparse_coo tensors are not supported"),
+    ({"a": torch.ones(2, device="meta")}, r"^a: meta tensors have no data"),
+    ({0: {1.5: {None: object()}}}, r"^0\.1\.5\.None: builtins\.object"),
+    (object(), r"^<root>: builtins\.object"),
+])
+def test_refusals_name_the_path(obj, match):
+    with pytest.raises(UnsupportedObjectError, match=match):
+        flatten(obj)
+
+
+def test_an_object_that_contains_itself_is_refused():
+    loop = {"a": [1]}
+    loop["a"].append(loop)
+    with pytest.raises(UnsupportedObjectError, match=r"^a\.1: the object contains itself"):
+        flatten(loop)
+    shared = [1, 2]
+    assert len(flatten({"x": shared, "y": shared}).skeleton["dict"]) == 2  # shared, not cyclic: fine
+
+
+def test_nesting_limit():
+    assert flatten(nested(MAX_DEPTH, torch.ones(1))).names == [".".join(["k"] * MAX_DEPTH)]
+    assert flatten(nested(MAX_DEPTH, {})).skeleton  # an empty container at the limit holds nothing deeper
+    for obj in (nested(MAX_DEPTH + 1, torch.ones(1)), nested(MAX_DEPTH + 1, 5), nested(MAX_DEPTH, [[1]])):
+        with pytest.raises(UnsupportedObjectError, match=f"deeper than {MAX_DEPTH} levels"):
+            flatten(obj)
