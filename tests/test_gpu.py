@@ -41,3 +41,55 @@ def test_cuda_snapshot_sees_queued_kernels_and_not_later_ones(store):
         w_gpu.add_(1.0)  # after the snapshot: must not be
         fut.result()
     assert torch.equal(store.load("gpu-order")["w"], torch.ones(1 << 20))
+
+
+def test_cuda_async_snapshot_follows_the_callers_own_stream(store):
+    """The snapshot waits for the caller's current stream, even when it is not the default one
+    (the snapshot thread's own current stream would not see the caller's work)."""
+    w_gpu = torch.zeros(1 << 20, device="cuda")
+    side = torch.cuda.Stream()
+    with store.writer("own-stream", chunk_bytes=1 << 20) as w:
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(100_000_000)  # keeps the update below pending for a while
+            w_gpu.add_(1.0)
+            fut = w.save({"w": w_gpu}, step=1, async_snapshot=True)
+            w.wait_snapshot()
+            w_gpu.add_(1.0)
+        fut.result()
+    assert torch.equal(store.load("own-stream")["w"], torch.ones(1 << 20))
+
+
+def test_cuda_async_snapshot_does_not_wait_for_work_queued_after_save(store):
+    """The copy overlaps the caller's next forward/backward: kernels queued after save() are
+    not waited for (a 1 s kernel against a copy of 4 MiB)."""
+    import time
+
+    w_gpu = torch.ones(1 << 20, device="cuda")
+    with store.writer("overlap", chunk_bytes=1 << 20) as w:
+        w.save({"w": w_gpu}, step=1).result()  # staging pool and side stream made
+        cycles_per_s = torch.cuda.get_device_properties(0).clock_rate * 1000  # kHz
+        fut = w.save({"w": w_gpu}, step=2, async_snapshot=True)
+        torch.cuda._sleep(int(cycles_per_s))  # the "next forward", queued right after save
+        t0 = time.perf_counter()
+        w.wait_snapshot()
+        waited_s = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        fut.result()
+    assert waited_s < 0.5, f"the snapshot waited {waited_s:.2f} s for work queued after save()"
+    assert torch.equal(store.load("overlap")["w"], torch.ones(1 << 20))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_cuda_async_snapshot_of_tensors_on_a_second_device(store):
+    """A rank whose tensors live on cuda:1 (set_device(1), as DDP does): the copies run on a side
+    stream of that device and the chunk is written only once they are done."""
+    with torch.cuda.device(1):
+        w_gpu = torch.zeros(8 << 20, device="cuda")
+        with store.writer("second", chunk_bytes=4 << 20) as w:
+            torch.cuda._sleep(50_000_000)
+            w_gpu.add_(1.0)
+            fut = w.save({"w": w_gpu}, step=1, async_snapshot=True)
+            w.wait_snapshot()
+            w_gpu.add_(1.0)
+            fut.result()
+    assert torch.equal(store.load("second")["w"], torch.ones(8 << 20))

@@ -56,3 +56,22 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="contiguous CPU uint8"):
         host_bytes(torch.zeros(4, dtype=torch.float32))
     assert 1 <= default_copy_threads() <= 4
+
+
+def test_chunk_pieces_of_cpu_sources_land_at_their_offsets():
+    """copy_chunk_pieces (the copy of states that hold CUDA tensors) slices pieces as the plan
+    says; CPU sources are copied at once and need no event."""
+    from ckptfs.chunks import plan_chunks
+    from ckptfs.manifest import TensorRecord
+    from ckptfs.writer.cuda import copy_chunk_pieces
+
+    sources = [torch.randint(0, 255, (5000,), dtype=torch.uint8), torch.randint(0, 255, (3000,), dtype=torch.uint8)]
+    records = [TensorRecord("a", "uint8", (5000,), 0, 5000), TensorRecord("b", "uint8", (3000,), 5056, 3000)]
+    chunks = plan_chunks(records, 8056, 4096)
+    assert len(chunks) == 2 and len(chunks[0].pieces) == 1 and len(chunks[1].pieces) == 2  # "a" spans both
+    expected = torch.zeros(8192, dtype=torch.uint8)
+    expected[:5000], expected[5056:8056] = sources[0], sources[1]
+    for chunk in chunks:
+        buf = torch.zeros(4096, dtype=torch.uint8)
+        assert copy_chunk_pieces(buf, chunk.pieces, sources, {}) == ()
+        assert torch.equal(buf[:chunk.length], expected[chunk.start:chunk.start + chunk.length])

@@ -123,6 +123,37 @@ def test_unsupported_leaf_names_its_path(store, leaf, where):
     assert "bad" not in store.models()  # nothing was written, not even the model
 
 
+@pytest.mark.parametrize("obj, error, match", [
+    ({"state": {"bad": object()}}, UnsupportedObjectError, r"state\.bad"),
+    ({"w": torch.zeros(1 << 20)}, CheckpointTooLargeError, "ckptfs rm later"),
+])
+def test_async_save_refusals_come_through_the_future_before_any_write(store, obj, error, match):
+    """With async_snapshot the object is read on the snapshot thread: a refusal is raised by
+    wait_snapshot() and the future, nothing is written, and the writer goes on saving."""
+    with store.writer("later") as w:
+        w.save({"w": torch.arange(1000.0)}, step=1).result()
+        fut = w.save(obj, step=2, async_snapshot=True)
+        with pytest.raises(error, match=match):
+            w.wait_snapshot()
+        with pytest.raises(error, match=match):
+            fut.result(timeout=30)
+        with pytest.raises(error):
+            fut.snapshotted.result(timeout=30)
+        w.save({"w": torch.arange(1000.0) * 3}, step=3, async_snapshot=True).result(timeout=30)
+    assert [v.step for v in store.versions("later")] == [1, 3]
+    assert torch.equal(store.load("later")["w"], torch.arange(1000.0) * 3)
+
+
+def test_async_save_checks_its_step_and_writer_at_once(store):
+    w = store.writer("now")
+    with pytest.raises(ValueError, match="step"):
+        w.save({"x": torch.ones(1)}, step=-1, async_snapshot=True)
+    w.close()
+    with pytest.raises(ckptfs.errors.CkptfsError, match="closed"):
+        w.save({"x": torch.ones(1)}, step=1, async_snapshot=True)
+    assert store.models() == []
+
+
 def test_step_must_be_int(store):
     with store.writer("s") as w:
         for bad in (-1, 1.5, "3", True):

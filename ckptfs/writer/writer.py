@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +42,7 @@ from ckptfs.region.format import (COUNTER_MAX, SLOT_COMMITTED, SLOT_HEADER_BYTES
                                   SlotHeader, pack_latest, slot_layout, unpack_latest)
 from ckptfs.region.locks import LockSpace, slot_lock_offset
 from ckptfs.region.region import Region, validate_model_name
+from ckptfs.writer.cuda import CallerMark, SideStreams, caller_mark, copy_chunk_pieces
 from ckptfs.writer.progress import ProgressBoard
 from ckptfs.writer.staging import StagingBuffer, StagingPool
 
@@ -98,6 +99,18 @@ class _Layout:
     tensors_json: str  # encode_tensors(records): its length sizes the index
 
 
+@dataclass(frozen=True)
+class _SavePlan:
+    """One save, checked and laid out; nothing has been claimed or written for it yet."""
+
+    entry: object
+    step: int
+    flat: object  # manifest.Flattened
+    layout: _Layout
+    data_offset: int  # where the tensor bytes start within the slot
+    cuda: bool
+
+
 @dataclass
 class _InFlight:
     entry: object
@@ -120,7 +133,7 @@ class _InFlight:
     mutex: threading.Lock = field(default_factory=threading.Lock)
 
 
-def _plan(names: list[str], tensors: list[torch.Tensor], chunk_bytes_for) -> _Layout:
+def _lay_out(names: list[str], tensors: list[torch.Tensor], chunk_bytes_for) -> _Layout:
     """Tensor offsets (64-byte aligned, in object order) and the chunks that cover them;
     ``chunk_bytes_for(data_bytes)`` gives the chunk size."""
     records, offset = [], 0
@@ -131,11 +144,6 @@ def _plan(names: list[str], tensors: list[torch.Tensor], chunk_bytes_for) -> _La
         offset += nbytes
     return _Layout(tuple(records), offset, plan_chunks(records, offset, chunk_bytes_for(offset)),
                    encode_tensors(records))
-
-
-def _structure(flat) -> tuple:
-    """What the layout of a flattened object depends on: tensor names, dtypes and shapes."""
-    return tuple(flat.names), tuple(t.dtype for t in flat.tensors), tuple(t.shape for t in flat.tensors)
 
 
 def _byte_source(t: torch.Tensor) -> torch.Tensor:
@@ -201,8 +209,10 @@ class Writer:
                          for i in range(persist_threads)]
         for w in self._workers:
             w.start()
-        self._side_stream = None
-        self._snapshotter: ThreadPoolExecutor | None = None
+        self._side_streams = SideStreams()
+        # Background snapshots (async_snapshot) run in call order on one thread of their own.
+        self._snapshot_queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._snapshot_thread: threading.Thread | None = None
         self._last_snapshot: Future | None = None
         self._setup_lock = threading.Lock()  # lazy set-up may race when save() is called from threads
         self._effective_chunk_bytes: int | None = None
@@ -219,70 +229,99 @@ class Writer:
     def save(self, obj, step: int, *, async_snapshot: bool = False) -> "SaveFuture":
         """Snapshot ``obj`` and persist it in the background as version ``step``.
 
-        Everything that can be refused (unsupported leaves, a bad step, a checkpoint too large
-        for its slots, a full region) is refused here, before any write. Then:
-          * by default ``save`` returns once the tensors are copied out: the caller may modify
-            them right away;
-          * with ``async_snapshot=True`` it returns at once and the copy runs on a background
-            thread, overlapping the caller's next forward/backward (PCcheck §3.1). The caller must
-            not modify the tensors until ``future.snapshotted`` completes (``wait_snapshot()``),
-            i.e. call it before ``optimizer.step()``.
-        The returned future completes with a SaveResult when the checkpoint is durable and
-        committed, or with the error that stopped it.
+        Everything that can be refused (unsupported leaves, a checkpoint too large for its
+        slots, a full region) is refused before any write. Then:
+          * by default ``save`` reads ``obj``, refuses it by raising, or copies the tensors out
+            and returns: the caller may modify them right away;
+          * with ``async_snapshot=True`` it returns at once, and ``obj`` is read, checked and
+            copied on a background thread that overlaps the caller's next forward/backward
+            (PCcheck §3.1). The caller must not modify ``obj`` (its tensors or its containers)
+            until ``future.snapshotted`` completes (``wait_snapshot()``), i.e. it calls that before
+            ``optimizer.step()``; a refusal is raised there and by ``future.result()``.
+        A bad ``step`` or a closed writer raises here in both cases. The returned future completes
+        with a SaveResult when the checkpoint is durable and committed, or with the error that
+        stopped it.
         """
         if self._closed:
             raise CkptfsError("this writer is closed; open a new one with store.writer(...)")
         if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 1 << 62:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         started = time.perf_counter()
+        future = SaveFuture()
+        if not async_snapshot:
+            plan = self._plan_save(obj, step)
+            self._register(future)
+            self._start(future, plan, started)
+            return future
+        # Nothing else happens on the caller's thread: right after its optimizer step has
+        # streamed the whole state through the caches, every object touched here is a cache
+        # miss (flatten alone took 5x its warm time there).
+        self._register(future)
+        if self._snapshot_thread is None:
+            self._start_snapshot_thread()
+        self._snapshot_queue.put((future, obj, step, started, caller_mark()))
+        self._last_snapshot = future.snapshotted
+        return future
+
+    def wait_snapshot(self) -> None:
+        """Block until the last background snapshot is taken (the tensors may then change);
+        raises the error that stopped it, if any."""
+        if self._last_snapshot is not None:
+            self._last_snapshot.result()
+
+    def _register(self, future: "SaveFuture") -> None:
+        with self._outstanding_lock:
+            self._outstanding.add(future)
+
+    def _start_snapshot_thread(self) -> None:
+        with self._setup_lock:
+            if self._snapshot_thread is None:
+                thread = threading.Thread(target=self._snapshot_loop, name="ckptfs-snapshot", daemon=True)
+                thread.start()
+                self._snapshot_thread = thread
+
+    def _snapshot_loop(self) -> None:
+        while True:
+            item = self._snapshot_queue.get()
+            if item is None:
+                return
+            future, obj, step, started, mark = item
+            try:
+                plan = self._plan_save(obj, step)
+                self._start(future, plan, started, background=True, mark=mark)
+            except BaseException as e:  # noqa: BLE001 - delivered through both futures
+                if not future.done():
+                    self._drop(future, e)
+
+    def _plan_save(self, obj, step: int) -> _SavePlan:
+        """Flatten and lay out ``obj``; raises every refusal (before anything is claimed)."""
         flat = flatten(obj)
-        self._check_devices(flat.tensors)
+        for device in flat.devices:
+            if device.type not in ("cpu", "cuda"):
+                raise CkptfsError(f"tensors on {device} are not supported yet; move them to cpu or cuda")
         layout = self._layout(flat)
         probe = Manifest(self.model, step, COUNTER_MAX, time.time_ns(), layout.records, flat.skeleton,
                          layout.data_bytes)
         # The probe has the widest counter, so its index is at least as long as the real one:
         # its length fixes the slot layout, and the real index is encoded once, at commit.
-        _, data_offset, need = slot_layout(len(probe.encode(layout.tensors_json)), layout.data_bytes)
+        _, data_offset, need = slot_layout(probe.encoded_length(layout.tensors_json), layout.data_bytes)
         entry = self._ensure_model(need)
         if need > entry.slot_bytes:
             raise CheckpointTooLargeError(
                 f"this checkpoint of {self.model!r} needs {need} bytes but its slots hold {entry.slot_bytes}; "
                 f"remove the model (`ckptfs rm {self.model}`) and save again (slots are sized at the first save), "
                 "or pass a larger slot_bytes when the model is first created")
-        future = SaveFuture()
-        with self._outstanding_lock:
-            self._outstanding.add(future)
-        args = (future, entry, step, flat, layout, data_offset, started)
-        if not async_snapshot:
-            self._start(*args)
-            return future
-        with self._setup_lock:
-            if self._snapshotter is None:
-                self._snapshotter = ThreadPoolExecutor(1, thread_name_prefix="ckptfs-snapshot")
-        self._snapshotter.submit(self._start_in_background, *args)
-        self._last_snapshot = future.snapshotted
-        return future
+        return _SavePlan(entry, step, flat, layout, data_offset, any(d.type == "cuda" for d in flat.devices))
 
-    def wait_snapshot(self) -> None:
-        """Block until the last background snapshot is taken (the tensors may then change)."""
-        if self._last_snapshot is not None:
-            self._last_snapshot.result()
-
-    def _start_in_background(self, future: "SaveFuture", *args) -> None:
-        try:
-            self._start(future, *args, background=True)
-        except BaseException as e:  # noqa: BLE001 - delivered through both futures
-            if not future.done():
-                self._drop(future, e)
-
-    def _start(self, future: "SaveFuture", entry, step: int, flat, layout: _Layout, data_offset: int,
-               started: float, background: bool = False) -> None:
+    def _start(self, future: "SaveFuture", plan: _SavePlan, started: float, background: bool = False,
+               mark: CallerMark | None = None) -> None:
         """Permit, counter, slot claim and snapshot of one save; raises (and fails the futures)
         if any of them cannot be had. ``background``: the snapshot runs beside the caller's
-        compute (async_snapshot), so it also takes the chunks' CRCs."""
+        compute (async_snapshot), so it also takes the chunks' CRCs; ``mark``: where its CUDA
+        copies start (see writer.cuda)."""
+        entry, layout = plan.entry, plan.layout
         try:
-            pool = self._pool(any(t.is_cuda for t in flat.tensors), layout.data_bytes)
-            sources = [_byte_source(t) for t in flat.tensors]
+            pool = self._pool(plan.cuda, layout.data_bytes)
             if not self._permits.acquire(timeout=self.timeout_s):
                 raise BusyError(f"{self.max_inflight} saves of {self.model!r} still in flight after {self.timeout_s} s")
         except BaseException as e:
@@ -296,15 +335,15 @@ class Writer:
             self._drop(future, e)
             raise
         time_ns = time.time_ns()
-        manifest = Manifest(self.model, step, counter, time_ns, layout.records, flat.skeleton,
+        manifest = Manifest(self.model, plan.step, counter, time_ns, layout.records, plan.flat.skeleton,
                             layout.data_bytes)
-        job = _InFlight(entry, slot, counter, step, time_ns, manifest, layout, future, started,
-                        chunks_left=len(layout.chunks), data_offset=data_offset, crc_in_snapshot=background)
+        job = _InFlight(entry, slot, counter, plan.step, time_ns, manifest, layout, future, started,
+                        chunks_left=len(layout.chunks), data_offset=plan.data_offset, crc_in_snapshot=background)
         job.piece_crcs = [[] for _ in layout.records]
-        self._progress.start(counter, step, sum(c.length for c in layout.chunks))
+        self._progress.start(counter, plan.step, sum(c.length for c in layout.chunks))
         self._queue.put(("prepare", job))
         try:
-            self._snapshot_gated(job, sources, pool)
+            self._snapshot_gated(job, plan.flat.tensors, pool, mark)
         except BaseException as e:
             self._fail(job, e)
             raise
@@ -343,8 +382,9 @@ class Writer:
         finally:
             self._closed = True
             _open_writers.discard(self)
-            if self._snapshotter is not None:
-                self._snapshotter.shutdown(wait=True)
+            if self._snapshot_thread is not None:
+                self._snapshot_queue.put(None)
+                self._snapshot_thread.join()
             for _ in self._workers:
                 self._queue.put(None)
             for w in self._workers:
@@ -421,20 +461,14 @@ class Writer:
         self._claims.release(slot_lock_offset(job.entry.index, job.slot))
 
     # ------------------------------------------------------------------ snapshot
-    def _check_devices(self, tensors: list[torch.Tensor]) -> None:
-        for t in tensors:
-            if t.device.type not in ("cpu", "cuda"):
-                raise CkptfsError(f"tensors on {t.device} are not supported yet; move them to cpu or cuda")
-
     def _layout(self, flat) -> _Layout:
         """The layout of ``flat``, planned once per object structure: a training loop saves the
         same structure every time, and planning a large one costs the caller milliseconds."""
-        structure = _structure(flat)
         cached = self._layout_cache
-        if cached is not None and cached[0] == structure:
+        if cached is not None and cached[0] == flat.signature:
             return cached[1]
-        layout = _plan(flat.names, flat.tensors, self._chunk_bytes_for)
-        self._layout_cache = (structure, layout)
+        layout = _lay_out(flat.names, flat.tensors, self._chunk_bytes_for)
+        self._layout_cache = (flat.signature, layout)
         return layout
 
     def _chunk_bytes_for(self, data_bytes: int) -> int:
@@ -460,54 +494,65 @@ class Writer:
             self._pools[cuda] = StagingPool(chunk, max(budget, chunk), pinned=cuda)
         return self._pools[cuda]
 
-    def _snapshot_gated(self, job: _InFlight, sources: list[torch.Tensor], pool: StagingPool) -> None:
+    def _snapshot_gated(self, job: _InFlight, tensors: list[torch.Tensor], pool: StagingPool,
+                        mark: CallerMark | None) -> None:
         with self._write_gate:
             self._snapshots_running += 1
         try:
-            self._snapshot(job, sources, pool)
+            cuda_devices = {t.device.index for t in tensors if t.is_cuda}
+            if cuda_devices:
+                self._snapshot_cuda(job, tensors, pool, cuda_devices, mark)
+            else:
+                self._snapshot_host(job, [_byte_source(t) for t in tensors], pool)
         finally:
             with self._write_gate:
                 self._snapshots_running -= 1
                 self._write_gate.notify_all()
 
-    def _snapshot(self, job: _InFlight, sources: list[torch.Tensor], pool: StagingPool) -> None:
-        cuda = any(t.is_cuda for t in sources)
-        stream = None
-        if cuda:
-            if self._side_stream is None:
-                self._side_stream = torch.cuda.Stream()
-            stream = self._side_stream
-            # The copies must see every kernel already queued on the caller's stream.
-            stream.wait_stream(torch.cuda.current_stream())
-        host = None if cuda else [host_bytes(t) for t in sources]
-        events = []
+    def _snapshot_host(self, job: _InFlight, sources: list[torch.Tensor], pool: StagingPool) -> None:
+        """CPU tensors: the native multi-threaded copy, chunk by chunk."""
+        host = [host_bytes(t) for t in sources]
         for chunk in job.layout.chunks:
             buf = pool.acquire(self.timeout_s)
-            event = None
-            if stream is not None:
-                with torch.cuda.stream(stream):
-                    self._copy_pieces(buf, chunk.pieces, sources, non_blocking=True)
-                    event = torch.cuda.Event()
-                    event.record(stream)
-                events.append(event)
+            copy_spans(buf.mapping, [(p.buffer_start, host[p.tensor], p.tensor_start, p.length)
+                                     for p in chunk.pieces], self._copy_threads)
             crcs = None
-            if stream is None:
-                copy_spans(buf.mapping, [(p.buffer_start, host[p.tensor], p.tensor_start, p.length)
-                                         for p in chunk.pieces], self._copy_threads)
-                if job.crc_in_snapshot:
-                    # A background snapshot runs while the caller computes: checksumming here
-                    # keeps that memory traffic out of the caller's next optimizer step, which
-                    # the persist workers' checksums would otherwise overlap.
-                    crcs = _piece_crcs(buf, chunk)
-            self._queue.put(("chunk", job, chunk, buf, pool, event, crcs))
-        for event in events:
-            event.synchronize()
+            if job.crc_in_snapshot:
+                # A background snapshot runs while the caller computes: checksumming here
+                # keeps that memory traffic out of the caller's next optimizer step, which
+                # the persist workers' checksums would otherwise overlap.
+                crcs = _piece_crcs(buf, chunk)
+            self._queue.put(("chunk", job, chunk, buf, pool, (), crcs))
 
-    @staticmethod
-    def _copy_pieces(buf: StagingBuffer, pieces, sources, non_blocking: bool) -> None:
-        for p in pieces:
-            src = sources[p.tensor][p.tensor_start:p.tensor_start + p.length]
-            buf.tensor[p.buffer_start:p.buffer_start + p.length].copy_(src, non_blocking=non_blocking)
+    def _snapshot_cuda(self, job: _InFlight, tensors: list[torch.Tensor], pool: StagingPool,
+                       devices: set[int], mark: CallerMark | None) -> None:
+        """Some tensors on GPUs: copies into pinned buffers on side streams; the persist workers
+        wait for each chunk's events. Returns once every copy is done (the tensors may change)."""
+        # A thread's current device starts as 0: without this, registering the pinned buffers
+        # from the snapshot thread would make a context on GPU 0 in every rank of a job.
+        with torch.cuda.device(min(devices)):
+            self._snapshot_cuda_on(job, tensors, pool, devices, mark)
+
+    def _snapshot_cuda_on(self, job: _InFlight, tensors: list[torch.Tensor], pool: StagingPool,
+                          devices: set[int], mark: CallerMark | None) -> None:
+        streams = self._side_streams.ordered_after_caller(devices, mark)
+        sources = []
+        for t in tensors:
+            if t.is_cuda:
+                # a view that must be made contiguous is copied on the side stream, after the
+                # caller's work, like the rest of the snapshot
+                with torch.cuda.stream(streams[t.device.index]):
+                    sources.append(_byte_source(t))
+            else:
+                sources.append(_byte_source(t))
+        pending = []
+        for chunk in job.layout.chunks:
+            buf = pool.acquire(self.timeout_s)
+            events = copy_chunk_pieces(buf.tensor, chunk.pieces, sources, streams)
+            pending.extend(events)
+            self._queue.put(("chunk", job, chunk, buf, pool, events, None))
+        for event in pending:
+            event.synchronize()
 
     # ------------------------------------------------------------------ persist workers
     def _persist_loop(self) -> None:
@@ -563,9 +608,9 @@ class Writer:
             self._commit(job)
 
     def _persist_chunk(self, job: _InFlight, chunk: Chunk, buf: StagingBuffer, pool: StagingPool,
-                       event, crcs) -> None:
+                       events, crcs) -> None:
         try:
-            if event is not None:
+            for event in events:
                 event.synchronize()
             job.ready.wait()
             if job.error is not None:
