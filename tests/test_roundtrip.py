@@ -232,7 +232,8 @@ def test_remove_version_and_model(store):
     assert store.models() == []
 
 
-def test_saves_in_flight_are_committed_when_a_script_exits_without_close(region_path, store):
+@pytest.mark.parametrize("async_snapshot", [False, True])
+def test_saves_in_flight_are_committed_when_a_script_exits_without_close(region_path, store, async_snapshot):
     import subprocess
     import sys
     script = (
@@ -240,8 +241,9 @@ def test_saves_in_flight_are_committed_when_a_script_exits_without_close(region_
         f"s = ckptfs.Store({region_path!r})\n"
         "w = s.writer('exit', max_inflight=2)\n"
         "for step in range(3):\n"
-        "    w.save({'w': torch.full((1 << 20,), float(step))}, step=step)\n"
-        "# no close(), no wait(): the interpreter exits with saves in flight\n"
+        f"    w.save({{'w': torch.full((1 << 20,), float(step))}}, step=step, async_snapshot={async_snapshot})\n"
+        "# no close(), no wait(): the interpreter exits with saves in flight (async: perhaps not\n"
+        "# even snapshotted yet)\n"
     )
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
     assert store.latest("exit").step == 2
