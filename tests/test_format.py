@@ -6,7 +6,7 @@ import pytest
 
 from ckptfs.checksum import crc32, crc32_combine
 from ckptfs.errors import IncompatibleVersionError, InvalidNameError, MalformedInputError, RegionFormatError
-from ckptfs.manifest import Manifest, TensorRecord, encode_tensors
+from ckptfs.manifest import EncodedTensors, Manifest, TensorRecord, encode_tensors
 from ckptfs.region.format import (SLOT_COMMITTED, ModelEntry, SlotHeader, Superblock, pack_latest,
                                   slot_layout, unpack_latest)
 from ckptfs.region.region import validate_model_name
@@ -145,3 +145,20 @@ def test_manifest_rejects_inconsistent(mutate):
     m = Manifest("m", 3, 42, 1, recs, {"list": [{"tensor": 0}, {"tensor": 1}]}, 66)
     with pytest.raises(MalformedInputError):
         Manifest.decode(mutate(m.encode()))
+
+
+@pytest.mark.parametrize("names", [
+    ["w", "b"],
+    ['crc32', '"crc32":"', 'a","crc32":"ffffffff', "\u00e9\u2713", "back\\slash\n"],  # names that look like the field
+    [],
+])
+def test_encoded_tensors_fill_crcs_byte_exact(names):
+    """The commit splices CRCs into the array encoded once per layout: the same bytes as encoding
+    the records with those CRCs."""
+    recs = tuple(TensorRecord(n, "float32", (i, 2), 64 * i, 8 * i) for i, n in enumerate(names))
+    encoded = EncodedTensors.of(recs)
+    assert encoded.text == encode_tensors(recs)
+    for crcs in ([0] * len(recs), [0xFFFFFFFF] * len(recs), [(0x9E3779B9 * (i + 1)) & 0xFFFFFFFF for i in range(len(recs))]):
+        assert encoded.with_crcs(crcs) == encode_tensors(recs, crcs)
+    with pytest.raises(ValueError):
+        encoded.with_crcs([1] * (len(recs) + 1))

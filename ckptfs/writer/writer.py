@@ -35,8 +35,8 @@ from ckptfs.checksum import crc32
 from ckptfs.chunks import Chunk, combine_piece_crcs, plan_chunks
 from ckptfs.errors import BusyError, CheckpointTooLargeError, CkptfsError
 from ckptfs.memcopy import copy_spans, default_copy_threads, host_bytes
-from ckptfs.manifest import (DTYPE_NAMES, TENSOR_ALIGN_BYTES, Manifest, TensorRecord, align_up,
-                             encode_tensors, flatten)
+from ckptfs.manifest import (DTYPE_NAMES, TENSOR_ALIGN_BYTES, EncodedTensors, Manifest, TensorRecord, align_up,
+                             flatten)
 from ckptfs.region.backend import aligned_buffer
 from ckptfs.region.format import (COUNTER_MAX, SLOT_COMMITTED, SLOT_HEADER_BYTES, SLOT_WRITING, SLOTS_MAX,
                                   SlotHeader, pack_latest, slot_layout, unpack_latest)
@@ -96,7 +96,7 @@ class _Layout:
     records: tuple[TensorRecord, ...]
     data_bytes: int
     chunks: list[Chunk]
-    tensors_json: str  # encode_tensors(records): its length sizes the index
+    tensors: EncodedTensors  # the index's tensor array: its length sizes the index, commit fills its CRCs
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ def _lay_out(names: list[str], tensors: list[torch.Tensor], chunk_bytes_for) -> 
         records.append(TensorRecord(name, DTYPE_NAMES[t.dtype], tuple(t.shape), offset, nbytes))
         offset += nbytes
     return _Layout(tuple(records), offset, plan_chunks(records, offset, chunk_bytes_for(offset)),
-                   encode_tensors(records))
+                   EncodedTensors.of(records))
 
 
 def _byte_source(t: torch.Tensor) -> torch.Tensor:
@@ -304,7 +304,7 @@ class Writer:
                          layout.data_bytes)
         # The probe has the widest counter, so its index is at least as long as the real one:
         # its length fixes the slot layout, and the real index is encoded once, at commit.
-        _, data_offset, need = slot_layout(probe.encoded_length(layout.tensors_json), layout.data_bytes)
+        _, data_offset, need = slot_layout(probe.encoded_length(layout.tensors.text), layout.data_bytes)
         entry = self._ensure_model(need)
         if need > entry.slot_bytes:
             raise CheckpointTooLargeError(
@@ -640,7 +640,7 @@ class Writer:
             return
         region = self.region
         manifest = job.manifest
-        raw = manifest.encode(encode_tensors(manifest.tensors, [combine_piece_crcs(p) for p in job.piece_crcs]))
+        raw = manifest.encode(job.layout.tensors.with_crcs([combine_piece_crcs(p) for p in job.piece_crcs]))
         moff, doff = SLOT_HEADER_BYTES, job.data_offset
         if len(raw) > doff - moff:
             raise CkptfsError(f"the index of {self.model} step {job.step} outgrew its reserved space; "
