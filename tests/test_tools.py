@@ -45,10 +45,13 @@ def test_train_emulator_runs_and_verifies(tmp_path, mode):
              "--json", str(out))
     result = json.loads(out.read_text())
     runs = result["runs"]
-    assert sorted((r["N"], r["f"]) for r in runs) == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    # every configuration by ckptfs and by the raw floor it is compared with
+    assert sorted((r["system"], r["N"], r["f"]) for r in runs) == [
+        (system, n, f) for system in ("ckptfs", "raw") for n in (1, 2) for f in (1, 2)]
     for r in runs:
         assert "failed" not in r and not r["errors"], r
         assert r["verified"] is True and r["checkpoints"] == 4 // r["f"]
     rows = result["summary"][mode]["rows"]
-    assert all("overhead" in r and "pred" in r for r in rows)
+    assert len(rows) == 4
+    assert all("overhead" in r and "pred" in r and r["floor"] is not None for r in rows)
     assert not os.listdir(tmp_path / "e"), "train_emulator left files behind"

@@ -26,6 +26,7 @@ See tools/README.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import itertools
 import math
@@ -44,6 +45,7 @@ sys.path.insert(1, os.path.dirname(_HERE))
 import torch  # noqa: E402
 
 import _bench_common as bc  # noqa: E402
+from _raw_checkpointer import RawCheckpointer  # noqa: E402
 
 
 def ints(s: str) -> list[int]:
@@ -94,6 +96,30 @@ class Emulator:
         return bc.writer_kwargs(n, a.persist_threads, a.chunk_mib * bc.MiB if a.chunk_mib else None,
                                 a.staging_mib * bc.MiB if a.staging_mib else None)
 
+    @contextlib.contextmanager
+    def _checkpointer(self, system: str, n: int):
+        """(writer, verify) for one run: ckptfs, or the raw floor (tools/_raw_checkpointer.py).
+        ``verify()`` says whether the last save holds the state as it is now."""
+        if system == "ckptfs":
+            store, path = self._open_store(n)
+            try:
+                with store.writer("emu", **self._writer_kw(n)) as w:
+                    yield w, lambda: bc.states_equal(store.load("emu"), self.state)
+            finally:
+                store.close()
+                bc.remove(path)
+            return
+        self.region_seq += 1
+        path = os.path.join(self.root, f"raw-{self.region_seq}.bin")
+        w = RawCheckpointer(self.tensors, n, path, chunk_bytes=(self.a.chunk_mib or 64) * bc.MiB,
+                            write_threads=self.a.persist_threads or 2)
+        try:
+            yield w, lambda: w.read_back(w.saves - 1) == b"".join(
+                t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in self.tensors)
+        finally:
+            w.close()
+            bc.remove(path)
+
     def calibrate(self) -> dict[str, float]:
         """Isolated saves (N=1, nothing else running): snapshot stall s and persist time T_w0."""
         store, path = self._open_store(1)
@@ -115,9 +141,8 @@ class Emulator:
             bc.remove(path)
         return {"stall_s": bc.median(stalls), "tw0_s": bc.median(durs), "stalls": stalls, "durables": durs}
 
-    def run(self, n: int, f: int, iters: int, mode: str) -> dict[str, Any]:
+    def run(self, n: int, f: int, iters: int, mode: str, system: str = "ckptfs") -> dict[str, Any]:
         a = self.a
-        store, path = self._open_store(n)
         calls: list[float] = []
         rets: list[float] = []
         done: dict[int, float] = {}
@@ -134,62 +159,58 @@ class Emulator:
                     errors.append(f"{type(fut.exception()).__name__}: {fut.exception()}")
             return cb
 
-        try:
-            with store.writer("emu", **self._writer_kw(n)) as w:
-                # warm-up: the first save creates the model ring; then fill every slot of the
-                # ring once (first writes into a sparse region allocate blocks) and fault in the
-                # staging pool, so that the loop measures the steady state
-                for k in range(self.a.warmup if self.a.warmup >= 0 else n + 2):
-                    w.save(self.state, step=k)
-                w.wait()
-                first_step = max(self.a.warmup if self.a.warmup >= 0 else n + 2, 1)
+        verified = None
+        with self._checkpointer(system, n) as (w, verify):
+            # warm-up: the first save creates the model ring; then fill every slot of the
+            # ring once (first writes into a sparse region allocate blocks) and fault in the
+            # staging pool, so that the loop measures the steady state
+            for k in range(self.a.warmup if self.a.warmup >= 0 else n + 2):
+                w.save(self.state, step=k)
+            w.wait()
+            first_step = max(self.a.warmup if self.a.warmup >= 0 else n + 2, 1)
 
-                def do_save(step: int, async_snapshot: bool) -> None:
-                    k = len(calls)
-                    calls.append(time.perf_counter())
-                    rets.append(float("nan"))
-                    fut = w.save(self.state, step=step, async_snapshot=async_snapshot)
+            def do_save(step: int, async_snapshot: bool) -> None:
+                k = len(calls)
+                calls.append(time.perf_counter())
+                rets.append(float("nan"))
+                fut = w.save(self.state, step=step, async_snapshot=async_snapshot)
 
-                    def snapshotted(_, k=k):
-                        rets[k] = time.perf_counter()
-                    fut.snapshotted.add_done_callback(snapshotted)
-                    futs.append(fut)
-                    fut.add_done_callback(on_done(k))
+                def snapshotted(_, k=k):
+                    rets[k] = time.perf_counter()
+                fut.snapshotted.add_done_callback(snapshotted)
+                futs.append(fut)
+                fut.add_done_callback(on_done(k))
 
-                overlap = mode == "overlap"
-                pending = False
-                upd = slept = called = 0.0
-                t0 = time.perf_counter()
-                for i in range(iters):
-                    s = time.perf_counter()
-                    time.sleep(a.t)  # compute: in overlap mode the last snapshot runs meanwhile
-                    slept += time.perf_counter() - s
-                    if pending:
-                        w0 = time.perf_counter()
-                        w.wait_snapshot()  # the optimizer step must not run before the snapshot
-                        exposed.append(time.perf_counter() - w0)
-                        pending = False
-                    u = time.perf_counter()
-                    self._update()
-                    upd += time.perf_counter() - u
-                    if (i + 1) % f == 0:
-                        c = time.perf_counter()
-                        do_save(first_step + i + 1, async_snapshot=overlap)
-                        called += time.perf_counter() - c
-                        if overlap:
-                            pending = True
-                        else:
-                            exposed.append(time.perf_counter() - c)
-                loop_s = time.perf_counter() - t0
-                t_drain = time.perf_counter()
-                w.wait()
-                drain_s = time.perf_counter() - t_drain
-            verified = None
+            overlap = mode == "overlap"
+            pending = False
+            upd = slept = called = 0.0
+            t0 = time.perf_counter()
+            for i in range(iters):
+                s = time.perf_counter()
+                time.sleep(a.t)  # compute: in overlap mode the last snapshot runs meanwhile
+                slept += time.perf_counter() - s
+                if pending:
+                    w0 = time.perf_counter()
+                    w.wait_snapshot()  # the optimizer step must not run before the snapshot
+                    exposed.append(time.perf_counter() - w0)
+                    pending = False
+                u = time.perf_counter()
+                self._update()
+                upd += time.perf_counter() - u
+                if (i + 1) % f == 0:
+                    c = time.perf_counter()
+                    do_save(first_step + i + 1, async_snapshot=overlap)
+                    called += time.perf_counter() - c
+                    if overlap:
+                        pending = True
+                    else:
+                        exposed.append(time.perf_counter() - c)
+            loop_s = time.perf_counter() - t0
+            t_drain = time.perf_counter()
+            w.wait()
+            drain_s = time.perf_counter() - t_drain
             if a.verify and iters % f == 0:
-                verified = bc.states_equal(store.load("emu"), self.state)
-        finally:
-            store.close()
-            bc.remove(path)
+                verified = verify()
         # T_w of checkpoint k: from when it could start (its call, or the completion of the
         # checkpoint N places earlier, whose in-flight permit it waits for) to durable.
         tws = []
@@ -208,7 +229,7 @@ class Emulator:
             if k >= n and (k - n) in done:
                 start = max(start, done[k - n])
             snaps.append(max(0.0, rets[k] - start))
-        return {"N": n, "f": f, "mode": mode, "iters": iters, "loop_s": loop_s, "drain_s": drain_s,
+        return {"system": system, "N": n, "f": f, "mode": mode, "iters": iters, "loop_s": loop_s, "drain_s": drain_s,
                 "checkpoints": len(calls), "tw_s": sum(tws) / len(tws) if tws else float("nan"), "tw_med_s": bc.median(tws),
                 "tw_max_s": max(tws) if tws else None, "tws": tws, "stall_s": bc.median(stalls),
                 "snap_s": sum(snaps) / len(snaps) if snaps else float("nan"), "update_s": upd / iters,
@@ -265,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--q", type=float, default=1.03, help="acceptable slowdown for f* (eq. 3)")
     ap.add_argument("--target", type=float, default=0.03, help="overhead target at the smallest stall-free f")
     ap.add_argument("--mode", choices=["sync", "overlap", "both"], default="sync")
+    ap.add_argument("--peer", choices=["raw", "none"], default="raw",
+                    help="raw: run every configuration also with the raw floor (tools/_raw_checkpointer.py: "
+                         "copy + O_DIRECT write + fdatasync, nothing else), so ckptfs's own share of the "
+                         "overhead is measured in the same run")
     ap.add_argument("--warmup", type=int, default=-1,
                     help="saves before each timed run (default N+2: every slot of the ring written once)")
     ap.add_argument("--calib", type=int, default=3, help="isolated saves for s and T_w0")
@@ -284,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         a.state_mib, a.iters, a.f, a.n, a.calib = 64, 20, "1,5", "1,2", 2
     fs, ns = ints(a.f), ints(a.n)
     modes = ["sync", "overlap"] if a.mode == "both" else [a.mode]
+    systems = ["ckptfs"] + (["raw"] if a.peer == "raw" else [])
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         print("--device cuda: CUDA is not available here", file=sys.stderr)
         return 2
@@ -316,20 +342,21 @@ def main(argv: list[str] | None = None) -> int:
         runs = []
         # whole rounds over the configurations: a slow spell of the shared disk then hits one
         # run of several configurations, not every run of one
-        for rnd, mode, n, f in itertools.product(range(a.repeat), modes, ns, fs):
+        # (the peer right after ckptfs, so both meet the same state of the machine)
+        for rnd, mode, n, f, system in itertools.product(range(a.repeat), modes, ns, fs, systems):
             try:
-                r = emu.run(n, f, a.iters, mode)
+                r = emu.run(n, f, a.iters, mode, system)
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
-                r = {"N": n, "f": f, "mode": mode, "failed": f"{type(e).__name__}: {e}"}
+                r = {"system": system, "N": n, "f": f, "mode": mode, "failed": f"{type(e).__name__}: {e}"}
             bases.append(emu.baseline(a.iters))
             r["base_loop_s"] = [bases[-2], bases[-1]]
             r["round"] = rnd
             runs.append(r)
             if "failed" in r:
-                print(f"  {mode} N={n} f={f}: FAILED {r['failed']}", flush=True)
+                print(f"  {system:6s} {mode} N={n} f={f}: FAILED {r['failed']}", flush=True)
             else:
-                print(f"  {mode} N={n} f={f:>2}: loop {r['loop_s']:.2f} s (baseline {bases[-2]:.2f}/"
+                print(f"  {system:6s} {mode} N={n} f={f:>2}: loop {r['loop_s']:.2f} s (baseline {bases[-2]:.2f}/"
                       f"{bases[-1]:.2f} s), {r['checkpoints']} ckpts, T_w {bc.fmt_s(r['tw_s'])}, "
                       f"save() {bc.fmt_s(r['stall_s'])}, update {bc.fmt_s(r['update_s'])} "
                       f"(baseline {bc.fmt_s(emu.last_update_s)}), sleep {bc.fmt_s(r['sleep_s'])} "
@@ -346,7 +373,12 @@ def main(argv: list[str] | None = None) -> int:
                 r["t_iter_s"] = base / a.iters
                 r["overhead"] = r["loop_s"] / base - 1.0
                 r["noise"] = abs(r["base_loop_s"][0] - r["base_loop_s"][1]) / base
-            mruns = combine_rounds(done)
+            mruns = combine_rounds([r for r in done if r["system"] == "ckptfs"])
+            floors = {(r["N"], r["f"]): r for r in combine_rounds([r for r in done if r["system"] == "raw"])}
+            for r in mruns:
+                floor = floors.get((r["N"], r["f"]))
+                r["floor"] = floor["overhead"] if floor else None
+                r["floor_runs"] = floor["overheads"] if floor else None
             for r in mruns:
                 r["pred"], r["regime"] = predict(r["tw_s"], r["snap_s"], r["N"], r["f"], r["t_iter_s"], a.t, mode)
                 r["fits"] = r["tw_s"] <= r["N"] * r["f"] * r["t_iter_s"]
@@ -373,13 +405,15 @@ def main(argv: list[str] | None = None) -> int:
                 mark = ""
                 if r.get("target_row"):
                     mark = f"<- target: {'PASS' if r['target_ok'] else 'FAIL'} (<= {a.target * 100:g} %)"
+                floor = "-" if r["floor"] is None else f"{r['floor'] * 100:+.1f} %"
+                own = "-" if r["floor"] is None else f"{(r['overhead'] - r['floor']) * 100:+.1f} %"
                 rows.append([r["N"], r["f"], r["checkpoints"], f"{r['overhead'] * 100:+.1f} %",
-                             " ".join(f"{o * 100:+.1f}" for o in r["overheads"]),
+                             " ".join(f"{o * 100:+.1f}" for o in r["overheads"]), floor, own,
                              f"±{r['noise'] * 100:.1f}", f"{r['pred'] * 100:+.1f} %", r["regime"],
                              bc.fmt_s(r["tw_s"]), bc.fmt_s(r["tw_max_s"]),
                              bc.fmt_s(r["N"] * r["f"] * r["t_iter_s"]), bc.fmt_s(r["snap_s"]),
                              bc.fmt_s(r["exposed_s"]), "" if r["verified"] in (None, True) else "MISMATCH", mark])
-            print(bc.table(["N", "f", "ckpts", "overhead", "runs", "noise", "model", "regime", "T_w mean", "T_w max",
+            print(bc.table(["N", "f", "ckpts", "overhead", "runs", "raw floor", "ckptfs own", "noise", "model", "regime", "T_w mean", "T_w max",
                             "N·f·t", "snapshot", "exposed", "", ""], rows))
             fs_line = ", ".join(f"N={n}: T_w={bc.fmt_s(twn[n])} -> f*={fstar[n]}" for n in sorted(fstar))
             print(f"f* = ceil(T_w/(N·q·t)), q = {a.q}: {fs_line}; N* = argmin T_w/N = {nstar}"
@@ -391,7 +425,9 @@ def main(argv: list[str] | None = None) -> int:
         results["calibration"] = cal
         results["runs"] = runs
         print(f"\noverhead: loop time / mean of the baselines run just before and after − 1, median of the "
-              f"{a.repeat} run(s) listed under 'runs' (noise: median difference of the two baselines); model: max(T_w/(N·f·t) − 1, s/(f·t)), s = snapshot time of that run "
+              f"{a.repeat} run(s) listed under 'runs' (noise: median difference of the two baselines); raw floor: the "
+              f"same loop checkpointing with tools/_raw_checkpointer.py (copy + O_DIRECT write + fdatasync, nothing "
+              f"else), median of its runs; ckptfs own: overhead − raw floor; model: max(T_w/(N·f·t) − 1, s/(f·t)), s = snapshot time of that run "
               f"(in overlap mode max(0, s − t_sleep)); exposed: mean stall the loop saw per checkpoint. "
               f"wall {time.perf_counter() - t_start:.0f} s")
     finally:
