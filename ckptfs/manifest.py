@@ -224,7 +224,7 @@ class EncodedTensors:
         if len(crcs) != len(self.crc_at):
             raise ValueError(f"{len(crcs)} CRCs for {len(self.crc_at)} tensor records")
         parts, done = [], 0
-        for at, crc in zip(self.crc_at, crcs):
+        for at, crc in zip(self.crc_at, crcs, strict=True):
             parts += (self.text[done:at], f"{crc & 0xFFFFFFFF:08x}")
             done = at + 8
         parts.append(self.text[done:])

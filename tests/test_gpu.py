@@ -43,6 +43,17 @@ def test_cuda_snapshot_sees_queued_kernels_and_not_later_ones(store):
     assert torch.equal(store.load("gpu-order")["w"], torch.ones(1 << 20))
 
 
+def save_between_two_updates(w, t: torch.Tensor, sleep_cycles: int) -> None:
+    """A long kernel and an update queued before an async save, another update once the snapshot
+    is taken: the saved version must hold the first update and not the second."""
+    torch.cuda._sleep(sleep_cycles)
+    t.add_(1.0)
+    fut = w.save({"w": t}, step=1, async_snapshot=True)
+    w.wait_snapshot()
+    t.add_(1.0)
+    fut.result()
+
+
 def test_cuda_async_snapshot_follows_the_callers_own_stream(store):
     """The snapshot waits for the caller's current stream, even when it is not the default one
     (the snapshot thread's own current stream would not see the caller's work)."""
@@ -50,12 +61,7 @@ def test_cuda_async_snapshot_follows_the_callers_own_stream(store):
     side = torch.cuda.Stream()
     with store.writer("own-stream", chunk_bytes=1 << 20) as w:
         with torch.cuda.stream(side):
-            torch.cuda._sleep(100_000_000)  # keeps the update below pending for a while
-            w_gpu.add_(1.0)
-            fut = w.save({"w": w_gpu}, step=1, async_snapshot=True)
-            w.wait_snapshot()
-            w_gpu.add_(1.0)
-        fut.result()
+            save_between_two_updates(w, w_gpu, 100_000_000)
     assert torch.equal(store.load("own-stream")["w"], torch.ones(1 << 20))
 
 
@@ -86,10 +92,5 @@ def test_cuda_async_snapshot_of_tensors_on_a_second_device(store):
     with torch.cuda.device(1):
         w_gpu = torch.zeros(8 << 20, device="cuda")
         with store.writer("second", chunk_bytes=4 << 20) as w:
-            torch.cuda._sleep(50_000_000)
-            w_gpu.add_(1.0)
-            fut = w.save({"w": w_gpu}, step=1, async_snapshot=True)
-            w.wait_snapshot()
-            w_gpu.add_(1.0)
-            fut.result()
+            save_between_two_updates(w, w_gpu, 50_000_000)
     assert torch.equal(store.load("second")["w"], torch.ones(8 << 20))
