@@ -328,9 +328,10 @@ class _Walk:
 
     It runs on every save (a synchronous one on the caller's thread, right after the caller's
     own work, when the interpreter's caches are cold: a 32-tensor dict costs 5x its warm time
-    then), so it does each thing once: exact types are dispatched on first (isinstance against torch.Tensor goes through
-    its metaclass), the path is a stack joined only for a tensor's name or a message, and each
-    tensor's attributes are read once for the checks, the tied-weight key and the signature.
+    then), so it does each thing once: exact types are dispatched on first (isinstance against
+    torch.Tensor goes through its metaclass), the path is a stack joined only for a tensor's name
+    or a message, and each tensor's attributes are read once for the checks, the tied-weight key,
+    the signature and the devices.
     """
 
     __slots__ = ("tensors", "names", "signature", "devices", "_taken", "_seen", "_active", "_path")

@@ -82,11 +82,15 @@ class Emulator:
         return time.perf_counter() - t0
 
     # ----------------------------------------------------------------- ckptfs plumbing
+    def _new_path(self, name: str) -> str:
+        """A path for one run's region or file, never used before in this run of the tool."""
+        self.region_seq += 1
+        return os.path.join(self.root, f"{name}-{self.region_seq}")
+
     def _open_store(self, n: int):
         import ckptfs
 
-        self.region_seq += 1
-        path = os.path.join(self.root, f"region-{self.region_seq}.ckptfs")
+        path = self._new_path("region")
         size = int(self.nbytes * (n + 3) * 1.15) + 256 * bc.MiB
         size = (size + bc.MiB - 1) // bc.MiB * bc.MiB
         return ckptfs.Store.create(path, size_bytes=size), path
@@ -109,8 +113,7 @@ class Emulator:
                 store.close()
                 bc.remove(path)
             return
-        self.region_seq += 1
-        path = os.path.join(self.root, f"raw-{self.region_seq}.bin")
+        path = self._new_path("raw")
         w = RawCheckpointer(self.tensors, n, path, chunk_bytes=(self.a.chunk_mib or 64) * bc.MiB,
                             write_threads=self.a.persist_threads or 2)
         try:

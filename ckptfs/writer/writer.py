@@ -108,7 +108,10 @@ class _SavePlan:
     flat: object  # manifest.Flattened
     layout: _Layout
     data_offset: int  # where the tensor bytes start within the slot
-    cuda: bool
+
+    @property
+    def cuda_devices(self) -> set[int]:
+        return {d.index for d in self.flat.devices if d.type == "cuda"}
 
 
 @dataclass
@@ -311,7 +314,7 @@ class Writer:
                 f"this checkpoint of {self.model!r} needs {need} bytes but its slots hold {entry.slot_bytes}; "
                 f"remove the model (`ckptfs rm {self.model}`) and save again (slots are sized at the first save), "
                 "or pass a larger slot_bytes when the model is first created")
-        return _SavePlan(entry, step, flat, layout, data_offset, any(d.type == "cuda" for d in flat.devices))
+        return _SavePlan(entry, step, flat, layout, data_offset)
 
     def _start(self, future: "SaveFuture", plan: _SavePlan, started: float, background: bool = False,
                mark: CallerMark | None = None) -> None:
@@ -321,7 +324,7 @@ class Writer:
         copies start (see writer.cuda)."""
         entry, layout = plan.entry, plan.layout
         try:
-            pool = self._pool(plan.cuda, layout.data_bytes)
+            pool = self._pool(bool(plan.cuda_devices), layout.data_bytes)
             if not self._permits.acquire(timeout=self.timeout_s):
                 raise BusyError(f"{self.max_inflight} saves of {self.model!r} still in flight after {self.timeout_s} s")
         except BaseException as e:
@@ -343,7 +346,7 @@ class Writer:
         self._progress.start(counter, plan.step, sum(c.length for c in layout.chunks))
         self._queue.put(("prepare", job))
         try:
-            self._snapshot_gated(job, plan.flat.tensors, pool, mark)
+            self._snapshot_gated(job, plan, pool, mark)
         except BaseException as e:
             self._fail(job, e)
             raise
@@ -494,16 +497,15 @@ class Writer:
             self._pools[cuda] = StagingPool(chunk, max(budget, chunk), pinned=cuda)
         return self._pools[cuda]
 
-    def _snapshot_gated(self, job: _InFlight, tensors: list[torch.Tensor], pool: StagingPool,
-                        mark: CallerMark | None) -> None:
+    def _snapshot_gated(self, job: _InFlight, plan: _SavePlan, pool: StagingPool, mark: CallerMark | None) -> None:
         with self._write_gate:
             self._snapshots_running += 1
         try:
-            cuda_devices = {t.device.index for t in tensors if t.is_cuda}
+            cuda_devices = plan.cuda_devices
             if cuda_devices:
-                self._snapshot_cuda(job, tensors, pool, cuda_devices, mark)
+                self._snapshot_cuda(job, plan.flat.tensors, pool, cuda_devices, mark)
             else:
-                self._snapshot_host(job, [_byte_source(t) for t in tensors], pool)
+                self._snapshot_host(job, [_byte_source(t) for t in plan.flat.tensors], pool)
         finally:
             with self._write_gate:
                 self._snapshots_running -= 1
@@ -531,28 +533,24 @@ class Writer:
         # A thread's current device starts as 0: without this, registering the pinned buffers
         # from the snapshot thread would make a context on GPU 0 in every rank of a job.
         with torch.cuda.device(min(devices)):
-            self._snapshot_cuda_on(job, tensors, pool, devices, mark)
-
-    def _snapshot_cuda_on(self, job: _InFlight, tensors: list[torch.Tensor], pool: StagingPool,
-                          devices: set[int], mark: CallerMark | None) -> None:
-        streams = self._side_streams.ordered_after_caller(devices, mark)
-        sources = []
-        for t in tensors:
-            if t.is_cuda:
-                # a view that must be made contiguous is copied on the side stream, after the
-                # caller's work, like the rest of the snapshot
-                with torch.cuda.stream(streams[t.device.index]):
+            streams = self._side_streams.ordered_after_caller(devices, mark)
+            sources = []
+            for t in tensors:
+                if t.is_cuda:
+                    # a view that must be made contiguous is copied on the side stream, after the
+                    # caller's work, like the rest of the snapshot
+                    with torch.cuda.stream(streams[t.device.index]):
+                        sources.append(_byte_source(t))
+                else:
                     sources.append(_byte_source(t))
-            else:
-                sources.append(_byte_source(t))
-        pending = []
-        for chunk in job.layout.chunks:
-            buf = pool.acquire(self.timeout_s)
-            events = copy_chunk_pieces(buf.tensor, chunk.pieces, sources, streams)
-            pending.extend(events)
-            self._queue.put(("chunk", job, chunk, buf, pool, events, None))
-        for event in pending:
-            event.synchronize()
+            pending = []
+            for chunk in job.layout.chunks:
+                buf = pool.acquire(self.timeout_s)
+                events = copy_chunk_pieces(buf.tensor, chunk.pieces, sources, streams)
+                pending.extend(events)
+                self._queue.put(("chunk", job, chunk, buf, pool, events, None))
+            for event in pending:
+                event.synchronize()
 
     # ------------------------------------------------------------------ persist workers
     def _persist_loop(self) -> None:
