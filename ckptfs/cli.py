@@ -259,7 +259,7 @@ def info(region, as_json, step, model):
     with _open_store(region) as store:
         with store.open_version(model, _version_step(store, model, step).step) as v:
             m = v.manifest
-            files = {name: view.size for name, view in files_for(m, v.data_base).items()}
+            files = {name: view.size for name, view in files_for(m).items()}
             doc = dict(_info_dict(v.info), files=files, tensors=[
                 {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes,
                  "crc32": f"{t.crc32:08x}"} for t in m.tensors])
@@ -335,7 +335,7 @@ def export(region, step, file_name, key, model, output):
         raise CkptfsError(f"cannot write {output}: no directory {out_dir}")
     with _open_store(region) as store:
         with store.open_version(model, _version_step(store, model, step).step) as v:
-            views = files_for(v.manifest, v.data_base)
+            views = files_for(v.manifest)
             if file_name not in views:
                 raise CkptfsError(f"{model} step {v.info.step} has no {file_name}; it has: {', '.join(views)}")
             view = views[file_name]

@@ -1,12 +1,19 @@
-"""Reading versions back: restore tensors (to CPU or a device) and verify checksums.
+"""The one read path of a version's tensor bytes: every consumer (load, verify, export, the mount,
+later a tier drain) reads through :class:`VersionData`, which owns the address arithmetic (a data
+offset to a region offset) and checks each tensor's CRC32 before any of its bytes is trusted.
 
-Both walk the version's data area in chunks (the same chunking as the write path) with a few
-threads: each reads a chunk into its own page-aligned bounce buffer, bypassing the page cache,
-then copies the tensor pieces out and checksums them. Reads, copies and CRCs of different
-chunks overlap, and the CRCs cost no extra pass over the data.
+Two ways in, one rule:
+  * ``read(offset, length)``: a range of the data area, zero-copy from the shared mapping. Every
+    tensor the range touches is checksummed whole on first touch (then remembered: a committed
+    version cannot change while pinned), so damaged bytes never leave as if they were data;
+  * ``scan(on_chunk)``: the whole data area in chunks (the write path's chunking) with a few
+    threads, each reading a chunk into its own page-aligned bounce buffer bypassing the page
+    cache; the CRCs are taken as the chunks stream by, at no extra pass over the data. Load and
+    verify use it.
 """
 from __future__ import annotations
 
+import bisect
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -17,8 +24,7 @@ import torch
 from ckptfs.checksum import crc32
 from ckptfs.chunks import Chunk, combine_piece_crcs, plan_chunks
 from ckptfs.errors import CorruptionError
-from ckptfs.manifest import Manifest, unflatten
-from ckptfs.region.region import Region
+from ckptfs.manifest import Manifest, TensorRecord, unflatten
 from ckptfs.writer.staging import StagingBuffer
 
 READ_CHUNK_BYTES = 32 << 20
@@ -40,11 +46,102 @@ class VerifyProblem:
         return f"{where}: {self.message}"
 
 
-def scan(region: Region, data_base: int, manifest: Manifest,
-         on_chunk: Callable[[StagingBuffer, Chunk], None],
-         progress: Callable[[int], None] | None = None) -> list[int]:
-    """Read every chunk of a version's data, call ``on_chunk(buffer, chunk)`` for each, and
-    return the CRC32 of every tensor as read."""
+class VersionData:
+    """The data area of one version, which the caller keeps pinned while it reads.
+
+    ``checked`` (indices of tensors already found intact) may be shared by several opens of the
+    same version (the mount shares one per version), so a version is checksummed once, not once
+    per open. Thread-safe."""
+
+    def __init__(self, region, data_base: int, manifest: Manifest, checked: set[int] | None = None):
+        self._region = region
+        self._data_base = data_base
+        self.manifest = manifest
+        self._checked: set[int] = set() if checked is None else checked
+        placed = sorted((r.offset, i) for i, r in enumerate(manifest.tensors) if r.nbytes)
+        self._starts = [offset for offset, _ in placed]
+        self._order = [i for _, i in placed]
+
+    # ------------------------------------------------------------------ ranges
+    def read(self, offset: int, length: int) -> memoryview:
+        """Bytes ``[offset, offset + length)`` of the data area, zero-copy; CorruptionError
+        naming the tensor if a tensor the range touches fails its checksum."""
+        if offset < 0 or length < 0 or offset + length > self.manifest.data_bytes:
+            raise ValueError(f"read of {length} bytes at data offset {offset} is outside the "
+                             f"{self.manifest.data_bytes} bytes of {self.manifest.model} step {self.manifest.step}")
+        self._check_range(offset, length)
+        return self._region.backend.view(self._data_base + offset, length)
+
+    def _check_range(self, offset: int, length: int) -> None:
+        i = max(bisect.bisect_right(self._starts, offset) - 1, 0)
+        tensors = self.manifest.tensors
+        while i < len(self._order) and self._starts[i] < offset + length:
+            index = self._order[i]
+            record = tensors[index]
+            if index not in self._checked and offset < record.offset + record.nbytes:
+                with self._region.backend.view(self._data_base + record.offset, record.nbytes) as view:
+                    crc = crc32(view)
+                self._expect(index, crc)
+            i += 1
+
+    def _expect(self, index: int, crc: int) -> None:
+        record = self.manifest.tensors[index]
+        if crc != record.crc32:
+            raise CorruptionError(self.damage_message(record))
+        self._checked.add(index)
+
+    def damage_message(self, record: TensorRecord) -> str:
+        m = self.manifest
+        return (f"tensor {record.name!r} of {m.model} step {m.step} fails its checksum; the stored bytes are "
+                "damaged: use another version (`ckptfs ls`) and run `ckptfs verify`")
+
+    # ------------------------------------------------------------------ streaming
+    def scan(self, on_chunk: Callable[[StagingBuffer, Chunk], None] | None = None,
+             progress: Callable[[int], None] | None = None) -> list[tuple[TensorRecord, int]]:
+        """Read the whole data area chunk by chunk, calling ``on_chunk(buffer, chunk)`` for each;
+        return (record, CRC as read) of every tensor whose bytes fail their checksum (the intact
+        ones are remembered as checked)."""
+        crcs = _scan(self._region, self._data_base, self.manifest, on_chunk, progress)
+        bad = []
+        for index, (record, crc) in enumerate(zip(self.manifest.tensors, crcs, strict=True)):
+            if crc == record.crc32:
+                self._checked.add(index)
+            else:
+                bad.append((record, crc))
+        return bad
+
+    def restore(self, map_location="cpu", verify: bool = True):
+        """The saved object, with every tensor on ``map_location``; CorruptionError naming the
+        first damaged tensor (when ``verify``)."""
+        m = self.manifest
+        tensors = [torch.empty(r.shape, dtype=r.torch_dtype) for r in m.tensors]
+        targets = [t.reshape(-1).view(torch.uint8) if t.numel() else None for t in tensors]
+
+        def copy_out(buf: StagingBuffer, chunk: Chunk) -> None:
+            for p in chunk.pieces:
+                targets[p.tensor][p.tensor_start:p.tensor_start + p.length].copy_(
+                    buf.tensor[p.buffer_start:p.buffer_start + p.length])
+
+        bad = self.scan(copy_out)
+        if verify and bad:
+            raise CorruptionError(self.damage_message(bad[0][0]))
+        device = torch.device(map_location) if map_location is not None else torch.device("cpu")
+        if device.type != "cpu":
+            moved = [t.pin_memory().to(device, non_blocking=True) for t in tensors]
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            tensors = moved
+        return unflatten(m.skeleton, tensors)
+
+    def verify(self, progress: Callable[[int], None] | None = None) -> list[VerifyProblem]:
+        """Recompute every tensor's CRC from the region; one problem per mismatching tensor."""
+        return [VerifyProblem(self.manifest.model, self.manifest.step, r.name,
+                              f"checksum mismatch (stored {r.crc32:08x}, computed {crc:08x})")
+                for r, crc in self.scan(None, progress)]
+
+
+def _scan(region, data_base: int, manifest: Manifest, on_chunk, progress) -> list[int]:
+    """The CRC32 of every tensor as read, chunk by chunk through bounce buffers."""
     chunks = plan_chunks(manifest.tensors, manifest.data_bytes, READ_CHUNK_BYTES)
     buffer_bytes = max((c.length for c in chunks), default=0)
     piece_crcs: list[list[tuple[int, int, int]]] = [[] for _ in manifest.tensors]
@@ -59,11 +156,11 @@ def scan(region: Region, data_base: int, manifest: Manifest,
             with mutex:
                 buffers.append(buf)
         region.backend.read_direct(data_base + chunk.start, memoryview(buf.mapping)[:chunk.length])
-        on_chunk(buf, chunk)
-        view = memoryview(buf.mapping)
-        crcs = [(p.tensor, p.tensor_start, p.length, crc32(view[p.buffer_start:p.buffer_start + p.length]))
-                for p in chunk.pieces]
-        view.release()
+        if on_chunk is not None:
+            on_chunk(buf, chunk)
+        with memoryview(buf.mapping) as view:
+            crcs = [(p.tensor, p.tensor_start, p.length, crc32(view[p.buffer_start:p.buffer_start + p.length]))
+                    for p in chunk.pieces]
         with mutex:
             for tensor, start, n, crc in crcs:
                 piece_crcs[tensor].append((start, n, crc))
@@ -74,48 +171,10 @@ def scan(region: Region, data_base: int, manifest: Manifest,
         if len(chunks) <= 1:
             for chunk in chunks:
                 work(chunk)
-            return [combine_piece_crcs(p) for p in piece_crcs]
-        with ThreadPoolExecutor(min(READ_THREADS, len(chunks)), thread_name_prefix="ckptfs-read") as pool:
-            list(pool.map(work, chunks))
+        else:
+            with ThreadPoolExecutor(min(READ_THREADS, len(chunks)), thread_name_prefix="ckptfs-read") as pool:
+                list(pool.map(work, chunks))
     finally:
         for buf in buffers:
             buf.close()
     return [combine_piece_crcs(p) for p in piece_crcs]
-
-
-def restore(region: Region, data_base: int, manifest: Manifest, map_location="cpu", verify: bool = True):
-    """The saved object, with every tensor on ``map_location``.
-
-    Raises CorruptionError naming the first tensor whose bytes fail their CRC (when ``verify``).
-    """
-    tensors = [torch.empty(r.shape, dtype=r.torch_dtype) for r in manifest.tensors]
-    targets = [t.reshape(-1).view(torch.uint8) if t.numel() else None for t in tensors]
-
-    def copy_out(buf: StagingBuffer, chunk: Chunk) -> None:
-        for p in chunk.pieces:
-            targets[p.tensor][p.tensor_start:p.tensor_start + p.length].copy_(
-                buf.tensor[p.buffer_start:p.buffer_start + p.length])
-
-    crcs = scan(region, data_base, manifest, copy_out)
-    if verify:
-        for record, crc in zip(manifest.tensors, crcs):
-            if crc != record.crc32:
-                raise CorruptionError(
-                    f"tensor {record.name!r} of {manifest.model} step {manifest.step} fails its checksum; "
-                    "the stored bytes are damaged: load another version (`ckptfs ls`) and run `ckptfs verify`")
-    device = torch.device(map_location) if map_location is not None else torch.device("cpu")
-    if device.type != "cpu":
-        moved = [t.pin_memory().to(device, non_blocking=True) for t in tensors]
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        tensors = moved
-    return unflatten(manifest.skeleton, tensors)
-
-
-def verify_version(region: Region, data_base: int, manifest: Manifest,
-                   progress: Callable[[int], None] | None = None) -> list[VerifyProblem]:
-    """Recompute every tensor's CRC from the region; one problem per mismatching tensor."""
-    crcs = scan(region, data_base, manifest, lambda buf, chunk: None, progress)
-    return [VerifyProblem(manifest.model, manifest.step, r.name,
-                          f"checksum mismatch (stored {r.crc32:08x}, computed {crc:08x})")
-            for r, crc in zip(manifest.tensors, crcs) if crc != r.crc32]

@@ -10,7 +10,7 @@ from typing import Callable
 
 from ckptfs.errors import BusyError, CorruptionError, NotFoundError, RegionFormatError
 from ckptfs.manifest import Manifest
-from ckptfs.reader import VerifyProblem, restore, verify_version
+from ckptfs.reader import VerifyProblem, VersionData
 from ckptfs.region.format import COUNTER_MAX, SUPERBLOCK_BYTES, Superblock
 from ckptfs.region.region import Region, SlotVersion
 from ckptfs.writer.progress import read_progress
@@ -42,24 +42,27 @@ class VersionInfo:
 
 
 class Version:
-    """A pinned version: its slot cannot be reused until ``close``."""
+    """A pinned version: its slot cannot be reused until ``close``. Its bytes are read through
+    ``data`` (ckptfs.reader.VersionData: checked, data-relative offsets)."""
 
-    def __init__(self, store: "Store", slot_version: SlotVersion, manifest: Manifest, latest: bool):
+    def __init__(self, store: "Store", slot_version: SlotVersion, manifest: Manifest, latest: bool,
+                 checked: set[int] | None = None):
         self._store = store
         self._slot_version = slot_version
         self.manifest = manifest
-        self.data_base = slot_version.data_base
+        self.data = VersionData(store.region, slot_version.data_base, manifest, checked)
         h = slot_version.header
         self.info = VersionInfo(slot_version.entry.name, h.step, h.counter, slot_version.slot, h.time_ns,
                                 h.data_bytes, latest)
         self._open = True
 
     def read(self, offset: int, length: int) -> memoryview:
-        """Zero-copy view of region bytes (absolute offset), e.g. ``data_base + record.offset``."""
-        return self._store.read_region(offset, length)
+        """Bytes of the data area (``record.offset`` is such an offset), zero-copy; every tensor
+        touched is checked against its CRC first (CorruptionError names a damaged one)."""
+        return self.data.read(offset, length)
 
     def load(self, map_location="cpu", verify: bool = True):
-        return restore(self._store.region, self.data_base, self.manifest, map_location, verify)
+        return self.data.restore(map_location, verify)
 
     def close(self) -> None:
         if self._open:
@@ -177,8 +180,10 @@ class Store:
         return v, latest is not None and latest.slot == v.slot and latest.header.counter == v.header.counter
 
     # ------------------------------------------------------------------ reading
-    def open_version(self, model: str, step: int | None = None) -> Version:
-        """Pin and open a version (``step`` None: the latest). Close it to release the pin."""
+    def open_version(self, model: str, step: int | None = None, *, checked: set[int] | None = None) -> Version:
+        """Pin and open a version (``step`` None: the latest). Close it to release the pin.
+        ``checked``: tensors already found intact by an earlier open of the same version (see
+        ckptfs.reader.VersionData)."""
         for _ in range(PIN_RETRIES):
             v, is_latest = self._find(model, step)
             if self.region.pin(v):
@@ -187,15 +192,12 @@ class Store:
                 except BaseException:
                     self.region.unpin(v)
                     raise
-                return Version(self, v, manifest, is_latest)
+                return Version(self, v, manifest, is_latest, checked)
             if step is not None:
                 # That version was claimed for rewriting between the listing and the pin.
                 raise NotFoundError(f"version {step} of {model!r} is gone (its slot was reused)")
             time.sleep(0.001)
         raise BusyError(f"could not pin the latest version of {model!r}: it kept changing; try again")
-
-    def read_region(self, offset: int, length: int) -> memoryview:
-        return self.region.backend.view(offset, length)
 
     def load(self, model: str, step: int | None = None, map_location="cpu", verify: bool = True):
         """The saved object of a version (``step`` None: latest), tensors on ``map_location``.
@@ -247,7 +249,7 @@ class Store:
                     continue  # reused since listing: nothing left to verify
                 try:
                     manifest = self.region.read_manifest(v)
-                    problems += verify_version(self.region, v.data_base, manifest, progress)
+                    problems += VersionData(self.region, v.data_base, manifest).verify(progress)
                 except CorruptionError as e:
                     problems.append(VerifyProblem(name, v.header.step, None, str(e)))
                 finally:

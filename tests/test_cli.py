@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save as st_save, save_file
 
 import ckptfs
+from ckptfs.errors import CorruptionError
 from ckptfs.cli import main as cli_main
 from conftest import assert_same
 from conftest_mount import (CLI, TOY_MODEL, TOY_STEPS, force_unmount, make_toy_region, requires_fuse,
@@ -170,22 +171,44 @@ def test_status(capsys, toy_region):
     assert code == 0 and "256.0 MiB" in out and TOY_MODEL in out and "no saves in flight" in out
 
 
-def test_verify_passes_then_catches_a_flipped_byte(capsys, fresh_region):
-    code, out, _ = run(capsys, "verify", "--region", fresh_region)
-    assert code == 0 and out.startswith("ok")
-    with ckptfs.Store(fresh_region) as s, s.open_version(TOY_MODEL, 200) as v:
-        rec = next(t for t in v.manifest.tensors if t.name == "model.big")
-        where = v.data_base + rec.offset + 1000
-    fd = os.open(fresh_region, os.O_RDWR)
+def flip_a_tensor_byte(region: str, model: str, step: int, tensor: str) -> None:
+    """Damage one byte inside ``tensor`` of a version, behind ckptfs's back."""
+    with ckptfs.Store(region) as s:
+        version = next(v for v in s.region.committed(s.region.get(model)) if v.header.step == step)
+        rec = next(t for t in s.region.read_manifest(version).tensors if t.name == tensor)
+        where = version.data_base + rec.offset + 1000
+    fd = os.open(region, os.O_RDWR)
     try:
         os.pwrite(fd, bytes([os.pread(fd, 1, where)[0] ^ 0x40]), where)
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def test_verify_passes_then_catches_a_flipped_byte(capsys, fresh_region):
+    code, out, _ = run(capsys, "verify", "--region", fresh_region)
+    assert code == 0 and out.startswith("ok")
+    flip_a_tensor_byte(fresh_region, TOY_MODEL, 200, "model.big")
     code, out, err = run(capsys, "verify", "--region", fresh_region, TOY_MODEL, "--step", "200")
     assert code == 1 and "model.big" in err and "checksum mismatch" in err
     assert run(capsys, "verify", "--region", fresh_region, TOY_MODEL, "--step", "300")[0] == 0
     assert run(capsys, "verify", "--region", fresh_region)[0] == 1
+
+
+@pytest.mark.parametrize("output", ["x.pt", "x.safetensors", "model.safetensors"])
+def test_export_of_a_damaged_version_fails_like_load_and_leaves_no_file(capsys, fresh_region, tmp_path, output):
+    flip_a_tensor_byte(fresh_region, TOY_MODEL, 200, "model.big")
+    with ckptfs.Store(fresh_region) as s, pytest.raises(CorruptionError) as loaded:
+        s.load(TOY_MODEL, 200)
+    args = ["--key", "model"] if output == "model.safetensors" else []
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    code, out, err = run(capsys, "export", "--region", fresh_region, "--step", "200", *args, TOY_MODEL,
+                         out_dir / output)
+    assert code != 0 and "model.big" in one_error_line(err) and str(loaded.value) in err
+    assert os.listdir(out_dir) == [], "a damaged export left a file behind"
+    # the intact neighbour still exports
+    assert run(capsys, "export", "--region", fresh_region, "--step", "300", *args, TOY_MODEL, out_dir / output)[0] == 0
 
 
 def test_export(capsys, toy_region, tmp_path):

@@ -208,9 +208,9 @@ def test_random_fault_campaign():
 
 def test_the_fault_oracle_catches_unchecked_reads(pristine, tmp_path, monkeypatch):
     # A reader that skipped its checksums would return damaged bytes: the oracle must say so.
-    import ckptfs.store as store_module
-    real_restore = store_module.restore
-    monkeypatch.setattr(store_module, "restore", lambda r, base, m, loc="cpu", verify=True: real_restore(r, base, m, loc, False))
+    from ckptfs.reader import VersionData
+    real_restore = VersionData.restore
+    monkeypatch.setattr(VersionData, "restore", lambda self, loc="cpu", verify=True: real_restore(self, loc, False))
     site = _site(pristine, "tensor", step=20, tensor="model.w")
     victim = str(tmp_path / "v.region")
     copy_sparse(pristine, victim)

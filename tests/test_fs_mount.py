@@ -94,7 +94,7 @@ def test_tree_names_sizes_times_and_links(toy, store):
         d = os.path.join(model_dir, vdir(step))
         assert stat.S_ISDIR(os.stat(d).st_mode)
         with store.open_version(TOY_MODEL, step) as v:
-            views = files_for(v.manifest, v.data_base)
+            views = files_for(v.manifest)
             time_ns = v.info.time_ns
         assert os.listdir(d) == list(views)
         assert {"checkpoint.pt", "state.safetensors", "model.safetensors", "optim.safetensors",

@@ -26,7 +26,6 @@ class FakeVersion:
     def __init__(self, store, info):
         self.store, self.info = store, info
         self.manifest = info  # the fake files_for only needs the identity
-        self.data_base = 0
         self.closed = False
 
     def read(self, offset, length):
@@ -69,7 +68,7 @@ class FakeStore:
             raise E.NotFoundError(model)
         return sorted(self.table[model].values(), key=lambda i: i.step)
 
-    def open_version(self, model, step=None):
+    def open_version(self, model, step=None, checked=None):
         info = self.table.get(model, {}).get(step)
         if info is None:
             raise E.NotFoundError(f"{model} {step}")
@@ -88,7 +87,7 @@ class FakeStore:
         return {"region_bytes": 1 << 30, "used_bytes": 1 << 20}
 
 
-def fake_files_for(info, data_base):
+def fake_files_for(info):
     """checkpoint.pt: a literal header + 1000 region bytes; sizes depend on the counter."""
     header = f"v{info.counter}".encode()
     return {"checkpoint.pt": View([Literal(header), _extent(0, 1000)]),
@@ -312,14 +311,14 @@ def test_a_version_is_checksummed_once_per_mount_not_once_per_open(tmp_path, mon
     import torch
 
     import ckptfs
-    import ckptfs.fs.tree as tree_mod
+    import ckptfs.reader as reader_mod
 
     with ckptfs.Store.create(str(tmp_path / "r.region"), size_bytes=64 << 20) as store:
         with store.writer("m") as w:
             w.save({"a": torch.arange(1000.0), "b": torch.ones(3000)}, step=1).result()
         calls = []
-        real_crc32 = tree_mod.crc32
-        monkeypatch.setattr(tree_mod, "crc32", lambda data: calls.append(len(data)) or real_crc32(data))
+        real_crc32 = reader_mod.crc32
+        monkeypatch.setattr(reader_mod, "crc32", lambda data: calls.append(len(data)) or real_crc32(data))
         tree = Tree(store)
         version_dir = tree.lookup(tree.lookup(ROOT_INODE, "m").ino, "step-00000001")
         node = tree.lookup(version_dir.ino, "state.safetensors")

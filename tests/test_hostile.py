@@ -108,9 +108,9 @@ def exercise(path):
                     pass
                 try:
                     with store.open_version(model, info.step) as v:
-                        for name, view in files_for(v.manifest, v.data_base).items():
+                        for name, view in files_for(v.manifest).items():
                             assert view.size >= 0
-                            view.read(0, min(view.size, 1 << 16), lambda o, n: bytes(store.read_region(o, n)))
+                            view.read(0, min(view.size, 1 << 16), lambda o, n: bytes(v.read(o, n)))
                 except CkptfsError:
                     pass
     finally:
@@ -407,7 +407,7 @@ def import_store(tmp_path_factory):
 
 
 def _region_metadata(store):
-    return bytes(store.read_region(0, store.region.superblock.data_offset))
+    return bytes(store.region.backend.view(0, store.region.superblock.data_offset))
 
 
 @SETTINGS

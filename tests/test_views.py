@@ -1,7 +1,7 @@
 """Views: torch zip, safetensors and metadata.json synthesized from a manifest.
 
 Each test stores a real object the way the writer does (``flatten``, tensor bytes at 64-byte
-aligned offsets after a junk prefix so that a wrong ``data_base`` shows, CRC32 per tensor),
+aligned offsets after a junk prefix so that an offset that is not data-relative shows, CRC32 per tensor),
 builds views from the manifest alone, materializes them through ``read_region`` and checks them
 with the real consumers: torch.load, safetensors, zipfile, unzip.
 """
@@ -53,8 +53,9 @@ class Stored:
     data_base: int
 
     def read_region(self, offset: int, length: int) -> memoryview:
-        assert 0 <= offset and offset + length <= len(self.region), (offset, length)
-        return memoryview(self.region)[offset:offset + length]
+        """What ``Version.read`` does: a data offset to bytes of the data area."""
+        assert 0 <= offset and self.data_base + offset + length <= len(self.region), (offset, length)
+        return memoryview(self.region)[self.data_base + offset:self.data_base + offset + length]
 
     def materialize(self, view: View) -> bytes:
         return b"".join(bytes(b) for b in view.iter_blocks(self.read_region))
@@ -225,7 +226,7 @@ def test_extent_rejects_negative():
 
 def test_iter_blocks_splits_extents():
     stored = lay_out({"w": torch.arange(40, dtype=torch.int32)})
-    view = safetensors_view(stored.manifest, stored.data_base)
+    view = safetensors_view(stored.manifest)
     blocks = list(view.iter_blocks(stored.read_region, block_bytes=7))
     assert all(len(b) <= 7 for b in blocks[1:])
     assert b"".join(bytes(b) for b in blocks) == view.read(0, view.size, stored.read_region)
@@ -234,7 +235,7 @@ def test_iter_blocks_splits_extents():
 def test_read_at_random_offsets_equals_slicing_every_file():
     stored = lay_out(rich_object())
     rng = random.Random(1234)
-    for name, view in files_for(stored.manifest, stored.data_base).items():
+    for name, view in files_for(stored.manifest).items():
         whole = stored.materialize(view)
         assert len(whole) == view.size, name
         for _ in range(150):
@@ -250,7 +251,7 @@ def test_read_at_random_offsets_equals_slicing_every_file():
 def test_safetensors_header_is_byte_exact():
     stored = lay_out({"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([1, 2, 3], dtype=torch.int8)},
                    model="m", step=5)
-    view = safetensors_view(stored.manifest, stored.data_base)
+    view = safetensors_view(stored.manifest)
     expected_header = (
         b'{"__metadata__":{"format":"pt","model":"m","step":"5"},'
         b'"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},'
@@ -258,7 +259,7 @@ def test_safetensors_header_is_byte_exact():
         b"       ")
     assert len(expected_header) == 168
     assert view.segments[0] == Literal(b"\xa8\x00\x00\x00\x00\x00\x00\x00" + expected_header)
-    assert view.segments[1:] == (Extent(192, 8), Extent(192 + 64, 3))
+    assert view.segments[1:] == (Extent(0, 8), Extent(64, 3))  # offsets in the data area
     assert stored.materialize(view)[176:] == b"\x00\x00\x80?\x00\x00\x00@\x01\x02\x03"
 
 
@@ -268,7 +269,7 @@ def test_safetensors_every_dtype_round_trips(tmp_path):
            "scalar": torch.tensor(2.5, dtype=torch.float64),
            "empty": torch.empty(3, 0, dtype=torch.bfloat16)}
     stored = lay_out(obj)
-    path = stored.write(safetensors_view(stored.manifest, stored.data_base), tmp_path / "s.safetensors")
+    path = stored.write(safetensors_view(stored.manifest), tmp_path / "s.safetensors")
     loaded = load_file(path)
     unsupported = {"complex128", "complex32", "f4_scalar"}
     assert sorted(loaded) == sorted(set(obj) - unsupported)
@@ -287,37 +288,37 @@ def test_safetensors_per_key_view_tied_weights_and_names(tmp_path):
     obj = {"model": {"emb.weight": w, "head.weight": w, "blocks": [{"b": torch.ones(2)}]},
            "optim": {"step": torch.tensor(3.0)}, "__metadata__": torch.zeros(1)}
     stored = lay_out(obj)
-    full = load_file(stored.write(safetensors_view(stored.manifest, stored.data_base), tmp_path / "a"))
+    full = load_file(stored.write(safetensors_view(stored.manifest), tmp_path / "a"))
     assert sorted(full) == ["__metadata__#1", "model.blocks.0.b", "model.emb.weight",
                             "model.head.weight", "optim.step"]
-    model = load_file(stored.write(safetensors_view(stored.manifest, stored.data_base, key="model"),
+    model = load_file(stored.write(safetensors_view(stored.manifest, key="model"),
                                    tmp_path / "m"))
     assert sorted(model) == ["blocks.0.b", "emb.weight", "head.weight"]
     assert_same(w, model["emb.weight"])
     assert_same(w, model["head.weight"])
-    view = safetensors_view(stored.manifest, stored.data_base, key="model")
+    view = safetensors_view(stored.manifest, key="model")
     assert view.segments[1] == view.segments[2]  # the tied tensor: one extent, twice
-    optim = safetensors_view(stored.manifest, stored.data_base, key="optim")
+    optim = safetensors_view(stored.manifest, key="optim")
     assert b'"step":{"dtype":"F32","shape":[]' in optim.segments[0].data
 
 
 def test_safetensors_top_level_tensor_keeps_its_key_and_metadata_is_merged(tmp_path):
     stored = lay_out({"w": torch.ones(3)})
-    view = safetensors_view(stored.manifest, stored.data_base, key="w",
+    view = safetensors_view(stored.manifest, key="w",
                             metadata={"step": "x", "a": "1"})
     path = stored.write(view, tmp_path / "w.safetensors")
     with safe_open(path, "pt") as f:
         assert f.keys() == ["w"]
         assert f.metadata() == {"a": "1", "format": "pt", "model": "gpt2", "step": "x"}
     with pytest.raises(TypeError):
-        safetensors_view(stored.manifest, stored.data_base, metadata={"n": 1})
+        safetensors_view(stored.manifest, metadata={"n": 1})
 
 
 def test_safetensors_none_when_nothing_qualifies():
     stored = lay_out({"c": torch.zeros(2, dtype=torch.complex128), "n": 1})
-    assert safetensors_view(stored.manifest, stored.data_base) is None
-    assert safetensors_view(stored.manifest, stored.data_base, key="n") is None
-    assert safetensors_view(lay_out({"n": 1}).manifest, 0) is None
+    assert safetensors_view(stored.manifest) is None
+    assert safetensors_view(stored.manifest, key="n") is None
+    assert safetensors_view(lay_out({"n": 1}).manifest) is None
 
 
 # --------------------------------------------------------------------------------------------
@@ -338,7 +339,7 @@ def tiny_object():
 
 def test_torch_zip_first_member_is_byte_exact():
     stored = lay_out(tiny_object())
-    data = stored.materialize(torch_zip_view(stored.manifest, stored.data_base))
+    data = stored.materialize(torch_zip_view(stored.manifest))
     local_header = (b"PK\x03\x04" b"\x00\x00" b"\x08\x08" + bytes(18) + b"\x13\x00\x0f\x00"
                     b"checkpoint/data.pkl" b"FB\x0b\x00" + b"Z" * 11)
     assert data[:64] == local_header
@@ -356,7 +357,7 @@ def test_torch_zip_first_member_is_byte_exact():
 def test_torch_zip_equals_torch_save_but_for_the_serialization_id(tmp_path, make):
     obj = make()
     stored = lay_out(obj)
-    ours = stored.materialize(torch_zip_view(stored.manifest, stored.data_base))
+    ours = stored.materialize(torch_zip_view(stored.manifest))
     torch.save(obj, tmp_path / "checkpoint.pt")
     theirs = (tmp_path / "checkpoint.pt").read_bytes()
     assert mask_serialization_id(ours, "checkpoint") == mask_serialization_id(theirs, "checkpoint")
@@ -366,7 +367,7 @@ def test_torch_zip_equals_torch_save_but_for_the_serialization_id(tmp_path, make
 
 def test_torch_zip_members_and_alignment():
     stored = lay_out(rich_object())
-    view = torch_zip_view(stored.manifest, stored.data_base, archive_name="archive")
+    view = torch_zip_view(stored.manifest, archive_name="archive")
     data = stored.materialize(view)
     zf = zipfile.ZipFile(io.BytesIO(data))
     names = zf.namelist()
@@ -389,7 +390,7 @@ def test_torch_zip_members_and_alignment():
 def test_torch_load_weights_only_round_trip(tmp_path, mmap):
     obj = rich_object()
     stored = lay_out(obj)
-    path = stored.write(torch_zip_view(stored.manifest, stored.data_base), tmp_path / "checkpoint.pt")
+    path = stored.write(torch_zip_view(stored.manifest), tmp_path / "checkpoint.pt")
     loaded = torch.load(path, weights_only=True, mmap=mmap)
     assert_same(obj, loaded)
     assert loaded["tied_a"] is loaded["tied_b"]
@@ -404,14 +405,14 @@ def test_torch_load_with_computed_storage_offsets(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_SERIALIZATION_DEBUG", "1")
     obj = rich_object()
     stored = lay_out(obj)
-    path = stored.write(torch_zip_view(stored.manifest, stored.data_base), tmp_path / "c.pt")
+    path = stored.write(torch_zip_view(stored.manifest), tmp_path / "c.pt")
     assert_same(obj, torch.load(path, weights_only=True, mmap=True))
     assert_same(obj, torch.load(path, weights_only=True))
 
 
 def test_zip_tools_accept_the_archive(tmp_path):
     stored = lay_out(rich_object())
-    path = stored.write(torch_zip_view(stored.manifest, stored.data_base), tmp_path / "checkpoint.pt")
+    path = stored.write(torch_zip_view(stored.manifest), tmp_path / "checkpoint.pt")
     subprocess.run([sys.executable, "-m", "zipfile", "-t", path], check=True, capture_output=True)
     if shutil.which("unzip") is None:
         pytest.skip("unzip is not installed")
@@ -423,7 +424,7 @@ def test_torch_zip_rejects_bad_archive_names():
     manifest = lay_out({"a": 1}).manifest
     for bad in ["", "a/b", "a\\b", "a\0", "ckpt\u2713"]:
         with pytest.raises(ValueError):
-            torch_zip_view(manifest, 0, archive_name=bad)
+            torch_zip_view(manifest, archive_name=bad)
 
 
 def test_contiguous_strides_match_torch():
@@ -444,8 +445,8 @@ def test_zip64_for_a_tensor_over_4_gib(tmp_path, monkeypatch):
     skeleton = {"dict": [[{"str": "big"}, {"tensor": 0}], [{"str": "small"}, {"tensor": 1}]]}
     manifest = Manifest("huge", 1, 1, TIME_NS, records, skeleton, offset_small + small)
     zeros = lambda offset, length: bytes(length)
-    view = torch_zip_view(manifest, 1 << 20)
-    assert Extent(1 << 20, big) in view.segments
+    view = torch_zip_view(manifest)
+    assert Extent(0, big) in view.segments
 
     zf = zipfile.ZipFile(ViewFile(view, zeros))
     big_info, small_info = zf.getinfo("checkpoint/data/0"), zf.getinfo("checkpoint/data/1")
@@ -528,7 +529,7 @@ def test_files_for_names_and_order(tmp_path):
            "a/b": torch.ones(1), "state": torch.ones(1), "": torch.ones(1), "step": 3,
            "c128": torch.zeros(1, dtype=torch.complex128), "a_b": torch.zeros(1)}
     stored = lay_out(obj)
-    files = files_for(stored.manifest, stored.data_base)
+    files = files_for(stored.manifest)
     assert list(files) == ["checkpoint.pt", "state.safetensors", "model.safetensors",
                            "optim.safetensors", "a_b.safetensors", "metadata.json"]
     a_b = load_file(stored.write(files["a_b.safetensors"], tmp_path / "a_b.safetensors"))
@@ -538,17 +539,17 @@ def test_files_for_names_and_order(tmp_path):
 
 
 def test_files_for_other_roots():
-    assert list(files_for(lay_out([torch.ones(1), {"k": torch.ones(1)}]).manifest, 0)) == [
+    assert list(files_for(lay_out([torch.ones(1), {"k": torch.ones(1)}]).manifest)) == [
         "checkpoint.pt", "state.safetensors", "metadata.json"]
-    assert list(files_for(lay_out({"step": 1}).manifest, 0)) == ["checkpoint.pt", "metadata.json"]
-    assert list(files_for(lay_out(torch.ones(1)).manifest, 0)) == [
+    assert list(files_for(lay_out({"step": 1}).manifest)) == ["checkpoint.pt", "metadata.json"]
+    assert list(files_for(lay_out(torch.ones(1)).manifest)) == [
         "checkpoint.pt", "state.safetensors", "metadata.json"]
 
 
 def test_plain_object_without_tensors_loads(tmp_path):
     obj = {"step": 3, "hist": [0.5, float("nan")], "cfg": ("a", None, True)}
     stored = lay_out(obj)
-    path = stored.write(torch_zip_view(stored.manifest, 0), tmp_path / "c.pt")
+    path = stored.write(torch_zip_view(stored.manifest), tmp_path / "c.pt")
     assert_same(obj, torch.load(path, weights_only=True))
     assert_same(obj, torch.load(path, weights_only=True, mmap=True))
 
@@ -591,7 +592,7 @@ def test_adamw_transformer_round_trip(tmp_path):
         opt.zero_grad()
     state = {"model": lm.state_dict(), "optim": opt.state_dict(), "step": 2}
     stored = lay_out(state)
-    files = files_for(stored.manifest, stored.data_base)
+    files = files_for(stored.manifest)
     path = stored.write(files["checkpoint.pt"], tmp_path / "checkpoint.pt")
     for mmap in (False, True):
         loaded = torch.load(path, weights_only=True, mmap=mmap)

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import enum
 import errno
-import bisect
 import logging
 import os
 import stat
@@ -45,8 +44,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ckptfs.checksum import crc32
-from ckptfs.errors import CorruptionError
 from ckptfs.fs.errors import read_only
 
 log = logging.getLogger("ckptfs.fs")
@@ -107,22 +104,18 @@ class _Model:
 class OpenFile:
     """An open file: its version stays pinned until :meth:`close`.
 
-    Tensor bytes are checked before any of them is handed out: the first read that touches a
-    tensor checksums the whole tensor and a mismatch is CorruptionError, EIO for the reader --
-    damaged bytes never leave the mount as if they were data. ``checked`` (indices of tensors
-    already found intact) may be shared by every open file of one version, so a version is
-    checksummed once per mount rather than once per open: its bytes cannot change while it is
-    committed, and re-checking would checksum the page cache, not the device."""
+    Reads go through ``Version.read`` (ckptfs.reader.VersionData), which checks every tensor it
+    hands out against its CRC: damaged bytes never leave the mount as if they were data
+    (CorruptionError, EIO for the reader). The tree opens every version with the mount's one
+    set of tensors found intact, so a version is checksummed once per mount, not once per open:
+    its bytes cannot change while it is committed, and re-checking would checksum the page
+    cache, not the device."""
 
-    __slots__ = ("version", "view", "_starts", "_records", "_checked")
+    __slots__ = ("version", "view")
 
-    def __init__(self, version, view, checked: set[int] | None = None):
+    def __init__(self, version, view):
         self.version = version
         self.view = view
-        records = sorted((version.data_base + r.offset, r) for r in getattr(version.manifest, "tensors", ()) if r.nbytes)
-        self._starts = [start for start, _ in records]
-        self._records = [r for _, r in records]
-        self._checked: set[int] = set() if checked is None else checked
 
     @property
     def size(self) -> int:
@@ -130,39 +123,22 @@ class OpenFile:
 
     def read(self, offset: int, size: int) -> bytes:
         """Up to ``size`` bytes at ``offset``; fewer only at the end of the file."""
-        return self.view.read(offset, size, self._read_checked)
-
-    def _read_checked(self, offset: int, length: int):
-        i = max(bisect.bisect_right(self._starts, offset) - 1, 0)
-        while i < len(self._records) and self._starts[i] < offset + length:
-            if i not in self._checked:
-                r, start = self._records[i], self._starts[i]
-                if offset < start + r.nbytes:
-                    view = self.version.read(start, r.nbytes)
-                    ok = crc32(view) == r.crc32
-                    view.release()
-                    if not ok:
-                        m = self.version.manifest
-                        raise CorruptionError(f"tensor {r.name!r} of {m.model} step {m.step} fails its checksum; "
-                                              "the stored bytes are damaged (run `ckptfs verify`)")
-                    self._checked.add(i)
-            i += 1
-        return self.version.read(offset, length)
+        return self.view.read(offset, size, self.version.read)
 
     def close(self) -> None:
         self.version.close()
 
 
-def _default_files_for(manifest, data_base):
+def _default_files_for(manifest):
     from ckptfs.views import files_for
 
-    return files_for(manifest, data_base)
+    return files_for(manifest)
 
 
 class Tree:
     """The inode table and the name space of one mount, backed by a Store.
 
-    ``files_for(manifest, data_base) -> dict[name, View]`` defaults to ``ckptfs.views.files_for``;
+    ``files_for(manifest) -> dict[name, View]`` defaults to ``ckptfs.views.files_for``;
     ``clock`` is ``time.monotonic`` (tests pass their own).
     """
 
@@ -282,7 +258,7 @@ class Tree:
         if version.info.counter != info.counter:  # the slot was reused since the snapshot
             self.refresh(force=True)
             raise FileNotFoundError(errno.ENOENT, f"{info.model} step {info.step} was replaced")
-        return dict(self._files_for(version.manifest, version.data_base))
+        return dict(self._files_for(version.manifest))
 
     def _live(self, node: Node) -> None:
         """Raise ENOENT if ``node`` is no longer in the snapshot."""
@@ -376,13 +352,13 @@ class Tree:
             raise OSError(errno.EINVAL, "cannot open a symbolic link")
         self.refresh()
         self._version(node.model, node.step)
-        version = self.store.open_version(node.model, node.step)
+        checked = self._checked.setdefault((node.model, node.step, node.counter), set())
+        version = self.store.open_version(node.model, node.step, checked=checked)
         try:
             if version.info.counter != node.counter:
                 raise FileNotFoundError(errno.ENOENT, f"{node.name}: its version was replaced")
             views = self._views(node.model, node.step, version)[1]
-            checked = self._checked.setdefault((node.model, node.step, node.counter), set())
-            return OpenFile(version, views[node.name], checked)
+            return OpenFile(version, views[node.name])
         except BaseException:
             version.close()
             raise

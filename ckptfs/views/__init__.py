@@ -1,12 +1,14 @@
 """Standard files synthesized from a checkpoint's manifest, as segment lists (views).
 
 A view is computed from the manifest alone, never from tensor bytes: literal header bytes and
-extents of the region where the tensors live. The FUSE filesystem and ``ckptfs export`` serve
-``View.read(offset, size, read_region)`` / ``View.iter_blocks(read_region)`` from it.
+extents of the version's data area (offsets as in ``TensorRecord.offset``). The FUSE filesystem
+and ``ckptfs export`` serve ``View.read(offset, size, version.read)`` /
+``View.iter_blocks(version.read)`` from it: ``Version.read`` (ckptfs.reader.VersionData) is the
+one place that turns a data offset into a region address and checks the tensors' CRCs.
 
 What the views rely on from the write path: every ``TensorRecord`` holds its tensor's bytes,
-contiguous, in the writing machine's byte order, at ``data_base + offset``, and its ``crc32``
-is the CRC32 of exactly those ``nbytes`` bytes (0 for an empty tensor).
+contiguous, in the writing machine's byte order, at ``offset`` in the data area, and its
+``crc32`` is the CRC32 of exactly those ``nbytes`` bytes (0 for an empty tensor).
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ _RESERVED = {CHECKPOINT_FILE, STATE_FILE, METADATA_FILE}
 _NAME_MAX = 255  # bytes, Linux NAME_MAX
 
 
-def files_for(manifest: Manifest, data_base: int) -> dict[str, View]:
+def files_for(manifest: Manifest) -> dict[str, View]:
     """Every file of a version directory, by name, in listing order.
 
     ``checkpoint.pt``; ``state.safetensors`` if any tensor can be stored in it;
@@ -37,15 +39,15 @@ def files_for(manifest: Manifest, data_base: int) -> dict[str, View]:
     tensor (the key made into a safe file name, or left out when it cannot be, see
     ``key_file_name``); ``metadata.json``.
     """
-    files = {CHECKPOINT_FILE: torch_zip_view(manifest, data_base)}
-    state = safetensors_view(manifest, data_base)
+    files = {CHECKPOINT_FILE: torch_zip_view(manifest)}
+    state = safetensors_view(manifest)
     if state is not None:
         files[STATE_FILE] = state
     for key in _top_level_tensor_keys(manifest):
         name = key_file_name(key)
         if name is None or name in files or name in _RESERVED:
             continue
-        view = safetensors_view(manifest, data_base, key=key)
+        view = safetensors_view(manifest, key=key)
         if view is not None:
             files[name] = view
     files[METADATA_FILE] = metadata_json_view(manifest)

@@ -33,7 +33,7 @@ SKIPPED_KEY = "ckptfs.skipped"
 _HEADER_ALIGN = 8
 
 
-def safetensors_view(manifest: Manifest, data_base: int, *, key: str | None = None,
+def safetensors_view(manifest: Manifest, *, key: str | None = None,
                      metadata: Mapping[str, str] | None = None) -> View | None:
     """The safetensors file of ``manifest``'s tensors, or None when no tensor qualifies.
 
@@ -62,7 +62,7 @@ def safetensors_view(manifest: Manifest, data_base: int, *, key: str | None = No
     builder = ViewBuilder()
     builder.literal(_encode_header(header))
     for _, rec in kept:
-        builder.extent(data_base + rec.offset, rec.nbytes)
+        builder.extent(rec.offset, rec.nbytes)
     return builder.build()
 
 

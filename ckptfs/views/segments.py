@@ -1,9 +1,9 @@
 """A view: a synthesized file described as an ordered list of segments.
 
-A segment is either ``Literal`` bytes (headers, pickles, JSON) or an ``Extent`` of the region
-(absolute offset and length of tensor bytes). A view is computed from a manifest alone; bytes
+A segment is either ``Literal`` bytes (headers, pickles, JSON) or an ``Extent`` of the version's
+data area (offset and length of tensor bytes). A view is computed from a manifest alone; bytes
 are fetched only when someone reads, through a ``read_region(offset, length)`` callable that
-returns a bytes-like object of exactly ``length`` bytes (a memoryview of the mapping, typically).
+returns a bytes-like object of exactly ``length`` bytes (``Version.read``: checked, zero-copy).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class Literal:
 
 @dataclass(frozen=True)
 class Extent:
-    """``length`` bytes of the region starting at absolute region offset ``offset``."""
+    """``length`` bytes of the version's data area starting at data offset ``offset``."""
 
     offset: int
     length: int

@@ -67,17 +67,17 @@ _FB_EXTRA_HEADER = 4  # "FB" + u16 length
 
 @dataclass(frozen=True)
 class _Entry:
-    """One archive member: literal ``data``, or ``size`` bytes at ``region_offset``."""
+    """One archive member: literal ``data``, or ``size`` bytes at ``data_offset`` of the version."""
 
     name: str
     size: int
     crc: int
     data: bytes | None = None
-    region_offset: int = 0
+    data_offset: int = 0
 
 
-def torch_zip_view(manifest: Manifest, data_base: int, *, archive_name: str = "checkpoint") -> View:
-    """The torch.save zip of the checkpoint; its tensor entries are extents of the region.
+def torch_zip_view(manifest: Manifest, *, archive_name: str = "checkpoint") -> View:
+    """The torch.save zip of the checkpoint; its tensor entries are extents of the version's data area.
 
     ``torch.load(..., weights_only=True)`` (with or without ``mmap=True``) on the bytes gives
     back the saved object: same containers (dict / OrderedDict / list / tuple), key order and
@@ -92,7 +92,7 @@ def torch_zip_view(manifest: Manifest, data_base: int, *, archive_name: str = "c
         _literal(".storage_alignment", str(STORAGE_ALIGNMENT).encode()),
         # Tensor bytes are stored as the writing machine holds them in memory.
         _literal("byteorder", sys.byteorder.encode()),
-        *(_tensor(key, manifest.tensors[index], data_base) for key, index in enumerate(storage_order)),
+        *(_tensor(key, manifest.tensors[index]) for key, index in enumerate(storage_order)),
         _literal("version", b"3\n"),
     ]
     entries.append(_literal(".data/serialization_id", _serialization_id(archive_name, entries)))
@@ -109,8 +109,8 @@ def _literal(name: str, data: bytes) -> _Entry:
     return _Entry(name, len(data), crc32(data), data)
 
 
-def _tensor(key: int, record: TensorRecord, data_base: int) -> _Entry:
-    return _Entry(f"data/{key}", record.nbytes, record.crc32, None, data_base + record.offset)
+def _tensor(key: int, record: TensorRecord) -> _Entry:
+    return _Entry(f"data/{key}", record.nbytes, record.crc32, None, record.offset)
 
 
 def _serialization_id(archive_name: str, entries: list[_Entry]) -> bytes:
@@ -212,7 +212,7 @@ def _zip_view(archive_name: str, entries: list[_Entry]) -> View:
         zip64 = _zip64_extra(entry.size, header_offset)
         builder.literal(_local_header(name, entry, zip64, header_offset))
         if entry.data is None:
-            builder.extent(entry.region_offset, entry.size)
+            builder.extent(entry.data_offset, entry.size)
         else:
             builder.literal(entry.data)
         if entry.size:
