@@ -7,7 +7,7 @@ import torch
 
 import ckptfs
 from ckptfs.errors import BusyError
-from ckptfs.writer.writer import Writer
+from ckptfs.region.ring import Claim
 from conftest import mp_context
 
 
@@ -15,13 +15,13 @@ from conftest import mp_context
 def held_commits(monkeypatch):
     """Every commit waits until the returned event is set (saves stay in flight)."""
     gate = threading.Event()
-    original = Writer._commit
+    original = Claim.commit
 
-    def held_commit(self, job):
+    def held_commit(self, *args, **kwargs):
         gate.wait(10)
-        original(self, job)
+        return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(Writer, "_commit", held_commit)
+    monkeypatch.setattr(Claim, "commit", held_commit)
     yield gate
     gate.set()
 
@@ -53,14 +53,14 @@ def test_n_in_flight_and_backpressure(store, held_commits):
 
 def test_older_commit_never_replaces_newer(store, monkeypatch):
     release_old = threading.Event()
-    original = Writer._commit
+    original = Claim.commit
 
-    def ordered_commit(self, job):
-        if job.step == 1:
+    def ordered_commit(self, *args, **kwargs):
+        if self.step == 1:
             release_old.wait(10)  # the older checkpoint finishes last
-        original(self, job)
+        return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(Writer, "_commit", ordered_commit)
+    monkeypatch.setattr(Claim, "commit", ordered_commit)
     with store.writer("ooo", max_inflight=2, slots=4) as w:
         old, new = w.save(state(1), step=1), w.save(state(2), step=2)
         assert new.result().published

@@ -1,4 +1,5 @@
-"""A formatted region: the model table, slot rings, the latest pointers, pins and claims.
+"""A formatted region: the model table, the latest pointers and counters, slot headers as read,
+pins, and removal. The slot lifecycle of a save (claim, commit, publish) is ckptfs.region.ring.
 
 Concurrency model (several processes may open one region):
   * the model table changes rarely (a new model, a removed model) under an exclusive OFD lock;
@@ -11,7 +12,6 @@ Concurrency model (several processes may open one region):
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import stat
@@ -28,9 +28,12 @@ from ckptfs.checksum import crc32
 from ckptfs.region.backend import Backend, aligned_buffer, open_backend
 from ckptfs.region.format import (COUNTER_MAX, COUNTER_WORD_OFFSET, ENTRY_BYTES, ENTRY_STATIC_OFFSET,
                                   LATEST_WORD_OFFSET, NAME_MAX_BYTES, SLOT_COMMITTED,
-                                  SLOT_HEADER_BYTES, SUPERBLOCK_BYTES, SUPERBLOCK_MAGIC, ModelEntry, SlotHeader,
+                                  SLOT_HEADER_BYTES, SUPERBLOCK_BYTES, ModelEntry, SlotHeader,
                                   Superblock, unpack_latest, _align)
+from ckptfs.region.events import Subscribers
 from ckptfs.region.locks import META_LOCK_OFFSET, LockSpace, slot_lock_offset
+from ckptfs.region.mkfs import format_in_place, format_new_file, make_sparse_file, refuse_to_overwrite
+from ckptfs.region.ring import Committed, Ring
 
 log = logging.getLogger("ckptfs")
 
@@ -87,6 +90,7 @@ class Region:
             self.backend.close()
             raise
         self._meta_mutex = threading.Lock()
+        self.commits: Subscribers[Committed] = Subscribers("the commits of " + path)
 
     def _backup_superblock_offset(self) -> int:
         return self.backend.size_bytes - SUPERBLOCK_BYTES
@@ -142,23 +146,28 @@ class Region:
             raise RegionFormatError(f"{path} is a directory; a region is a file or a device: give a file path "
                                     f"such as {os.path.join(path, 'ckptfs.region')}")
         if exists and not force:
-            _refuse_to_overwrite(path, special)
+            refuse_to_overwrite(path, special)
         if special:
-            _format_in_place(path, size_bytes)
+            format_in_place(path, size_bytes)
             return cls(path)
         size_bytes = DEFAULT_REGION_BYTES if size_bytes is None else size_bytes
         if size_bytes < 64 << 20:
             raise ValueError(f"size_bytes={size_bytes} is too small; a region needs at least 64 MiB")
         if exists:
-            _make_sparse_file(path, size_bytes, truncate=True)
-            _format_in_place(path, None)
+            make_sparse_file(path, size_bytes, truncate=True)
+            format_in_place(path, None)
         else:
-            _format_new_file(path, size_bytes)
+            format_new_file(path, size_bytes)
         return cls(path)
 
     def close(self) -> None:
         self.pins.close()
         self.backend.close()
+
+    def ring(self, entry: ModelEntry, *, timeout_s: float) -> Ring:
+        """The slot lifecycle of ``entry``'s ring for one writer (ckptfs.region.ring); close it
+        when done. ``timeout_s``: the longest a claim waits for a free slot."""
+        return Ring(self, entry, timeout_s=timeout_s)
 
     # ---------------------------------------------------------------- model table
     def _entry_offset(self, index: int) -> int:
@@ -403,7 +412,7 @@ class Region:
         if problem is None:
             return version
         for version in reversed(self.committed(entry)):
-            if self._index_ok(version):
+            if self.index_ok(version):
                 log.warning("model %r: %s; falling back to step %d, the newest intact version",
                             entry.name, problem, version.header.step)
                 return version
@@ -423,7 +432,7 @@ class Region:
                 # was cut before the pointer reached the media (never reported durable, but
                 # complete), or the pointer word itself was zeroed. Take the newest intact one.
                 for version in reversed(self.committed(entry)):
-                    if self._index_ok(version):
+                    if self.index_ok(version):
                         return version, None
                 return None, None
             counter, slot = target
@@ -431,7 +440,7 @@ class Region:
             version = None
             if header is not None and header.state == SLOT_COMMITTED and header.counter == counter:
                 version = SlotVersion(entry, slot, header)
-                if self._index_ok(version):
+                if self.index_ok(version):
                     return version, None
             if self.latest_word(entry) == word:
                 break
@@ -441,7 +450,8 @@ class Region:
             return None, f"the latest pointer names slot {slot} counter {counter}, which does not hold it"
         return None, f"the index of the latest version (step {version.header.step}, slot {slot}) fails its checksum"
 
-    def _index_ok(self, version: SlotVersion) -> bool:
+    def index_ok(self, version: SlotVersion) -> bool:
+        """Whether the version's index matches the CRC its header holds."""
         h = version.header
         start = version.entry.slot_offset(version.slot) + h.manifest_offset
         return crc32(self.backend.view(start, h.manifest_bytes)) == h.manifest_crc
@@ -548,112 +558,3 @@ class Region:
             self.backend.barrier()
         finally:
             self.pins.release(off)
-
-
-# ------------------------------------------------------------------ formatting helpers
-_BLANK_PROBE_BYTES = 1 << 20  # where filesystems, partition tables and LVM keep their labels
-
-
-def _read_head(path: str, special: bool) -> bytes:
-    """What tells a region or data: the magic of a file (any other content is data), the first
-    MiB of a device (a devdax device has no read(): through its mapping)."""
-    if not special:
-        with open(path, "rb") as f:
-            return f.read(len(SUPERBLOCK_MAGIC))
-    backend = open_backend(path, writable=False)
-    try:
-        return bytes(backend.view(0, min(_BLANK_PROBE_BYTES, backend.size_bytes)))
-    finally:
-        backend.close()
-
-
-def _refuse_to_overwrite(path: str, special: bool) -> None:
-    """RegionFormatError unless ``path`` is an empty file or a blank device."""
-    size = None if special else os.path.getsize(path)
-    if size == 0:
-        return
-    head = _read_head(path, special)
-    if head[:len(SUPERBLOCK_MAGIC)] == SUPERBLOCK_MAGIC:
-        raise RegionFormatError(f"{path} already holds a ckptfs region; open it with Store(path), or pass "
-                                "force=True (`ckptfs mkfs --force`) to erase every checkpoint in it")
-    if special:
-        if head.count(0) != len(head):
-            raise RegionFormatError(
-                f"{path} is not blank: its first MiB holds data (a filesystem or a partition table?). "
-                "Formatting would destroy it; wipe the device first (`wipefs -a`), or pass force=True "
-                "(`ckptfs mkfs --force`)")
-        return
-    raise RegionFormatError(f"{path} exists and is not a ckptfs region ({size} bytes); formatting would "
-                            "destroy it. Choose a new path, or pass force=True (`ckptfs mkfs --force`) "
-                            "to overwrite it")
-
-
-def _make_sparse_file(path: str, size_bytes: int, *, truncate: bool, exclusive: bool = False) -> None:
-    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | (os.O_EXCL if exclusive else 0)
-    fd = os.open(path, flags, 0o644)
-    try:
-        if truncate:
-            os.ftruncate(fd, 0)  # drops the old blocks: the new region reads as zeros
-        os.ftruncate(fd, size_bytes)
-    finally:
-        os.close(fd)
-
-
-def _format_new_file(path: str, size_bytes: int) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.formatting-{os.getpid()}-{threading.get_ident()}")
-    _make_sparse_file(tmp, size_bytes, truncate=False, exclusive=True)
-    try:
-        _format_in_place(tmp, None)
-        _publish_new_file(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-    with contextlib.suppress(OSError):  # the new name is durable with its directory entry
-        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-
-
-def _publish_new_file(tmp: str, path: str) -> None:
-    """Give the formatted ``tmp`` the name ``path``, unless something has taken that name."""
-    taken = RegionFormatError(f"{path} appeared (another process created it) while this one formatted it; "
-                              "open it with Store(path)")
-    try:
-        os.link(tmp, path)  # unlike rename, fails if the name is taken
-    except FileExistsError:
-        raise taken from None
-    except OSError as e:
-        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS):
-            raise
-        # No hard links on this filesystem: rename, which leaves a short race with another creator.
-        if os.path.exists(path):
-            raise taken from None
-        os.rename(tmp, path)
-
-
-def _format_in_place(path: str, size_bytes: int | None) -> None:
-    """Superblock, empty model table and the backup superblock, on a file or device of its own size."""
-    backend = open_backend(path, writable=True)
-    try:
-        if size_bytes is not None and backend.kind != "file" and size_bytes != backend.size_bytes:
-            raise ValueError(f"{path} is a {backend.kind} device of {backend.size_bytes} bytes and a region on a "
-                             f"device takes all of it; leave size_bytes out (got {size_bytes})")
-        sb = Superblock.new(backend.size_bytes, backend.block_bytes, time.time_ns())
-        table_bytes = sb.data_offset - sb.table_offset
-        mapping = backend.mapping
-        mapping[sb.table_offset:sb.table_offset + table_bytes] = bytes(table_bytes)
-        backend.persist_mapped(sb.table_offset, table_bytes)
-        # A backup in the last 4 KiB (never given to a ring): a damaged superblock does not
-        # take every checkpoint of the region with it.
-        backup = backend.size_bytes - SUPERBLOCK_BYTES
-        mapping[backup:backup + SUPERBLOCK_BYTES] = sb.pack()
-        backend.persist_mapped(backup, SUPERBLOCK_BYTES)
-        # The superblock goes last: a half-formatted region is not recognized as one.
-        mapping[0:SUPERBLOCK_BYTES] = sb.pack()
-        backend.persist_mapped(0, SUPERBLOCK_BYTES)
-    finally:
-        backend.close()

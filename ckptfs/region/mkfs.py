@@ -1,0 +1,120 @@
+"""Formatting a region (mkfs): never destroying what is there, never showing a half-formatted one."""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import threading
+import time
+
+from ckptfs.errors import RegionFormatError
+from ckptfs.region.backend import open_backend
+from ckptfs.region.format import SUPERBLOCK_BYTES, SUPERBLOCK_MAGIC, Superblock
+
+
+_BLANK_PROBE_BYTES = 1 << 20  # where filesystems, partition tables and LVM keep their labels
+
+
+def _read_head(path: str, special: bool) -> bytes:
+    """What tells a region or data: the magic of a file (any other content is data), the first
+    MiB of a device (a devdax device has no read(): through its mapping)."""
+    if not special:
+        with open(path, "rb") as f:
+            return f.read(len(SUPERBLOCK_MAGIC))
+    backend = open_backend(path, writable=False)
+    try:
+        return bytes(backend.view(0, min(_BLANK_PROBE_BYTES, backend.size_bytes)))
+    finally:
+        backend.close()
+
+
+def refuse_to_overwrite(path: str, special: bool) -> None:
+    """RegionFormatError unless ``path`` is an empty file or a blank device."""
+    size = None if special else os.path.getsize(path)
+    if size == 0:
+        return
+    head = _read_head(path, special)
+    if head[:len(SUPERBLOCK_MAGIC)] == SUPERBLOCK_MAGIC:
+        raise RegionFormatError(f"{path} already holds a ckptfs region; open it with Store(path), or pass "
+                                "force=True (`ckptfs mkfs --force`) to erase every checkpoint in it")
+    if special:
+        if head.count(0) != len(head):
+            raise RegionFormatError(
+                f"{path} is not blank: its first MiB holds data (a filesystem or a partition table?). "
+                "Formatting would destroy it; wipe the device first (`wipefs -a`), or pass force=True "
+                "(`ckptfs mkfs --force`)")
+        return
+    raise RegionFormatError(f"{path} exists and is not a ckptfs region ({size} bytes); formatting would "
+                            "destroy it. Choose a new path, or pass force=True (`ckptfs mkfs --force`) "
+                            "to overwrite it")
+
+
+def make_sparse_file(path: str, size_bytes: int, *, truncate: bool, exclusive: bool = False) -> None:
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | (os.O_EXCL if exclusive else 0)
+    fd = os.open(path, flags, 0o644)
+    try:
+        if truncate:
+            os.ftruncate(fd, 0)  # drops the old blocks: the new region reads as zeros
+        os.ftruncate(fd, size_bytes)
+    finally:
+        os.close(fd)
+
+
+def format_new_file(path: str, size_bytes: int) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.formatting-{os.getpid()}-{threading.get_ident()}")
+    make_sparse_file(tmp, size_bytes, truncate=False, exclusive=True)
+    try:
+        format_in_place(tmp, None)
+        _publish_new_file(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    with contextlib.suppress(OSError):  # the new name is durable with its directory entry
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def _publish_new_file(tmp: str, path: str) -> None:
+    """Give the formatted ``tmp`` the name ``path``, unless something has taken that name."""
+    taken = RegionFormatError(f"{path} appeared (another process created it) while this one formatted it; "
+                              "open it with Store(path)")
+    try:
+        os.link(tmp, path)  # unlike rename, fails if the name is taken
+    except FileExistsError:
+        raise taken from None
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS):
+            raise
+        # No hard links on this filesystem: rename, which leaves a short race with another creator.
+        if os.path.exists(path):
+            raise taken from None
+        os.rename(tmp, path)
+
+
+def format_in_place(path: str, size_bytes: int | None) -> None:
+    """Superblock, empty model table and the backup superblock, on a file or device of its own size."""
+    backend = open_backend(path, writable=True)
+    try:
+        if size_bytes is not None and backend.kind != "file" and size_bytes != backend.size_bytes:
+            raise ValueError(f"{path} is a {backend.kind} device of {backend.size_bytes} bytes and a region on a "
+                             f"device takes all of it; leave size_bytes out (got {size_bytes})")
+        sb = Superblock.new(backend.size_bytes, backend.block_bytes, time.time_ns())
+        table_bytes = sb.data_offset - sb.table_offset
+        mapping = backend.mapping
+        mapping[sb.table_offset:sb.table_offset + table_bytes] = bytes(table_bytes)
+        backend.persist_mapped(sb.table_offset, table_bytes)
+        # A backup in the last 4 KiB (never given to a ring): a damaged superblock does not
+        # take every checkpoint of the region with it.
+        backup = backend.size_bytes - SUPERBLOCK_BYTES
+        mapping[backup:backup + SUPERBLOCK_BYTES] = sb.pack()
+        backend.persist_mapped(backup, SUPERBLOCK_BYTES)
+        # The superblock goes last: a half-formatted region is not recognized as one.
+        mapping[0:SUPERBLOCK_BYTES] = sb.pack()
+        backend.persist_mapped(0, SUPERBLOCK_BYTES)
+    finally:
+        backend.close()

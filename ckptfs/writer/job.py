@@ -1,0 +1,62 @@
+"""What one save carries through the writer's phases: its future, its claim and its progress."""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from ckptfs.region.ring import Claim
+from ckptfs.writer.plan import SavePlan
+
+
+class SaveFuture(Future):
+    """The future of one save; ``snapshotted`` completes (with the stall in seconds) once the
+    tensors have been copied out and may be modified."""
+
+    def __init__(self):
+        super().__init__()
+        self.snapshotted: Future = Future()
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What a completed save future returns."""
+
+    model: str
+    step: int
+    counter: int
+    slot: int
+    nbytes: int
+    published: bool  # False: a newer checkpoint was already latest when this one committed
+    stall_s: float
+    durable_s: float
+
+
+@dataclass(eq=False)
+class Job:
+    """One save between its claim and its commit (or failure)."""
+
+    claim: Claim
+    plan: SavePlan
+    future: SaveFuture
+    started: float  # perf_counter at save()
+    crc_in_snapshot: bool  # a background snapshot takes the chunks' CRCs itself (see snapshot.py)
+    chunks_left: int = 0
+    ready: threading.Event = field(default_factory=threading.Event)  # the slot may be written
+    snapshot_taken: threading.Event = field(default_factory=threading.Event)
+    piece_crcs: list = field(default_factory=list)  # per tensor: (start, length, crc) of its pieces
+    error: BaseException | None = None
+    stall_s: float = 0.0
+    mutex: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.chunks_left = len(self.plan.layout.chunks)
+        self.piece_crcs = [[] for _ in self.plan.layout.records]
+
+    @property
+    def step(self) -> int:
+        return self.plan.step
+
+    @property
+    def chunks(self):
+        return self.plan.layout.chunks

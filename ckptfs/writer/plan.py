@@ -1,0 +1,100 @@
+"""Plan phase of a save: flatten the object, lay its tensors out and size its slot; every refusal
+happens here, before anything is claimed or written.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ckptfs.chunks import Chunk, plan_chunks
+from ckptfs.errors import CkptfsError
+from ckptfs.manifest import (DTYPE_NAMES, TENSOR_ALIGN_BYTES, EncodedTensors, Flattened, Manifest, TensorRecord,
+                             align_up, flatten)
+from ckptfs.region.format import COUNTER_MAX
+from ckptfs.region.ring import SlotLayout
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each tensor of one object structure goes; shared by the saves of that structure."""
+
+    records: tuple[TensorRecord, ...]
+    data_bytes: int
+    chunks: list[Chunk]
+    tensors: EncodedTensors  # the index's tensor array: its length sizes the index, commit fills its CRCs
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    """One save, checked and laid out; nothing has been claimed or written for it yet."""
+
+    step: int
+    flat: Flattened
+    layout: Layout
+    index_bytes: int  # an upper bound of the encoded index's length (it is encoded at commit)
+
+    @property
+    def cuda_devices(self) -> set[int]:
+        return {d.index for d in self.flat.devices if d.type == "cuda"}
+
+    @property
+    def slot_layout(self) -> SlotLayout:
+        return SlotLayout.of(self.index_bytes, self.layout.data_bytes)
+
+
+class Planner:
+    """Plans the saves of one writer: the layout is computed once per object structure (a
+    training loop saves the same structure every time, and planning a large one costs
+    milliseconds), and the chunk size is fixed at the first save."""
+
+    def __init__(self, model: str, chunk_bytes: int):
+        self.model = model
+        self.chunk_bytes = chunk_bytes
+        self.effective_chunk_bytes: int | None = None
+        self._lock = threading.Lock()
+        self._cache: tuple[tuple, Layout] | None = None
+
+    def plan(self, obj, step: int) -> SavePlan:
+        """Flatten and lay out ``obj``; raises every refusal of the object itself."""
+        flat = flatten(obj)
+        for device in flat.devices:
+            if device.type not in ("cpu", "cuda"):
+                raise CkptfsError(f"tensors on {device} are not supported yet; move them to cpu or cuda")
+        layout = self._layout(flat)
+        probe = Manifest(self.model, step, COUNTER_MAX, time.time_ns(), layout.records, flat.skeleton,
+                         layout.data_bytes)
+        # The probe has the widest counter, so its index is at least as long as the real one:
+        # its length fixes the slot layout, and the real index is encoded once, at commit.
+        return SavePlan(step, flat, layout, probe.encoded_length(layout.tensors.text))
+
+    def _layout(self, flat: Flattened) -> Layout:
+        cached = self._cache
+        if cached is not None and cached[0] == flat.signature:
+            return cached[1]
+        layout = lay_out(flat.names, flat.tensors, self._chunk_bytes_for)
+        self._cache = (flat.signature, layout)
+        return layout
+
+    def _chunk_bytes_for(self, data_bytes: int) -> int:
+        """``chunk_bytes``, or less for a small state, so that a checkpoint of a few KiB does
+        not pre-fault 64 MiB staging buffers."""
+        with self._lock:
+            if self.effective_chunk_bytes is None:
+                self.effective_chunk_bytes = min(self.chunk_bytes, max(align_up(data_bytes, 4096), 4096))
+            return self.effective_chunk_bytes
+
+
+def lay_out(names: list[str], tensors: list[torch.Tensor], chunk_bytes_for) -> Layout:
+    """Tensor offsets (64-byte aligned, in object order) and the chunks that cover them;
+    ``chunk_bytes_for(data_bytes)`` gives the chunk size."""
+    records, offset = [], 0
+    for name, t in zip(names, tensors, strict=True):
+        offset = align_up(offset, TENSOR_ALIGN_BYTES)
+        nbytes = t.numel() * t.element_size()
+        records.append(TensorRecord(name, DTYPE_NAMES[t.dtype], tuple(t.shape), offset, nbytes))
+        offset += nbytes
+    return Layout(tuple(records), offset, plan_chunks(records, offset, chunk_bytes_for(offset)),
+                  EncodedTensors.of(records))

@@ -1,0 +1,126 @@
+"""The slot lifecycle as one API (ckptfs.region.ring): claim, begin, write, commit, publish,
+abort, roll-forward on open, and the subscribers of commits."""
+import logging
+import pathlib
+
+import pytest
+import torch
+
+import ckptfs
+from ckptfs.errors import CkptfsError
+from ckptfs.region.ring import Claim, Committed
+
+
+def state(step, n=1024):
+    return {"w": torch.full((n,), float(step)), "step": step}
+
+
+@pytest.fixture
+def store(tmp_path):
+    with ckptfs.Store.create(str(tmp_path / "r.region"), size_bytes=64 << 20) as s:
+        yield s
+
+
+def test_subscribers_hear_every_commit_and_cannot_fail_it(store, caplog):
+    heard = []
+    unsubscribe = store.region.commits.subscribe(heard.append)
+
+    def broken(event):
+        raise RuntimeError("subscriber bug")
+
+    store.region.commits.subscribe(broken)
+    with caplog.at_level(logging.ERROR, logger="ckptfs"), store.writer("m", max_inflight=2, slots=4) as w:
+        results = [w.save(state(s), step=s).result() for s in (1, 2)]
+    assert [r.published for r in results] == [True, True]
+    assert heard == [Committed("m", r.step, r.counter, r.slot, r.nbytes, True) for r in results]
+    assert "subscriber bug" in caplog.text
+    unsubscribe()
+    with store.writer("m") as w:
+        w.save(state(3), step=3).result()
+    assert len(heard) == 2
+    assert store.load("m")["step"] == 3
+
+
+def test_a_commit_left_unpublished_is_rolled_forward_when_a_ring_opens(store, monkeypatch):
+    """A crash between a commit's header and its compare-and-swap: the version is complete and
+    durable but the pointer names the one before; the next writer publishes it."""
+    with store.writer("m") as w:
+        w.save(state(1), step=1).result()
+    original = Claim.commit
+    monkeypatch.setattr(Claim, "commit", lambda self, index, nbytes, publish=True: original(self, index, nbytes,
+                                                                                           publish=False))
+    with store.writer("m") as w:
+        assert w.save(state(2), step=2).result().published is False
+    monkeypatch.undo()
+    assert store.latest("m").step == 1 and [v.step for v in store.versions("m")] == [1, 2]
+    with store.writer("m"):
+        pass  # opening the ring rolls forward
+    assert store.latest("m").step == 2
+    assert store.load("m")["step"] == 2
+
+
+def test_a_version_mid_commit_elsewhere_is_not_rolled_forward(store, monkeypatch):
+    """A ring opened while another writer's version has its header but not yet its CAS leaves it
+    to that writer, which then reports it published."""
+    from ckptfs.region.ring import Ring
+
+    with store.writer("m") as w:
+        w.save(state(1), step=1).result()
+    seen = []
+    original = Ring.publish
+
+    def publish_after_another_ring_opened(self, counter, slot):
+        store.region.ring(store.region.get("m"), timeout_s=1).close()
+        seen.append(store.latest("m").step)
+        return original(self, counter, slot)
+
+    monkeypatch.setattr(Ring, "publish", publish_after_another_ring_opened)
+    with store.writer("m") as w:
+        assert w.save(state(2), step=2).result().published is True
+    assert seen == [1] and store.latest("m").step == 2
+
+
+def test_abort_gives_the_slot_back(store):
+    with store.writer("m", max_inflight=2, slots=4) as w:
+        w.save(state(1), step=1).result()
+    ring = store.region.ring(store.region.get("m"), timeout_s=0.2)
+    try:
+        layout = ring.layout(4096, 0)
+        claims = [ring.claim(s, layout) for s in (2, 3, 4)]  # every slot but latest
+        with pytest.raises(ckptfs.errors.BusyError):
+            ring.claim(5, layout)
+        claims[0].abort()
+        claims[0].abort()  # idempotent
+        with pytest.raises(CkptfsError, match="already committed or aborted"):
+            claims[0].write(0, bytes(4096))
+        again = ring.claim(5, layout)
+        assert again.slot == claims[0].slot
+        for c in (again, *claims[1:]):
+            c.abort()
+    finally:
+        ring.close()
+    assert store.load("m")["step"] == 1
+
+
+def test_publish_keeps_the_newest(store):
+    with store.writer("m", max_inflight=2, slots=4) as w:
+        old = w.save(state(1), step=1).result()
+        new = w.save(state(2), step=2).result()
+    ring = store.region.ring(store.region.get("m"), timeout_s=1)
+    try:
+        assert ring.publish(old.counter, old.slot) is False  # an older counter never wins
+        assert store.latest("m").step == 2
+    finally:
+        ring.close()
+
+
+def test_the_writer_leaves_the_format_to_the_region():
+    """Nothing under ckptfs/writer touches slot headers, barriers, claim lock bytes or the latest
+    word: every commit goes through ckptfs.region.ring."""
+    forbidden = ("SlotHeader", "SLOT_WRITING", "SLOT_COMMITTED", "slot_lock_offset", "LockSpace", ".barrier(",
+                 "pack_latest", "unpack_latest", "cas_latest", "latest_word", "persist_words", "write_slot",
+                 "next_counter", "data_base")
+    writer_dir = pathlib.Path(ckptfs.__file__).parent / "writer"
+    found = [(path.name, name) for path in sorted(writer_dir.glob("*.py"))
+             for name in forbidden if name in path.read_text()]
+    assert found == []
