@@ -93,6 +93,7 @@ def test_help_everywhere(capsys, cmd):
         assert "--region" in out
 
 
+@pytest.mark.slow
 def test_errors_are_one_line_from_the_real_entry_point(tmp_path):
     r = subprocess.run(CLI + ["ls", "--region", str(tmp_path / "missing.region")], capture_output=True, text=True)
     assert r.returncode == 1
@@ -369,7 +370,8 @@ def test_malformed_import_is_refused_and_writes_nothing(capsys, toy_region, tmp_
 # ------------------------------------------------------------------------------ mount / umount from the CLI
 
 
-@pytest.mark.mount
+@pytest.mark.fuse
+@pytest.mark.slow
 @requires_fuse
 def test_background_mount_umount_and_their_errors(capsys, toy_region, tmp_path):
     """`ckptfs mount` returns once the mount is up, reports every failure itself, and
@@ -409,7 +411,8 @@ def test_background_mount_umount_and_their_errors(capsys, toy_region, tmp_path):
         force_unmount(mnt)
 
 
-@pytest.mark.mount
+@pytest.mark.fuse
+@pytest.mark.slow
 @requires_fuse
 def test_mount_helper_for_mount8_and_fstab(toy_region, tmp_path):
     """mount(8) runs `mount.ckptfs REGION DIR -o OPTS`; generic options are dropped."""

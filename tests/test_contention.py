@@ -183,6 +183,7 @@ def test_all_inflight_permits_busy_on_a_slow_device(region_path, store):
         assert s.latest("m").step == 2
 
 
+@pytest.mark.slow
 def test_mixed_contention_never_deadlocks_or_corrupts(store):
     """A writer, readers pinning random versions, verify and removals, all at once."""
     with store.writer("m", max_inflight=2, slots=5) as w:

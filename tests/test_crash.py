@@ -11,6 +11,8 @@ import pytest
 
 from ckptfs.testing.load import kill_rounds
 
+pytestmark = [pytest.mark.slow]
+
 KILLS = int(os.environ.get("CKPTFS_CRASH_KILLS", "250"))  # issue 4: a few hundred rounds in CI
 
 

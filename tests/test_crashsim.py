@@ -17,6 +17,8 @@ from ckptfs.testing.recording import (BarrierEnd, BarrierStart, MapChange, Mark,
                                       RecordingBackend, Write, WriteDone)
 from ckptfs.region.backend import aligned_buffer
 
+pytestmark = [pytest.mark.crash]
+
 POINTS = int(os.environ.get("CKPTFS_CRASHSIM_POINTS", "110"))
 
 
@@ -55,6 +57,7 @@ def test_recording_sees_writes_barriers_and_mapped_updates(tmp_path):
     assert changes and backend.events.index(changes[-1]) < max(i for i, e in enumerate(backend.events) if isinstance(e, Persist))
 
 
+@pytest.mark.slow
 def test_crash_images_of_the_scripted_run(tmp_path):
     rec = record_scenario(str(tmp_path), seed=11)
     assert rec.stats["saves"] == 20 and rec.stats["Write"] > 80
@@ -71,6 +74,7 @@ def test_crash_images_of_the_scripted_run(tmp_path):
     assert report.max_pending_writes >= 3 and report.max_pending_words >= 2
 
 
+@pytest.mark.slow
 def test_out_of_order_commits_happen_in_the_scripted_run(tmp_path):
     # Invariant 3 is only exercised if an older save does finish after a newer one.
     seen = 0

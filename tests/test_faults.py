@@ -18,6 +18,8 @@ from ckptfs.testing import faults as F
 from ckptfs.testing.crashsim import same
 from ckptfs.testing.recording import copy_sparse
 
+pytestmark = [pytest.mark.crash]
+
 CAMPAIGN = int(os.environ.get("CKPTFS_FAULTS", "150"))
 
 
@@ -198,6 +200,7 @@ def test_damaged_backup_superblock_is_reported(victim):
             "re-create it to restore the copy)"]
 
 
+@pytest.mark.slow
 def test_random_fault_campaign():
     report = F.run_campaign(CAMPAIGN, seed=2024)
     assert report.failures == [], "\n".join(report.failures[:10])
@@ -220,6 +223,7 @@ def test_the_fault_oracle_catches_unchecked_reads(pristine, tmp_path, monkeypatc
     assert any("WRONG BYTES" in f for f in out.failures), out.failures
 
 
+@pytest.mark.fuse
 def test_mount_refuses_damaged_bytes_with_eio(pristine, tmp_path):
     # reads through the mount must not hand out damaged tensor bytes either (EIO, not wrong data)
     import errno

@@ -26,7 +26,7 @@ from ckptfs.views import files_for
 from conftest import assert_same
 from conftest_mount import TOY_MODEL, TOY_STEPS, make_toy_region, mounted, requires_fuse, toy_state
 
-pytestmark = [pytest.mark.mount, requires_fuse]
+pytestmark = [pytest.mark.fuse, requires_fuse]
 
 APPEAR_S = 2.0  # a change shows within 1 s (0.5 s refresh + 0.5 s TTL); slack for a loaded machine
 
@@ -325,6 +325,7 @@ def slow_copy(src: str, dst) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_copies_taken_while_training_are_exact(toy, tmp_path):
     """A writer checkpoints every iteration into a ring of two slots; every copy of
     latest/checkpoint.pt and of latest/state.safetensors made meanwhile is one whole checkpoint:

@@ -237,6 +237,7 @@ def test_open_random_garbage_region(tmp_path, garbage, sized):
     exercise(path)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(st.sampled_from(["sb", "entry", "latest", "header", "manifest", "bytes"]), st.data())
 def test_open_crafted_region(good_region, tmp_path, target, data):

@@ -12,6 +12,8 @@ import pytest
 
 from ckptfs.testing.load import fuse_available, mount_kill_rounds, sustained_load
 
+pytestmark = [pytest.mark.slow, pytest.mark.crash]
+
 SECONDS = float(os.environ.get("CKPTFS_LOAD_SECONDS", "30"))
 MiB = 1 << 20
 
@@ -24,6 +26,7 @@ def _flat(pair, name):
     assert end - start < max(64 * MiB, start // 4), f"the {name} grew from {start >> 20} to {end >> 20} MiB"
 
 
+@pytest.mark.fuse
 @needs_fuse
 @pytest.mark.timeout(SECONDS * 4 + 120)
 def test_sustained_load_through_mount_and_load(tmp_path):
@@ -46,6 +49,7 @@ def test_sustained_load_through_store_load_only(tmp_path):
     assert r.store_reads >= 10 and r.saves >= 10
 
 
+@pytest.mark.fuse
 @needs_fuse
 @pytest.mark.timeout(300)
 def test_mount_daemon_killed_while_files_are_open(tmp_path):

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+pytestmark = [pytest.mark.slow]
+
 TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
 
 
