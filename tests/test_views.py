@@ -397,17 +397,23 @@ def test_torch_load_weights_only_round_trip(tmp_path, mmap):
     assert loaded["transposed"].is_contiguous()
 
 
+def computed_storage_offsets():
+    """torch's option to compute storage offsets, set for a ``with`` block by torch's own scoped
+    patch (never monkeypatch: its undo can delete the option from torch's config object)."""
+    from torch.utils.serialization import config
+    return config.patch("load.calculate_storage_offsets", True)
+
+
 def test_torch_load_with_computed_storage_offsets(tmp_path, monkeypatch):
     """torch can compute storage offsets from miniz's layout rules instead of reading local
     headers; with the debug env var it asserts they agree with the headers."""
-    from torch.utils.serialization import config
-    monkeypatch.setattr(config.load, "calculate_storage_offsets", True)
     monkeypatch.setenv("TORCH_SERIALIZATION_DEBUG", "1")
     obj = rich_object()
     stored = lay_out(obj)
     path = stored.write(torch_zip_view(stored.manifest), tmp_path / "c.pt")
-    assert_same(obj, torch.load(path, weights_only=True, mmap=True))
-    assert_same(obj, torch.load(path, weights_only=True))
+    with computed_storage_offsets():
+        assert_same(obj, torch.load(path, weights_only=True, mmap=True))
+        assert_same(obj, torch.load(path, weights_only=True))
 
 
 def test_zip_tools_accept_the_archive(tmp_path):
@@ -479,10 +485,9 @@ def test_zip64_for_a_tensor_over_4_gib(tmp_path, monkeypatch):
         listing = subprocess.run(["unzip", "-lv", str(path)], check=True, capture_output=True,
                                  text=True).stdout
         assert str(big) in listing and f"{records[0].crc32:08x}" in listing
-    from torch.utils.serialization import config
-    monkeypatch.setattr(config.load, "calculate_storage_offsets", True)
     monkeypatch.setenv("TORCH_SERIALIZATION_DEBUG", "1")
-    loaded = torch.load(path, weights_only=True, mmap=True)
+    with computed_storage_offsets():
+        loaded = torch.load(path, weights_only=True, mmap=True)
     assert loaded["big"].shape == (big,) and loaded["big"][-1].item() == 0
     assert torch.equal(loaded["small"], torch.zeros(16))
 
