@@ -342,7 +342,8 @@ def export(region, step, file_name, key, model, output):
             tmp = output + ".ckptfs-part"
             try:
                 with open(tmp, "wb") as f, _progress(view.size, file_name) as bar:
-                    for block in view.iter_blocks(v.read, EXPORT_BLOCK_BYTES):
+                    # checked as it streams: a damaged tensor fails the export before the file is renamed
+                    for block in view.iter_blocks(v.data.sequential_reader(), EXPORT_BLOCK_BYTES):
                         f.write(block)
                         bar.update(len(block))
                 os.replace(tmp, output)

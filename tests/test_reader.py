@@ -1,0 +1,77 @@
+"""The one checked read path (ckptfs.reader.VersionData): ranges, front-to-back passes, scans."""
+import os
+
+import pytest
+import torch
+
+import ckptfs
+from ckptfs.errors import CorruptionError
+from ckptfs.views import safetensors_view
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def damaged(tmp_path):
+    """A version whose 3 MiB tensor ``b`` has one byte flipped near its start; ``a`` is intact."""
+    path = str(tmp_path / "r.region")
+    state = {"a": torch.arange(MIB // 4, dtype=torch.float32), "b": torch.ones(3 * MIB // 4)}
+    with ckptfs.Store.create(path, size_bytes=64 << 20) as s:
+        with s.writer("m") as w:
+            w.save(state, step=1).result()
+        version = s.region.latest(s.region.get("m"))
+        rec = next(r for r in s.region.read_manifest(version).tensors if r.name == "b")
+        where = version.data_base + rec.offset + 10
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.pwrite(fd, bytes([os.pread(fd, 1, where)[0] ^ 1]), where)
+    finally:
+        os.close(fd)
+    with ckptfs.Store(path) as s:
+        yield s, state
+
+
+def test_a_range_touching_a_damaged_tensor_is_refused_and_others_are_served(damaged):
+    store, state = damaged
+    with store.open_version("m") as v:
+        a, b = v.manifest.tensors
+        assert bytes(v.read(a.offset, a.nbytes)) == state["a"].numpy().tobytes()
+        with pytest.raises(CorruptionError, match="tensor 'b' of m step 1"):
+            v.read(b.offset + b.nbytes - 1, 1)  # the last byte: the whole tensor is checked first
+        with pytest.raises(ValueError, match="outside"):
+            v.read(0, v.manifest.data_bytes + 1)
+
+
+def test_a_front_to_back_pass_refuses_before_the_damaged_tensors_last_block(damaged):
+    store, _ = damaged
+    with store.open_version("m") as v:
+        view = safetensors_view(v.manifest)
+        blocks = []
+        with pytest.raises(CorruptionError, match="tensor 'b'"):
+            for block in view.iter_blocks(v.data.sequential_reader(), block_bytes=MIB):
+                blocks.append(len(block))
+        # header, tensor a (1 block), then b's first two of three blocks; never its last
+        assert blocks[1:] == [MIB, MIB, MIB]
+        assert sum(blocks) < view.size - MIB + 1
+
+
+def test_a_pass_out_of_order_is_checked_first(damaged):
+    store, _ = damaged
+    with store.open_version("m") as v:
+        b = v.manifest.tensors[1]
+        read = v.data.sequential_reader()
+        with pytest.raises(CorruptionError):
+            read(b.offset + MIB, MIB)  # not from the tensor's start: the whole tensor is checked
+
+
+def test_an_intact_pass_equals_the_ranges(tmp_path):
+    state = {"x": torch.randn(700_000), "y": torch.randn(3), "tied": None}
+    state["tied"] = state["x"]
+    with ckptfs.Store.create(str(tmp_path / "r.region"), size_bytes=64 << 20) as s:
+        with s.writer("m") as w:
+            w.save(state, step=1).result()
+        with s.open_version("m") as v:
+            view = safetensors_view(v.manifest)
+            streamed = b"".join(bytes(b) for b in view.iter_blocks(v.data.sequential_reader(), block_bytes=MIB // 3))
+            assert streamed == view.read(0, view.size, v.read)
+            assert v.data.verify() == []
