@@ -29,6 +29,8 @@ from ckptfs.writer.staging import StagingBuffer
 
 READ_CHUNK_BYTES = 32 << 20
 READ_THREADS = 3
+CHECK_BLOCK_BYTES = 8 << 20  # a tensor checked through the mapping is read in blocks this size,
+PREFETCH_AHEAD_BYTES = 16 << 20  # with this much asked for ahead of the block being checksummed
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,7 @@ class VersionData:
                 record = self.manifest.tensors[stream["index"]]
                 end = record.offset + record.nbytes
                 if offset + length <= end:
-                    view = self._region.backend.view(self._data_base + offset, length)
+                    view = self._view_ahead(offset, length)
                     stream["crc"] = crc32(view, stream["crc"])
                     stream["next"] = offset + length
                     if stream["next"] == end:
@@ -108,10 +110,24 @@ class VersionData:
             index = self._order[i]
             record = tensors[index]
             if index not in self._checked and offset < record.offset + record.nbytes:
-                with self._region.backend.view(self._data_base + record.offset, record.nbytes) as view:
-                    crc = crc32(view)
-                self._expect(index, crc)
+                self._expect(index, self._crc_of(record))
             i += 1
+
+    def _crc_of(self, record: TensorRecord) -> int:
+        """CRC32 of a tensor's stored bytes, through the mapping, block by block with the next
+        blocks prefetched."""
+        crc, end = 0, record.offset + record.nbytes
+        for start in range(record.offset, end, CHECK_BLOCK_BYTES):
+            length = min(CHECK_BLOCK_BYTES, end - start)
+            crc = crc32(self._view_ahead(start, length), crc)
+        return crc
+
+    def _view_ahead(self, offset: int, length: int) -> memoryview:
+        """The region view of a data range, with the bytes after it asked for in the background."""
+        backend = self._region.backend
+        backend.prefetch(self._data_base + offset, min(length + PREFETCH_AHEAD_BYTES,
+                                                       self.manifest.data_bytes - offset))
+        return backend.view(self._data_base + offset, length)
 
     def _expect(self, index: int, crc: int) -> None:
         record = self.manifest.tensors[index]
