@@ -143,7 +143,9 @@ def mkfs(region, size, exist_ok, force, path):
 @_region_option
 @click.option("--foreground", "-f", is_flag=True, help="Stay in the foreground (for debugging and services).")
 @click.option("--allow-other", is_flag=True, help="Let other users read the mount (root, or user_allow_other).")
-@click.option("-o", "options", multiple=True, metavar="OPT[,OPT...]", help="Extra libfuse mount options.")
+@click.option("-o", "options", multiple=True, metavar="OPT[,OPT...]",
+              help="Mount options: views=ID[:ID...] shows only those views' files (ids: see below); "
+                   "anything else goes to libfuse.")
 @click.option("--auto-unmount/--no-auto-unmount", default=True, show_default=True,
               help="Have fusermount3 unmount if the daemon dies.")
 @click.option("--readahead-kb", type=click.IntRange(0), default=READAHEAD_KB, show_default=True,
@@ -158,11 +160,15 @@ def mount(region, foreground, allow_other, options, auto_unmount, readahead_kb, 
 
     Returns once the mount is up; the daemon keeps serving in the background (--foreground to
     stay attached). Unmount with `ckptfs umount MOUNTPOINT`, or SIGTERM/SIGINT to the daemon.
+
+    Views (-o views=torch:metadata; ':' or '+' between ids): torch (checkpoint.pt), safetensors
+    (state.safetensors, KEY.safetensors), metadata (metadata.json); default: all.
     """
     from ckptfs.fs import daemon
 
     mountpoint = os.path.abspath(mountpoint)
     extra = [o.strip() for opt in options for o in opt.split(",")]
+    views = _views_option(extra)
     if not foreground:
         daemon.check_mountpoint(mountpoint)
         store = _open_store(region)  # report a bad region here, from the caller
@@ -191,7 +197,8 @@ def mount(region, foreground, allow_other, options, auto_unmount, readahead_kb, 
         raise
     try:
         daemon.serve(store, mountpoint, allow_other=allow_other, auto_unmount=auto_unmount,
-                     extra_options=extra, readahead_kb=readahead_kb,
+                     extra_options=[o for o in extra if not o.startswith("views=")], views=views,
+                     readahead_kb=readahead_kb,
                      on_ready=daemon.ready_signaller(ready_fd))
     except (CkptfsError, daemon.MountError, OSError) as exc:
         daemon.report_failure(ready_fd, _one_line(exc))
@@ -199,6 +206,23 @@ def mount(region, foreground, allow_other, options, auto_unmount, readahead_kb, 
     finally:
         store.close()
     return 0
+
+
+def _views_option(options: list[str]) -> tuple[str, ...] | None:
+    """The view ids of ``-o views=ID[:ID...]`` (the last one given), or None; UsageError for an
+    unknown id."""
+    from ckptfs.views import check_view_ids
+
+    given = [o[len("views="):] for o in options if o.startswith("views=")]
+    if not given:
+        return None
+    ids = tuple(v for v in given[-1].replace("+", ":").split(":") if v)
+    if not ids:
+        raise click.UsageError("-o views= needs at least one view id, e.g. -o views=torch:metadata")
+    try:
+        return check_view_ids(ids)
+    except ValueError as e:
+        raise click.UsageError(f"-o views={given[-1]}: {e}") from None
 
 
 @cli.command()

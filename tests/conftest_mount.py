@@ -47,11 +47,13 @@ class Mount:
         return os.path.join(self.path, rel)
 
 
-def start_mount(region: str, mountpoint: str, *args: str, timeout: float = MOUNT_TIMEOUT) -> Mount:
-    """Start a foreground mount daemon and wait until the mount is up (or raise with its log)."""
+def start_mount(region: str, mountpoint: str, *args: str, timeout: float = MOUNT_TIMEOUT,
+                cli: list[str] = CLI) -> Mount:
+    """Start a foreground mount daemon and wait until the mount is up (or raise with its log);
+    ``cli``: the command that runs ``ckptfs`` (a script that registers a view first, say)."""
     os.makedirs(mountpoint, exist_ok=True)
     fd, log_path = tempfile.mkstemp(prefix="ckptfs-mount-", suffix=".log")
-    proc = subprocess.Popen(CLI + ["mount", "--foreground", "--region", region, *args, mountpoint],
+    proc = subprocess.Popen(cli + ["mount", "--foreground", "--region", region, *args, mountpoint],
                             stdin=subprocess.DEVNULL, stdout=fd, stderr=fd)
     os.close(fd)
     m = Mount(region, mountpoint, proc, log_path)
@@ -91,8 +93,8 @@ def stop_mount(m: Mount, wait: float = 10.0) -> None:
 
 
 @contextlib.contextmanager
-def mounted(region: str, mountpoint: str, *args: str):
-    m = start_mount(region, mountpoint, *args)
+def mounted(region: str, mountpoint: str, *args: str, cli: list[str] = CLI):
+    m = start_mount(region, mountpoint, *args, cli=cli)
     try:
         yield m
     finally:

@@ -163,9 +163,10 @@ def fuse_options(store_path: str, *, allow_other: bool = False, auto_unmount: bo
 
 def serve(store, mountpoint: str, *, allow_other: bool = False, auto_unmount: bool = True,
           extra_options: Iterable[str] = (), readahead_kb: int | None = READAHEAD_KB,
-          on_ready: Callable[[], None] | None = None) -> None:
+          views: Iterable[str] | None = None, on_ready: Callable[[], None] | None = None) -> None:
     """Mount ``store`` at ``mountpoint`` and serve it until unmounted or signalled.
 
+    ``views``: the ids of the views whose files the mount shows (None: every registered view).
     ``on_ready`` is called once the kernel mount exists and signal handling is in place (the
     first request may still be queued behind it). Raises MountError if mounting fails. Always
     releases its pins and unmounts before returning."""
@@ -175,7 +176,7 @@ def serve(store, mountpoint: str, *, allow_other: bool = False, auto_unmount: bo
     from ckptfs.fs.ops import CkptfsOperations
 
     check_mountpoint(mountpoint)
-    ops = CkptfsOperations(store)
+    ops = CkptfsOperations(store, views=views)
     options = fuse_options(os.path.abspath(store.path), allow_other=allow_other, auto_unmount=auto_unmount,
                            extra=extra_options)
     mounted = False

@@ -43,10 +43,10 @@ class CkptfsOperations(pyfuse3.Operations):
     enable_writeback_cache = False
     enable_acl = False
 
-    def __init__(self, store, tree: Tree | None = None):
+    def __init__(self, store, tree: Tree | None = None, *, views=None):
         super().__init__()
         self.store = store
-        self.tree = tree or Tree(store)
+        self.tree = tree or Tree(store, views=views)
         self._files: dict[int, OpenFile] = {}
         self._dirs: dict[int, list[tuple[bytes, Node]]] = {}
         self._fh = itertools.count(1)
@@ -62,7 +62,7 @@ class CkptfsOperations(pyfuse3.Operations):
         e = pyfuse3.EntryAttributes()
         e.st_ino = a.ino
         e.generation = 0
-        ttl = IMMUTABLE_TTL if node.kind is Kind.FILE else LISTING_TTL
+        ttl = IMMUTABLE_TTL if node.in_version else LISTING_TTL
         e.entry_timeout = ttl
         e.attr_timeout = ttl
         e.st_mode = a.mode
@@ -150,7 +150,10 @@ class CkptfsOperations(pyfuse3.Operations):
         can find the version still pinned by this mount; while one of our own handles pins it,
         wait up to ``RELEASE_GRACE`` seconds for pending releases before answering EBUSY."""
         with fuse_errors("rmdir"):
-            model, step = self.tree.version_to_remove(parent_inode, os.fsdecode(name))
+            target = self.tree.version_to_remove(parent_inode, os.fsdecode(name))
+            if target is None:
+                return  # a subdirectory inside a version: goes with the version's own rmdir
+            model, step = target
             deadline = trio.current_time() + RELEASE_GRACE
             while True:
                 try:
@@ -229,6 +232,7 @@ class CkptfsOperations(pyfuse3.Operations):
 
     def close_all(self) -> None:
         """Release every pin still held (at unmount)."""
+        self.tree.close()
         for handle in self._files.values():
             try:
                 handle.close()

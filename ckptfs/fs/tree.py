@@ -7,6 +7,7 @@
     /<model>/latest -> step-00001200    LATEST   symlink to the newest committed version
     /<model>/step-00001200/             VERSION  one directory per committed version
     /<model>/step-00001200/<file>       FILE     the views of that version (``ckptfs.views.files_for``)
+    /<model>/step-00001200/<dir>/...    SUBDIR   a view's subdirectory (a path with '/' in files_for)
 
 Contracts:
 
@@ -20,7 +21,9 @@ Contracts:
   committed again later (after a removal) gets new file inodes: their bytes differ, and the
   kernel page cache of the old ones (``keep_cache``) must not be served for them.
 * **Files** of a version are computed once per version from its manifest (one short pin through
-  ``store.open_version``) and cached while the version is listed. A version is immutable once
+  ``store.open_version``) and cached while the version is listed. They come from the views
+  registry (``ckptfs.views.registry``), all views or those the mount selects (``-o views=``); a
+  view's path with '/' shows as subdirectories, read-only like the version directory. A version is immutable once
   committed, so sizes and contents never change under a given file inode.
 * **Reads** go through :class:`OpenFile`, which holds the version pinned from ``open`` to
   ``release``: the writer never reuses a pinned slot, so a copy taken during training is exact.
@@ -28,7 +31,8 @@ Contracts:
   directory removes it from the region (``store.remove``; EBUSY while it is latest or pinned).
   So that ``rm -r <model>/step-N`` works, ``unlink`` of a file *inside* a version directory is
   accepted and does nothing (EBUSY if the version is the latest, so ``rm -r`` stops before its
-  ``rmdir``); the version and its files disappear with the ``rmdir``. Everything else is EROFS.
+  ``rmdir``); the version and its files disappear with the ``rmdir``. ``rmdir`` of a subdirectory
+  inside a version is accepted and does nothing the same way. Everything else is EROFS.
 
 Errors are raised as ``OSError`` subclasses carrying their errno, or as ckptfs errors; the FUSE
 layer translates them (``ckptfs.fs.errors.errno_for``).
@@ -63,6 +67,7 @@ class Kind(enum.Enum):
     MODEL = "model"
     LATEST = "latest"
     VERSION = "version"
+    SUBDIR = "subdir"
     FILE = "file"
 
 
@@ -74,12 +79,17 @@ class Node:
     kind: Kind
     model: str = ""
     step: int = -1
-    counter: int = -1  # FILE only: the counter of the version the file belongs to
-    name: str = ""  # FILE only: the file name inside the version directory
+    counter: int = -1  # FILE and SUBDIR: the counter of the version they belong to
+    name: str = ""  # FILE and SUBDIR: the path inside the version directory ("hf/config.json")
 
     @property
     def is_dir(self) -> bool:
-        return self.kind in (Kind.ROOT, Kind.MODEL, Kind.VERSION)
+        return self.kind in (Kind.ROOT, Kind.MODEL, Kind.VERSION, Kind.SUBDIR)
+
+    @property
+    def in_version(self) -> bool:
+        """A file or subdirectory inside a version directory."""
+        return self.kind in (Kind.FILE, Kind.SUBDIR)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,24 +139,25 @@ class OpenFile:
         self.version.close()
 
 
-def _default_files_for(manifest):
-    from ckptfs.views import files_for
-
-    return files_for(manifest)
-
-
 class Tree:
     """The inode table and the name space of one mount, backed by a Store.
 
-    ``files_for(manifest) -> dict[name, View]`` defaults to ``ckptfs.views.files_for``;
-    ``clock`` is ``time.monotonic`` (tests pass their own).
+    ``files_for(manifest) -> dict[path, View]`` defaults to ``ckptfs.views.files_for`` of the
+    ``views`` given (ids; None: every registered view); ``clock`` is ``time.monotonic`` (tests
+    pass their own). A commit made in this process (``Region.commits``) makes the next lookup
+    take a new listing at once; ``close`` stops that.
     """
 
-    def __init__(self, store, *, files_for: Callable | None = None,
+    def __init__(self, store, *, views=None, files_for: Callable | None = None,
                  refresh_interval: float = REFRESH_INTERVAL,
                  clock: Callable[[], float] = time.monotonic):
         self.store = store
-        self._files_for = files_for or _default_files_for
+        if files_for is None:
+            from ckptfs.views import check_view_ids, files_for as registry_files_for
+
+            selected = None if views is None else check_view_ids(views)
+            files_for = lambda manifest: registry_files_for(manifest, selected)  # noqa: E731
+        self._files_for = files_for
         self._refresh_interval = refresh_interval
         self._clock = clock
         self._refreshed_at: float | None = None
@@ -158,11 +169,23 @@ class Tree:
         self._next_ino = ROOT_INODE + 1
         self.uid, self.gid = os.getuid(), os.getgid()
         self.mounted_ns = time.time_ns()
+        commits = getattr(getattr(store, "region", None), "commits", None)
+        self._unsubscribe = commits.subscribe(self._stale) if commits is not None else None
         root = Node(ROOT_INODE, Kind.ROOT)
         self._by_key[("root",)] = root
         self._by_ino[ROOT_INODE] = root
 
     # ---------------------------------------------------------------- listing snapshot
+
+    def _stale(self, _committed) -> None:
+        """A commit in this process: the next lookup takes a new listing (any thread)."""
+        self._refreshed_at = None
+
+    def close(self) -> None:
+        """Stop hearing of commits."""
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
 
     def refresh(self, force: bool = False) -> None:
         """Take a new snapshot of the Store's models and committed versions if the last one is
@@ -236,6 +259,33 @@ class Tree:
         return self._node(("file", model, step, counter, name), kind=Kind.FILE, model=model,
                           step=step, counter=counter, name=name)
 
+    def _subdir_node(self, model: str, step: int, counter: int, name: str) -> Node:
+        return self._node(("subdir", model, step, counter, name), kind=Kind.SUBDIR, model=model,
+                          step=step, counter=counter, name=name)
+
+    def _in_version_node(self, model: str, step: int, path: str) -> Node:
+        """The file or subdirectory at ``path`` inside a version (ENOENT if there is none)."""
+        counter, views = self._views(model, step)
+        if path in views:
+            return self._file_node(model, step, counter, path)
+        if any(p.startswith(path + "/") for p in views):
+            return self._subdir_node(model, step, counter, path)
+        raise FileNotFoundError(errno.ENOENT, f"{version_dirname(step)} has no {path}")
+
+    def _entries_in(self, model: str, step: int, prefix: str) -> list[tuple[str, Node]]:
+        """The names directly inside ``prefix`` ("" or "dir/") of a version, in listing order."""
+        counter, views = self._views(model, step)
+        out: dict[str, Node] = {}
+        for path in views:
+            if not path.startswith(prefix):
+                continue
+            name, slash, _ = path[len(prefix):].partition("/")
+            if name not in out:
+                child = prefix + name
+                out[name] = (self._subdir_node(model, step, counter, child) if slash
+                             else self._file_node(model, step, counter, child))
+        return list(out.items())
+
     # ---------------------------------------------------------------- files of a version
 
     def _views(self, model: str, step: int, version=None) -> tuple[int, dict[str, Any]]:
@@ -267,10 +317,10 @@ class Tree:
         m = self._model(node.model)
         if node.kind is Kind.LATEST and m.latest is None:
             raise FileNotFoundError(errno.ENOENT, f"{node.model} has no committed version")
-        if node.kind in (Kind.VERSION, Kind.FILE):
+        if node.kind is Kind.VERSION or node.in_version:
             info = self._version(node.model, node.step)
-            if node.kind is Kind.FILE and (info.counter != node.counter
-                                           or node.name not in self._views(node.model, node.step)[1]):
+            if node.in_version and (info.counter != node.counter
+                                    or self._in_version_node(node.model, node.step, node.name) is not node):
                 raise FileNotFoundError(errno.ENOENT, f"{node.name} is gone")
 
     # ---------------------------------------------------------------- name space
@@ -295,10 +345,10 @@ class Tree:
             if step is None:
                 raise FileNotFoundError(errno.ENOENT, f"{parent.model} has no {name}")
             return self._version_node(parent.model, step)
-        counter, views = self._views(parent.model, parent.step)
-        if name not in views:
-            raise FileNotFoundError(errno.ENOENT, f"{version_dirname(parent.step)} has no {name}")
-        return self._file_node(parent.model, parent.step, counter, name)
+        if not name or "/" in name:
+            raise FileNotFoundError(errno.ENOENT, f"no {name!r}")
+        path = name if parent.kind is Kind.VERSION else f"{parent.name}/{name}"
+        return self._in_version_node(parent.model, parent.step, path)
 
     def children(self, ino: int) -> list[tuple[str, Node]]:
         """The entries of directory ``ino``, sorted by name (``latest`` first in a model)."""
@@ -313,8 +363,7 @@ class Tree:
             m = self._model(node.model)
             out = [(LATEST, self._latest_node(node.model))] if m.latest is not None else []
             return out + [(d, self._version_node(node.model, s)) for d, s in m.dirnames.items()]
-        counter, views = self._views(node.model, node.step)
-        return [(name, self._file_node(node.model, node.step, counter, name)) for name in views]
+        return self._entries_in(node.model, node.step, "" if node.kind is Kind.VERSION else node.name + "/")
 
     def attr(self, node: Node) -> Attr:
         """``stat`` of a live node (ENOENT if it disappeared)."""
@@ -329,7 +378,7 @@ class Tree:
         if node.kind is Kind.LATEST:
             return Attr(node.ino, stat.S_IFLNK | 0o777, 1, len(version_dirname(m.latest.step)), m.latest.time_ns)
         info = self._version(node.model, node.step)
-        if node.kind is Kind.VERSION:
+        if node.kind in (Kind.VERSION, Kind.SUBDIR):
             return Attr(node.ino, stat.S_IFDIR | 0o755, 2, 0, info.time_ns)
         size = self._views(node.model, node.step)[1][node.name].size
         return Attr(node.ino, stat.S_IFREG | 0o444, 1, size, info.time_ns)
@@ -365,14 +414,20 @@ class Tree:
 
     # ---------------------------------------------------------------- the one change allowed
 
-    def version_to_remove(self, parent_ino: int, name: str) -> tuple[str, int]:
-        """``rmdir parent/name``: the (model, step) to pass to ``store.remove``.
+    def version_to_remove(self, parent_ino: int, name: str) -> tuple[str, int] | None:
+        """``rmdir parent/name``: the (model, step) to pass to ``store.remove``, or None for a
+        subdirectory inside a version that is not the latest (a no-op, so that ``rm -r`` of the
+        version goes on).
 
-        ENOTDIR for a file or ``latest``, EROFS for a model directory, ENOENT if absent."""
+        ENOTDIR for a file or ``latest``, EBUSY for a subdirectory inside the latest version,
+        EROFS for a model directory, ENOENT if absent."""
         parent = self.node(parent_ino)
         node = self.lookup(parent_ino, name)
         if not node.is_dir:
             raise NotADirectoryError(errno.ENOTDIR, f"{name} is not a directory")
+        if node.kind is Kind.SUBDIR:
+            self._refuse_in_latest(node)
+            return None
         if parent.kind is not Kind.MODEL:
             raise read_only(f"rmdir {name} (remove its versions, or use `ckptfs rm`)")
         return node.model, node.step
@@ -386,6 +441,10 @@ class Tree:
             raise IsADirectoryError(errno.EISDIR, f"{name} is a directory")
         if node.kind is Kind.LATEST:
             raise read_only("unlink latest")
+        self._refuse_in_latest(node)
+
+    def _refuse_in_latest(self, node: Node) -> None:
+        """EBUSY for a name inside the latest version (``rm -r`` must stop before its rmdir)."""
         if self._version(node.model, node.step).latest:
             raise OSError(errno.EBUSY, f"{version_dirname(node.step)} is the latest version of {node.model}")
 

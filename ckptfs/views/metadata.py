@@ -7,7 +7,10 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ckptfs.manifest import Manifest
+from ckptfs.views.registry import register
 from ckptfs.views.segments import Literal, View
+
+METADATA_FILE = "metadata.json"
 
 
 def metadata_json_view(manifest: Manifest) -> View:
@@ -60,3 +63,7 @@ def json_safe(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     return value
+
+
+register("metadata", lambda manifest: {METADATA_FILE: metadata_json_view(manifest)},
+         summary="metadata.json, what the version holds")

@@ -9,11 +9,16 @@ a ``__metadata__`` object of string to string.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from typing import Mapping
 
 from ckptfs.manifest import Manifest, TensorRecord
+from ckptfs.views.registry import register
 from ckptfs.views.segments import View, ViewBuilder
+
+STATE_FILE = "state.safetensors"
+_NAME_MAX = 255  # bytes, Linux NAME_MAX
 
 # torch dtype name -> safetensors dtype, for every dtype safetensors 0.8 can represent (its Rust
 # ``Dtype`` enum). complex128 and complex32 have no safetensors dtype and are skipped.
@@ -120,3 +125,46 @@ def _encode_header(header: dict) -> bytes:
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode("ascii")
     raw += b" " * (-len(raw) % _HEADER_ALIGN)
     return struct.pack("<Q", len(raw)) + raw
+
+
+def safetensors_files(manifest: Manifest) -> dict[str, View]:
+    """``state.safetensors`` if any tensor can be stored in it, and ``<key>.safetensors`` for each
+    top-level key of a dict root whose subtree holds such a tensor (the key made into a safe file
+    name, or left out when it cannot be, see ``key_file_name``)."""
+    state = safetensors_view(manifest)
+    if state is None:
+        return {}
+    files = {STATE_FILE: state}
+    for key in _top_level_tensor_keys(manifest):
+        name = key_file_name(key)
+        if name is None or name in files:
+            continue
+        view = safetensors_view(manifest, key=key)
+        if view is not None:
+            files[name] = view
+    return files
+
+
+def key_file_name(key: str) -> str | None:
+    """``<key>.safetensors`` with '/' and NUL replaced by '_', or None when no safe name exists
+    (empty key, not encodable as a file name, longer than NAME_MAX)."""
+    if not key:
+        return None
+    name = key.replace("/", "_").replace("\0", "_") + ".safetensors"
+    try:
+        encoded = os.fsencode(name)
+    except UnicodeEncodeError:
+        return None
+    return name if len(encoded) <= _NAME_MAX else None
+
+
+def _top_level_tensor_keys(manifest: Manifest) -> list[str]:
+    """Top-level keys (as text, like ``TensorRef.key_path[0]``) holding tensors, in order."""
+    (kind, _), = manifest.skeleton.items()
+    if kind not in ("dict", "odict"):
+        return []
+    return list(dict.fromkeys(ref.key_path[0] for ref in manifest.refs()))
+
+
+register("safetensors", safetensors_files,
+         summary="state.safetensors (every tensor) and KEY.safetensors per top-level key")

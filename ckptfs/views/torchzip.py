@@ -38,6 +38,7 @@ import torch._utils
 
 from ckptfs.checksum import crc32, crc32_combine
 from ckptfs.manifest import Manifest, TensorRecord, unflatten
+from ckptfs.views.registry import register
 from ckptfs.views.segments import View, ViewBuilder
 
 STORAGE_ALIGNMENT = 64
@@ -277,3 +278,8 @@ def _end_records(count: int, central_size: int, central_offset: int) -> bytes:
     end = _END.pack(0x06054B50, 0, 0, min(count, 0xFFFF), min(count, 0xFFFF),
                     min(central_size, _U32_MAX), min(central_offset, _U32_MAX), 0)
     return zip64_end + locator + end
+
+
+CHECKPOINT_FILE = "checkpoint.pt"
+register("torch", lambda manifest: {CHECKPOINT_FILE: torch_zip_view(manifest)},
+         summary="checkpoint.pt, the whole object as torch.save writes it")
