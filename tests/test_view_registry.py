@@ -11,7 +11,7 @@ import torch
 
 import ckptfs
 from ckptfs.fs.tree import ROOT_INODE, Kind, Tree
-from ckptfs.views import Extent, Literal, View, files_for, register, registered_views
+from ckptfs.views import files_for, register, registered_views
 from conftest_mount import mounted, requires_fuse
 
 # The extra view of these tests, as a module would register it. The mount daemon is another

@@ -25,7 +25,7 @@ import trio
 
 from ckptfs.errors import BusyError
 from ckptfs.fs.errors import fuse_errors, read_only
-from ckptfs.fs.tree import ROOT_INODE, Kind, Node, OpenFile, Tree
+from ckptfs.fs.tree import ROOT_INODE, Node, OpenFile, Tree
 
 log = logging.getLogger("ckptfs.fs")
 
