@@ -1,0 +1,176 @@
+"""Slots as read: headers, committed versions, the version latest names (with its fallbacks),
+damage diagnostics, and indexes. A part of ``Region`` (``ckptfs.region.region``); the writing side
+of a slot's life is ``ckptfs.region.ring``."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from ckptfs.checksum import crc32
+from ckptfs.errors import CorruptionError, MalformedInputError
+from ckptfs.manifest import Manifest
+from ckptfs.region.format import SLOT_COMMITTED, SLOT_HEADER_BYTES, ModelEntry, SlotHeader, unpack_latest
+from ckptfs.region.locks import slot_lock_offset
+
+log = logging.getLogger("ckptfs")
+
+
+@dataclass(frozen=True)
+class SlotVersion:
+    """A committed checkpoint in a slot."""
+
+    entry: ModelEntry
+    slot: int
+    header: SlotHeader
+
+    @property
+    def data_base(self) -> int:
+        return self.entry.slot_offset(self.slot) + self.header.data_offset
+
+
+class SlotReader:
+    """Region's slot-reading operations; needs ``backend``, ``pins`` and ``latest_word`` from the
+    Region it is part of."""
+
+    def read_header(self, entry: ModelEntry, slot: int) -> SlotHeader | None:
+        """The slot's header if it is valid and belongs to this model and slot."""
+        return self._parse_header(entry, slot, self.backend.read_bytes(entry.slot_offset(slot), SLOT_HEADER_BYTES))
+
+    @staticmethod
+    def _parse_header(entry: ModelEntry, slot: int, raw: bytes) -> SlotHeader | None:
+        header = SlotHeader.unpack(raw)
+        if header is None or header.model_index != entry.index or header.slot != slot:
+            return None
+        if header.state == SLOT_COMMITTED:
+            end = header.data_offset + header.data_bytes
+            if (header.manifest_offset < SLOT_HEADER_BYTES or header.data_offset % SLOT_HEADER_BYTES
+                    or header.manifest_offset + header.manifest_bytes > header.data_offset
+                    or end > entry.slot_bytes):
+                return None
+        return header
+
+    def committed(self, entry: ModelEntry) -> list[SlotVersion]:
+        """Every slot holding a committed checkpoint, oldest counter first."""
+        out = []
+        for slot in range(entry.nslots):
+            header = self.read_header(entry, slot)
+            if header is not None and header.state == SLOT_COMMITTED:
+                out.append(SlotVersion(entry, slot, header))
+        return sorted(out, key=lambda v: v.header.counter)
+
+    def latest(self, entry: ModelEntry) -> SlotVersion | None:
+        """The version the latest pointer names.
+
+        If the pointer names a slot that does not hold that version, or one whose index fails its
+        checksum (a damaged region), falls back to the newest committed version whose index
+        verifies, with a warning. (Tensor bytes are checked by ``load``, which falls back too.)
+        """
+        version, problem = self._resolve_latest(entry)
+        if problem is None:
+            return version
+        for version in reversed(self.committed(entry)):
+            if self.index_ok(version):
+                log.warning("model %r: %s; falling back to step %d, the newest intact version",
+                            entry.name, problem, version.header.step)
+                return version
+        log.warning("model %r: %s; no intact version is left", entry.name, problem)
+        return None
+
+    def latest_problem(self, entry: ModelEntry) -> str | None:
+        """None if the latest pointer is empty or names an intact version, else what is wrong."""
+        return self._resolve_latest(entry)[1]
+
+    def _resolve_latest(self, entry: ModelEntry) -> tuple[SlotVersion | None, str | None]:
+        for _ in range(100):
+            word = self.latest_word(entry)
+            target = unpack_latest(word)
+            if target is None:
+                # Nothing published yet. A committed version can still be there: its save's commit
+                # was cut before the pointer reached the media (never reported durable, but
+                # complete), or the pointer word itself was zeroed. Take the newest intact one.
+                for version in reversed(self.committed(entry)):
+                    if self.index_ok(version):
+                        return version, None
+                return None, None
+            counter, slot = target
+            header = self.read_header(entry, slot) if slot < entry.nslots else None
+            version = None
+            if header is not None and header.state == SLOT_COMMITTED and header.counter == counter:
+                version = SlotVersion(entry, slot, header)
+                if self.index_ok(version):
+                    return version, None
+            if self.latest_word(entry) == word:
+                break
+            # The pointer moved on while we looked (a newer save published and the old slot is
+            # already being rewritten): that is not damage; look again.
+        if version is None:
+            return None, f"the latest pointer names slot {slot} counter {counter}, which does not hold it"
+        return None, f"the index of the latest version (step {version.header.step}, slot {slot}) fails its checksum"
+
+    def index_ok(self, version: SlotVersion) -> bool:
+        """Whether the version's index matches the CRC its header holds."""
+        h = version.header
+        start = version.entry.slot_offset(version.slot) + h.manifest_offset
+        return crc32(self.backend.view(start, h.manifest_bytes)) == h.manifest_crc
+
+    def unreadable_slots(self, entry: ModelEntry) -> list[tuple[int, int, Manifest | None]]:
+        """(slot, region offset, the index behind it if readable) of every slot whose header is
+        neither empty nor valid: damaged by the media, or torn by a crash in the middle of
+        rewriting it (only where a write can tear below a 512-byte sector, e.g. devdax). The
+        version it held, if any, is lost. (A header zeroed as a whole looks like an empty slot:
+        that is what removal leaves, and a fresh slot's index is written before its header.)"""
+        out = []
+        for slot in range(entry.nslots):
+            offset = entry.slot_offset(slot)
+            if self._header_readable(entry, slot):
+                continue
+            # Confirm with the slot pinned: a writer or a removal holding it rewrites the header
+            # right now, and what was read may be half old, half new. Such a slot is in flux,
+            # not lost.
+            lock = slot_lock_offset(entry.index, slot)
+            if not self.pins.try_shared(lock):
+                continue
+            try:
+                if not self._header_readable(entry, slot):
+                    out.append((slot, offset, self._salvage_index(entry, slot)))
+            finally:
+                self.pins.release(lock)
+        return out
+
+    def _header_readable(self, entry: ModelEntry, slot: int) -> bool:
+        """Empty (never written, or removed) or valid, from one read of the header."""
+        raw = self.backend.read_bytes(entry.slot_offset(slot), SLOT_HEADER_BYTES)
+        return not any(raw) or self._parse_header(entry, slot, raw) is not None
+
+    def _salvage_index(self, entry: ModelEntry, slot: int) -> Manifest | None:
+        start = entry.slot_offset(slot) + SLOT_HEADER_BYTES
+        room = entry.slot_bytes - SLOT_HEADER_BYTES
+        if room <= 0 or self.backend.view(start, 1)[0] != ord("{"):
+            return None
+        raw = bytes(self.backend.view(start, min(room, 1 << 20)))
+        try:
+            return Manifest.decode(raw.split(b"\0", 1)[0])
+        except (MalformedInputError, RecursionError):
+            return None
+
+    def read_manifest(self, version: SlotVersion) -> Manifest:
+        h = version.header
+        start = version.entry.slot_offset(version.slot) + h.manifest_offset
+        raw = bytes(self.backend.view(start, h.manifest_bytes))
+        if crc32(raw) != h.manifest_crc:
+            raise CorruptionError(f"the index of {version.entry.name} step {h.step} (slot {version.slot}) "
+                                  "fails its checksum; run `ckptfs verify` and use another version")
+        try:
+            manifest = Manifest.decode(raw)
+        except MalformedInputError as e:
+            raise CorruptionError(f"the index of {version.entry.name} step {h.step} is damaged: {e}") from None
+        if manifest.counter != h.counter or manifest.data_bytes != h.data_bytes:
+            raise CorruptionError(f"the index of {version.entry.name} step {h.step} does not match its header")
+        return manifest
+
+    def write_slot(self, entry: ModelEntry, slot: int, offset: int, buf) -> None:
+        """Write aligned ``buf`` at ``offset`` within a slot the caller has claimed."""
+        if offset < 0 or offset + len(buf) > entry.slot_bytes:
+            raise ValueError(f"write of {len(buf)} bytes at {offset} overflows slot of {entry.slot_bytes}")
+        self.backend.write(entry.slot_offset(slot) + offset, buf)
+
