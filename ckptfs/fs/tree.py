@@ -23,8 +23,8 @@ Contracts:
 * **Files** of a version are computed once per version from its manifest (one short pin through
   ``store.open_version``) and cached while the version is listed. They come from the views
   registry (``ckptfs.views.registry``), all views or those the mount selects (``-o views=``); a
-  view's path with '/' shows as subdirectories, read-only like the version directory. A version is immutable once
-  committed, so sizes and contents never change under a given file inode.
+  view's path with '/' shows as subdirectories, read-only like the version directory. A version
+  is immutable once committed, so sizes and contents never change under a given file inode.
 * **Reads** go through :class:`OpenFile`, which holds the version pinned from ``open`` to
   ``release``: the writer never reuses a pinned slot, so a copy taken during training is exact.
 * **Changes.** Only the removal of a non-latest version is allowed: ``rmdir`` of a version
