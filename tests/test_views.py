@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from safetensors import safe_open
+import safetensors.torch
 from safetensors.torch import load_file
 
 from ckptfs.checksum import crc32, crc32_combine
@@ -288,16 +289,20 @@ def test_safetensors_per_key_view_tied_weights_and_names(tmp_path):
     obj = {"model": {"emb.weight": w, "head.weight": w, "blocks": [{"b": torch.ones(2)}]},
            "optim": {"step": torch.tensor(3.0)}, "__metadata__": torch.zeros(1)}
     stored = lay_out(obj)
-    full = load_file(stored.write(safetensors_view(stored.manifest), tmp_path / "a"))
-    assert sorted(full) == ["__metadata__#1", "model.blocks.0.b", "model.emb.weight",
-                            "model.head.weight", "optim.step"]
-    model = load_file(stored.write(safetensors_view(stored.manifest, key="model"),
-                                   tmp_path / "m"))
-    assert sorted(model) == ["blocks.0.b", "emb.weight", "head.weight"]
+    full_path = stored.write(safetensors_view(stored.manifest), tmp_path / "a")
+    full = load_file(full_path)
+    # a tied tensor is stored once, under its first name; the other name is an alias
+    assert sorted(full) == ["__metadata__#1", "model.blocks.0.b", "model.emb.weight", "optim.step"]
+    with safe_open(full_path, "pt") as f:
+        assert json.loads(f.metadata()["ckptfs.aliases"]) == {"model.head.weight": "model.emb.weight"}
+    model_path = stored.write(safetensors_view(stored.manifest, key="model"), tmp_path / "m")
+    model = load_file(model_path)
+    assert sorted(model) == ["blocks.0.b", "emb.weight"]
     assert_same(w, model["emb.weight"])
-    assert_same(w, model["head.weight"])
+    with safe_open(model_path, "pt") as f:
+        assert json.loads(f.metadata()["ckptfs.aliases"]) == {"head.weight": "emb.weight"}
     view = safetensors_view(stored.manifest, key="model")
-    assert view.segments[1] == view.segments[2]  # the tied tensor: one extent, twice
+    assert len(view.segments) == 3  # header, emb.weight, blocks.0.b: the tied bytes once
     optim = safetensors_view(stored.manifest, key="optim")
     assert b'"step":{"dtype":"F32","shape":[]' in optim.segments[0].data
 
@@ -607,7 +612,13 @@ def test_adamw_transformer_round_trip(tmp_path):
     lm2.load_state_dict(loaded["model"])
     opt2.load_state_dict(loaded["optim"])
     assert_same(opt.state_dict(), opt2.state_dict())
-    model = load_file(stored.write(files["model.safetensors"], tmp_path / "model.safetensors"))
-    assert sorted(model) == sorted(state["model"])
-    for name, t in state["model"].items():
-        assert_same(t, model[name], name)
+    model_path = stored.write(files["model.safetensors"], tmp_path / "model.safetensors")
+    model = load_file(model_path)
+    assert sorted(model) == sorted(set(state["model"]) - {"head.weight"})  # tied to emb.weight
+    for name, t in model.items():
+        assert_same(state["model"][name], t, name)
+    # what safetensors' own loader for shared tensors accepts, and the ties come back
+    lm3 = TinyLM()
+    assert safetensors.torch.load_model(lm3, model_path) == (set(), [])
+    assert lm3.head.weight is lm3.emb.weight
+    assert_same(lm.state_dict(), lm3.state_dict())

@@ -35,6 +35,7 @@ SAFETENSORS_DTYPES: dict[str, str] = {
 
 METADATA_KEY = "__metadata__"
 SKIPPED_KEY = "ckptfs.skipped"
+ALIASES_KEY = "ckptfs.aliases"
 _HEADER_ALIGN = 8
 
 
@@ -42,22 +43,25 @@ def safetensors_view(manifest: Manifest, *, key: str | None = None,
                      metadata: Mapping[str, str] | None = None) -> View | None:
     """The safetensors file of ``manifest``'s tensors, or None when no tensor qualifies.
 
-    ``key=None``: every reference (``manifest.refs()``), named by its dotted path; tied weights
-    appear under each of their names with their own copy of the bytes (safetensors forbids
-    overlapping ranges; in the view a copy is just one more extent). ``key="model"``: the
-    references under top-level key ``model``, named by their path below it.
+    ``key=None``: every tensor (``manifest.refs()``), named by its dotted path. ``key="model"``:
+    the tensors under top-level key ``model``, named by their path below it. A tensor saved under
+    several names (tied weights) is stored once, under its first name, as ``save_model`` and
+    ``save_pretrained`` do, so that ``safetensors.torch.load_model`` accepts the file; its other
+    names map to that one in ``__metadata__["ckptfs.aliases"]`` (a JSON object string).
 
     Tensors whose dtype (or shape) safetensors cannot represent are left out and listed, as a
     JSON array string, in ``__metadata__["ckptfs.skipped"]``. ``__metadata__`` also carries
     ``format`` ("pt"), ``model`` and ``step``; entries of ``metadata`` (strings only) are added
     and win over those. The header is a pure function of the arguments (byte-exact tests).
     """
-    selected = _select(manifest, key)
+    selected, aliases = _select(manifest, key)
     kept = [(name, rec) for name, rec in selected if _representable(rec)]
     if not kept:
         return None
     skipped = [name for name, rec in selected if not _representable(rec)]
-    header = {METADATA_KEY: _metadata(manifest, skipped, metadata)}
+    kept_names = {name for name, _ in kept}
+    aliases = {alias: name for alias, name in aliases.items() if name in kept_names}
+    header = {METADATA_KEY: _metadata(manifest, skipped, aliases, metadata)}
     offset = 0
     for name, rec in kept:
         header[name] = {"dtype": SAFETENSORS_DTYPES[rec.dtype], "shape": _shape(rec),
@@ -71,8 +75,9 @@ def safetensors_view(manifest: Manifest, *, key: str | None = None,
     return builder.build()
 
 
-def _select(manifest: Manifest, key: str | None) -> list[tuple[str, TensorRecord]]:
-    """(unique tensor name, record) for every reference the file should hold, in skeleton order."""
+def _select(manifest: Manifest, key: str | None) -> tuple[list[tuple[str, TensorRecord]], dict[str, str]]:
+    """(unique tensor name, record) for every tensor the file should hold, in skeleton order, and
+    {alias: that name} for the later references to a tensor already selected."""
     if key is None:
         named = [(ref.name, ref.tensor_index) for ref in manifest.refs()]
     else:
@@ -80,10 +85,15 @@ def _select(manifest: Manifest, key: str | None) -> list[tuple[str, TensorRecord
         named = [(".".join(ref.key_path[1:]) or key, ref.tensor_index)
                  for ref in manifest.refs() if ref.key_path[:1] == (key,)]
     taken = {METADATA_KEY}  # a tensor called "__metadata__" would clash with the header's own
-    out = []
+    out, first_name, aliases = [], {}, {}
     for name, index in named:
-        out.append((_unique(name, taken), manifest.tensors[index]))
-    return out
+        name = _unique(name, taken)
+        if index in first_name:
+            aliases[name] = first_name[index]
+            continue
+        first_name[index] = name
+        out.append((name, manifest.tensors[index]))
+    return out, aliases
 
 
 def _unique(name: str, taken: set[str]) -> str:
@@ -108,10 +118,13 @@ def _shape(rec: TensorRecord) -> list[int]:
     return shape
 
 
-def _metadata(manifest: Manifest, skipped: list[str], extra: Mapping[str, str] | None) -> dict:
+def _metadata(manifest: Manifest, skipped: list[str], aliases: dict[str, str],
+              extra: Mapping[str, str] | None) -> dict:
     meta = {"format": "pt", "model": manifest.model, "step": str(manifest.step)}
     if skipped:
         meta[SKIPPED_KEY] = json.dumps(skipped, ensure_ascii=True)
+    if aliases:
+        meta[ALIASES_KEY] = json.dumps(aliases, ensure_ascii=True, separators=(",", ":"))
     for k, v in (extra or {}).items():
         if not isinstance(k, str) or not isinstance(v, str):
             raise TypeError(f"safetensors metadata must map str to str, got {k!r}: {v!r}")
