@@ -1,5 +1,6 @@
 """Tier 1-2: what goes in comes back, exactly; what cannot go in is refused before any write."""
 import math
+import re
 from collections import OrderedDict
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 import ckptfs
 from ckptfs.errors import (CheckpointTooLargeError, InvalidNameError, NotFoundError, RegionFullError,
                            UnsupportedObjectError)
+from ckptfs.cli import main as cli_main
 from ckptfs.manifest import DTYPES
 from conftest import assert_same
 
@@ -125,7 +127,7 @@ def test_unsupported_leaf_names_its_path(store, leaf, where):
 
 @pytest.mark.parametrize("obj, error, match", [
     ({"state": {"bad": object()}}, UnsupportedObjectError, r"state\.bad"),
-    ({"w": torch.zeros(1 << 20)}, CheckpointTooLargeError, "ckptfs rm later"),
+    ({"w": torch.zeros(1 << 20)}, CheckpointTooLargeError, "ckptfs rm --all later"),
 ])
 def test_async_save_refusals_come_through_the_future_before_any_write(store, obj, error, match):
     """With async_snapshot the object is read on the snapshot thread: a refusal is raised by
@@ -164,9 +166,16 @@ def test_step_must_be_int(store):
 def test_checkpoint_larger_than_slot(store):
     with store.writer("grow") as w:
         w.save({"w": torch.zeros(1000)}, step=1).result()
-        with pytest.raises(CheckpointTooLargeError, match="ckptfs rm grow"):
+        with pytest.raises(CheckpointTooLargeError, match="ckptfs rm --all grow") as too_large:
             w.save({"w": torch.zeros(1 << 20)}, step=2)
     assert [v.step for v in store.versions("grow")] == [1]
+    # the advice works as written
+    advice = re.search(r"`ckptfs (rm [^`]*)`", str(too_large.value)).group(1).split()
+    with pytest.raises(SystemExit) as done:
+        cli_main([*advice, "--region", store.path])
+    assert done.value.code == 0 and store.models() == []
+    with store.writer("grow") as w:
+        assert w.save({"w": torch.zeros(1 << 20)}, step=2).result().published
 
 
 def test_region_full(store):
@@ -285,3 +294,16 @@ def test_tensors_that_require_grad(store):
     assert torch.equal(back["param"], p.detach())
     assert torch.equal(back["activation"], (p * 2).detach())
     assert torch.equal(back["conj"], obj["conj"].detach().resolve_conj())
+
+
+def test_ring_geometry_of_an_existing_model_is_not_ignored(store):
+    with store.writer("geo", slots=4, slot_bytes=1 << 20) as w:
+        w.save({"w": torch.zeros(1000)}, step=1).result()
+    for options in ({"slots": 10}, {"slot_bytes": 2 << 20}, {"slots": 10, "slot_bytes": 1 << 20}):
+        with pytest.raises(ValueError, match=r"already exists with 4 slots.*slots=10|slot_bytes=2097152") as e:
+            store.writer("geo", **options)
+        assert "ckptfs rm --all geo" in str(e.value)
+    for options in ({}, {"slots": 4}, {"slot_bytes": 1 << 20}, {"slot_bytes": 4096}):  # what the ring has
+        with store.writer("geo", **options) as w:
+            w.save({"w": torch.ones(1000)}, step=2).result()
+    assert store.load("geo")["w"][0] == 1

@@ -206,7 +206,7 @@ class FileBackend(Backend):
             if e.errno == errno.ENOSPC:
                 raise RegionFullError(
                     f"the filesystem holding {self.path} has no room for {length} more bytes; "
-                    "free space there, or remove models with `ckptfs rm`") from None
+                    "free space there, or remove models with `ckptfs rm --all MODEL`") from None
             if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise
 

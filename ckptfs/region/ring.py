@@ -92,7 +92,7 @@ class Ring:
             name = self.entry.name
             raise CheckpointTooLargeError(
                 f"this checkpoint of {name!r} needs {layout.slot_bytes} bytes but its slots hold "
-                f"{self.entry.slot_bytes}; remove the model (`ckptfs rm {name}`) and save again (slots are sized "
+                f"{self.entry.slot_bytes}; remove the model (`ckptfs rm --all {name}`) and save again (slots are sized "
                 "at the first save), or pass a larger slot_bytes when the model is first created")
         return layout
 

@@ -181,7 +181,7 @@ class ModelTable:
         free = end - sb.data_offset - sum(e.ring_bytes for e in entries)
         raise RegionFullError(
             f"region {self.path} has no contiguous {nbytes} bytes free for a new model ring "
-            f"({free} bytes free in all); remove models with `ckptfs rm MODEL`, or create a larger "
+            f"({free} bytes free in all); remove models with `ckptfs rm --all MODEL`, or create a larger "
             "region with `ckptfs mkfs --size`")
 
     def _wipe_slot_headers(self, entry: ModelEntry) -> None:

@@ -95,6 +95,8 @@ class Writer:
         self._slot_bytes = slot_bytes
         self._setup_lock = threading.Lock()  # lazy set-up may race when save() is called from threads
         entry = region.find(model)
+        if entry is not None:
+            _check_geometry(entry, slots, slot_bytes)
         self._ring: Ring | None = None if entry is None else region.ring(entry, timeout_s=timeout_s)
         self._planner = Planner(model, chunk_bytes)
         self._progress = ProgressBoard(region.superblock.uuid, model)
@@ -295,6 +297,18 @@ class Writer:
                     budget = min(self.max_inflight * align_up(max(data_bytes, 1), chunk), physical // 2)
                 self._pools[cuda] = StagingPool(chunk, max(budget, chunk), pinned=cuda)
             return self._pools[cuda]
+
+
+def _check_geometry(entry, slots: int | None, slot_bytes: int | None) -> None:
+    """ValueError if ``slots`` / ``slot_bytes`` ask for another ring than the model has: they apply
+    when a model is created, and must not be dropped without a word."""
+    asked = [f"{name}={value}" for name, value, has in (("slots", slots, entry.nslots),
+                                                         ("slot_bytes", slot_bytes, entry.slot_bytes))
+             if value is not None and value != has and not (name == "slot_bytes" and value <= has)]
+    if asked:
+        raise ValueError(f"model {entry.name!r} already exists with {entry.nslots} slots of {entry.slot_bytes} bytes; "
+                         f"{' and '.join(asked)} apply when a model is created: leave them out, or remove the "
+                         f"model first (`ckptfs rm --all {entry.name}`, which deletes its versions)")
 
 
 def _positive(name: str, value) -> None:
