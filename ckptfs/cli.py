@@ -18,6 +18,7 @@ import click
 
 from ckptfs.errors import CkptfsError
 from ckptfs.fs.daemon import READAHEAD_KB
+from ckptfs.units import human_bytes
 
 EXPORT_BLOCK_BYTES = 8 << 20
 
@@ -49,14 +50,6 @@ def _parse_size(text: str) -> int:
         raise click.BadParameter(f"{text!r} is not a size (e.g. 64G, 512M, 4096)")
     scale = 1024 ** "bkmgtp".index((m.group(2) or "b").lower())
     return int(float(m.group(1)) * scale)
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def _when(time_ns: int) -> str:
@@ -260,13 +253,13 @@ def ls_(region, as_json, model):
                 click.echo(json.dumps(rows, indent=1))
             else:
                 _table([[r["model"], r["versions"], "-" if r["latest_step"] is None else r["latest_step"],
-                         _human(r["latest_bytes"])] for r in rows], ["MODEL", "VERSIONS", "LATEST", "SIZE"])
+                         human_bytes(r["latest_bytes"])] for r in rows], ["MODEL", "VERSIONS", "LATEST", "SIZE"])
             return 0
         versions = store.versions(model)
         if as_json:
             click.echo(json.dumps([_info_dict(v) for v in versions], indent=1))
         else:
-            _table([[v.step, "latest" if v.latest else "", _when(v.time_ns), _human(v.data_bytes), v.counter]
+            _table([[v.step, "latest" if v.latest else "", _when(v.time_ns), human_bytes(v.data_bytes), v.counter]
                     for v in versions], ["STEP", "", "TIME", "SIZE", "COUNTER"])
         return 0
 
@@ -294,10 +287,10 @@ def info(region, as_json, step, model):
         click.echo(f"step     {doc['step']}{' (latest)' if doc['latest'] else ''}")
         click.echo(f"time     {_when(doc['time_ns'])}")
         click.echo(f"counter  {doc['counter']}  slot {doc['slot']}")
-        click.echo(f"data     {_human(doc['data_bytes'])} in {len(doc['tensors'])} tensors")
-        click.echo("files    " + ", ".join(f"{n} ({_human(s)})" for n, s in files.items()))
+        click.echo(f"data     {human_bytes(doc['data_bytes'])} in {len(doc['tensors'])} tensors")
+        click.echo("files    " + ", ".join(f"{n} ({human_bytes(s)})" for n, s in files.items()))
         click.echo()
-        _table([[t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar", _human(t["nbytes"]), t["crc32"]]
+        _table([[t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar", human_bytes(t["nbytes"]), t["crc32"]]
                 for t in doc["tensors"]], ["TENSOR", "DTYPE", "SHAPE", "SIZE", "CRC32"])
         return 0
 
@@ -375,7 +368,7 @@ def export(region, step, file_name, key, model, output):
                 if os.path.exists(tmp):
                     os.unlink(tmp)
                 raise
-        click.echo(f"exported {model} step {v.info.step} {file_name} to {output} ({_human(view.size)})")
+        click.echo(f"exported {model} step {v.info.step} {file_name} to {output} ({human_bytes(view.size)})")
         return 0
 
 
@@ -396,7 +389,7 @@ def import_(region, step, fmt, key, model, file):
 
     with _open_store(region) as store:
         v = import_file(store, model, file, step=step, fmt=fmt, key=key)
-        click.echo(f"imported {file} as {model} step {v.step} ({_human(v.data_bytes)})")
+        click.echo(f"imported {file} as {model} step {v.step} ({human_bytes(v.data_bytes)})")
         return 0
 
 
@@ -429,18 +422,18 @@ def status(region, as_json):
     if as_json:
         click.echo(json.dumps(st, indent=1, default=str))
         return 0
-    click.echo(f"region   {st['path']} ({st['kind']}): {_human(st['region_bytes'])}, "
-               f"{_human(st['used_bytes'])} in model rings, {_human(st['free_bytes'])} free")
+    click.echo(f"region   {st['path']} ({st['kind']}): {human_bytes(st['region_bytes'])}, "
+               f"{human_bytes(st['used_bytes'])} in model rings, {human_bytes(st['free_bytes'])} free")
     click.echo()
     _table([[m["name"], m["versions"], "-" if m["latest_step"] is None else m["latest_step"], m["slots"],
-             _human(m["slot_bytes"]), m["saves_in_flight"]] for m in st["models"]],
+             human_bytes(m["slot_bytes"]), m["saves_in_flight"]] for m in st["models"]],
            ["MODEL", "VERSIONS", "LATEST", "SLOTS", "SLOT SIZE", "WRITING"])
     saves = st.get("saves_in_flight") or []
     click.echo()
     if not saves:
         click.echo("no saves in flight")
     else:
-        _table([[sv["model"], sv["step"], f"{_human(sv['persisted_bytes'])} / {_human(sv['total_bytes'])}",
+        _table([[sv["model"], sv["step"], f"{human_bytes(sv['persisted_bytes'])} / {human_bytes(sv['total_bytes'])}",
                  f"{100 * sv['persisted_bytes'] / max(sv['total_bytes'], 1):.0f}%", sv["pid"]] for sv in saves],
                ["SAVING", "STEP", "PERSISTED", "", "PID"])
     return 0

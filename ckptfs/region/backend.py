@@ -15,6 +15,7 @@ Readers use ``view(offset, length)``: a zero-copy memoryview of the shared mappi
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -23,6 +24,7 @@ import stat
 
 from ckptfs import _native
 from ckptfs.errors import CkptfsError, RegionFormatError, RegionFullError
+from ckptfs.units import human_bytes
 
 PAGE_BYTES = mmap.PAGESIZE
 DEVDAX_ALIGN_BYTES = 2 << 20
@@ -36,6 +38,23 @@ def _pread_full(fd: int, view: memoryview, offset: int, path: str) -> None:
         if n <= 0:
             raise OSError(errno.EIO, f"short read from {path} at {offset + done}")
         done += n
+
+
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+
+
+def _punch_hole(fd: int, offset: int, length: int) -> None:
+    """Free the blocks of ``[offset, offset + length)`` of a file, keeping its size."""
+    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot give back the blocks of a failed reservation: {os.strerror(err)}")
+
+
+def _free_bytes(fd: int) -> int:
+    st = os.fstatvfs(fd)
+    return st.f_bavail * st.f_frsize
 
 
 def aligned_buffer(nbytes: int) -> mmap.mmap:
@@ -198,15 +217,21 @@ class FileBackend(Backend):
         return bytes(buf)
 
     def reserve(self, offset: int, length: int) -> None:
+        """Allocate the blocks of a new ring, all or nothing: when the filesystem runs out part
+        way, what was allocated is given back (a hole punched over the range, which holds no
+        version yet) and RegionFullError says what was needed and what is free."""
         if self.kind != "file":
             return
         try:
             os.posix_fallocate(self._fd, offset, length)
         except OSError as e:
             if e.errno == errno.ENOSPC:
+                _punch_hole(self._fd, offset, length)
+                free = _free_bytes(self._fd)
                 raise RegionFullError(
-                    f"the filesystem holding {self.path} has no room for {length} more bytes; "
-                    "free space there, or remove models with `ckptfs rm --all MODEL`") from None
+                    f"the filesystem holding {self.path} has {human_bytes(free)} free, and the new ring needs "
+                    f"{human_bytes(length)}; nothing was kept. Free space on that filesystem, save this model with "
+                    "fewer or smaller slots (slots=, slot_bytes=), or remove models (`ckptfs rm --all MODEL`)") from None
             if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise
 
