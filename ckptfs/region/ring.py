@@ -36,6 +36,7 @@ from ckptfs.region.backend import aligned_buffer
 from ckptfs.region.format import (SLOT_COMMITTED, SLOT_HEADER_BYTES, SLOT_WRITING, ModelEntry, SlotHeader,
                                   pack_latest, slot_layout, unpack_latest)
 from ckptfs.region.locks import LockSpace, slot_lock_offset
+from ckptfs.units import human_bytes
 
 CLAIM_POLL_S = 0.005  # how often a claim waiting for a free slot looks again
 
@@ -91,9 +92,10 @@ class Ring:
         if layout.slot_bytes > self.entry.slot_bytes:
             name = self.entry.name
             raise CheckpointTooLargeError(
-                f"this checkpoint of {name!r} needs {layout.slot_bytes} bytes but its slots hold "
-                f"{self.entry.slot_bytes}; remove the model (`ckptfs rm --all {name}`) and save again (slots are sized "
-                "at the first save), or pass a larger slot_bytes when the model is first created")
+                f"this checkpoint of {name!r} needs {human_bytes(layout.slot_bytes)} but its slots hold "
+                f"{human_bytes(self.entry.slot_bytes)}; remove the model (`ckptfs rm --all {name}`) and save "
+                "again (slots are sized at the first save), or pass a larger slot_bytes when the model is "
+                "first created")
         return layout
 
     # ------------------------------------------------------------------ claim

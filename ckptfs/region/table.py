@@ -15,6 +15,7 @@ from ckptfs.region.format import (COUNTER_WORD_OFFSET, ENTRY_BYTES, ENTRY_STATIC
                                   NAME_MAX_BYTES, SLOT_HEADER_BYTES, SUPERBLOCK_BYTES, ModelEntry,
                                   _align)
 from ckptfs.region.locks import META_LOCK_OFFSET, slot_lock_offset
+from ckptfs.units import human_bytes
 
 log = logging.getLogger("ckptfs")
 
@@ -180,8 +181,8 @@ class ModelTable:
             return cursor
         free = end - sb.data_offset - sum(e.ring_bytes for e in entries)
         raise RegionFullError(
-            f"region {self.path} has no contiguous {nbytes} bytes free for a new model ring "
-            f"({free} bytes free in all); remove models with `ckptfs rm --all MODEL`, or create a larger "
+            f"region {self.path} has no contiguous {human_bytes(nbytes)} free for a new model ring "
+            f"({human_bytes(free)} free in all); remove models with `ckptfs rm --all MODEL`, or create a larger "
             "region with `ckptfs mkfs --size`")
 
     def _wipe_slot_headers(self, entry: ModelEntry) -> None:
