@@ -40,7 +40,7 @@ def toy(tmp_path_factory):
     d = tmp_path_factory.mktemp("toy")
     region = str(d / "toy.region")
     make_toy_region(region)
-    with mounted(region, str(d / "mnt")) as m:
+    with mounted(region, str(d / "mnt"), "-o", "rw") as m:  # rw: the tests of rm -r
         yield m
 
 
@@ -280,9 +280,37 @@ def test_errno_of_everything_else(toy):
         os.close(fd)
 
     assert oserror(os.unlink, os.path.join(latest_dir, "checkpoint.pt")) == errno.EBUSY
-    os.unlink(f)  # inside a non-latest version: accepted as part of `rm -r`, changes nothing
+    # A file alone cannot go: a version is removed whole (`rm file` must not say it removed it)
+    assert oserror(os.unlink, f) == errno.EPERM
+    r = subprocess.run(["rm", f], capture_output=True, text=True)
+    assert r.returncode != 0 and "Operation not permitted" in r.stderr and os.path.exists(f)
+    # ... but inside a version whose directory is open, as `rm -r` holds it, it is accepted
+    # (and changes nothing until the version's rmdir)
+    fd = os.open(old_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.listdir(fd)
+        os.unlink(f)
+    finally:
+        os.close(fd)
     assert os.path.exists(f)
     assert os.listdir(m) == ["latest"] + [vdir(s) for s in TOY_STEPS]
+
+
+def test_a_mount_is_read_only_unless_mounted_rw(tmp_path):
+    from ckptfs.fs.daemon import mount_entry
+
+    region = str(tmp_path / "toy.region")
+    make_toy_region(region)
+    with mounted(region, str(tmp_path / "mnt")) as m:
+        options = next(line.split()[3] for line in open("/proc/mounts") if line.split()[1] == m.path)
+        assert options.split(",")[0] == "ro" and mount_entry(m.path)[0] == "fuse.ckptfs"
+        old = os.path.join(m.path, TOY_MODEL, vdir(TOY_STEPS[0]))
+        for cmd in (["rm", os.path.join(old, "checkpoint.pt")], ["rm", "-r", old]):
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            assert r.returncode != 0 and "Read-only file system" in r.stderr, r.stderr
+        assert os.path.exists(os.path.join(old, "checkpoint.pt"))
+    with ckptfs.Store(region) as s:
+        assert [v.step for v in s.versions(TOY_MODEL)] == list(TOY_STEPS)
 
 
 # ------------------------------------------------------------------------------ copies during training

@@ -124,9 +124,9 @@ def path(tree, *names):
     return node
 
 
-def err(fn, *args):
+def err(fn, *args, **kwargs):
     with pytest.raises(OSError) as e:
-        fn(*args)
+        fn(*args, **kwargs)
     return e.value.errno
 
 
@@ -223,11 +223,12 @@ def test_changes_allowed_and_refused(env):
     for flags in (os.O_WRONLY, os.O_RDWR, os.O_TRUNC, os.O_APPEND):
         assert err(tree.open, f, flags) == errno.EROFS
     assert err(tree.open, v10, os.O_RDONLY) == errno.EISDIR
-    tree.check_unlink(v10.ino, "checkpoint.pt")  # accepted: first half of `rm -r`
-    assert err(tree.check_unlink, v30.ino, "checkpoint.pt") == errno.EBUSY  # latest
-    assert err(tree.check_unlink, model.ino, "latest") == errno.EROFS
-    assert err(tree.check_unlink, model.ino, "step-00000010") == errno.EISDIR
-    assert err(tree.check_unlink, v10.ino, "nope") == errno.ENOENT
+    tree.check_unlink(v10.ino, "checkpoint.pt", walking=True)  # accepted: first half of `rm -r`
+    assert err(tree.check_unlink, v10.ino, "checkpoint.pt", walking=False) == errno.EPERM  # a file alone
+    assert err(tree.check_unlink, v30.ino, "checkpoint.pt", walking=True) == errno.EBUSY  # latest
+    assert err(tree.check_unlink, model.ino, "latest", walking=True) == errno.EROFS
+    assert err(tree.check_unlink, model.ino, "step-00000010", walking=True) == errno.EISDIR
+    assert err(tree.check_unlink, v10.ino, "nope", walking=True) == errno.ENOENT
     assert tree.version_to_remove(model.ino, "step-00000010") == ("gpt", 10)
     assert err(tree.version_to_remove, model.ino, "latest") == errno.ENOTDIR
     assert err(tree.version_to_remove, v10.ino, "checkpoint.pt") == errno.ENOTDIR

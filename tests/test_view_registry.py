@@ -102,7 +102,7 @@ def test_subdirectories_in_the_tree(store, extra_view):
         with pytest.raises(FileNotFoundError):
             tree.lookup(extra.ino, "nothing")
         # rm -r of a non-latest version: files and subdirectories are no-ops, the version goes last
-        tree.check_unlink(deep.ino, "first.bin")
+        tree.check_unlink(deep.ino, "first.bin", walking=True)
         assert tree.version_to_remove(extra.ino, "deep") is None
         assert tree.version_to_remove(version.ino, "extra") is None
         # inside the latest version: EBUSY, so that rm -r stops before the version
@@ -134,7 +134,7 @@ def test_a_mount_selects_views_and_a_commit_refreshes_its_listing(store, extra_v
 @requires_fuse
 def test_a_registered_view_with_subdirectories_through_a_real_mount(store, tmp_path):
     mnt = str(tmp_path / "mnt")
-    with mounted(store.path, mnt, cli=DAEMON) as m:
+    with mounted(store.path, mnt, "-o", "rw", cli=DAEMON) as m:
         old = m / "m/step-00000001"
         assert os.listdir(old) == ["checkpoint.pt", "state.safetensors", "model.safetensors", "metadata.json",
                                    "extra"]

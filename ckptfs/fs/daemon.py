@@ -149,16 +149,20 @@ def fuse_options(store_path: str, *, allow_other: bool = False, auto_unmount: bo
                  extra: Iterable[str] = ()) -> set[str]:
     """The libfuse options of a ckptfs mount.
 
-    ``default_permissions`` is off: the operations decide (read-only except removal of versions,
-    see ckptfs.fs.tree). With ``allow_other`` it is turned on, so that other users can read but
-    only the owner (and root) can remove versions, per the directory modes."""
+    Read-only (``ro``: the kernel refuses every change) unless ``extra`` holds ``rw``, which
+    allows one change: ``rm -r`` of a version that is not the latest (see ckptfs.fs.tree).
+    ``default_permissions`` is off: the operations decide. With ``allow_other`` it is turned on,
+    so that other users can read but only the owner (and root) can remove versions, per the
+    directory modes."""
+    extra = {o for o in extra if o}
     opts = {"fsname=" + store_path.replace(",", "_"), "subtype=ckptfs", "noatime"}
     if allow_other:
         opts |= {"allow_other", "default_permissions"}
     if auto_unmount:
         opts.add("auto_unmount")
-    opts |= {o for o in extra if o}
-    return opts
+    if "rw" not in extra:
+        opts.add("ro")
+    return opts | (extra - {"rw", "ro"})
 
 
 def serve(store, mountpoint: str, *, allow_other: bool = False, auto_unmount: bool = True,

@@ -55,7 +55,7 @@ def errno_for(exc: BaseException) -> int:
 
 def read_only(what: str) -> OSError:
     """The error for any attempt to change the tree other than removing a version (EROFS)."""
-    return OSError(errno.EROFS, f"ckptfs mounts are read-only except `rm -r` of a version: {what}")
+    return OSError(errno.EROFS, f"ckptfs mounts are read-only except `rm -r` of a version (with -o rw): {what}")
 
 
 @contextlib.contextmanager

@@ -48,7 +48,7 @@ class CkptfsOperations(pyfuse3.Operations):
         self.store = store
         self.tree = tree or Tree(store, views=views)
         self._files: dict[int, OpenFile] = {}
-        self._dirs: dict[int, list[tuple[bytes, Node]]] = {}
+        self._dirs: dict[int, tuple[int, list[tuple[bytes, Node]]]] = {}  # fh -> (inode, entries)
         self._fh = itertools.count(1)
         self.initialized = False  # set once the kernel's INIT request has been answered
 
@@ -98,12 +98,12 @@ class CkptfsOperations(pyfuse3.Operations):
         with fuse_errors("opendir"):
             entries = [(os.fsencode(n), node) for n, node in self.tree.children(inode)]
             fh = next(self._fh)
-            self._dirs[fh] = entries
+            self._dirs[fh] = (inode, entries)
             return fh
 
     async def readdir(self, fh, start_id, token):
         with fuse_errors("readdir"):
-            entries = self._dirs[fh]
+            entries = self._dirs[fh][1]
             for i in range(start_id, len(entries)):
                 name, node = entries[i]
                 try:
@@ -169,9 +169,11 @@ class CkptfsOperations(pyfuse3.Operations):
         return any(h.version.info.model == model and h.version.info.step == step for h in self._files.values())
 
     async def unlink(self, parent_inode, name, ctx):
-        """Accepted as a no-op for files of a non-latest version (see ckptfs.fs.tree)."""
+        """Accepted as a no-op for files of a non-latest version while their directory is open,
+        as ``rm -r`` holds it (see ckptfs.fs.tree)."""
         with fuse_errors("unlink"):
-            self.tree.check_unlink(parent_inode, os.fsdecode(name))
+            walking = any(ino == parent_inode for ino, _ in self._dirs.values())
+            self.tree.check_unlink(parent_inode, os.fsdecode(name), walking=walking)
 
     # -------------------------------------------------------------- everything else is read-only
 

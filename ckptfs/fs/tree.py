@@ -27,12 +27,15 @@ Contracts:
   is immutable once committed, so sizes and contents never change under a given file inode.
 * **Reads** go through :class:`OpenFile`, which holds the version pinned from ``open`` to
   ``release``: the writer never reuses a pinned slot, so a copy taken during training is exact.
-* **Changes.** Only the removal of a non-latest version is allowed: ``rmdir`` of a version
-  directory removes it from the region (``store.remove``; EBUSY while it is latest or pinned).
-  So that ``rm -r <model>/step-N`` works, ``unlink`` of a file *inside* a version directory is
-  accepted and does nothing (EBUSY if the version is the latest, so ``rm -r`` stops before its
-  ``rmdir``); the version and its files disappear with the ``rmdir``. ``rmdir`` of a subdirectory
-  inside a version is accepted and does nothing the same way. Everything else is EROFS.
+* **Changes.** A mount is read-only unless mounted ``-o rw``; then only the removal of a
+  non-latest version is allowed: ``rmdir`` of a version directory removes it from the region
+  (``store.remove``; EBUSY while it is latest or pinned). So that ``rm -r <model>/step-N`` works,
+  ``unlink`` of a file *inside* a version directory is accepted and does nothing while that
+  directory is open, as ``rm -r`` holds it (EBUSY if the version is the latest, so ``rm -r``
+  stops before its ``rmdir``; EPERM for a file alone: ``rm file`` must not report a removal that
+  did not happen); the version and its files disappear with the ``rmdir``. ``rmdir`` of a
+  subdirectory inside a version is accepted and does nothing the same way. Everything else is
+  EROFS.
 
 Errors are raised as ``OSError`` subclasses carrying their errno, or as ckptfs errors; the FUSE
 layer translates them (``ckptfs.fs.errors.errno_for``).
@@ -60,6 +63,13 @@ LATEST = "latest"
 def version_dirname(step: int) -> str:
     """``step-00001200``: zero-padded to at least 8 digits so that ``ls`` sorts versions."""
     return f"step-{step:08d}"
+
+
+def step_of(text: str) -> int | None:
+    """The step a user names: ``1200``, or a version directory's name ``step-00001200``; None
+    for anything else."""
+    digits = text[len("step-"):] if text.startswith("step-") else text
+    return int(digits) if digits.isascii() and digits.isdigit() else None
 
 
 class Kind(enum.Enum):
@@ -432,16 +442,21 @@ class Tree:
             raise read_only(f"rmdir {name} (remove its versions, or use `ckptfs rm`)")
         return node.model, node.step
 
-    def check_unlink(self, parent_ino: int, name: str) -> None:
+    def check_unlink(self, parent_ino: int, name: str, *, walking: bool) -> None:
         """``unlink parent/name``: succeeds (and does nothing) only for a file inside a version
-        that is not the latest, as the first half of ``rm -r``; EBUSY inside the latest version,
-        EISDIR for a directory, EROFS for ``latest``, ENOENT if absent."""
+        that is not the latest while its directory is open (``walking``), as ``rm -r`` holds it
+        before the version's ``rmdir``; a file alone cannot go (EPERM: a version is removed
+        whole). EBUSY inside the latest version, EISDIR for a directory, EROFS for ``latest``,
+        ENOENT if absent."""
         node = self.lookup(parent_ino, name)
         if node.is_dir:
             raise IsADirectoryError(errno.EISDIR, f"{name} is a directory")
         if node.kind is Kind.LATEST:
             raise read_only("unlink latest")
         self._refuse_in_latest(node)
+        if not walking:
+            raise PermissionError(errno.EPERM, f"{name}: a version is removed whole (rm -r "
+                                               f"{version_dirname(node.step)}, or `ckptfs rm {node.model} {node.step}`)")
 
     def _refuse_in_latest(self, node: Node) -> None:
         """EBUSY for a name inside the latest version (``rm -r`` must stop before its rmdir)."""
