@@ -16,7 +16,7 @@ from typing import Any
 
 import click
 
-from ckptfs.errors import CkptfsError
+from ckptfs.errors import CkptfsError, use_cli_words
 from ckptfs.fs.daemon import READAHEAD_KB
 from ckptfs.units import human_bytes
 
@@ -37,10 +37,29 @@ def _json_option(f):
     return click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")(f)
 
 
-def _open_store(region: str | None):
+def _open_store(region: str | None, *, create: bool = False):
+    """The region of --region (default: the per-user one). Only commands that write (mount,
+    import) may create the default region; the others say that there is none yet."""
     from ckptfs import Store
 
-    return Store(region)
+    return Store(region, create=create)
+
+
+class _Step(click.ParamType):
+    """A step as users write it: ``1200`` or a version directory's name ``step-00001200``."""
+
+    name = "STEP"
+
+    def convert(self, value, param, ctx):
+        from ckptfs.fs.tree import step_of
+
+        step = value if isinstance(value, int) else step_of(str(value).strip())
+        if step is None:
+            self.fail(f"{value!r} is not a step (e.g. 1200 or step-00001200)", param, ctx)
+        return step
+
+
+STEP = _Step()
 
 
 def _parse_size(text: str) -> int:
@@ -77,17 +96,17 @@ def _progress(total: int | None, desc: str):
 
 def _version_step(store, model: str, step: int | None):
     """The VersionInfo of ``step`` (None: the latest) or NotFoundError."""
-    from ckptfs.errors import NotFoundError
+    from ckptfs.errors import no_step, no_version_yet
 
     if step is None:
         latest = store.latest(model)
         if latest is None:
-            raise NotFoundError(f"{model} has no committed version yet")
+            raise no_version_yet(model)
         return latest
     for v in store.versions(model):
         if v.step == step:
             return v
-    raise NotFoundError(f"{model} has no committed step {step}; see: ckptfs ls {model}")
+    raise no_step(model, step)
 
 
 # ------------------------------------------------------------------------------ the commands
@@ -164,7 +183,7 @@ def mount(region, foreground, allow_other, options, auto_unmount, readahead_kb, 
     views = _views_option(extra)
     if not foreground:
         daemon.check_mountpoint(mountpoint)
-        store = _open_store(region)  # report a bad region here, from the caller
+        store = _open_store(region, create=True)  # report a bad region here, from the caller
         path = os.path.abspath(store.path)  # the daemon runs in /
         store.close()
         argv = daemon.foreground_argv() + ["mount", "--foreground", "--region", path, mountpoint]
@@ -184,7 +203,7 @@ def mount(region, foreground, allow_other, options, auto_unmount, readahead_kb, 
     if ready_fd is not None:
         os.chdir("/")
     try:
-        store = _open_store(region)
+        store = _open_store(region, create=True)
     except CkptfsError as exc:
         daemon.report_failure(ready_fd, str(exc))
         raise
@@ -234,6 +253,24 @@ def umount(region, mountpoint):
     return 0
 
 
+@cli.command(name="install-mount-helper")
+@click.option("--dir", "directory", default="/sbin", show_default=True, type=click.Path(file_okay=False),
+              help="Where mount(8) looks for helpers.")
+def install_mount_helper(directory):
+    """Install the mount(8) helper (root), so that `mount -t fuse.ckptfs REGION DIR` and fstab
+    lines work; it runs the ckptfs of this Python environment.
+
+    \b
+    fstab:  /var/lib/ckptfs/default.region  /ckpt  fuse.ckptfs  defaults,allow_other,nofail  0  0"""
+    from ckptfs.fs import mounthelper
+
+    if not os.path.isdir(directory):
+        raise CkptfsError(f"no directory {directory}; give an existing one with --dir")
+    for path in mounthelper.install(directory):
+        click.echo(f"installed {path}")
+    return 0
+
+
 @cli.command(name="ls")
 @_region_option
 @_json_option
@@ -267,7 +304,7 @@ def ls_(region, as_json, model):
 @cli.command()
 @_region_option
 @_json_option
-@click.option("--step", type=int, help="The version (default: the latest).")
+@click.option("--step", type=STEP, help="The version: 1200 or step-00001200 (default: the latest).")
 @click.argument("model")
 def info(region, as_json, step, model):
     """Show one version of MODEL: step, time, tensors (dtype, shape, size, CRC32), files."""
@@ -297,7 +334,7 @@ def info(region, as_json, step, model):
 
 @cli.command()
 @_region_option
-@click.option("--step", type=int, help="Only this version (needs MODEL).")
+@click.option("--step", type=STEP, help="Only this version: 1200 or step-00001200 (needs MODEL).")
 @click.argument("model", required=False)
 def verify(region, step, model):
     """Check the CRC32 of every tensor of a version, of a model, or of the whole region.
@@ -322,59 +359,107 @@ def verify(region, step, model):
 
 @cli.command()
 @_region_option
-@click.option("--step", type=int, help="The version (default: the latest).")
+@click.option("--step", type=STEP, help="The version: 1200 or step-00001200 (default: the latest).")
 @click.option("--file", "file_name", metavar="NAME",
-              help="Which file of the version: checkpoint.pt, state.safetensors, KEY.safetensors, metadata.json.")
+              help="Which file of the version: checkpoint.pt, state.safetensors, KEY.safetensors, metadata.json "
+                   "(`ckptfs info MODEL` lists them).")
 @click.option("--key", metavar="KEY", help="Export KEY.safetensors (the tensors under one top-level key).")
+@click.option("--force", is_flag=True, help="Replace OUTPUT (or files in it) if it exists.")
 @click.argument("model")
-@click.argument("output", type=click.Path(dir_okay=False, allow_dash=False))
-def export(region, step, file_name, key, model, output):
+@click.argument("output", type=click.Path(allow_dash=True))
+def export(region, step, file_name, key, force, model, output):
     """Write a version of MODEL to OUTPUT, as the mount shows it.
 
-    The file is chosen by --file, else --key, else by OUTPUT's extension: .pt/.pth ->
-    checkpoint.pt, .safetensors -> state.safetensors, .json -> metadata.json."""
+    \b
+    OUTPUT a file: the file chosen by --file, else --key, else by OUTPUT's extension
+      (.pt/.pth -> checkpoint.pt, .safetensors -> state.safetensors, .json -> metadata.json).
+    OUTPUT a directory (one that exists, or a path ending in /): every file of the version
+      (or the one chosen by --file / --key) in it, as `cp -r` of the version directory would.
+    OUTPUT -: the chosen file to standard output.
+
+    Every tensor is checked as it streams: a damaged version fails with the tensor's name and
+    leaves no file behind (on standard output, the stream stops short). Existing files are
+    replaced only with --force."""
     from ckptfs.views import files_for
 
-    if file_name is None:
-        ext = os.path.splitext(output)[1].lower()
-        if key is not None:
-            file_name = f"{key}.safetensors"
-        elif ext in (".pt", ".pth"):
-            file_name = "checkpoint.pt"
-        elif ext == ".safetensors":
-            file_name = "state.safetensors"
-        elif ext == ".json":
-            file_name = "metadata.json"
-        else:
-            raise click.UsageError(f"cannot tell the format from {output!r}; use --file NAME")
-    out_dir = os.path.dirname(os.path.abspath(output))
-    if not os.path.isdir(out_dir):
-        raise CkptfsError(f"cannot write {output}: no directory {out_dir}")
+    if key is not None:
+        if file_name is not None:
+            raise click.UsageError("give --file or --key, not both")
+        file_name = f"{key}.safetensors"
+    to_dir = output != "-" and (output.endswith(os.sep) or os.path.isdir(output))
+    if output == "-" and file_name is None:
+        raise click.UsageError("with OUTPUT -, choose the file with --file NAME or --key KEY")
+    if not to_dir and file_name is None:
+        file_name = _file_for_extension(output)
+    parent = os.path.dirname(os.path.abspath(output.rstrip(os.sep) or os.sep))
+    if output != "-" and not os.path.isdir(parent):
+        raise CkptfsError(f"cannot write {output}: no directory {parent}")
     with _open_store(region) as store:
         with store.open_version(model, _version_step(store, model, step).step) as v:
             views = files_for(v.manifest)
-            if file_name not in views:
+            if file_name is not None and file_name not in views:
                 raise CkptfsError(f"{model} step {v.info.step} has no {file_name}; it has: {', '.join(views)}")
-            view = views[file_name]
-            tmp = output + ".ckptfs-part"
+            names = [file_name] if file_name is not None else list(views)
+            targets = {n: os.path.join(output, n) if to_dir else output for n in names}
+            if not force:
+                for dest in targets.values():
+                    if dest != "-" and os.path.lexists(dest):
+                        raise CkptfsError(f"{dest} exists; add --force to replace it")
+            written, done = 0, []
             try:
-                with open(tmp, "wb") as f, _progress(view.size, file_name) as bar:
-                    # checked as it streams: a damaged tensor fails the export before the file is renamed
-                    for block in view.iter_blocks(v.data.sequential_reader(), EXPORT_BLOCK_BYTES):
-                        f.write(block)
-                        bar.update(len(block))
-                os.replace(tmp, output)
+                for name, dest in targets.items():
+                    written += _export_file(views[name], v.data, dest)
+                    done.append(dest)
             except BaseException:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+                for dest in done:  # a version is exported whole or not at all
+                    if dest != "-":
+                        os.unlink(dest)
                 raise
-        click.echo(f"exported {model} step {v.info.step} {file_name} to {output} ({human_bytes(view.size)})")
+        if output != "-":
+            what = file_name if file_name is not None else f"{len(names)} files"
+            click.echo(f"exported {model} step {v.info.step} {what} to {output} ({human_bytes(written)})")
         return 0
+
+
+def _file_for_extension(output: str) -> str:
+    """The version's file that an output name asks for by its extension (UsageError if none)."""
+    ext = os.path.splitext(output)[1].lower()
+    names = {".pt": "checkpoint.pt", ".pth": "checkpoint.pt", ".safetensors": "state.safetensors",
+             ".json": "metadata.json"}
+    if ext not in names:
+        raise click.UsageError(f"cannot tell the format from {output!r}; choose it with --file NAME, "
+                               "or give a directory to export every file")
+    return names[ext]
+
+
+def _export_file(view, data, dest: str) -> int:
+    """Stream one view of a version to ``dest`` (``-``: standard output), checked as it goes;
+    a file appears only whole (written beside it, then renamed). Returns its size."""
+    if dest == "-":
+        out = click.get_binary_stream("stdout")
+        for block in view.iter_blocks(data.sequential_reader(), EXPORT_BLOCK_BYTES):
+            out.write(block)
+        out.flush()
+        return view.size
+    os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)  # views' subdirectories (hf/)
+    tmp = dest + ".ckptfs-part"
+    try:
+        with open(tmp, "wb") as f, _progress(view.size, os.path.basename(dest)) as bar:
+            # checked as it streams: a damaged tensor fails the export before the file is renamed
+            for block in view.iter_blocks(data.sequential_reader(), EXPORT_BLOCK_BYTES):
+                f.write(block)
+                bar.update(len(block))
+        os.replace(tmp, dest)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return view.size
 
 
 @cli.command(name="import")
 @_region_option
-@click.option("--step", type=int, help="Step of the new version (default: one past the latest, or 0).")
+@click.option("--step", type=STEP, help="Step of the new version (default: one past the latest, or 0).")
 @click.option("--format", "fmt", type=click.Choice(["safetensors", "torch"]),
               help="Default: from the extension, else from the first bytes.")
 @click.option("--key", metavar="KEY", help="Store the tensors of a .safetensors under this top-level key.")
@@ -387,7 +472,7 @@ def import_(region, step, fmt, key, model, file):
     written. Torch files are read with torch.load(weights_only=True)."""
     from ckptfs.importer import import_file
 
-    with _open_store(region) as store:
+    with _open_store(region, create=True) as store:
         v = import_file(store, model, file, step=step, fmt=fmt, key=key)
         click.echo(f"imported {file} as {model} step {v.step} ({human_bytes(v.data_bytes)})")
         return 0
@@ -396,10 +481,14 @@ def import_(region, step, fmt, key, model, file):
 @cli.command()
 @_region_option
 @click.option("--all", "all_", is_flag=True, help="Remove MODEL itself with every version.")
+@click.option("--step", "step_options", type=STEP, multiple=True,
+              help="A version to remove (repeatable; the same as a STEPS argument).")
 @click.argument("model")
-@click.argument("steps", nargs=-1, type=int)
-def rm(region, all_, model, steps):
-    """Remove versions STEPS of MODEL (not the latest, not while pinned), or the model with --all."""
+@click.argument("steps", nargs=-1, type=STEP)
+def rm(region, all_, step_options, model, steps):
+    """Remove versions STEPS of MODEL (1200 or step-00001200; not the latest, not while pinned),
+    or the model with --all."""
+    steps = tuple(step_options) + tuple(steps)
     if all_ == bool(steps):
         raise click.UsageError("give the STEPS to remove, or --all (and no steps) to remove the whole model")
     with _open_store(region) as store:
@@ -456,9 +545,14 @@ def main(argv: list[str] | None = None) -> None:
     from ckptfs.fs.daemon import MountError
 
     debug = os.environ.get("CKPTFS_DEBUG", "") not in ("", "0")
+    use_cli_words()
     try:
         rv = cli.main(args=argv, prog_name="ckptfs", standalone_mode=False)
     except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.UsageError as exc:  # one line, as every other error
+        where = exc.ctx.command_path if exc.ctx is not None else "ckptfs"
+        click.echo(f"{where}: usage: {_one_line(exc)} (see `{where} --help`)", err=True)
         sys.exit(exc.exit_code)
     except click.ClickException as exc:
         exc.show()

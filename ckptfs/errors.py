@@ -2,7 +2,24 @@
 
 The FUSE layer maps these to errno in one place (``ckptfs.fs.errno_for``); the CLI prints the
 message on one line and exits non-zero.
+
+Advice names what the user can do in the words of the interface they used: ``in_words(python=
+"pass force=True", cli="--force")`` gives the Python wording, or the CLI's once the ``ckptfs``
+command has called ``use_cli_words()`` (a process-wide switch: a CLI process serves one user).
 """
+
+_words = "python"
+
+
+def use_cli_words() -> None:
+    """From now on, advice in messages names CLI flags and commands (called by ``ckptfs.cli.main``)."""
+    global _words
+    _words = "cli"
+
+
+def in_words(*, python: str, cli: str) -> str:
+    """The advice for the interface in use: ``cli`` in the ``ckptfs`` command, else ``python``."""
+    return cli if _words == "cli" else python
 
 
 class CkptfsError(Exception):
@@ -47,3 +64,19 @@ class CorruptionError(CkptfsError):
 
 class MalformedInputError(CkptfsError, ValueError):
     """An imported file is truncated, inconsistent or hostile; nothing was written."""
+
+
+# The not-found messages, worded once for the library, the CLI and the mount's log.
+def no_model(model: str, region_path: str) -> NotFoundError:
+    return NotFoundError(f"no model {model!r} in {region_path}; "
+                         + in_words(python="Store.models() lists them", cli="`ckptfs ls` lists them"))
+
+
+def no_version_yet(model: str) -> NotFoundError:
+    return NotFoundError(f"{model!r} has no committed version yet")
+
+
+def no_step(model: str, step: int) -> NotFoundError:
+    return NotFoundError(f"{model!r} has no step {step} (never saved, removed, or its slot was reused by a "
+                         "newer save); " + in_words(python=f"Store.versions({model!r}) lists them",
+                                                   cli=f"`ckptfs ls {model}` lists them"))

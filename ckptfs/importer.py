@@ -16,6 +16,7 @@ store) and leaves the region untouched -- no writer is created, no model ring al
 from __future__ import annotations
 
 import json
+import logging
 import mmap
 import os
 import pickle
@@ -28,8 +29,10 @@ from typing import Any
 import torch
 
 from ckptfs.errors import CkptfsError, MalformedInputError, UnsupportedObjectError
-from ckptfs.manifest import DTYPES
-from ckptfs.views.safetensors import SAFETENSORS_DTYPES
+from ckptfs.manifest import DTYPES, check_skeleton, map_tensor_refs, unflatten
+from ckptfs.views.safetensors import SAFETENSORS_DTYPES, SKELETON_KEY
+
+log = logging.getLogger(__name__)
 
 # safetensors dtype code -> ckptfs (torch) dtype name: the inverse of the map the views write with.
 FROM_SAFETENSORS = {code: name for name, code in SAFETENSORS_DTYPES.items() if name in DTYPES}
@@ -180,6 +183,34 @@ class SafetensorsFile:
         self.close()
 
 
+def nested(path: str, tensors: "OrderedDict[str, torch.Tensor]", metadata: dict[str, str]) -> Any:
+    """The object that a ckptfs ``state.safetensors`` was exported from, rebuilt from the
+    skeleton in its ``__metadata__`` (nesting, plain values, ties); ``tensors`` as they are for
+    any other file, or for one whose tensors no longer match its skeleton (with a warning)."""
+    text = metadata.get(SKELETON_KEY)
+    if text is None:
+        return tensors
+    position = {name: i for i, name in enumerate(tensors)}
+    used: set[int] = set()
+
+    def index(name):
+        if not isinstance(name, str) or name not in position:
+            raise MalformedInputError(f"it names a tensor {name!r:.60} that the file does not hold")
+        used.add(position[name])
+        return position[name]
+
+    try:
+        skeleton = map_tensor_refs(json.loads(text), index)
+        check_skeleton(skeleton, len(position))
+    except (ValueError, RecursionError, MalformedInputError) as exc:
+        raise _reject(path, f"__metadata__[{SKELETON_KEY!r}] is damaged ({exc})") from None
+    if len(used) != len(position):
+        log.warning("%s: %d tensors are not in its %s (the file was changed after its export): imported "
+                    "flat, by name", path, len(position) - len(used), SKELETON_KEY)
+        return tensors
+    return unflatten(skeleton, list(tensors.values()))
+
+
 def load_torch_file(path: str) -> Any:
     """``torch.load(path, weights_only=True)`` onto the CPU; any failure -- a forbidden global,
     a truncated or corrupt archive, not a torch file at all -- is MalformedInputError."""
@@ -248,7 +279,7 @@ def import_file(store, model: str, path: str, *, step: int | None = None, fmt: s
 
     if fmt == "safetensors":
         source = SafetensorsFile(path)
-        obj: Any = source.tensors()
+        obj: Any = nested(path, source.tensors(), source.header.metadata)
     elif fmt == "torch":
         source = None
         obj = load_torch_file(path)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -119,7 +119,7 @@ class Manifest:
         return len(head) - 1 + len(',"tensors":') + len(tensors_json) + len(',"skeleton":') + len(skeleton) + 1
 
     def _parts(self, tensors_json: str | None) -> tuple[str, str, str]:
-        head = _dumps({
+        head = dumps_compact({
             "format": MANIFEST_FORMAT,
             "model": self.model,
             "step": self.step,
@@ -129,7 +129,7 @@ class Manifest:
         })
         if tensors_json is None:
             tensors_json = encode_tensors(self.tensors)
-        return head, tensors_json, _dumps(self.skeleton)
+        return head, tensors_json, dumps_compact(self.skeleton)
 
     @classmethod
     def decode(cls, raw: bytes) -> "Manifest":
@@ -181,16 +181,17 @@ class Manifest:
 _ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True, allow_nan=False)
 
 
-def _dumps(doc) -> str:
+def dumps_compact(doc) -> str:
     """Compact ASCII JSON, the encoding of every manifest (json.dumps with these options)."""
     return _ENCODER.encode(doc)
+
 
 
 def encode_tensors(records, crcs: list[int] | None = None) -> str:
     """The manifest's ``tensors`` array; ``crcs`` replace the records' own CRC32s."""
     if crcs is None:
         crcs = [t.crc32 for t in records]
-    return _dumps([{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "offset": t.offset,
+    return dumps_compact([{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "offset": t.offset,
                     "nbytes": t.nbytes, "crc32": f"{crc:08x}"} for t, crc in zip(records, crcs, strict=True)])
 
 
@@ -245,6 +246,32 @@ def _str(x) -> str:
     if not isinstance(x, str):
         raise MalformedInputError(f"{x!r:.40} is not a string")
     return x
+
+
+def check_skeleton(node, ntensors: int) -> None:
+    """MalformedInputError unless ``node`` is a well-formed skeleton whose tensor references are
+    indices below ``ntensors``."""
+    _check_skeleton(node, ntensors, 0)
+
+
+def map_tensor_refs(node, ref: Callable[[Any], Any], depth: int = 0) -> dict:
+    """A copy of skeleton ``node`` with each tensor reference ``r`` replaced by ``ref(r)``
+    (e.g. indices to names and back). Checks only the shape of the containers
+    (MalformedInputError); ``check_skeleton`` checks the rest."""
+    if depth > MAX_DEPTH:
+        raise MalformedInputError(f"skeleton nests deeper than {MAX_DEPTH}")
+    if not isinstance(node, dict) or len(node) != 1:
+        raise MalformedInputError(f"skeleton node {node!r:.60} is not a one-key object")
+    (kind, value), = node.items()
+    if kind == "tensor":
+        return {kind: ref(value)}
+    if kind in ("list", "tuple") and isinstance(value, list):
+        return {kind: [map_tensor_refs(v, ref, depth + 1) for v in value]}
+    if kind in ("dict", "odict") and isinstance(value, list):
+        if not all(isinstance(item, list) and len(item) == 2 for item in value):
+            raise MalformedInputError(f"skeleton {kind} node holds an item that is not a [key, value] pair")
+        return {kind: [[k, map_tensor_refs(v, ref, depth + 1)] for k, v in value]}
+    return node
 
 
 def _check_skeleton(node, ntensors: int, depth: int) -> None:

@@ -8,7 +8,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from ckptfs.errors import BusyError, CorruptionError, NotFoundError, RegionFormatError
+from ckptfs.errors import (BusyError, CorruptionError, NotFoundError, RegionFormatError, in_words, no_step,
+                           no_version_yet)
 from ckptfs.manifest import Manifest
 from ckptfs.reader import VerifyProblem, VersionData
 from ckptfs.region.format import COUNTER_MAX, SUPERBLOCK_BYTES, Superblock
@@ -87,20 +88,23 @@ class Store:
     """An open region.
 
     ``Store()`` opens the default region (see ``default_region_path``), creating it sparse on
-    first use; ``Store(path)`` opens an existing one; ``Store.create(path, size_bytes)`` formats.
+    first use unless ``create=False`` (read-only tools: they never make a 64 GiB file);
+    ``Store(path)`` opens an existing one; ``Store.create(path, size_bytes)`` formats.
     """
 
-    def __init__(self, path: str | None = None, *, writable: bool = True):
-        if path is None:
-            path = default_region_path()
-            if not os.path.exists(path):
-                try:
-                    Region.format(path).close()
-                except RegionFormatError:
-                    pass  # another process created it first
-        elif not os.path.exists(path):
-            raise NotFoundError(f"no region at {path}; create one with `ckptfs mkfs {path}` "
-                                "or ckptfs.Store.create(path, size_bytes=...)")
+    def __init__(self, path: str | None = None, *, writable: bool = True, create: bool = True):
+        default = path is None
+        path = default_region_path() if default else path
+        if not os.path.exists(path):
+            if not (default and create):
+                raise NotFoundError(f"no region yet at {path}: " + in_words(
+                    python="a writer of Store() creates the default one, or Store.create(path, size_bytes=...)",
+                    cli=f"`ckptfs mkfs{'' if default else ' ' + path}` makes one"
+                        + (" (so does a training job's first save)" if default else "")))
+            try:
+                Region.format(path).close()
+            except RegionFormatError:
+                pass  # another process created it first
         self.path = path
         try:
             self.region = Region(path, writable=writable)
@@ -167,15 +171,14 @@ class Store:
         latest = self.region.latest(entry)
         if step is None:
             if latest is None:
-                raise NotFoundError(f"model {model!r} has no committed checkpoint yet")
+                raise no_version_yet(model)
             return latest, True
         matches = [v for v in self.region.committed(entry) if v.header.step == step]
         if not matches and any(m is not None and m.step == step for _, _, m in self.region.unreadable_slots(entry)):
             raise CorruptionError(f"version {step} of {model!r} is damaged: its slot header is unreadable, so its "
                                   "bytes cannot be trusted; load another version and run `ckptfs verify`")
         if not matches:
-            raise NotFoundError(f"model {model!r} has no version at step {step} "
-                                f"(it may have been reused by a newer checkpoint; see `ckptfs ls {model}`)")
+            raise no_step(model, step)
         v = matches[-1]
         return v, latest is not None and latest.slot == v.slot and latest.header.counter == v.header.counter
 
@@ -195,7 +198,7 @@ class Store:
                 return Version(self, v, manifest, is_latest, checked)
             if step is not None:
                 # That version was claimed for rewriting between the listing and the pin.
-                raise NotFoundError(f"version {step} of {model!r} is gone (its slot was reused)")
+                raise no_step(model, step)
             time.sleep(0.001)
         raise BusyError(f"could not pin the latest version of {model!r}: it kept changing; try again")
 
@@ -241,7 +244,7 @@ class Store:
             entry = self.region.get(name)
             targets = [v for v in self.region.committed(entry) if step is None or v.header.step == step]
             if step is not None and not targets:
-                raise NotFoundError(f"model {name!r} has no version at step {step}")
+                raise no_step(name, step)
             if step is None:
                 problems += self._model_problems(entry)
             for v in targets:

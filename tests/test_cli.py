@@ -98,9 +98,10 @@ def test_errors_are_one_line_from_the_real_entry_point(tmp_path):
     r = subprocess.run(CLI + ["ls", "--region", str(tmp_path / "missing.region")], capture_output=True, text=True)
     assert r.returncode == 1
     line = one_error_line(r.stderr)
-    assert "no region at" in line and "mkfs" in line
+    assert "no region yet at" in line and "ckptfs mkfs" in line
     r = subprocess.run(CLI + ["frobnicate"], capture_output=True, text=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().count("\n") == 0, "a usage error is one line"
 
 
 def test_unknown_model_and_step(capsys, toy_region):
@@ -232,10 +233,122 @@ def test_export(capsys, toy_region, tmp_path):
     assert not (tmp_path / "y.pt").exists() and not list(tmp_path.glob("*.ckptfs-part"))
 
 
+@pytest.mark.parametrize("cmd", [["ls"], ["status"], ["verify"], ["info", "m"], ["export", "m", "out.pt"],
+                                 ["rm", "m", "1"]])
+def test_read_only_commands_never_create_the_default_region(capsys, tmp_path, monkeypatch, cmd):
+    """Only writers, mkfs and mount create the default region; the others say there is none."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("CKPTFS_REGION", raising=False)
+    monkeypatch.delenv("XDG_DATA_HOME", raising=False)
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run(capsys, *cmd)
+    line = one_error_line(err)
+    assert code == 1 and "no region yet" in line and "ckptfs mkfs" in line and "Store" not in line
+    assert not home.exists() or not any(home.rglob("*.region"))
+
+
+def test_usage_errors_are_one_line_in_cli_words(capsys, toy_region, tmp_path):
+    code, _, err = run(capsys, "rm", "--region", toy_region, TOY_MODEL, "first")
+    assert code == 2 and err.count("\n") == 1 and err.startswith("ckptfs rm: usage: ")
+    assert "'first' is not a step" in err and "ckptfs rm --help" in err
+    code, _, err = run(capsys, "mkfs", tmp_path / "small.region", "--size", "1M")
+    assert "--size" in one_error_line(err) and "size_bytes" not in err
+    code, _, err = run(capsys, "mkfs", toy_region)
+    assert "--force" in one_error_line(err) and "force=True" not in err and "Store(" not in err
+
+
+def test_steps_as_the_mount_names_them(capsys, toy_region):
+    code, out, _ = run(capsys, "info", "--region", toy_region, TOY_MODEL, "--step", "step-00000200", "--json")
+    assert code == 0 and json.loads(out)["step"] == 200
+    code, _, err = run(capsys, "info", "--region", toy_region, TOY_MODEL, "--step", "step-12345")
+    assert code == 1 and "has no step 12345" in one_error_line(err) and f"ckptfs ls {TOY_MODEL}" in err
+
+
+def test_export_of_a_whole_version_to_a_directory_or_stdout(capfd, toy_region, tmp_path):
+    out_dir = tmp_path / "v200"
+    with pytest.raises(SystemExit) as e:
+        cli_main(["export", "--region", toy_region, "--step", "step-00000200", TOY_MODEL, f"{out_dir}/"])
+    assert e.value.code == 0
+    assert sorted(os.listdir(out_dir)) == sorted(["checkpoint.pt", "state.safetensors", "model.safetensors",
+                                                  "metadata.json"] + [n for n in os.listdir(out_dir)
+                                                                      if n.endswith(".safetensors")
+                                                                      and n not in ("state.safetensors",
+                                                                                    "model.safetensors")])
+    assert_same(torch.load(out_dir / "checkpoint.pt", weights_only=True), toy_state(200))
+    capfd.readouterr()
+    # existing files are not replaced without --force
+    with pytest.raises(SystemExit) as e:
+        cli_main(["export", "--region", toy_region, TOY_MODEL, str(out_dir)])
+    assert e.value.code == 1 and "--force" in one_error_line(capfd.readouterr().err)
+    assert_same(torch.load(out_dir / "checkpoint.pt", weights_only=True), toy_state(200))
+    with pytest.raises(SystemExit) as e:
+        cli_main(["export", "--region", toy_region, "--force", TOY_MODEL, str(out_dir)])
+    assert e.value.code == 0
+    assert_same(torch.load(out_dir / "checkpoint.pt", weights_only=True), toy_state(300))
+    capfd.readouterr()
+    # standard output, never a file named "-"
+    monkey_cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        with pytest.raises(SystemExit) as e:
+            cli_main(["export", "--region", toy_region, "--file", "metadata.json", TOY_MODEL, "-"])
+    finally:
+        os.chdir(monkey_cwd)
+    out = capfd.readouterr().out
+    assert e.value.code == 0 and json.loads(out)["step"] == 300 and not (tmp_path / "-").exists()
+
+
+def test_export_of_a_damaged_version_to_a_directory_leaves_nothing(capsys, fresh_region, tmp_path):
+    flip_a_tensor_byte(fresh_region, TOY_MODEL, 200, "model.big")
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    code, _, err = run(capsys, "export", "--region", fresh_region, "--step", "200", TOY_MODEL, out_dir)
+    assert code == 1 and "model.big" in one_error_line(err)
+    assert os.listdir(out_dir) == []
+
+
+def test_import_of_an_exported_state_safetensors_keeps_the_nesting(capsys, fresh_region, tmp_path):
+    """state.safetensors carries the object's skeleton: the import gives back the same object
+    (nesting, int keys, plain values, tied tensors), not dotted top-level keys."""
+    tied = torch.randn(8, 4)
+    obj = {"model": {"emb": tied, "head": tied, "layers": [{"b": torch.ones(3)}]},
+           "optim": {"state": {0: {"step": torch.tensor(2.0)}}, "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99)}]},
+           "epoch": 4}
+    with ckptfs.Store(fresh_region) as s, s.writer("nest") as w:
+        w.save(obj, step=5)
+    exported = tmp_path / "state.safetensors"
+    assert run(capsys, "export", "--region", fresh_region, "nest", exported)[0] == 0
+    assert run(capsys, "import", "--region", fresh_region, "nest2", exported)[0] == 0
+    with ckptfs.Store(fresh_region) as s:
+        back = s.load("nest2")
+    assert_same(back, obj)
+    assert back["model"]["emb"] is back["model"]["head"]
+    # a file changed after its export (a tensor added) imports flat, by name, nothing lost
+    tensors = load_file(exported)
+    tensors["extra"] = torch.zeros(2)
+    from safetensors import safe_open
+    with safe_open(exported, "pt") as f:
+        meta = f.metadata()
+    save_file(tensors, tmp_path / "changed.safetensors", metadata=meta)
+    assert run(capsys, "import", "--region", fresh_region, "nest3", tmp_path / "changed.safetensors")[0] == 0
+    with ckptfs.Store(fresh_region) as s:
+        assert set(s.load("nest3")) == set(tensors)
+    # a damaged skeleton is refused, with nothing written
+    meta["ckptfs.skeleton"] = '{"dict":[[{"str":"w"},{"tensor":"nope"}]]}'
+    save_file(load_file(exported), tmp_path / "bad.safetensors", metadata=meta)
+    code, _, err = run(capsys, "import", "--region", fresh_region, "nest4", tmp_path / "bad.safetensors")
+    assert code == 1 and "ckptfs.skeleton" in one_error_line(err) and "nothing was imported" in err
+    with ckptfs.Store(fresh_region) as s:
+        assert "nest4" not in s.models()
+
+
 def test_rm(capsys, fresh_region):
-    assert run(capsys, "rm", "--region", fresh_region, TOY_MODEL, "100")[0] == 0
+    assert run(capsys, "rm", "--region", fresh_region, TOY_MODEL, "step-00000100")[0] == 0
     with ckptfs.Store(fresh_region) as s:
         assert [v.step for v in s.versions(TOY_MODEL)] == [200, 300]
+    code, _, err = run(capsys, "rm", "--region", fresh_region, TOY_MODEL, "--step", "100")
+    assert code == 1 and "has no step 100" in one_error_line(err)
     code, _, err = run(capsys, "rm", "--region", fresh_region, TOY_MODEL, "300")
     assert code == 1 and "latest" in one_error_line(err)
     code, _, err = run(capsys, "rm", "--region", fresh_region, TOY_MODEL)
@@ -381,7 +494,7 @@ def test_background_mount_umount_and_their_errors(capsys, toy_region, tmp_path):
     mnt = str(tmp_path / "mnt")
     os.mkdir(mnt)
     code, _, err = run(capsys, "mount", "--region", tmp_path / "nope.region", mnt)
-    assert code == 1 and "no region at" in one_error_line(err)
+    assert code == 1 and "no region yet at" in one_error_line(err)
     code, _, err = run(capsys, "mount", "--region", toy_region, tmp_path / "missing-dir")
     assert code == 1 and "mkdir" in one_error_line(err)
     code, _, err = run(capsys, "umount", mnt)
@@ -430,8 +543,51 @@ def test_mount_helper_for_mount8_and_fstab(toy_region, tmp_path):
         assert torch.load(os.path.join(mnt, TOY_MODEL, "latest", "checkpoint.pt"), weights_only=True)["step"] == 300
         subprocess.run(["umount", mnt], check=True)
         r = subprocess.run([helper, str(tmp_path / "nope.region"), mnt], env=env, capture_output=True, text=True)
-        assert r.returncode != 0 and "no region at" in r.stderr
+        assert r.returncode != 0 and "no region yet at" in r.stderr
         r = subprocess.run([helper, toy_region], env=env, capture_output=True, text=True)
         assert r.returncode == 1 and "usage" in r.stderr
     finally:
         force_unmount(mnt)
+
+
+@pytest.mark.fuse
+@pytest.mark.slow
+@requires_fuse
+@pytest.mark.skipif(os.geteuid() != 0, reason="installs into /sbin and runs mount(8) as root")
+def test_readme_steps_for_mount8(toy_region, tmp_path):
+    """The README's steps as written: `ckptfs install-mount-helper`, then `mount -t fuse.ckptfs
+    REGION DIR` from an environment with no PATH to this ckptfs (mount(8) runs helpers with its
+    own), `umount DIR`."""
+    from ckptfs.fs.daemon import mount_entry
+    from ckptfs.fs.mounthelper import HELPER_NAMES
+
+    saved = {}
+    for name in HELPER_NAMES:
+        path = os.path.join("/sbin", name)
+        saved[path] = os.readlink(path) if os.path.islink(path) else (
+            open(path, "rb").read() if os.path.exists(path) else None)
+    mnt = str(tmp_path / "mnt")
+    os.mkdir(mnt)
+    try:
+        r = subprocess.run(CLI + ["install-mount-helper"], capture_output=True, text=True)
+        assert r.returncode == 0 and "/sbin/mount.fuse.ckptfs" in r.stdout, r.stderr
+        r = subprocess.run(["env", "-i", "mount", "-t", "fuse.ckptfs", toy_region, mnt, "-o", "nofail,allow_other"],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert mount_entry(mnt) == ("fuse.ckptfs", toy_region)
+        assert torch.load(os.path.join(mnt, TOY_MODEL, "latest", "checkpoint.pt"), weights_only=True)["step"] == 300
+        r = subprocess.run(["mount", "-t", "fuse.ckptfs", toy_region, mnt], capture_output=True, text=True)
+        assert r.returncode != 0 and "already mounted" in r.stderr
+        subprocess.run(["umount", mnt], check=True)
+        assert mount_entry(mnt) is None
+    finally:
+        force_unmount(mnt)
+        for path, old in saved.items():
+            if os.path.lexists(path):
+                os.unlink(path)
+            if isinstance(old, str):
+                os.symlink(old, path)
+            elif old is not None:
+                with open(path, "wb") as f:
+                    f.write(old)
+                os.chmod(path, 0o755)

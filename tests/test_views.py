@@ -253,15 +253,19 @@ def test_safetensors_header_is_byte_exact():
     stored = lay_out({"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([1, 2, 3], dtype=torch.int8)},
                    model="m", step=5)
     view = safetensors_view(stored.manifest)
+    # the whole-state file carries the skeleton, its tensors named as in the file
     expected_header = (
-        b'{"__metadata__":{"format":"pt","model":"m","step":"5"},'
+        b'{"__metadata__":{"ckptfs.skeleton":"{\\"dict\\":[[{\\"str\\":\\"w\\"},{\\"tensor\\":\\"w\\"}],'
+        b'[{\\"str\\":\\"b\\"},{\\"tensor\\":\\"b\\"}]]}","format":"pt","model":"m","step":"5"},'
         b'"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},'
         b'"b":{"dtype":"I8","shape":[3],"data_offsets":[8,11]}}'
-        b"       ")
-    assert len(expected_header) == 168
-    assert view.segments[0] == Literal(b"\xa8\x00\x00\x00\x00\x00\x00\x00" + expected_header)
+        b"    ")
+    assert len(expected_header) == 272
+    assert view.segments[0] == Literal(b"\x10\x01\x00\x00\x00\x00\x00\x00" + expected_header)
     assert view.segments[1:] == (Extent(0, 8), Extent(64, 3))  # offsets in the data area
-    assert stored.materialize(view)[176:] == b"\x00\x00\x80?\x00\x00\x00@\x01\x02\x03"
+    assert stored.materialize(view)[280:] == b"\x00\x00\x80?\x00\x00\x00@\x01\x02\x03"
+    # a per-key file does not (its object is the subtree: safetensors' own load_model reads it)
+    assert b"ckptfs.skeleton" not in stored.materialize(safetensors_view(stored.manifest, key="w"))
 
 
 def test_safetensors_every_dtype_round_trips(tmp_path):

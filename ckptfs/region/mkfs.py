@@ -7,9 +7,10 @@ import os
 import threading
 import time
 
-from ckptfs.errors import RegionFormatError
+from ckptfs.errors import RegionFormatError, in_words
 from ckptfs.region.backend import open_backend
 from ckptfs.region.format import SUPERBLOCK_BYTES, SUPERBLOCK_MAGIC, Superblock
+from ckptfs.units import human_bytes
 
 
 _BLANK_PROBE_BYTES = 1 << 20  # where filesystems, partition tables and LVM keep their labels
@@ -35,18 +36,19 @@ def refuse_to_overwrite(path: str, special: bool) -> None:
         return
     head = _read_head(path, special)
     if head[:len(SUPERBLOCK_MAGIC)] == SUPERBLOCK_MAGIC:
-        raise RegionFormatError(f"{path} already holds a ckptfs region; open it with Store(path), or pass "
-                                "force=True (`ckptfs mkfs --force`) to erase every checkpoint in it")
+        raise RegionFormatError(f"{path} already holds a ckptfs region; " + in_words(
+            python="open it with Store(path), or pass force=True to erase every checkpoint in it",
+            cli="use it as it is (--exist-ok), or add --force to erase every checkpoint in it"))
     if special:
         if head.count(0) != len(head):
             raise RegionFormatError(
                 f"{path} is not blank: its first MiB holds data (a filesystem or a partition table?). "
-                "Formatting would destroy it; wipe the device first (`wipefs -a`), or pass force=True "
-                "(`ckptfs mkfs --force`)")
+                "Formatting would destroy it; wipe the device first (`wipefs -a`), or "
+                + in_words(python="pass force=True", cli="add --force"))
         return
-    raise RegionFormatError(f"{path} exists and is not a ckptfs region ({size} bytes); formatting would "
-                            "destroy it. Choose a new path, or pass force=True (`ckptfs mkfs --force`) "
-                            "to overwrite it")
+    raise RegionFormatError(f"{path} exists and is not a ckptfs region ({human_bytes(size)}); formatting "
+                            "would destroy it. Choose a new path, or "
+                            + in_words(python="pass force=True", cli="add --force") + " to overwrite it")
 
 
 def make_sparse_file(path: str, size_bytes: int, *, truncate: bool, exclusive: bool = False) -> None:

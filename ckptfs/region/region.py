@@ -18,7 +18,7 @@ import stat
 import threading
 
 from ckptfs import _native
-from ckptfs.errors import BusyError, CorruptionError, NotFoundError, RegionFormatError
+from ckptfs.errors import BusyError, CorruptionError, NotFoundError, RegionFormatError, in_words
 from ckptfs.region.backend import Backend, aligned_buffer, open_backend
 from ckptfs.region.format import (COUNTER_MAX, COUNTER_WORD_OFFSET, LATEST_WORD_OFFSET, SLOT_COMMITTED,
                                   SLOT_HEADER_BYTES, SUPERBLOCK_BYTES, ModelEntry, Superblock, unpack_latest)
@@ -28,6 +28,7 @@ from ckptfs.region.mkfs import format_in_place, format_new_file, make_sparse_fil
 from ckptfs.region.ring import Committed, Ring
 from ckptfs.region.slots import SlotReader, SlotVersion
 from ckptfs.region.table import ModelTable, validate_model_name  # noqa: F401 - part of this module's API
+from ckptfs.units import human_bytes
 
 log = logging.getLogger("ckptfs")
 
@@ -116,7 +117,8 @@ class Region(ModelTable, SlotReader):
             return cls(path)
         size_bytes = DEFAULT_REGION_BYTES if size_bytes is None else size_bytes
         if size_bytes < 64 << 20:
-            raise ValueError(f"size_bytes={size_bytes} is too small; a region needs at least 64 MiB")
+            raise ValueError(f"a region of {human_bytes(size_bytes)} is too small: it needs at least 64 MiB; "
+                             + in_words(python="pass a larger size_bytes", cli="give a larger --size"))
         if exists:
             make_sparse_file(path, size_bytes, truncate=True)
             format_in_place(path, None)

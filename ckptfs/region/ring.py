@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 
 from ckptfs.checksum import crc32
-from ckptfs.errors import BusyError, CheckpointTooLargeError, CkptfsError
+from ckptfs.errors import BusyError, CheckpointTooLargeError, CkptfsError, in_words
 from ckptfs.region.backend import aligned_buffer
 from ckptfs.region.format import (SLOT_COMMITTED, SLOT_HEADER_BYTES, SLOT_WRITING, ModelEntry, SlotHeader,
                                   pack_latest, slot_layout, unpack_latest)
@@ -93,9 +93,10 @@ class Ring:
             name = self.entry.name
             raise CheckpointTooLargeError(
                 f"this checkpoint of {name!r} needs {human_bytes(layout.slot_bytes)} but its slots hold "
-                f"{human_bytes(self.entry.slot_bytes)}; remove the model (`ckptfs rm --all {name}`) and save "
-                "again (slots are sized at the first save), or pass a larger slot_bytes when the model is "
-                "first created")
+                f"{human_bytes(self.entry.slot_bytes)} (slots are sized at the model's first save); "
+                + in_words(python=f"remove the model (Store.remove_model({name!r})) and save again, or give "
+                                  "slot_bytes= large enough when the model is first created",
+                           cli=f"remove the model (`ckptfs rm --all {name}`) and save again"))
         return layout
 
     # ------------------------------------------------------------------ claim

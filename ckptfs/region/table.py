@@ -8,7 +8,7 @@ import time
 import unicodedata
 
 from ckptfs import _native
-from ckptfs.errors import (BusyError, CorruptionError, InvalidNameError, NotFoundError,
+from ckptfs.errors import (BusyError, CorruptionError, InvalidNameError, no_model,
                            RegionFormatError, RegionFullError)
 from ckptfs.region.backend import aligned_buffer
 from ckptfs.region.format import (COUNTER_WORD_OFFSET, ENTRY_BYTES, ENTRY_STATIC_OFFSET, LATEST_WORD_OFFSET,
@@ -120,7 +120,7 @@ class ModelTable:
                 raise CorruptionError(
                     f"model {name!r} is not readable in {self.path}: model table entry {index}{seems} is damaged "
                     "and may have been this model; run `ckptfs verify`")
-            raise NotFoundError(f"model {name!r} does not exist in {self.path} (see `ckptfs ls`)")
+            raise no_model(name, self.path)
         return entry
 
     @contextlib.contextmanager

@@ -13,7 +13,7 @@ import os
 import struct
 from typing import Mapping
 
-from ckptfs.manifest import Manifest, TensorRecord
+from ckptfs.manifest import Manifest, TensorRecord, dumps_compact, map_tensor_refs
 from ckptfs.views.registry import register
 from ckptfs.views.segments import View, ViewBuilder
 
@@ -36,6 +36,7 @@ SAFETENSORS_DTYPES: dict[str, str] = {
 METADATA_KEY = "__metadata__"
 SKIPPED_KEY = "ckptfs.skipped"
 ALIASES_KEY = "ckptfs.aliases"
+SKELETON_KEY = "ckptfs.skeleton"
 _HEADER_ALIGN = 8
 
 
@@ -52,16 +53,22 @@ def safetensors_view(manifest: Manifest, *, key: str | None = None,
     Tensors whose dtype (or shape) safetensors cannot represent are left out and listed, as a
     JSON array string, in ``__metadata__["ckptfs.skipped"]``. ``__metadata__`` also carries
     ``format`` ("pt"), ``model`` and ``step``; entries of ``metadata`` (strings only) are added
-    and win over those. The header is a pure function of the arguments (byte-exact tests).
+    and win over those. The whole-state file (``key=None``) with every tensor kept also carries
+    the saved object's skeleton (``ckptfs.skeleton``: the manifest's, its tensor ``i`` being the
+    file's i-th tensor), so that ``ckptfs import`` rebuilds the nesting and the plain values.
+    The header is a pure function of the arguments (byte-exact tests).
     """
-    selected, aliases = _select(manifest, key)
+    selected, aliases, first_name = _select(manifest, key)
     kept = [(name, rec) for name, rec in selected if _representable(rec)]
     if not kept:
         return None
     skipped = [name for name, rec in selected if not _representable(rec)]
     kept_names = {name for name, _ in kept}
     aliases = {alias: name for alias, name in aliases.items() if name in kept_names}
-    header = {METADATA_KEY: _metadata(manifest, skipped, aliases, metadata)}
+    meta = dict(metadata or {})
+    if key is None and not skipped:
+        meta.setdefault(SKELETON_KEY, dumps_compact(map_tensor_refs(manifest.skeleton, first_name.__getitem__)))
+    header = {METADATA_KEY: _metadata(manifest, skipped, aliases, meta)}
     offset = 0
     for name, rec in kept:
         header[name] = {"dtype": SAFETENSORS_DTYPES[rec.dtype], "shape": _shape(rec),
@@ -75,9 +82,11 @@ def safetensors_view(manifest: Manifest, *, key: str | None = None,
     return builder.build()
 
 
-def _select(manifest: Manifest, key: str | None) -> tuple[list[tuple[str, TensorRecord]], dict[str, str]]:
-    """(unique tensor name, record) for every tensor the file should hold, in skeleton order, and
-    {alias: that name} for the later references to a tensor already selected."""
+def _select(manifest: Manifest, key: str | None
+            ) -> tuple[list[tuple[str, TensorRecord]], dict[str, str], dict[int, str]]:
+    """(unique tensor name, record) for every tensor the file should hold, in skeleton order,
+    {alias: that name} for the later references to a tensor already selected, and {tensor
+    index: its name in the file}."""
     if key is None:
         named = [(ref.name, ref.tensor_index) for ref in manifest.refs()]
     else:
@@ -93,7 +102,7 @@ def _select(manifest: Manifest, key: str | None) -> tuple[list[tuple[str, Tensor
             continue
         first_name[index] = name
         out.append((name, manifest.tensors[index]))
-    return out, aliases
+    return out, aliases, first_name
 
 
 def _unique(name: str, taken: set[str]) -> str:
