@@ -84,6 +84,7 @@ class Manifest:
     tensors: tuple[TensorRecord, ...]
     skeleton: dict
     data_bytes: int = 0
+    files: tuple[tuple[str, str], ...] = ()  # small text files saved beside the object (name, text)
 
     def refs(self) -> list[TensorRef]:
         """Every tensor occurrence in skeleton order, with unique dotted names."""
@@ -119,14 +120,17 @@ class Manifest:
         return len(head) - 1 + len(',"tensors":') + len(tensors_json) + len(',"skeleton":') + len(skeleton) + 1
 
     def _parts(self, tensors_json: str | None) -> tuple[str, str, str]:
-        head = dumps_compact({
+        doc = {
             "format": MANIFEST_FORMAT,
             "model": self.model,
             "step": self.step,
             "counter": self.counter,
             "time_ns": self.time_ns,
             "data_bytes": self.data_bytes,
-        })
+        }
+        if self.files:  # only when present: a manifest without files keeps its bytes
+            doc["files"] = dict(self.files)
+        head = dumps_compact(doc)
         if tensors_json is None:
             tensors_json = encode_tensors(self.tensors)
         return head, tensors_json, dumps_compact(self.skeleton)
@@ -149,8 +153,12 @@ class Manifest:
                     raise MalformedInputError(f"tensor record {t!r:.80} is not valid")
                 tensors.append(TensorRecord(_str(t["name"]), _str(t["dtype"]), tuple(_int(s) for s in t["shape"]),
                                             _int(t["offset"]), _int(t["nbytes"]), int(t["crc32"], 16)))
+            files = doc.get("files", {})
+            if not isinstance(files, dict):
+                raise MalformedInputError("manifest files must be an object")
             m = cls(_str(doc["model"]), _int(doc["step"]), _int(doc["counter"]), _int(doc["time_ns"]),
-                    tuple(tensors), doc["skeleton"], _int(doc["data_bytes"]))
+                    tuple(tensors), doc["skeleton"], _int(doc["data_bytes"]),
+                    tuple((check_file_name(_str(k)), _str(v)) for k, v in files.items()))
             m.validate()
         except MalformedInputError:
             raise
@@ -246,6 +254,48 @@ def _str(x) -> str:
     if not isinstance(x, str):
         raise MalformedInputError(f"{x!r:.40} is not a string")
     return x
+
+
+FILE_NAME_MAX_BYTES = 255
+FILES_MAX_BYTES = 16 << 20  # extra files are small (configs, tokenizer JSON): they live in the index
+
+
+def check_file_name(name: str) -> str:
+    """``name`` if it can name an extra file of a version (a plain file name of letters, digits,
+    '.', '-' and '_', not starting with '.'); MalformedInputError otherwise."""
+    if (not name or len(name) > FILE_NAME_MAX_BYTES or name.startswith(".") or not name.isascii()
+            or not all(c.isalnum() or c in "._-" for c in name)):
+        raise MalformedInputError(f"{name!r:.80} cannot name a file (letters, digits, '.', '-', '_'; "
+                                  "not starting with '.')")
+    return name
+
+
+def encode_files(extra: dict | None) -> tuple[tuple[str, str], ...]:
+    """The extra files of a save as (name, text): a str value is the file's text, anything else
+    is written as JSON (indent 2, e.g. a config dict). TypeError / ValueError on a bad one."""
+    if not extra:
+        return ()
+    if not isinstance(extra, dict):
+        raise TypeError(f"extra must be a dict of file name -> str or JSON-able value, got {type(extra).__name__}")
+    files, total = [], 0
+    for name, value in extra.items():
+        if not isinstance(name, str):
+            raise TypeError(f"extra: file name {name!r:.60} is not a str")
+        try:
+            check_file_name(name)
+        except MalformedInputError as e:
+            raise ValueError(f"extra: {e}") from None
+        if not isinstance(value, str):
+            try:
+                value = json.dumps(value, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+            except (TypeError, ValueError) as e:
+                raise TypeError(f"extra[{name!r}] is neither a str nor JSON-able: {e}") from None
+        total += len(value.encode("utf-8", "surrogatepass"))
+        files.append((name, value))
+    if total > FILES_MAX_BYTES:
+        raise ValueError(f"extra files hold {total >> 20} MiB; at most {FILES_MAX_BYTES >> 20} MiB "
+                         "(they are stored in the version's index); save large data as tensors")
+    return tuple(files)
 
 
 def check_skeleton(node, ntensors: int) -> None:

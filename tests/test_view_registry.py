@@ -50,7 +50,7 @@ def store(tmp_path):
 
 
 def test_the_builtin_views_are_registered_in_listing_order():
-    assert [v.view_id for v in registered_views()] == ["torch", "safetensors", "metadata"]
+    assert [v.view_id for v in registered_views()] == ["torch", "safetensors", "metadata", "files", "hf"]
 
 
 def test_files_for_selects_views_and_the_first_registration_wins(store, extra_view):
@@ -63,7 +63,7 @@ def test_files_for_selects_views_and_the_first_registration_wins(store, extra_vi
         assert list(files_for(v.manifest, ["metadata", "extra"])) == [
             "metadata.json", "extra/info.json", "extra/deep/first.bin", "checkpoint.pt"]
         assert list(files_for(v.manifest, ["extra"]))[:1] == ["extra/info.json"]
-        with pytest.raises(ValueError, match="unknown view.*bogus.*torch, safetensors, metadata, extra"):
+        with pytest.raises(ValueError, match="unknown view.*bogus.*torch, safetensors, metadata, files, hf, extra"):
             files_for(v.manifest, ["bogus"])
     with pytest.raises(ValueError, match="already registered"):
         register("torch", lambda m: {}, summary="again")

@@ -9,7 +9,9 @@ one place that turns a data offset into a region address and checks the tensors'
 Each view module registers the files it contributes (``ckptfs.views.registry``):
 ``torch`` gives ``checkpoint.pt``; ``safetensors`` gives ``state.safetensors`` (every tensor) and
 ``<key>.safetensors`` per top-level key of a dict root holding such tensors; ``metadata`` gives
-``metadata.json``. ``files_for(manifest, views=None)`` lists them in that order.
+``metadata.json``; ``files`` the extra files saved with the version; ``hf`` an ``hf/`` directory
+for ``from_pretrained`` where a ``config.json`` was saved. ``files_for(manifest, views=None)``
+lists them in that order.
 
 What the views rely on from the write path: every ``TensorRecord`` holds its tensor's bytes,
 contiguous, in the writing machine's byte order, at ``offset`` in the data area, and its
@@ -22,8 +24,10 @@ from ckptfs.views.segments import Extent, Literal, View, ViewBuilder
 from ckptfs.views.torchzip import CHECKPOINT_FILE, torch_zip_view
 from ckptfs.views.safetensors import STATE_FILE, key_file_name, safetensors_view
 from ckptfs.views.metadata import METADATA_FILE, metadata_json_view
+from ckptfs.views.hf import HF_DIR, extra_files, hf_files
 from ckptfs.views.registry import ViewSpec, check_view_ids, files_for, register, registered_views
 
-__all__ = ["CHECKPOINT_FILE", "METADATA_FILE", "STATE_FILE", "Extent", "Literal", "View", "ViewBuilder",
+__all__ = ["CHECKPOINT_FILE", "HF_DIR", "METADATA_FILE", "STATE_FILE", "Extent", "Literal", "View", "ViewBuilder",
+           "extra_files", "hf_files",
            "ViewSpec", "check_view_ids", "files_for", "key_file_name", "metadata_json_view", "register",
            "registered_views", "safetensors_view", "torch_zip_view"]

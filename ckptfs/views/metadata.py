@@ -34,6 +34,8 @@ def metadata_json_view(manifest: Manifest) -> View:
         ],
         "object": json_safe(manifest.plain_part()),
     }
+    if manifest.files:
+        doc["files"] = [name for name, _ in manifest.files]
     text = json.dumps(doc, indent=2, ensure_ascii=True, allow_nan=False) + "\n"
     return View([Literal(text.encode("ascii"))])
 

@@ -154,7 +154,7 @@ class PersistPipeline:
             return
         claim, plan = job.claim, job.plan
         manifest = Manifest(claim.model, job.step, claim.counter, claim.time_ns, plan.layout.records,
-                            plan.flat.skeleton, plan.layout.data_bytes)
+                            plan.flat.skeleton, plan.layout.data_bytes, plan.files)
         index = manifest.encode(plan.layout.tensors.with_crcs([combine_piece_crcs(p) for p in job.piece_crcs]))
         committed = claim.commit(index, manifest.data_bytes)
         self._finish(job, SaveResult(claim.model, job.step, claim.counter, claim.slot, manifest.data_bytes,

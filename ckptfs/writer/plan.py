@@ -35,6 +35,7 @@ class SavePlan:
     flat: Flattened
     layout: Layout
     index_bytes: int  # an upper bound of the encoded index's length (it is encoded at commit)
+    files: tuple[tuple[str, str], ...] = ()  # extra files saved with the version (manifest.encode_files)
 
     @property
     def cuda_devices(self) -> set[int]:
@@ -57,18 +58,19 @@ class Planner:
         self._lock = threading.Lock()
         self._cache: tuple[tuple, Layout] | None = None
 
-    def plan(self, obj, step: int) -> SavePlan:
-        """Flatten and lay out ``obj``; raises every refusal of the object itself."""
+    def plan(self, obj, step: int, files: tuple[tuple[str, str], ...] = ()) -> SavePlan:
+        """Flatten and lay out ``obj`` (with its extra ``files``); raises every refusal of the
+        object itself."""
         flat = flatten(obj)
         for device in flat.devices:
             if device.type not in ("cpu", "cuda"):
                 raise CkptfsError(f"tensors on {device} are not supported yet; move them to cpu or cuda")
         layout = self._layout(flat)
         probe = Manifest(self.model, step, COUNTER_MAX, time.time_ns(), layout.records, flat.skeleton,
-                         layout.data_bytes)
+                         layout.data_bytes, files)
         # The probe has the widest counter, so its index is at least as long as the real one:
         # its length fixes the slot layout, and the real index is encoded once, at commit.
-        return SavePlan(step, flat, layout, probe.encoded_length(layout.tensors.text))
+        return SavePlan(step, flat, layout, probe.encoded_length(layout.tensors.text), files)
 
     def _layout(self, flat: Flattened) -> Layout:
         cached = self._cache

@@ -22,7 +22,7 @@ import time
 import weakref
 
 from ckptfs.errors import BusyError, CkptfsError
-from ckptfs.manifest import align_up
+from ckptfs.manifest import align_up, encode_files
 from ckptfs.memcopy import default_copy_threads
 from ckptfs.region.format import SLOTS_MAX
 from ckptfs.region.region import Region, validate_model_name
@@ -114,8 +114,12 @@ class Writer:
         _open_writers.add(self)
 
     # ------------------------------------------------------------------ public API
-    def save(self, obj, step: int, *, async_snapshot: bool = False) -> SaveFuture:
+    def save(self, obj, step: int, *, async_snapshot: bool = False, extra: dict | None = None) -> SaveFuture:
         """Snapshot ``obj`` and persist it in the background as version ``step``.
+
+        ``extra``: small files saved with the version, ``{name: str or JSON-able value}`` (e.g.
+        ``{"config.json": model.config.to_dict()}``); the mount shows them in the version
+        directory, and with a ``config.json`` an ``hf/`` directory that ``from_pretrained`` opens.
 
         Everything that can be refused (unsupported leaves, a checkpoint too large for its
         slots, a full region) is refused before any write. Then:
@@ -126,7 +130,7 @@ class Writer:
             (PCcheck §3.1). The caller must not modify ``obj`` (its tensors or its containers)
             until ``future.snapshotted`` completes (``wait_snapshot()``), i.e. it calls that before
             ``optimizer.step()``; a refusal is raised there and by ``future.result()``.
-        A bad ``step`` or a closed writer raises here in both cases. The returned future completes
+        A bad ``step``, a bad ``extra`` or a closed writer raises here in both cases. The returned future completes
         with a SaveResult when the checkpoint is durable and committed, or with the error that
         stopped it.
         """
@@ -134,10 +138,11 @@ class Writer:
             raise CkptfsError("this writer is closed; open a new one with store.writer(...)")
         if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 1 << 62:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        files = encode_files(extra)
         started = time.perf_counter()
         future = SaveFuture()
         if not async_snapshot:
-            plan = self._planner.plan(obj, step)
+            plan = self._planner.plan(obj, step, files)
             self._register(future)
             self._start(future, plan, started)
             return future
@@ -147,7 +152,7 @@ class Writer:
         self._register(future)
         if self._snapshot_thread is None:
             self._start_snapshot_thread()
-        self._snapshot_queue.put((future, obj, step, started, caller_mark()))
+        self._snapshot_queue.put((future, obj, step, files, started, caller_mark()))
         self._last_snapshot = future.snapshotted
         return future
 
@@ -213,9 +218,9 @@ class Writer:
             item = self._snapshot_queue.get()
             if item is None:
                 return
-            future, obj, step, started, mark = item
+            future, obj, step, files, started, mark = item
             try:
-                plan = self._planner.plan(obj, step)
+                plan = self._planner.plan(obj, step, files)
                 self._start(future, plan, started, background=True, mark=mark)
             except BaseException as e:  # noqa: BLE001 - delivered through both futures
                 if not future.done():

@@ -1,0 +1,46 @@
+"""The extra files of a version (``save(..., extra={...})``) and the Hugging Face directory.
+
+``files``: each extra file at the root of the version directory (``config.json`` beside
+``checkpoint.pt``). ``hf``: where the extras hold a ``config.json``, a directory ``hf/`` that
+``transformers``' ``from_pretrained`` opens as it is: the extras, and ``model.safetensors`` with the
+tensors under the top-level key ``model`` named as in ``model.state_dict()`` (the whole state when
+the object has no such key), tied weights stored once (see ckptfs.views.safetensors). One file
+of any size: ``from_pretrained`` reads unsharded safetensors of every size.
+"""
+from __future__ import annotations
+
+from ckptfs.manifest import Manifest
+from ckptfs.views.registry import register
+from ckptfs.views.safetensors import safetensors_view
+from ckptfs.views.segments import Literal, View
+
+HF_DIR = "hf"
+HF_CONFIG = "config.json"
+HF_WEIGHTS = "model.safetensors"
+MODEL_KEY = "model"
+
+
+def text_view(text: str) -> View:
+    """A file holding ``text`` as UTF-8."""
+    return View([Literal(text.encode("utf-8", "surrogatepass"))])
+
+
+def extra_files(manifest: Manifest) -> dict[str, View]:
+    """The version's extra files, by name."""
+    return {name: text_view(text) for name, text in manifest.files}
+
+
+def hf_files(manifest: Manifest) -> dict[str, View]:
+    """``hf/<extra>`` and ``hf/model.safetensors`` where the extras hold a ``config.json``."""
+    if HF_CONFIG not in dict(manifest.files):
+        return {}
+    files = {f"{HF_DIR}/{name}": view for name, view in extra_files(manifest).items()}
+    has_model_key = any(ref.key_path[:1] == (MODEL_KEY,) for ref in manifest.refs())
+    weights = safetensors_view(manifest, key=MODEL_KEY if has_model_key else None)
+    if weights is not None:
+        files[f"{HF_DIR}/{HF_WEIGHTS}"] = weights
+    return files
+
+
+register("files", extra_files, summary="the extra files saved with the version (save(..., extra=...))")
+register("hf", hf_files, summary="hf/: a Hugging Face model directory, where a config.json was saved")

@@ -1,0 +1,123 @@
+"""Extra files saved with a version (``save(..., extra=...)``) and the Hugging Face directory
+``hf/`` they enable: ``from_pretrained`` on a version, through a real mount and through export."""
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_model
+
+import ckptfs
+from ckptfs.cli import main as cli_main
+from ckptfs.errors import MalformedInputError
+from ckptfs.manifest import Manifest, encode_files
+from ckptfs.views import files_for
+from conftest_mount import mounted, requires_fuse
+
+
+def tiny_gpt2(seed: int = 0):
+    """A GPT-2 built from its config (no download): 2 layers, 32 wide, lm_head tied to wte.
+    (transformers is imported here: it takes seconds, and only the slow tests need it.)"""
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=96, n_positions=32)
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+@pytest.fixture
+def saved_gpt2(tmp_path):
+    model = tiny_gpt2()
+    path = str(tmp_path / "hf.region")
+    with ckptfs.Store.create(path, size_bytes=64 << 20) as store, store.writer("gpt2") as w:
+        optim = torch.optim.AdamW(model.parameters())
+        w.save({"model": model.state_dict(), "optim": optim.state_dict(), "step": 7}, step=7,
+               extra={"config.json": model.config.to_dict(), "README.md": "tiny gpt2\n"}).result()
+    return path, model
+
+
+def same_model(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+    ids = torch.arange(16).reshape(2, 8)
+    with torch.no_grad():
+        assert torch.equal(a(ids).logits, b(ids).logits)
+
+
+@pytest.mark.slow
+def test_a_version_lists_its_extra_files_and_an_hf_directory(saved_gpt2):
+    path, model = saved_gpt2
+    with ckptfs.Store(path) as store, store.open_version("gpt2") as v:
+        files = files_for(v.manifest)
+        assert dict(v.manifest.files)["README.md"] == "tiny gpt2\n"
+        config = json.loads(dict(v.manifest.files)["config.json"])
+    assert {"config.json", "README.md", "hf/config.json", "hf/README.md", "hf/model.safetensors"} <= set(files)
+    assert config["n_embd"] == 32 and config["model_type"] == "gpt2"
+    with ckptfs.Store(path) as store:
+        assert store.load("gpt2")["step"] == 7  # the object itself is unchanged by its extras
+
+
+@pytest.mark.slow
+def test_from_pretrained_of_an_exported_version(saved_gpt2, tmp_path, capsys):
+    import transformers
+
+    path, model = saved_gpt2
+    out = tmp_path / "export"
+    with pytest.raises(SystemExit) as e:
+        cli_main(["export", "--region", path, "gpt2", f"{out}/"])
+    assert e.value.code == 0
+    back = transformers.GPT2LMHeadModel.from_pretrained(out / "hf")
+    same_model(model, back)
+    assert back.lm_head.weight.data_ptr() == back.transformer.wte.weight.data_ptr()  # the tie is kept
+    fresh = tiny_gpt2(seed=1)
+    missing, unexpected = load_model(fresh, out / "hf" / "model.safetensors")  # strict: no unexpected key
+    assert unexpected == [] and set(missing) <= {"lm_head.weight"}
+
+
+@pytest.mark.fuse
+@pytest.mark.slow
+@requires_fuse
+def test_auto_model_from_pretrained_on_the_mount(saved_gpt2, tmp_path):
+    import transformers
+
+    path, model = saved_gpt2
+    with mounted(path, str(tmp_path / "mnt")) as m:
+        hf_dir = os.path.join(m.path, "gpt2", "latest", "hf")
+        assert sorted(os.listdir(hf_dir)) == ["README.md", "config.json", "model.safetensors"]
+        back = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)
+        same_model(model, back)
+
+
+def test_extra_is_checked_when_save_is_called(tmp_path):
+    with ckptfs.Store.create(str(tmp_path / "r.region"), size_bytes=64 << 20) as store, store.writer("m") as w:
+        for bad, error in [({"../config.json": "x"}, ValueError), ({".hidden": "x"}, ValueError),
+                           ({"a/b": "x"}, ValueError), ({"x.json": object()}, TypeError),
+                           ({"x.json": float("nan")}, TypeError), ({1: "x"}, TypeError), (["x"], TypeError)]:
+            with pytest.raises(error):
+                w.save({"w": torch.ones(1)}, step=1, extra=bad, async_snapshot=True)
+        with pytest.raises(ValueError, match="at most 16 MiB"):
+            w.save({"w": torch.ones(1)}, step=1, extra={"big.txt": "x" * (17 << 20)})
+        w.save({"w": torch.ones(1)}, step=1).result()  # nothing of the refusals was written
+    with ckptfs.Store(str(tmp_path / "r.region")) as store:
+        assert [v.step for v in store.versions("m")] == [1]
+
+
+def test_manifest_files_round_trip_and_are_absent_from_the_bytes_when_none():
+    base = dict(model="m", step=1, counter=2, time_ns=3, tensors=(), skeleton={"none": None}, data_bytes=0)
+    plain = Manifest(**base)
+    assert b'"files"' not in plain.encode()  # manifests without files keep their bytes
+    files = encode_files({"config.json": {"a": [1, 2]}, "notes.txt": "h\u00e9"})
+    assert files == (("config.json", '{\n  "a": [\n    1,\n    2\n  ]\n}\n'), ("notes.txt", "h\u00e9"))
+    with_files = Manifest(**base, files=files)
+    raw = with_files.encode()
+    assert raw.startswith(b'{"format":1,"model":"m","step":1,"counter":2,"time_ns":3,"data_bytes":0,'
+                          b'"files":{"config.json":"{\\n  \\"a\\": [\\n    1,\\n    2\\n  ]\\n}\\n","notes.txt":"h\\u00e9"},'
+                          b'"tensors":[],"skeleton":{"none":null}}')
+    assert len(raw) == with_files.encoded_length()
+    assert Manifest.decode(raw) == with_files
+    for bad in (b'"files":[]', b'"files":{"a/b":"x"}', b'"files":{"x":1}', b'"files":{"":"x"}'):
+        doc = raw.replace(raw[raw.index(b'"files"'):raw.index(b',"tensors"')], bad)
+        with pytest.raises(MalformedInputError):
+            Manifest.decode(doc)
