@@ -31,8 +31,10 @@ def default_region_path() -> str:
     return os.path.join(base, "ckptfs", "default.region")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class VersionInfo:
+    """One committed version, as listed. Versions of a model order by (step, counter)."""
+
     model: str
     step: int
     counter: int
@@ -112,6 +114,11 @@ class Store:
             if not writable:
                 raise
             self.region = Region(path, writable=False)
+        try:
+            self.region.roll_forward()
+        except BaseException:
+            self.region.close()
+            raise
 
     @classmethod
     def create(cls, path: str, size_bytes: int | None = None, *, exist_ok: bool = False,
@@ -156,6 +163,10 @@ class Store:
         return [self._info(v, latest) for _, v in sorted(by_step.items())]
 
     def latest(self, model: str) -> VersionInfo | None:
+        """The newest committed version of ``model`` (the one ``load`` returns by default), or
+        None before its first commit. It is always the version with the highest counter among
+        ``versions``: a commit interrupted between its header and its publish is rolled forward
+        when the region is opened."""
         entry = self.region.get(model)
         latest = self.region.latest(entry)
         return None if latest is None else self._info(latest, latest)

@@ -59,6 +59,26 @@ def test_a_commit_left_unpublished_is_rolled_forward_when_a_ring_opens(store, mo
     assert store.load("m")["step"] == 2
 
 
+def test_opening_a_region_rolls_forward_so_latest_is_the_newest_listed(store, monkeypatch):
+    """Issue 13 §2: after a crash between header and CAS, any reader that opens the region (a
+    load, `ckptfs ls`, the mount) sees the newest committed version as latest, not one beside it."""
+    with store.writer("m") as w:
+        w.save(state(1), step=1).result()
+    original = Claim.commit
+    monkeypatch.setattr(Claim, "commit", lambda self, index, nbytes, publish=True: original(self, index, nbytes,
+                                                                                           publish=False))
+    with store.writer("m") as w:
+        w.save(state(2), step=2).result()
+    monkeypatch.undo()
+    with ckptfs.Store(store.path) as reopened:
+        listed = reopened.versions("m")
+        assert reopened.latest("m") == max(listed, key=lambda v: v.counter) == listed[-1]
+        assert reopened.latest("m").step == 2 and reopened.load("m")["step"] == 2
+    with ckptfs.Store(store.path, writable=False) as read_only:  # no writes: nothing rolled, nothing broken
+        assert read_only.latest("m").step == 2
+    assert sorted(listed, reverse=True) == listed[::-1]  # VersionInfo orders by (step, counter)
+
+
 def test_a_version_mid_commit_elsewhere_is_not_rolled_forward(store, monkeypatch):
     """A ring opened while another writer's version has its header but not yet its CAS leaves it
     to that writer, which then reports it published."""

@@ -260,7 +260,12 @@ def check_image(path: str, truth: Truth, expected: Callable, torn_headers: set =
         for m in models:
             if m not in truth.started:
                 continue
-            for v in store.versions(m):
+            listed = store.versions(m)
+            latest = store.latest(m)
+            newest_listed = max(listed, key=lambda v: v.counter, default=None)
+            if newest_listed is not None and (latest is None or newest_listed.counter != latest.counter):
+                fails.append(f"{m}: latest is {latest} but a newer version is listed: {newest_listed}")
+            for v in listed:
                 if (m, v.step) in truth.removed_versions:
                     fails.append(f"{m} step {v.step} was removed (durably) but is listed")
                 if v.step not in truth.started[m]:

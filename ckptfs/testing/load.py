@@ -136,6 +136,9 @@ def kill_rounds(region_path: str, rounds: int, seed: int = 0, max_delay_s: float
                         continue
                     if latest.step < durable.get(m, -1):
                         fails.append(f"{m}: latest step {latest.step} older than confirmed step {durable[m]}")
+                    newest = max(s.versions(m), key=lambda v: v.counter)
+                    if newest.counter != latest.counter:
+                        fails.append(f"{m}: latest is step {latest.step} but step {newest.step} is newer")
                     problems = s.verify(m, latest.step)
                     if problems:
                         fails.append(f"{m}: verify: {problems}")
