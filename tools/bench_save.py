@@ -47,7 +47,7 @@ import _bench_common as bc  # noqa: E402
 LABELS: dict[str, tuple[str, str]] = {
     "raw_write": ("raw O_DIRECT write + fdatasync", "baseline"),
     "raw_read": ("raw O_DIRECT read", "baseline"),
-    "raw_overwrite": ("raw O_DIRECT overwrite of the file's blocks", "info"),
+    "raw_overwrite": ("raw O_DIRECT overwrite of the file's blocks", "baseline"),
     "memcpy": ("memcpy of the state (copy_, warm)", "baseline"),
     "memcpy_moment": ("memcpy of the state, beside the save (same cache drop)", "baseline"),
     "memcpy_nt": ("same copy by ckptfs's copy_spans (streaming stores)", "info"),
@@ -325,14 +325,21 @@ def m_ckptfs(b: Bench, state: Any) -> Iterator[dict]:
     w = copy_dst = None
     try:
         w = store.writer(model, **wkw)
-        # warm-up: the first save creates the model's slot ring (and the staging pool)
+        # warm-up: the first save creates the model's slot ring (and the staging pool) and writes
+        # into fresh sparse blocks; by default every slot of the ring is written once, so that
+        # the timed saves are the steady state of a training job (overwrites of allocated blocks)
         t0 = time.perf_counter()
-        for step in range(a.warmup):
+        w.save(state, step=0).result()
+        first = time.perf_counter() - t0
+        ring_slots = next(m["slots"] for m in store.status()["models"] if m["name"] == model)
+        warmup = a.warmup if a.warmup is not None else ring_slots
+        for step in range(1, warmup):
             w.save(state, step=step).result()
         warm = time.perf_counter() - t0
-        b.notes.append(f"ckptfs region {size / bc.GiB:.2f} GiB, writer options {wkw or 'library defaults'}, "
-                       f"{a.warmup} warm-up save(s) {bc.fmt_s(warm)}")
-        step = a.warmup
+        b.notes.append(f"ckptfs region {size / bc.GiB:.2f} GiB, writer options {wkw or 'library defaults'}; "
+                       f"first save into the fresh sparse region {bc.fmt_s(first)} "
+                       f"({b.nbytes / first / bc.GB:.2f} GB/s); {warmup} warm-up save(s) in all {bc.fmt_s(warm)}")
+        step = warmup
         rnd = 0
         if a.device == "cpu":
             copy_dst = bc.clone_like(state)
@@ -423,12 +430,15 @@ def _timed_copy(dst: Any, state: Any, device: str) -> float:
 
 TARGETS = [
     # figure, ckptfs key, baseline key, ckptfs field, op, target, unit ("GB/s": compare bandwidths)
-    ("durable throughput / raw O_DIRECT write", "ckptfs_durable", "raw_write", ">=", 0.9, "GB/s", "cpu,cuda"),
+    # the steady state of a training job overwrites allocated slots: that is the ceiling
+    ("durable throughput / raw O_DIRECT overwrite", "ckptfs_durable", "raw_overwrite", ">=", 0.9, "GB/s", "cpu,cuda"),
+    ("back-to-back, aggregate / raw overwrite", "ckptfs_b2b", "raw_overwrite", ">=", 0.9, "GB/s", "cpu,cuda"),
+    ("durable throughput / raw write of a new file", "ckptfs_durable", "raw_write", None, None, "GB/s", "cpu,cuda"),
     ("durable throughput / torch.save+fsync", "ckptfs_durable", "torch_save", ">=", 3.0, "GB/s", "cpu,cuda"),
     ("stall / memcpy beside it", "ckptfs_stall", "memcpy_moment", "<=", 1.25, "s", "cpu"),
     ("stall / warm memcpy (best case)", "ckptfs_stall", "memcpy", None, None, "s", "cpu"),
     ("GPU stall / pinned D2H copy", "ckptfs_stall", "d2h_pinned", "<=", 1.1, "s", "cuda"),
-    ("Store.load / raw O_DIRECT read", "ckptfs_load", "raw_read", ">=", 0.8, "GB/s", "cpu,cuda"),
+    ("Store.load / raw O_DIRECT read", "ckptfs_load", "raw_read", ">=", 0.9, "GB/s", "cpu,cuda"),
 ]
 
 
@@ -582,7 +592,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="OUT", help="write all results as JSON here")
     ap.add_argument("--block-mib", type=int, default=64, help="block size of the raw O_DIRECT baselines")
     ap.add_argument("--raw-threads", type=int, default=2, help="threads of the extra parallel raw I/O rows (1: none)")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed ckptfs saves first (the first creates the ring)")
+    ap.add_argument("--warmup", type=int, help="untimed ckptfs saves first (the first creates the ring; default: "
+                                              "one per slot of the ring, so that the timed saves overwrite)")
     ap.add_argument("--max-inflight", type=int, help="ckptfs writer max_inflight (library default otherwise)")
     ap.add_argument("--persist-threads", type=int, help="ckptfs writer persist_threads")
     ap.add_argument("--chunk-mib", type=int, help="ckptfs writer chunk_bytes, in MiB")
@@ -596,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
             a.size_gib = 0.25
     if a.repeat is None:
         a.repeat = 1 if a.quick else 3
-    if a.repeat < 1 or a.warmup < 1:
+    if a.repeat < 1 or (a.warmup is not None and a.warmup < 1):
         ap.error("--repeat and --warmup must be >= 1")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         print("--device cuda: CUDA is not available here", file=sys.stderr)
