@@ -114,11 +114,6 @@ class Store:
             if not writable:
                 raise
             self.region = Region(path, writable=False)
-        try:
-            self.region.roll_forward()
-        except BaseException:
-            self.region.close()
-            raise
 
     @classmethod
     def create(cls, path: str, size_bytes: int | None = None, *, exist_ok: bool = False,
@@ -165,8 +160,8 @@ class Store:
     def latest(self, model: str) -> VersionInfo | None:
         """The newest committed version of ``model`` (the one ``load`` returns by default), or
         None before its first commit. It is always the version with the highest counter among
-        ``versions``: a commit interrupted between its header and its publish is rolled forward
-        when the region is opened."""
+        ``versions``: a commit interrupted between its header and its publish counts as latest
+        (reading never writes; the model's next writer publishes it)."""
         entry = self.region.get(model)
         latest = self.region.latest(entry)
         return None if latest is None else self._info(latest, latest)

@@ -52,16 +52,23 @@ def test_a_commit_left_unpublished_is_rolled_forward_when_a_ring_opens(store, mo
     with store.writer("m") as w:
         assert w.save(state(2), step=2).result().published is False
     monkeypatch.undo()
-    assert store.latest("m").step == 1 and [v.step for v in store.versions("m")] == [1, 2]
+    from ckptfs.region.format import unpack_latest
+
+    entry = store.region.get("m")
+    pointed = unpack_latest(store.region.latest_word(entry))[0]
+    assert [v.step for v in store.versions("m")] == [1, 2] and pointed == store.versions("m")[0].counter
     with store.writer("m"):
-        pass  # opening the ring rolls forward
-    assert store.latest("m").step == 2
-    assert store.load("m")["step"] == 2
+        pass  # opening the ring rolls forward: the pointer itself moves
+    assert unpack_latest(store.region.latest_word(entry))[0] == store.versions("m")[1].counter
+    assert store.latest("m").step == 2 and store.load("m")["step"] == 2
 
 
-def test_opening_a_region_rolls_forward_so_latest_is_the_newest_listed(store, monkeypatch):
-    """Issue 13 §2: after a crash between header and CAS, any reader that opens the region (a
-    load, `ckptfs ls`, the mount) sees the newest committed version as latest, not one beside it."""
+def test_a_reader_sees_the_newest_complete_version_as_latest_without_writing(store, monkeypatch):
+    """Issue 13 §2: after a crash between header and CAS, a reader (a load, `ckptfs ls`, the
+    mount) sees the newest committed version as latest, never one listed beside a newer one, and
+    reading writes nothing; the model's next writer publishes it."""
+    from ckptfs.region.format import unpack_latest
+
     with store.writer("m") as w:
         w.save(state(1), step=1).result()
     original = Claim.commit
@@ -70,18 +77,25 @@ def test_opening_a_region_rolls_forward_so_latest_is_the_newest_listed(store, mo
     with store.writer("m") as w:
         w.save(state(2), step=2).result()
     monkeypatch.undo()
-    with ckptfs.Store(store.path) as reopened:
-        listed = reopened.versions("m")
-        assert reopened.latest("m") == max(listed, key=lambda v: v.counter) == listed[-1]
-        assert reopened.latest("m").step == 2 and reopened.load("m")["step"] == 2
-    with ckptfs.Store(store.path, writable=False) as read_only:  # no writes: nothing rolled, nothing broken
-        assert read_only.latest("m").step == 2
+    entry = store.region.get("m")
+    word = store.region.latest_word(entry)
+    for reader in (ckptfs.Store(store.path), ckptfs.Store(store.path, writable=False)):
+        with reader:
+            listed = reader.versions("m")
+            assert reader.latest("m") == max(listed, key=lambda v: v.counter) == listed[-1]
+            assert reader.latest("m").step == 2 and reader.load("m")["step"] == 2
+            assert [v.latest for v in listed] == [False, True]
+    assert store.region.latest_word(entry) == word and unpack_latest(word)[0] == listed[0].counter
     assert sorted(listed, reverse=True) == listed[::-1]  # VersionInfo orders by (step, counter)
+    with store.writer("m"):
+        pass
+    assert unpack_latest(store.region.latest_word(entry))[0] == listed[1].counter
 
 
 def test_a_version_mid_commit_elsewhere_is_not_rolled_forward(store, monkeypatch):
     """A ring opened while another writer's version has its header but not yet its CAS leaves it
     to that writer, which then reports it published."""
+    from ckptfs.region.format import unpack_latest
     from ckptfs.region.ring import Ring
 
     with store.writer("m") as w:
@@ -90,14 +104,15 @@ def test_a_version_mid_commit_elsewhere_is_not_rolled_forward(store, monkeypatch
     original = Ring.publish
 
     def publish_after_another_ring_opened(self, counter, slot):
-        store.region.ring(store.region.get("m"), timeout_s=1).close()
-        seen.append(store.latest("m").step)
+        entry = store.region.get("m")
+        store.region.ring(entry, timeout_s=1).close()
+        seen.append(unpack_latest(store.region.latest_word(entry))[0])  # the pointer: not moved by it
         return original(self, counter, slot)
 
     monkeypatch.setattr(Ring, "publish", publish_after_another_ring_opened)
     with store.writer("m") as w:
         assert w.save(state(2), step=2).result().published is True
-    assert seen == [1] and store.latest("m").step == 2
+    assert seen == [1] and store.latest("m").step == 2  # counter 1 was step 1's
 
 
 def test_abort_gives_the_slot_back(store):

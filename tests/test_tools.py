@@ -26,16 +26,19 @@ def test_bench_save_runs_every_method_and_ratio(tmp_path):
              "--json", str(out))
     state = json.loads(out.read_text())["states"]["gpt2"]
     rows = state["rows"]
-    for key in ("raw_write", "raw_read", "memcpy", "memcpy_moment", "ckptfs_stall", "ckptfs_durable", "ckptfs_load",
-                "torch_save", "safetensors", "dcp_save"):
+    for key in ("raw_write", "raw_read", "raw_overwrite", "memcpy", "memcpy_moment", "ckptfs_stall",
+                "ckptfs_durable", "ckptfs_load", "ckptfs_b2b", "torch_save", "safetensors", "dcp_save"):
         assert key in rows and rows[key]["median_s"] > 0, key
     assert rows["ckptfs_load"].get("verified") == [True]  # checked in the first round
     figures = {t["figure"]: t for t in state["targets"]}
-    assert set(figures) == {"durable throughput / raw O_DIRECT write", "durable throughput / torch.save+fsync",
+    assert set(figures) == {"durable throughput / raw O_DIRECT overwrite", "back-to-back, aggregate / raw overwrite",
+                            "durable throughput / raw write of a new file", "durable throughput / torch.save+fsync",
                             "stall / memcpy beside it", "stall / warm memcpy (best case)",
                             "Store.load / raw O_DIRECT read"}
     for t in figures.values():
-        assert len(t["ratios"]) == 2 and t["ratio"] > 0, t
+        rounds = 1 if t["figure"].startswith("back-to-back") else 2  # back-to-back: the last round only
+        assert len(t["ratios"]) == rounds and t["ratio"] > 0, t
+    assert any("first save into the fresh sparse region" in n for n in state["notes"]), state["notes"]
     assert not os.listdir(tmp_path / "b"), "bench_save left files behind"
 
 
@@ -56,4 +59,9 @@ def test_train_emulator_runs_and_verifies(tmp_path, mode):
     rows = result["summary"][mode]["rows"]
     assert len(rows) == 4
     assert all("overhead" in r and "pred" in r and r["floor"] is not None for r in rows)
+    # ckptfs's own share: paired with the raw floor of the same round (one round here)
+    overhead = {(r["system"], r["N"], r["f"]): r["overhead"] for r in runs}
+    for r in rows:
+        assert r["own_runs"] == [overhead["ckptfs", r["N"], r["f"]] - overhead["raw", r["N"], r["f"]]]
+        assert r["own"] == r["own_runs"][0]
     assert not os.listdir(tmp_path / "e"), "train_emulator left files behind"

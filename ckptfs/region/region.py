@@ -130,15 +130,6 @@ class Region(ModelTable, SlotReader):
         self.pins.close()
         self.backend.close()
 
-    def roll_forward(self) -> None:
-        """After a crash: make each model's latest its newest committed version (a commit that
-        reached its header but not its publish is published now, ckptfs.region.ring), so that
-        latest is the newest version anyone lists. A no-op on a read-only region."""
-        if not self.writable:
-            return
-        for entry in self.entries():
-            self.ring(entry, timeout_s=0).close()
-
     def ring(self, entry: ModelEntry, *, timeout_s: float) -> Ring:
         """The slot lifecycle of ``entry``'s ring for one writer (ckptfs.region.ring); close it
         when done. ``timeout_s``: the longest a claim waits for a free slot."""

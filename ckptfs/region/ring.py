@@ -167,19 +167,17 @@ class Ring:
         publishes itself; one pinned by a reader is left to the next open."""
         region, entry = self.region, self.entry
         latest = unpack_latest(region.latest_word(entry))
-        for version in reversed(region.committed(entry)):
-            if latest is not None and version.header.counter <= latest[0]:
-                return
-            lock = slot_lock_offset(entry.index, version.slot)
-            if not self._claims.try_exclusive(lock):
-                return
-            try:
-                header = region.read_header(entry, version.slot)
-                if header == version.header and region.index_ok(version):
-                    self.publish(header.counter, version.slot)
-                    return
-            finally:
-                self._claims.release(lock)
+        version = region.newest_intact(entry, above_counter=latest[0] if latest else 0)
+        if version is None:
+            return
+        lock = slot_lock_offset(entry.index, version.slot)
+        if not self._claims.try_exclusive(lock):
+            return
+        try:
+            if region.read_header(entry, version.slot) == version.header:
+                self.publish(version.header.counter, version.slot)
+        finally:
+            self._claims.release(lock)
 
     # ------------------------------------------------------------------ publish
     def publish(self, counter: int, slot: int) -> bool:

@@ -59,7 +59,10 @@ class SlotReader:
         return sorted(out, key=lambda v: v.header.counter)
 
     def latest(self, entry: ModelEntry) -> SlotVersion | None:
-        """The version the latest pointer names.
+        """The version the latest pointer names, or a newer one: the newest committed version
+        whose index verifies, when its counter is above the pointer's (a commit cut between its
+        header and its publish; the next writer of the model publishes it, ``Ring``). So latest
+        is always the newest version listed, and reading never writes.
 
         If the pointer names a slot that does not hold that version, or one whose index fails its
         checksum (a damaged region), falls back to the newest committed version whose index
@@ -88,17 +91,14 @@ class SlotReader:
                 # Nothing published yet. A committed version can still be there: its save's commit
                 # was cut before the pointer reached the media (never reported durable, but
                 # complete), or the pointer word itself was zeroed. Take the newest intact one.
-                for version in reversed(self.committed(entry)):
-                    if self.index_ok(version):
-                        return version, None
-                return None, None
+                return self.newest_intact(entry, above_counter=0), None
             counter, slot = target
             header = self.read_header(entry, slot) if slot < entry.nslots else None
             version = None
             if header is not None and header.state == SLOT_COMMITTED and header.counter == counter:
                 version = SlotVersion(entry, slot, header)
                 if self.index_ok(version):
-                    return version, None
+                    return self.newest_intact(entry, above_counter=counter) or version, None
             if self.latest_word(entry) == word:
                 break
             # The pointer moved on while we looked (a newer save published and the old slot is
@@ -106,6 +106,16 @@ class SlotReader:
         if version is None:
             return None, f"the latest pointer names slot {slot} counter {counter}, which does not hold it"
         return None, f"the index of the latest version (step {version.header.step}, slot {slot}) fails its checksum"
+
+    def newest_intact(self, entry: ModelEntry, above_counter: int) -> SlotVersion | None:
+        """The committed version with the highest counter above ``above_counter`` whose index
+        verifies, or None: the one rule of which complete version is newer than the pointer."""
+        for version in reversed(self.committed(entry)):
+            if version.header.counter <= above_counter:
+                return None
+            if self.index_ok(version):
+                return version
+        return None
 
     def index_ok(self, version: SlotVersion) -> bool:
         """Whether the version's index matches the CRC its header holds."""
