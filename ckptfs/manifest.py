@@ -85,6 +85,8 @@ class Manifest:
     skeleton: dict
     data_bytes: int = 0
     files: tuple[tuple[str, str], ...] = ()  # small text files saved beside the object (name, text)
+    # dumps_compact(skeleton) where the writer already has it (a cached save plan); not compared
+    skeleton_json: str | None = field(default=None, compare=False, repr=False)
 
     def refs(self) -> list[TensorRef]:
         """Every tensor occurrence in skeleton order, with unique dotted names."""
@@ -133,7 +135,8 @@ class Manifest:
         head = dumps_compact(doc)
         if tensors_json is None:
             tensors_json = encode_tensors(self.tensors)
-        return head, tensors_json, dumps_compact(self.skeleton)
+        skeleton = self.skeleton_json if self.skeleton_json is not None else dumps_compact(self.skeleton)
+        return head, tensors_json, skeleton
 
     @classmethod
     def decode(cls, raw: bytes) -> "Manifest":
@@ -384,6 +387,12 @@ class Flattened:
     # (name, dtype name, shape) of each tensor: all that a layout of the tensor bytes depends on
     signature: tuple[tuple[str, str, tuple[int, ...]], ...] = ()
     devices: frozenset[torch.device] = frozenset()
+    skeleton_json: str | None = None  # dumps_compact(skeleton), where already known (a cached plan)
+
+
+def plain_node(value: Any) -> dict:
+    """The skeleton node of a plain value (str, int, float, bool, None)."""
+    return _Walk().node(value)
 
 
 def flatten(obj: Any) -> Flattened:

@@ -44,14 +44,13 @@ class Job:
     chunks_left: int = 0
     ready: threading.Event = field(default_factory=threading.Event)  # the slot may be written
     snapshot_taken: threading.Event = field(default_factory=threading.Event)
-    piece_crcs: list = field(default_factory=list)  # per tensor: (start, length, crc) of its pieces
+    piece_crcs: dict = field(default_factory=dict)  # tensor -> [(start, length, crc)] of its pieces
     error: BaseException | None = None
     stall_s: float = 0.0
     mutex: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         self.chunks_left = len(self.plan.layout.chunks)
-        self.piece_crcs = [[] for _ in self.plan.layout.records]
 
     @property
     def step(self) -> int:

@@ -142,7 +142,7 @@ class PersistPipeline:
             pool.release(buf)
         with job.mutex:
             for tensor, start, n, crc in crcs:
-                job.piece_crcs[tensor].append((start, n, crc))
+                job.piece_crcs.setdefault(tensor, []).append((start, n, crc))
             job.chunks_left -= 1
             last = job.chunks_left == 0
         self._progress.advance(job.claim.counter, chunk.length)
@@ -154,8 +154,11 @@ class PersistPipeline:
             return
         claim, plan = job.claim, job.plan
         manifest = Manifest(claim.model, job.step, claim.counter, claim.time_ns, plan.layout.records,
-                            plan.flat.skeleton, plan.layout.data_bytes, plan.files)
-        index = manifest.encode(plan.layout.tensors.with_crcs([combine_piece_crcs(p) for p in job.piece_crcs]))
+                            plan.flat.skeleton, plan.layout.data_bytes, plan.files,
+                            skeleton_json=plan.flat.skeleton_json)
+        pieces = job.piece_crcs
+        index = manifest.encode(plan.layout.tensors.with_crcs(
+            [combine_piece_crcs(pieces.get(i, ())) for i in range(len(plan.layout.records))]))
         committed = claim.commit(index, manifest.data_bytes)
         self._finish(job, SaveResult(claim.model, job.step, claim.counter, claim.slot, manifest.data_bytes,
                                      committed.published, job.stall_s, time.perf_counter() - job.started), None)

@@ -12,9 +12,10 @@ import torch
 from ckptfs.chunks import Chunk, plan_chunks
 from ckptfs.errors import CkptfsError
 from ckptfs.manifest import (DTYPE_NAMES, TENSOR_ALIGN_BYTES, EncodedTensors, Flattened, Manifest, TensorRecord,
-                             align_up, flatten)
+                             align_up, dumps_compact, flatten)
 from ckptfs.region.format import COUNTER_MAX
 from ckptfs.region.ring import SlotLayout
+from ckptfs.writer.replan import Structure
 
 
 @dataclass(frozen=True)
@@ -57,17 +58,23 @@ class Planner:
         self.effective_chunk_bytes: int | None = None
         self._lock = threading.Lock()
         self._cache: tuple[tuple, Layout] | None = None
+        self._structure: Structure | None = None  # of the last object flattened in full
 
     def plan(self, obj, step: int, files: tuple[tuple[str, str], ...] = ()) -> SavePlan:
         """Flatten and lay out ``obj`` (with its extra ``files``); raises every refusal of the
         object itself."""
-        flat = flatten(obj)
-        for device in flat.devices:
-            if device.type not in ("cpu", "cuda"):
-                raise CkptfsError(f"tensors on {device} are not supported yet; move them to cpu or cuda")
+        structure = self._structure
+        flat = structure.match(obj) if structure is not None else None
+        if flat is None:  # a first save, or a structure that changed: flatten in full
+            flat = flatten(obj)
+            for device in flat.devices:
+                if device.type not in ("cpu", "cuda"):
+                    raise CkptfsError(f"tensors on {device} are not supported yet; move them to cpu or cuda")
+            flat.skeleton_json = dumps_compact(flat.skeleton)
+            self._structure = Structure.of(flat)
         layout = self._layout(flat)
         probe = Manifest(self.model, step, COUNTER_MAX, time.time_ns(), layout.records, flat.skeleton,
-                         layout.data_bytes, files)
+                         layout.data_bytes, files, skeleton_json=flat.skeleton_json)
         # The probe has the widest counter, so its index is at least as long as the real one:
         # its length fixes the slot layout, and the real index is encoded once, at commit.
         return SavePlan(step, flat, layout, probe.encoded_length(layout.tensors.text), files)

@@ -46,6 +46,11 @@ class Snapshotter:
         self._copy_threads = copy_threads
         self._timeout_s = timeout_s
         self._side_streams = SideStreams()
+        # (layout, data pointers, spans of each chunk) of the last host snapshot whose tensors
+        # were all copied from their own memory: a save of the same tensors reuses the spans
+        # (building a buffer over each of 40,000 tensors is most of such a save's stall). It
+        # holds those tensors' memory until the next host snapshot or the writer's end.
+        self._host_spans: tuple | None = None
 
     def take(self, job: Job, pool: StagingPool, mark: CallerMark | None) -> None:
         """Copy every chunk of ``job`` out of its tensors; ``mark``: where its CUDA copies start."""
@@ -53,15 +58,33 @@ class Snapshotter:
         if devices:
             self._take_cuda(job, pool, devices, mark)
         else:
-            self._take_host(job, [byte_source(t) for t in job.plan.flat.tensors], pool)
+            self._take_host(job, self._spans(job), pool)
 
-    def _take_host(self, job: Job, sources: list[torch.Tensor], pool: StagingPool) -> None:
+    def _spans(self, job: Job) -> list[list[tuple]]:
+        """Per chunk, the (buffer offset, source, source offset, length) spans of its copy.
+
+        Reused from the last snapshot when it had the same layout and its tensors started at the
+        same addresses (the same parameters, updated in place): those buffers are over exactly
+        the bytes these tensors hold now, as the memory they cover stays allocated while held."""
+        tensors = job.plan.flat.tensors
+        ptrs = [t.data_ptr() for t in tensors]
+        cached = self._host_spans
+        if cached is not None and cached[0] is job.plan.layout and cached[1] == ptrs:
+            return cached[2]
+        sources = [byte_source(t) for t in tensors]
+        host = [host_bytes(s) for s in sources]
+        spans = [[(p.buffer_start, host[p.tensor], p.tensor_start, p.length) for p in chunk.pieces]
+                 for chunk in job.chunks]
+        # only where every source is the tensor's own memory (not a contiguous or resolved copy)
+        own = all(s.data_ptr() == p for s, p in zip(sources, ptrs) if s.numel())
+        self._host_spans = (job.plan.layout, ptrs, spans) if own else None
+        return spans
+
+    def _take_host(self, job: Job, spans: list[list[tuple]], pool: StagingPool) -> None:
         """CPU tensors: the native multi-threaded copy, chunk by chunk."""
-        host = [host_bytes(t) for t in sources]
-        for chunk in job.chunks:
+        for chunk, chunk_spans in zip(job.chunks, spans, strict=True):
             buf = pool.acquire(self._timeout_s)
-            copy_spans(buf.mapping, [(p.buffer_start, host[p.tensor], p.tensor_start, p.length)
-                                     for p in chunk.pieces], self._copy_threads)
+            copy_spans(buf.mapping, chunk_spans, self._copy_threads)
             # A background snapshot runs while the caller computes: checksumming here keeps that
             # memory traffic out of the caller's next optimizer step, which the persist workers'
             # checksums would otherwise overlap.

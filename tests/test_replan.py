@@ -1,0 +1,117 @@
+"""The cached save plan (ckptfs.writer.replan): a save of a known structure skips flatten, and any
+change of structure is caught and re-planned, never written with a stale layout."""
+import math
+from collections import OrderedDict
+
+import pytest
+import torch
+
+import ckptfs
+from ckptfs.manifest import dumps_compact, flatten
+from ckptfs.writer.replan import Structure
+from conftest import assert_same
+
+
+def training_state(n: int = 6, lr: float = 0.1, epoch: int = 1) -> dict:
+    model = OrderedDict((f"layer{i}.weight", torch.randn(4, 3)) for i in range(n))
+    model["head.weight"] = model["layer0.weight"]  # tied
+    return {"model": model,
+            "optim": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(4, 3)}},
+                      "param_groups": [{"lr": lr, "betas": (0.9, 0.999), "amsgrad": False, "name": None}]},
+            "epoch": epoch, "tag": "run-1"}
+
+
+def same_as_flatten(obj) -> bool:
+    """The cached structure's result equals a full flatten of ``obj``, JSON byte for byte."""
+    full = flatten(obj)
+    fast = Structure.of(flatten(training_state())).match(obj)
+    assert fast is not None
+    assert fast.skeleton == full.skeleton and fast.skeleton_json == dumps_compact(full.skeleton)
+    assert fast.names == full.names and fast.signature == full.signature
+    assert len(fast.tensors) == len(full.tensors)
+    assert all(a is b for a, b in zip(fast.tensors, full.tensors))
+    return True
+
+
+def test_the_same_structure_matches_and_gives_flattens_result():
+    torch.manual_seed(0)
+    assert same_as_flatten(training_state())
+    assert same_as_flatten(training_state(lr=0.05, epoch=7))  # plain values may change
+    assert same_as_flatten(training_state(lr=float("nan"), epoch=-1))
+
+
+def changed_states():
+    """Every kind of change that must be re-planned (name, object)."""
+    def edit(f):
+        s = training_state()
+        f(s)
+        return s
+
+    yield "key added", edit(lambda s: s["model"].__setitem__("extra", torch.ones(2)))
+    yield "key removed", edit(lambda s: s["model"].pop("layer3.weight"))
+    yield "keys reordered", edit(lambda s: s["model"].move_to_end("layer1.weight"))
+    yield "shape changed", edit(lambda s: s["model"].__setitem__("layer2.weight", torch.randn(3, 4)))
+    yield "dtype changed", edit(lambda s: s["model"].__setitem__("layer2.weight", torch.randn(4, 3).half()))
+    yield "non-contiguous", edit(lambda s: s["model"].__setitem__("layer2.weight", torch.randn(3, 4).t()))
+    yield "tie broken", edit(lambda s: s["model"].__setitem__("head.weight", s["model"]["layer0.weight"].clone()))
+    yield "tie added", edit(lambda s: s["model"].__setitem__("layer1.weight", s["model"]["layer2.weight"]))
+    yield "meta tensor", edit(lambda s: s["model"].__setitem__("layer2.weight", torch.empty(4, 3, device="meta")))
+    yield "sparse tensor", edit(lambda s: s["model"].__setitem__("layer2.weight", torch.randn(4, 3).to_sparse()))
+    yield "not a tensor", edit(lambda s: s["model"].__setitem__("layer2.weight", torch.randn(4, 3).numpy()))
+    yield "plain kind changed", edit(lambda s: s.__setitem__("epoch", 1.0))
+    yield "bool for int", edit(lambda s: s.__setitem__("epoch", True))
+    yield "list for tuple", edit(lambda s: s["optim"]["param_groups"][0].__setitem__("betas", [0.9, 0.999]))
+    yield "dict for OrderedDict", edit(lambda s: s.__setitem__("model", dict(s["model"])))
+    yield "int key for str key", edit(lambda s: s["optim"].__setitem__("state", {"0": s["optim"]["state"][0]}))
+    yield "bool key for int key", edit(lambda s: s["optim"].__setitem__("state", {True: s["optim"]["state"][0]}))
+    yield "tensor for plain", edit(lambda s: s.__setitem__("epoch", torch.tensor(1)))
+
+
+@pytest.mark.parametrize("name,obj", list(changed_states()), ids=[n for n, _ in changed_states()])
+def test_every_change_of_structure_is_caught(name, obj):
+    assert Structure.of(flatten(training_state())).match(obj) is None, name
+
+
+def test_no_cached_structure_for_what_the_snapshot_must_transform():
+    assert Structure.of(flatten({"w": torch.randn(3, 4).t()})) is None
+    assert Structure.of(flatten({"c": torch.randn(3, dtype=torch.complex64)})) is None
+
+
+def test_saves_through_a_cached_plan_hold_the_current_bytes_and_structure(store):
+    """In-place updates, a replaced tensor, new plain values and a changed structure between
+    saves of one writer: every version loads exactly as it was saved."""
+    torch.manual_seed(1)
+    state = training_state()
+    expected = {}
+    with store.writer("m", max_inflight=1, slots=10) as w:
+        for step in range(8):
+            if step in (2, 5):
+                state["model"]["layer1.weight"] = torch.randn(4, 3)  # another tensor (new memory)
+            if step == 4:
+                state["model"]["new"] = torch.arange(5.0)  # structure changed: re-planned
+            if step == 6:
+                state["model"]["layer2.weight"] = torch.randn(4, 3).double()
+            for t in state["model"].values():
+                t.add_(1)  # in place, as an optimizer step
+            state["optim"]["param_groups"][0]["lr"] = 0.1 * 0.9 ** step
+            state["epoch"] = step
+            w.save(state, step=step).result()
+            expected[step] = OrderedDict((k, v.clone()) for k, v in state["model"].items())
+            expected[step] = (expected[step], state["optim"]["param_groups"][0]["lr"], step)
+    for step, (model, lr, epoch) in expected.items():
+        back = store.load("m", step)
+        assert_same(back["model"], model)
+        assert back["model"]["head.weight"] is back["model"]["layer0.weight"]
+        assert back["optim"]["param_groups"][0]["lr"] == lr and back["epoch"] == epoch
+        assert math.isclose(lr, 0.1 * 0.9 ** step)
+
+
+def test_a_refusal_after_a_cached_plan_still_names_its_path(store):
+    with store.writer("m") as w:
+        w.save(training_state(), step=1).result()
+        bad = training_state()
+        bad["optim"]["param_groups"][0]["lr"] = object()
+        with pytest.raises(ckptfs.errors.UnsupportedObjectError, match=r"optim\.param_groups\.0\.lr"):
+            w.save(bad, step=2)
+        w.save(training_state(), step=3).result()
+    assert [v.step for v in store.versions("m")] == [1, 3]
