@@ -83,13 +83,14 @@ class Planner:
         cached = self._cache
         if cached is not None and cached[0] == flat.signature:
             return cached[1]
-        layout = lay_out(flat.names, flat.tensors, self._chunk_bytes_for)
+        layout = lay_out(flat.names, flat.tensors, self.chunk_bytes_for)
         self._cache = (flat.signature, layout)
         return layout
 
-    def _chunk_bytes_for(self, data_bytes: int) -> int:
+    def chunk_bytes_for(self, data_bytes: int) -> int:
         """``chunk_bytes``, or less for a small state, so that a checkpoint of a few KiB does
-        not pre-fault 64 MiB staging buffers."""
+        not pre-fault 64 MiB staging buffers; fixed by the first call (the first save, or the
+        writer's open of a model that has a version)."""
         with self._lock:
             if self.effective_chunk_bytes is None:
                 self.effective_chunk_bytes = min(self.chunk_bytes, max(align_up(data_bytes, 4096), 4096))

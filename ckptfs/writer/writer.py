@@ -21,6 +21,8 @@ import threading
 import time
 import weakref
 
+import torch
+
 from ckptfs.errors import BusyError, CkptfsError
 from ckptfs.manifest import align_up, encode_files
 from ckptfs.memcopy import default_copy_threads
@@ -111,6 +113,7 @@ class Writer:
         self._snapshot_queue: queue.SimpleQueue = queue.SimpleQueue()
         self._snapshot_thread: threading.Thread | None = None
         self._last_snapshot = None
+        self._prefill_thread = self._start_prefill(entry)
         _open_writers.add(self)
 
     # ------------------------------------------------------------------ public API
@@ -191,6 +194,8 @@ class Writer:
             self._persist.close()
             for pool in self._pools.values():
                 pool.close()
+            if self._prefill_thread is not None:
+                self._prefill_thread.join()
             if self._ring is not None:
                 self._ring.close()
             self._progress.close()
@@ -292,10 +297,25 @@ class Writer:
                 self._ring = self.region.ring(entry, timeout_s=self.timeout_s)
             return self._ring
 
+    def _start_prefill(self, entry) -> threading.Thread | None:
+        """For a model that has a version (a job resumed after a restart): make and fault in the
+        host staging pool for checkpoints of that size on a thread of its own, while the job
+        loads and takes its first steps, instead of in its first save's stall. A model without a
+        version sizes its pool at its first save (which pays for it: the size is not known before).
+        Not where CUDA is available: such a job snapshots through a pinned pool of its own, and a
+        host pool made on a guess would hold memory twice."""
+        latest = self.region.latest(entry) if entry is not None else None
+        if latest is None or latest.header.data_bytes == 0 or torch.cuda.is_available():
+            return None
+        pool = self._pool(False, latest.header.data_bytes)
+        thread = threading.Thread(target=pool.prefill, name="ckptfs-prefill", daemon=True)
+        thread.start()
+        return thread
+
     def _pool(self, cuda: bool, data_bytes: int) -> StagingPool:
         with self._setup_lock:
             if cuda not in self._pools:
-                chunk = self._planner.effective_chunk_bytes or self.chunk_bytes
+                chunk = self._planner.chunk_bytes_for(data_bytes)
                 budget = self.staging_budget_bytes
                 if budget is None:
                     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
