@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ckptfs.errors import MalformedInputError, UnsupportedObjectError
+from ckptfs.gcpause import paused_gc
 
 MANIFEST_FORMAT = 1
 TENSOR_ALIGN_BYTES = 64
@@ -88,8 +89,12 @@ class Manifest:
     # dumps_compact(skeleton) where the writer already has it (a cached save plan); not compared
     skeleton_json: str | None = field(default=None, compare=False, repr=False)
 
-    def refs(self) -> list[TensorRef]:
-        """Every tensor occurrence in skeleton order, with unique dotted names."""
+    def refs(self) -> tuple[TensorRef, ...]:
+        """Every tensor occurrence in skeleton order, with unique dotted names (computed once per
+        manifest: every view of a version walks them)."""
+        cached = self.__dict__.get("_refs")
+        if cached is not None:
+            return cached
         out: list[TensorRef] = []
         seen: set[str] = set()
         for key_path, index in _walk_tensor_refs(self.skeleton, ()):
@@ -100,7 +105,9 @@ class Manifest:
                 n += 1
             seen.add(name)
             out.append(TensorRef(name, key_path, index))
-        return out
+        refs = tuple(out)
+        object.__setattr__(self, "_refs", refs)  # a memo of the frozen fields, not a field
+        return refs
 
     def plain_part(self) -> Any:
         """The object with every tensor replaced by the string ``"<tensor NAME>"`` (for metadata)."""
@@ -141,6 +148,11 @@ class Manifest:
     @classmethod
     def decode(cls, raw: bytes) -> "Manifest":
         """Parse and validate a manifest; raises MalformedInputError on anything inconsistent."""
+        with paused_gc():
+            return cls._decode(raw)
+
+    @classmethod
+    def _decode(cls, raw: bytes) -> "Manifest":
         # Strict: a region may come from anywhere (tests/test_hostile.py), so every field has
         # exactly its type and nothing can make the parser fail any other way.
         try:
@@ -402,7 +414,8 @@ def flatten(obj: Any) -> Flattened:
     back shared. Raises UnsupportedObjectError naming the path of the first leaf it cannot store.
     """
     walk = _Walk()
-    skeleton = walk.node(obj)
+    with paused_gc():
+        skeleton = walk.node(obj)
     return Flattened(skeleton, walk.tensors, walk.names, tuple(walk.signature), frozenset(walk.devices))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+from ckptfs.gcpause import paused_gc
 from ckptfs.manifest import Manifest
 from ckptfs.views.segments import View
 
@@ -66,8 +67,10 @@ def files_for(manifest: Manifest, views: Iterable[str] | None = None) -> dict[st
     selected = registered_views() if views is None else [_VIEWS[v] for v in check_view_ids(views)]
     files: dict[str, View] = {}
     directories: set[str] = set()
-    for spec in selected:
-        for path, view in spec.files_of(manifest).items():
+    with paused_gc():
+        contributed = [spec.files_of(manifest) for spec in selected]
+    for of_view in contributed:
+        for path, view in of_view.items():
             parents = _parents(path)
             if path in files or path in directories or any(p in files for p in parents):
                 continue
