@@ -319,15 +319,22 @@ def check_skeleton(node, ntensors: int) -> None:
     _check_skeleton(node, ntensors, 0)
 
 
-def map_tensor_refs(node, ref: Callable[[Any], Any], depth: int = 0) -> dict:
-    """A copy of skeleton ``node`` with each tensor reference ``r`` replaced by ``ref(r)``
-    (e.g. indices to names and back). Checks only the shape of the containers
-    (MalformedInputError); ``check_skeleton`` checks the rest."""
+def _one_key_node(node, depth: int) -> tuple[str, Any]:
+    """(kind, value) of a skeleton node at ``depth``; MalformedInputError if it nests too deep or
+    is not a one-key object."""
     if depth > MAX_DEPTH:
         raise MalformedInputError(f"skeleton nests deeper than {MAX_DEPTH}")
     if not isinstance(node, dict) or len(node) != 1:
         raise MalformedInputError(f"skeleton node {node!r:.60} is not a one-key object")
     (kind, value), = node.items()
+    return kind, value
+
+
+def map_tensor_refs(node, ref: Callable[[Any], Any], depth: int = 0) -> dict:
+    """A copy of skeleton ``node`` with each tensor reference ``r`` replaced by ``ref(r)``
+    (e.g. indices to names and back). Checks only the shape of the containers
+    (MalformedInputError); ``check_skeleton`` checks the rest."""
+    kind, value = _one_key_node(node, depth)
     if kind == "tensor":
         return {kind: ref(value)}
     if kind in ("list", "tuple") and isinstance(value, list):
@@ -341,11 +348,7 @@ def map_tensor_refs(node, ref: Callable[[Any], Any], depth: int = 0) -> dict:
 
 def _check_skeleton(node, ntensors: int, depth: int) -> None:
     """Raise MalformedInputError unless ``node`` is a skeleton node (see the module doc)."""
-    if depth > MAX_DEPTH:
-        raise MalformedInputError(f"skeleton nests deeper than {MAX_DEPTH}")
-    if not isinstance(node, dict) or len(node) != 1:
-        raise MalformedInputError(f"skeleton node {node!r:.60} is not a one-key object")
-    (kind, value), = node.items()
+    kind, value = _one_key_node(node, depth)
     if kind == "tensor":
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < ntensors:
             raise MalformedInputError(f"skeleton refers to tensor {value!r:.20} of {ntensors}")

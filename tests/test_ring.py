@@ -8,6 +8,7 @@ import torch
 
 import ckptfs
 from ckptfs.errors import CkptfsError
+from ckptfs.region.format import unpack_latest
 from ckptfs.region.ring import Claim, Committed
 
 
@@ -41,9 +42,9 @@ def test_subscribers_hear_every_commit_and_cannot_fail_it(store, caplog):
     assert store.load("m")["step"] == 3
 
 
-def test_a_commit_left_unpublished_is_rolled_forward_when_a_ring_opens(store, monkeypatch):
-    """A crash between a commit's header and its compare-and-swap: the version is complete and
-    durable but the pointer names the one before; the next writer publishes it."""
+def save_two_leaving_the_second_unpublished(store, monkeypatch) -> None:
+    """Steps 1 and 2 of model "m", step 2 committed without its compare-and-swap (as a crash
+    between the two leaves it)."""
     with store.writer("m") as w:
         w.save(state(1), step=1).result()
     original = Claim.commit
@@ -52,7 +53,12 @@ def test_a_commit_left_unpublished_is_rolled_forward_when_a_ring_opens(store, mo
     with store.writer("m") as w:
         assert w.save(state(2), step=2).result().published is False
     monkeypatch.undo()
-    from ckptfs.region.format import unpack_latest
+
+
+def test_a_commit_left_unpublished_is_rolled_forward_when_a_ring_opens(store, monkeypatch):
+    """A crash between a commit's header and its compare-and-swap: the version is complete and
+    durable but the pointer names the one before; the next writer publishes it."""
+    save_two_leaving_the_second_unpublished(store, monkeypatch)
 
     entry = store.region.get("m")
     pointed = unpack_latest(store.region.latest_word(entry))[0]
@@ -67,16 +73,7 @@ def test_a_reader_sees_the_newest_complete_version_as_latest_without_writing(sto
     """Issue 13 §2: after a crash between header and CAS, a reader (a load, `ckptfs ls`, the
     mount) sees the newest committed version as latest, never one listed beside a newer one, and
     reading writes nothing; the model's next writer publishes it."""
-    from ckptfs.region.format import unpack_latest
-
-    with store.writer("m") as w:
-        w.save(state(1), step=1).result()
-    original = Claim.commit
-    monkeypatch.setattr(Claim, "commit", lambda self, index, nbytes, publish=True: original(self, index, nbytes,
-                                                                                           publish=False))
-    with store.writer("m") as w:
-        w.save(state(2), step=2).result()
-    monkeypatch.undo()
+    save_two_leaving_the_second_unpublished(store, monkeypatch)
     entry = store.region.get("m")
     word = store.region.latest_word(entry)
     for reader in (ckptfs.Store(store.path), ckptfs.Store(store.path, writable=False)):
@@ -95,7 +92,6 @@ def test_a_reader_sees_the_newest_complete_version_as_latest_without_writing(sto
 def test_a_version_mid_commit_elsewhere_is_not_rolled_forward(store, monkeypatch):
     """A ring opened while another writer's version has its header but not yet its CAS leaves it
     to that writer, which then reports it published."""
-    from ckptfs.region.format import unpack_latest
     from ckptfs.region.ring import Ring
 
     with store.writer("m") as w:
