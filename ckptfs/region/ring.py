@@ -22,7 +22,10 @@ After a commit the region's subscribers hear of it (``Region.commits``), outside
 A ring is opened by one writer; several rings (writers, processes) on one model exclude each
 other through the lock bytes. Another kind of commit (a rank's part of a global version, a
 batch of differential records, a version held until a tier has drained it) is a new caller of
-``claim`` / ``commit(publish=False)`` / ``publish``, not a copy of this protocol.
+``claim`` / ``commit`` / ``publish``, not a copy of this protocol. A SLOT_COMMITTED version newer
+than latest counts as latest for readers and is published by the next ring that opens
+(``SlotReader.newest_intact``): a commit that must not become latest on its own (a rank's part
+of a global version) needs a header state of its own.
 """
 from __future__ import annotations
 

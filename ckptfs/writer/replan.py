@@ -12,6 +12,7 @@ skeleton and its JSON encoding are rebuilt from cached pieces for the parts that
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -124,7 +125,7 @@ class Structure:
                 raise _Changed
             plain.append(obj)
         elif kind in ("dict", "odict"):
-            if type(obj) is not (dict if kind == "dict" else _odict()) or tuple(obj) != n.keys:
+            if type(obj) is not (dict if kind == "dict" else OrderedDict) or tuple(obj) != n.keys:
                 raise _Changed
             if not all(isinstance(k, str) for k in n.keys) and tuple(map(type, obj)) != tuple(map(type, n.keys)):
                 raise _Changed  # True == 1: equal keys of another type change the skeleton
@@ -178,8 +179,3 @@ class Structure:
             items = ",".join(b[1] for b in built)
         return node, f'{{"{n.kind}":[{items}]}}'
 
-
-def _odict():
-    from collections import OrderedDict
-
-    return OrderedDict
