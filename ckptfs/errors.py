@@ -62,6 +62,20 @@ class CorruptionError(CkptfsError):
     """Stored bytes do not match their checksums."""
 
 
+class RegionIOError(CkptfsError):
+    """An I/O operation on the region failed (the device, a full or read-only filesystem, a
+    region removed underneath). ``errno`` is the system's; ``operation`` names the call."""
+
+    def __init__(self, message: str, errno: int, operation: str):
+        super().__init__(message)
+        self.errno = errno
+        self.operation = operation
+
+
+class StagingMemoryError(CkptfsError):
+    """The host (or pinned) staging memory of a save could not be allocated."""
+
+
 class MalformedInputError(CkptfsError, ValueError):
     """An imported file is truncated, inconsistent or hostile; nothing was written."""
 

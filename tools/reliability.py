@@ -10,6 +10,8 @@ Sections (``--only`` picks some):
   kills    a writer SIGKILLed at random moments, round after round (ckptfs.testing.load)
   mount    the mount daemon SIGKILLed while readers hold files open and a writer saves
   faults   random media faults at rest (ckptfs.testing.faults)
+  anomaly  every I/O call of a save failing in turn, EIO / ENOSPC / EROFS, and the staging
+           allocation failing (ckptfs.testing.anomaly)
   hostile  the property tests of tests/test_hostile.py with many more examples
   load     sustained load: writer + 4 readers (mount and Store.load) + verify
 
@@ -100,6 +102,17 @@ def run_faults(a, workdir, rows, failures):
     failures += [f"faults: {f}" for f in r.failures]
 
 
+def run_anomaly(a, workdir, rows, failures):
+    from ckptfs.testing.anomaly import campaign
+
+    r = campaign(workdir)
+    ops = ", ".join(f"{op} {n}" for op, n in sorted(r.by_operation().items()))
+    rows.append(("I/O anomalies (each save-path call failing in turn)",
+                 f"{len(r.runs)} saves, {r.faults} faults injected (EIO, ENOSPC, EROFS; staging allocation): "
+                 f"{ops}", len(r.failures)))
+    failures += [f"anomaly: {f}" for f in r.failures]
+
+
 def run_hostile(a, workdir, rows, failures):
     import pytest
 
@@ -138,7 +151,7 @@ def run_load(a, workdir, rows, failures):
     failures += [f"load: {f}" for f in r.mismatches + r.errors]
 
 
-SECTIONS = {"crash": run_crash, "kills": run_kills, "mount": run_mount, "faults": run_faults,
+SECTIONS = {"crash": run_crash, "kills": run_kills, "mount": run_mount, "faults": run_faults, "anomaly": run_anomaly,
             "hostile": run_hostile, "load": run_load}
 
 

@@ -47,6 +47,8 @@ def errno_for(exc: BaseException) -> int:
         return exc.errno
     if isinstance(exc, OSError):
         return exc.errno or errno.EIO
+    if isinstance(exc, E.RegionIOError):
+        return exc.errno
     for cls, code in _ERRNO_OF:
         if isinstance(exc, cls):
             return code

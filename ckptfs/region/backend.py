@@ -15,6 +15,7 @@ Readers use ``view(offset, length)``: a zero-copy memoryview of the shared mappi
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import mmap
@@ -23,7 +24,7 @@ import re
 import stat
 
 from ckptfs import _native
-from ckptfs.errors import CkptfsError, RegionFormatError, RegionFullError
+from ckptfs.errors import CkptfsError, RegionFormatError, RegionFullError, RegionIOError
 from ckptfs.units import human_bytes
 
 PAGE_BYTES = mmap.PAGESIZE
@@ -151,6 +152,28 @@ class Backend:
             self._fd = -1
 
 
+_WHAT_TO_DO = {
+    errno.ENOSPC: "the filesystem is full: free space on it",
+    errno.EDQUOT: "the disk quota is exhausted: free space or raise the quota",
+    errno.EROFS: "the filesystem is read-only: remount it read-write",
+    errno.EIO: "the device reported an I/O error: check it (dmesg) and run `ckptfs verify`",
+}
+
+
+@contextlib.contextmanager
+def io_step(operation: str, path: str, offset: int | None = None, length: int | None = None):
+    """Run one I/O step on the region: an OSError from it becomes a RegionIOError that names the
+    operation, where, the system's error and what to do (the one place that words them)."""
+    try:
+        yield
+    except OSError as e:
+        code = e.errno or errno.EIO
+        where = "" if offset is None else f" at offset {offset}" + ("" if length is None else f" ({human_bytes(length)})")
+        advice = _WHAT_TO_DO.get(code, "check the device and the filesystem holding the region")
+        raise RegionIOError(f"{operation} of {path}{where} failed: {os.strerror(code)}; {advice}",
+                            code, operation) from e
+
+
 class FileBackend(Backend):
     """A regular file or a block device: O_DIRECT writes, fdatasync barriers, msync for metadata."""
 
@@ -181,15 +204,23 @@ class FileBackend(Backend):
     def write(self, offset: int, buf) -> None:
         fd = self._direct_fd if self._direct_fd >= 0 else self._fd
         view = memoryview(buf).cast("B")
-        done = 0
-        while done < len(view):
-            n = os.pwrite(fd, view[done:], offset + done)
-            if n <= 0:
-                raise OSError(errno.EIO, f"short write to {self.path} at {offset + done}")
-            done += n
+        with io_step("write", self.path, offset, len(view)):
+            done = 0
+            while done < len(view):
+                n = self._pwrite(fd, view[done:], offset + done)
+                if n <= 0:
+                    raise OSError(errno.EIO, f"short write to {self.path} at {offset + done}")
+                done += n
 
     def barrier(self) -> None:
-        os.fdatasync(self._fd)
+        with io_step("fdatasync", self.path):
+            self._fdatasync(self._fd)
+
+    # the system calls of the write path, one method each, so that a fault-injecting backend
+    # (ckptfs.testing.anomaly) can fail any one of them
+    _pwrite = staticmethod(os.pwrite)
+    _fdatasync = staticmethod(os.fdatasync)
+    _pread = staticmethod(_pread_full)
 
     def read_direct(self, offset: int, buf) -> None:
         if self._read_direct_fd is None:
@@ -206,14 +237,18 @@ class FileBackend(Backend):
     def persist_mapped(self, offset: int, length: int) -> None:
         # Not mmap.flush: it holds the GIL for the whole msync, a disk flush of several ms that
         # would stall the training loop's thread behind every commit.
-        _native.msync_range(self._map, offset, length)
+        with io_step("msync", self.path, offset, length):
+            self._msync(self._map, offset, length)
+
+    _msync = staticmethod(_native.msync_range)
 
     def read_bytes(self, offset: int, length: int) -> bytes:
         # pread, not the mapping: a page whose cache copy an O_DIRECT write just invalidated
         # would be faulted in from disk with the GIL held.
         self._check_range(offset, length)
         buf = bytearray(length)
-        _pread_full(self._fd, memoryview(buf), offset, self.path)
+        with io_step("read", self.path, offset, length):
+            self._pread(self._fd, memoryview(buf), offset, self.path)
         return bytes(buf)
 
     def reserve(self, offset: int, length: int) -> None:
@@ -223,7 +258,7 @@ class FileBackend(Backend):
         if self.kind != "file":
             return
         try:
-            os.posix_fallocate(self._fd, offset, length)
+            self._fallocate(self._fd, offset, length)
         except OSError as e:
             if e.errno == errno.ENOSPC:
                 _punch_hole(self._fd, offset, length)
@@ -233,7 +268,10 @@ class FileBackend(Backend):
                     f"{human_bytes(length)}; nothing was kept. Free space on that filesystem, save this model with "
                     "fewer or smaller slots (slots=, slot_bytes=), or remove models (`ckptfs rm --all MODEL`)") from None
             if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise
+                with io_step("fallocate", self.path, offset, length):
+                    raise
+
+    _fallocate = staticmethod(os.posix_fallocate)
 
     def close(self) -> None:
         for fd in (self._direct_fd, self._read_direct_fd):

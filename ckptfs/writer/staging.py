@@ -16,7 +16,8 @@ import time
 
 import torch
 
-from ckptfs.errors import BusyError
+from ckptfs.errors import BusyError, StagingMemoryError
+from ckptfs.units import human_bytes
 
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14; not exported by Python 3.11's mmap module
@@ -38,7 +39,12 @@ class StagingBuffer:
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
         del self.tensor
-        self.mapping.close()
+        try:
+            self.mapping.close()
+        except BufferError:
+            # something still refers to the buffer (the traceback of a failed save holds the
+            # frames that copied into it): the memory goes with the last reference
+            pass
 
 
 def _prefault_huge(mapping: mmap.mmap) -> None:
@@ -59,6 +65,17 @@ def _prefault_huge(mapping: mmap.mmap) -> None:
         for offset in range(0, len(mapping), mmap.PAGESIZE):
             view[offset] = 0
         view.release()
+
+
+def _new_buffer(nbytes: int, pinned: bool) -> StagingBuffer:
+    """A staging buffer, or StagingMemoryError saying what could not be had and what to do."""
+    try:
+        return StagingBuffer(nbytes, pinned)
+    except (OSError, MemoryError, RuntimeError) as e:
+        kind = "pinned" if pinned else "host"
+        raise StagingMemoryError(
+            f"could not allocate {human_bytes(nbytes)} of {kind} staging memory ({e}); free memory, or pass a smaller "
+            "staging_budget_bytes / chunk_bytes / max_inflight to the writer") from e
 
 
 def _cuda_host_register(t: torch.Tensor) -> None:
@@ -100,7 +117,7 @@ class StagingPool:
                 if self._free:
                     return self._free.pop()
                 if len(self._all) + self._creating < self.max_buffers:
-                    buf = StagingBuffer(self.chunk_bytes, self.pinned)
+                    buf = _new_buffer(self.chunk_bytes, self.pinned)
                     self._all.append(buf)
                     return buf
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -126,7 +143,9 @@ class StagingPool:
                 self._creating += 1
             buf = None
             try:
-                buf = StagingBuffer(self.chunk_bytes, self.pinned)
+                buf = _new_buffer(self.chunk_bytes, self.pinned)
+            except StagingMemoryError:
+                return made  # the saves will make (or fail to make) their own
             finally:
                 with self._cond:
                     self._creating -= 1

@@ -20,6 +20,7 @@ import queue
 import threading
 import time
 import weakref
+from concurrent.futures import InvalidStateError
 
 import torch
 
@@ -261,7 +262,10 @@ class Writer:
             self._persist.fail(job, e)
             raise
         job.stall_s = time.perf_counter() - started
-        future.snapshotted.set_result(job.stall_s)
+        try:
+            future.snapshotted.set_result(job.stall_s)
+        except InvalidStateError:
+            pass  # the save failed while it was being snapshotted: snapshotted holds that error
         job.snapshot_taken.set()
 
     def _drop(self, future: SaveFuture, error: BaseException) -> None:

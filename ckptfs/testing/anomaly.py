@@ -1,0 +1,243 @@
+"""Anomaly tests of the save path, as SQLite's test VFS does them: run the same save once per I/O
+operation k, failing the k-th with an errno, and check the contract after each run.
+
+``FaultyBackend`` is the real :class:`~ckptfs.region.backend.FileBackend` whose system calls of
+the save path (pwrite, fdatasync, msync, fallocate, and the pread of a slot header) go through
+a counter: the ``fail_at``-th
+call raises ``OSError(errno)`` instead of running (as the kernel would answer), every other call
+runs. ``sweep`` drives one save per k until a run meets no fault, and reports every run.
+
+The contract checked after each faulty save (``check_after_fault``):
+  * the save raises a ckptfs error that names the operation (RegionIOError), from ``save`` or its
+    future; never another exception, a hang or a dead process;
+  * the previous latest still loads exactly and everything listed verifies: nothing
+    half-written is visible;
+  * claims, pins and permits were given back: the next save, on a healthy backend, succeeds and
+    becomes latest.
+``failing_staging`` makes the staging pool's allocation fail instead (StagingMemoryError), and
+``campaign`` runs every sweep (what tools/reliability.py reports).
+"""
+from __future__ import annotations
+
+import contextlib
+import errno as errno_mod
+import os
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from ckptfs.errors import CkptfsError, RegionFullError, RegionIOError, StagingMemoryError
+from ckptfs.region.backend import FileBackend
+from ckptfs.region.region import Region
+from ckptfs.store import Store
+from ckptfs.writer import staging
+from ckptfs.writer.writer import Writer
+
+OPERATIONS = ("pwrite", "fdatasync", "msync", "fallocate", "pread")
+
+
+class FaultyBackend(FileBackend):
+    """A FileBackend whose ``fail_at``-th write-path system call (1-based, counted over
+    OPERATIONS) fails with ``OSError(errno_code)``; 0: none fails. ``calls`` lists them all."""
+
+    def __init__(self, path: str, fail_at: int = 0, errno_code: int = errno_mod.EIO):
+        super().__init__(path, writable=True)
+        self.fail_at = fail_at
+        self.errno_code = errno_code
+        self.calls: list[str] = []
+        self.failed: str | None = None
+        self._lock = threading.Lock()
+
+    def _count(self, operation: str) -> None:
+        with self._lock:
+            self.calls.append(operation)
+            if len(self.calls) == self.fail_at:
+                self.failed = operation
+                raise OSError(self.errno_code, os.strerror(self.errno_code))
+
+    def _pwrite(self, fd, data, offset):
+        self._count("pwrite")
+        return os.pwrite(fd, data, offset)
+
+    def _fdatasync(self, fd):
+        self._count("fdatasync")
+        os.fdatasync(fd)
+
+    def _msync(self, mapping, offset, length):
+        self._count("msync")
+        FileBackend._msync(mapping, offset, length)
+
+    def _fallocate(self, fd, offset, length):
+        self._count("fallocate")
+        os.posix_fallocate(fd, offset, length)
+
+    def _pread(self, fd, view, offset, path):
+        self._count("pread")
+        FileBackend._pread(fd, view, offset, path)
+
+
+@dataclass
+class Run:
+    fail_at: int
+    errno_code: int
+    operation: str | None  # the call that failed (None: the save met no fault)
+    error: str | None  # what the save raised
+    problems: list[str] = field(default_factory=list)
+
+
+def state(step: int) -> dict:
+    """A small state of a few tensors and plain values, different at every step."""
+    g = torch.Generator().manual_seed(step)
+    return {"model": {"w": torch.randn(64, 64, generator=g), "b": torch.randn(64, generator=g)},
+            "optim": {"step": torch.tensor(float(step)), "lr": 0.1}, "step": step}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return (a["step"] == b["step"] and a["optim"]["lr"] == b["optim"]["lr"]
+            and torch.equal(a["optim"]["step"], b["optim"]["step"])
+            and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]))
+
+
+def one_run(path: str, fail_at: int, errno_code: int, step: int, new_model: bool) -> Run:
+    """Save ``state(step)`` (of a model "m" created before, or of a new model "n") with the
+    ``fail_at``-th call failing, then check the contract with a healthy region."""
+    backend = FaultyBackend(path, fail_at, errno_code)
+    region = Region(path, backend=backend)
+    model = "n" if new_model else "m"
+    error = None
+    try:
+        with Writer(region, model, max_inflight=2, slots=4, chunk_bytes=8192, timeout_s=10) as w:
+            try:
+                w.save(state(step), step=step).result(timeout=60)
+            except CkptfsError as e:
+                error = e
+    except CkptfsError as e:  # raised again by close() (it waits for the save): the same error
+        error = error or e
+    except Exception as e:  # noqa: BLE001 - anything else breaks the contract
+        error = e
+    finally:
+        region.close()
+    run = Run(fail_at, errno_code, backend.failed, None if error is None else f"{type(error).__name__}: {error}")
+    if backend.failed is not None:
+        if backend.failed == "fallocate" and errno_code == errno_mod.ENOSPC and isinstance(error, RegionFullError):
+            pass  # a ring that does not fit: the region-full error says what was needed and what is free
+        elif not isinstance(error, RegionIOError):
+            run.problems.append(f"{backend.failed} failed but the save raised {run.error!r}, not RegionIOError")
+        elif error.operation not in backend.failed and backend.failed not in error.operation:
+            run.problems.append(f"{backend.failed} failed but the error names {error.operation!r}")
+    elif error is not None:
+        run.problems.append(f"no fault injected, yet the save failed: {run.error}")
+    run.problems += check_after_fault(path, step, model, saved=error is None)
+    return run
+
+
+def check_after_fault(path: str, step: int, model: str, saved: bool) -> list[str]:
+    """The contract on a healthy region after a faulty save of ``model`` at ``step``."""
+    problems = []
+    with Store(path) as store:
+        try:
+            latest = store.latest("m")
+            if latest is None or not _same(store.load("m", latest.step), state(latest.step)):
+                problems.append(f"the previous latest of m (step {latest and latest.step}) does not load exactly")
+            problems += [f"verify: {p}" for p in store.verify()]
+            if model in store.models() and saved and store.latest(model).step != step:
+                problems.append(f"the save completed but latest of {model} is not step {step}")
+            # claims, pins and permits given back: the next save works and becomes latest
+            with store.writer(model, max_inflight=2, slots=4, chunk_bytes=8192, timeout_s=10) as w:
+                w.save(state(step + 1), step=step + 1).result(timeout=60)
+            if store.latest(model).step != step + 1 or not _same(store.load(model), state(step + 1)):
+                problems.append(f"the save after the fault did not become latest of {model}")
+        except Exception as e:  # noqa: BLE001 - any failure here is a finding
+            problems.append(f"after the fault: {type(e).__name__}: {e}")
+    return problems
+
+
+@contextlib.contextmanager
+def failing_staging(fail_at: int):
+    """Staging buffers of the writers in this process fail to allocate from the ``fail_at``-th
+    one made (as an mmap refused for lack of memory would)."""
+    made = [0]
+    original = staging.StagingBuffer.__init__
+
+    def init(self, nbytes, pinned):
+        made[0] += 1
+        if made[0] >= fail_at:
+            raise OSError(errno_mod.ENOMEM, os.strerror(errno_mod.ENOMEM))
+        original(self, nbytes, pinned)
+
+    staging.StagingBuffer.__init__ = init
+    try:
+        yield
+    finally:
+        staging.StagingBuffer.__init__ = original
+
+
+def staging_run(path: str, fail_at: int, step: int) -> Run:
+    """A save of ``state(step)`` whose ``fail_at``-th staging buffer cannot be allocated."""
+    error = None
+    try:
+        with failing_staging(fail_at), Store(path) as store:
+            with store.writer("m", max_inflight=2, slots=4, chunk_bytes=8192, timeout_s=10) as w:
+                w.save(state(step), step=step).result(timeout=60)
+    except Exception as e:  # noqa: BLE001
+        error = e
+    run = Run(fail_at, errno_mod.ENOMEM, "staging allocation", None if error is None else f"{type(error).__name__}: {error}")
+    if not isinstance(error, StagingMemoryError):
+        run.problems.append(f"a staging buffer could not be allocated but the save raised {run.error!r}")
+    run.problems += check_after_fault(path, step, "m", saved=False)
+    return run
+
+
+@dataclass
+class Campaign:
+    runs: list[Run] = field(default_factory=list)
+
+    @property
+    def faults(self) -> int:
+        return sum(r.operation is not None for r in self.runs)
+
+    @property
+    def failures(self) -> list[str]:
+        return [f"{os.strerror(r.errno_code)} at call {r.fail_at} ({r.operation}): {p}"
+                for r in self.runs for p in r.problems]
+
+    def by_operation(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in self.runs:
+            if r.operation is not None:
+                out[r.operation] = out.get(r.operation, 0) + 1
+        return out
+
+
+def campaign(workdir: str, errnos=(errno_mod.EIO, errno_mod.ENOSPC, errno_mod.EROFS)) -> Campaign:
+    """Every sweep: each errno, on a model that has versions and on a new one, then the staging
+    allocation failing at the first and the second buffer."""
+    path = os.path.join(workdir, "anomaly.region")
+    with Store.create(path, size_bytes=64 << 20, force=True) as store:
+        with store.writer("m", max_inflight=2, slots=4, chunk_bytes=8192) as w:
+            w.save(state(1), step=1).result()
+    report = Campaign()
+    for code in errnos:
+        for new_model in (False, True):
+            report.runs += sweep(path, code, new_model)
+    for k, step in ((1, 9000), (2, 9100)):
+        report.runs.append(staging_run(path, k, step))
+    return report
+
+
+def sweep(path: str, errno_code: int, new_model: bool = False, max_runs: int = 200) -> list[Run]:
+    """One faulty save per k = 1, 2, ... until a save meets no fault (all its calls were tried)."""
+    runs = []
+    step = 1000 if not new_model else 5000
+    for k in range(1, max_runs + 1):
+        step += 10
+        run = one_run(path, k, errno_code, step, new_model)
+        runs.append(run)
+        if new_model:
+            with Store(path) as store:
+                if "n" in store.models():
+                    store.remove_model("n")
+        if run.operation is None:
+            break
+    return runs

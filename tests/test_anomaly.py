@@ -1,0 +1,61 @@
+"""Anomaly tests (issue 22): every I/O step of a save fails in turn, with EIO, ENOSPC and EROFS,
+and the staging allocation fails; after each, the contract of ckptfs.testing.anomaly holds."""
+import errno
+import logging
+
+import pytest
+
+import ckptfs
+from ckptfs.errors import RegionIOError
+from ckptfs.testing import anomaly
+
+
+@pytest.fixture
+def region_with_a_version(tmp_path):
+    path = str(tmp_path / "anomaly.region")
+    with ckptfs.Store.create(path, size_bytes=64 << 20) as store:
+        with store.writer("m", max_inflight=2, slots=4, chunk_bytes=8192) as w:
+            w.save(anomaly.state(1), step=1).result()
+    return path
+
+
+@pytest.mark.crash
+@pytest.mark.parametrize("code", [errno.EIO, errno.ENOSPC, errno.EROFS], ids=errno.errorcode.get)
+@pytest.mark.parametrize("new_model", [False, True], ids=["existing model", "new model"])
+def test_every_io_step_of_a_save_failing(region_with_a_version, code, new_model, caplog):
+    with caplog.at_level(logging.CRITICAL, logger="ckptfs"):
+        runs = anomaly.sweep(region_with_a_version, code, new_model)
+    assert runs[-1].operation is None, "the sweep stopped before a save met no fault"
+    failed = {r.operation for r in runs if r.operation}
+    # every kind of call of the save path was failed at least once
+    assert {"pwrite", "fdatasync", "msync", "pread"} <= failed
+    if new_model:
+        assert "fallocate" in failed
+    assert len(runs) > 20
+    assert [p for r in runs for p in r.problems] == []
+
+
+@pytest.mark.crash
+def test_the_staging_allocation_failing(region_with_a_version, caplog):
+    with caplog.at_level(logging.CRITICAL, logger="ckptfs"):
+        runs = [anomaly.staging_run(region_with_a_version, k, 100 * k) for k in (1, 2)]
+    assert [p for r in runs for p in r.problems] == []
+    assert all("StagingMemoryError" in r.error and "staging_budget_bytes" in r.error for r in runs)
+
+
+def test_an_io_error_names_the_operation_where_and_what_to_do(region_with_a_version):
+    from ckptfs.region.backend import io_step
+
+    with pytest.raises(RegionIOError) as e:
+        with io_step("write", "/x.region", 8192, 4096):
+            raise OSError(errno.ENOSPC, "No space left on device")
+    assert e.value.errno == errno.ENOSPC and e.value.operation == "write"
+    assert str(e.value) == ("write of /x.region at offset 8192 (4.0 KiB) failed: No space left on device; "
+                            "the filesystem is full: free space on it")
+
+
+def test_the_mount_answers_a_region_io_error_with_its_errno():
+    from ckptfs.fs.errors import errno_for
+
+    assert errno_for(RegionIOError("x", errno.EROFS, "write")) == errno.EROFS
+    assert errno_for(RegionIOError("x", errno.EIO, "read")) == errno.EIO
