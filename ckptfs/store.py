@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import time
@@ -110,10 +111,12 @@ class Store:
         self.path = path
         try:
             self.region = Region(path, writable=writable)
-        except PermissionError:
-            if not writable:
+        except OSError as e:
+            # no write access, or a filesystem that is (or went) read-only: still readable
+            if not writable or e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
                 raise
             self.region = Region(path, writable=False)
+            self.region.read_only_reason = e.strerror or "no write access"
 
     @classmethod
     def create(cls, path: str, size_bytes: int | None = None, *, exist_ok: bool = False,
@@ -193,6 +196,7 @@ class Store:
         """Pin and open a version (``step`` None: the latest). Close it to release the pin.
         ``checked``: tensors already found intact by an earlier open of the same version (see
         ckptfs.reader.VersionData)."""
+        self.region.backend.check_present(for_write=False)
         for _ in range(PIN_RETRIES):
             v, is_latest = self._find(model, step)
             if self.region.pin(v):

@@ -1,4 +1,6 @@
 """A region on a real, small filesystem that runs full (a loop-mounted ext4; root, as in CI)."""
+import contextlib
+import errno
 import os
 import re
 import shutil
@@ -8,14 +10,15 @@ import pytest
 import torch
 
 import ckptfs
-from ckptfs.errors import RegionFullError
+from ckptfs.errors import CkptfsError, RegionFullError, RegionIOError
+from conftest_mount import mounted, requires_fuse
 
 MIB = 1 << 20
 
 
-@pytest.fixture
-def small_fs(tmp_path):
-    """A 300 MiB ext4 filesystem, mounted through a loop device."""
+@contextlib.contextmanager
+def loop_ext4(tmp_path, options: str = "loop"):
+    """A 300 MiB ext4 filesystem, mounted through a loop device with ``options``."""
     if os.geteuid() != 0 or shutil.which("mkfs.ext4") is None:
         pytest.skip("mounting a filesystem image needs root and mkfs.ext4")
     image, mnt = tmp_path / "fs.img", tmp_path / "mnt"
@@ -23,13 +26,19 @@ def small_fs(tmp_path):
         f.truncate(300 * MIB)
     subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
     mnt.mkdir()
-    mounted = subprocess.run(["mount", "-o", "loop", str(image), str(mnt)], capture_output=True, text=True)
+    mounted = subprocess.run(["mount", "-o", options, str(image), str(mnt)], capture_output=True, text=True)
     if mounted.returncode != 0:
         pytest.skip(f"no loop mount here: {mounted.stderr.strip()}")
     try:
         yield str(mnt)
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    with loop_ext4(tmp_path) as mnt:
+        yield mnt
 
 
 def free_bytes(path: str) -> int:
@@ -60,3 +69,77 @@ def test_a_ring_that_does_not_fit_gives_back_what_it_took(small_fs):
             w.save({"w": torch.full((MIB // 4,), 2.0)}, step=2).result()
         assert store.load("small")["w"][0] == 2.0
         assert store.load("small", step=1)["w"][0] == 1.0
+
+
+def test_a_filesystem_that_goes_read_only_under_a_running_writer(tmp_path):
+    """ext4 with errors=remount-ro after an error (triggered through sysfs): the next save fails
+    with the filesystem's EROFS in words, the writer closes, what was saved still loads, and the
+    region opens again read-only with a clear refusal to save."""
+    with loop_ext4(tmp_path, "loop,errors=remount-ro") as mnt:
+        device = os.path.basename(subprocess.run(["findmnt", "-n", "-o", "SOURCE", mnt], capture_output=True,
+                                                 text=True, check=True).stdout.strip())
+        trigger = f"/sys/fs/ext4/{device}/trigger_fs_error"
+        if not os.path.exists(trigger):
+            pytest.skip("this kernel cannot trigger an ext4 error (no trigger_fs_error)")
+        path = os.path.join(mnt, "r.region")
+        with ckptfs.Store.create(path, size_bytes=200 * MIB) as store:
+            w = store.writer("m")
+            w.save({"w": torch.ones(MIB)}, step=1).result()
+            with open(trigger, "w") as f:
+                f.write("ckptfs test\n")
+            with pytest.raises(RegionIOError) as failed:
+                w.save({"w": torch.full((MIB,), 2.0)}, step=2).result()
+            assert failed.value.errno == errno.EROFS and "remount it read-write" in str(failed.value)
+            w.close()
+            assert store.load("m")["w"][0] == 1.0 and store.latest("m").step == 1
+        with ckptfs.Store(path) as again:
+            assert not again.region.writable and again.load("m")["w"][0] == 1.0
+            with pytest.raises(CkptfsError, match="Read-only file system"):
+                again.writer("m")
+
+
+@pytest.mark.fuse
+@requires_fuse
+def test_a_region_file_removed_under_a_writer_and_a_mount(tmp_path):
+    """Saves are refused (they would go with the process), the mount and this process still
+    read what was saved (the way to rescue it)."""
+    path = str(tmp_path / "r.region")
+    store = ckptfs.Store.create(path, size_bytes=64 * MIB)
+    try:
+        w = store.writer("m")
+        w.save({"w": torch.ones(MIB // 4)}, step=1).result()
+        with mounted(path, str(tmp_path / "mnt")) as m:
+            os.unlink(path)
+            with pytest.raises(RegionIOError, match="was removed while in use"):
+                w.save({"w": torch.ones(MIB // 4)}, step=2).result()
+            w.close()
+            assert store.load("m")["w"][0] == 1.0
+            got = torch.load(os.path.join(m.path, "m", "latest", "checkpoint.pt"), weights_only=True)
+            assert got["w"][0] == 1.0
+    finally:
+        store.close()
+
+
+@pytest.mark.fuse
+@requires_fuse
+def test_a_region_file_truncated_under_a_writer_and_a_mount(tmp_path):
+    """No SIGBUS: the writer's next save and a load are refused with the sizes, the mount
+    answers EIO for the damaged version and keeps running."""
+    path = str(tmp_path / "r.region")
+    store = ckptfs.Store.create(path, size_bytes=64 * MIB)
+    try:
+        w = store.writer("m")
+        w.save({"w": torch.ones(MIB)}, step=1).result()
+        with mounted(path, str(tmp_path / "mnt")) as m:
+            os.truncate(path, 32 * MIB)
+            with pytest.raises(RegionIOError, match="truncated to 32.0 MiB"):
+                w.save({"w": torch.ones(MIB)}, step=2).result()
+            w.close()
+            with pytest.raises(RegionIOError, match="truncated"):
+                store.load("m")
+            with pytest.raises(OSError) as eio:
+                open(os.path.join(m.path, "m", "latest", "checkpoint.pt"), "rb").read()
+            assert eio.value.errno == errno.EIO
+            assert os.listdir(os.path.join(m.path, "m"))  # the daemon is still there
+    finally:
+        store.close()

@@ -117,7 +117,8 @@ class Backend:
         view = memoryview(buf).cast("B")
         if offset < 0 or offset + len(view) > self.size_bytes:
             raise ValueError(f"read of {len(view)} bytes at {offset} is outside the region")
-        _pread_full(self._fd, view, offset, self.path)
+        with io_step("read", self.path, offset, len(view)):
+            _pread_full(self._fd, view, offset, self.path)
 
     def read_direct(self, offset: int, buf) -> None:
         """Fill page-aligned ``buf`` (length a multiple of 4 KiB) from ``offset`` bypassing the
@@ -136,6 +137,23 @@ class Backend:
 
     def reserve(self, offset: int, length: int) -> None:
         """Make sure writes to [offset, offset+length) cannot fail for lack of space."""
+
+    def check_present(self, *, for_write: bool) -> None:
+        """RegionIOError if the region file was truncated under this process (its mapping would
+        kill the process with SIGBUS where it reaches past the end), or, ``for_write``, removed
+        (a save to it would go when the process ends; reading it is still how to rescue what it
+        holds). Called before each save claims a slot and each version is opened (an fstat)."""
+        if self.kind != "file" or self._fd < 0:
+            return
+        st = os.fstat(self._fd)
+        if st.st_nlink == 0 and for_write:
+            raise RegionIOError(f"the region file {self.path} was removed while in use: nothing more can be saved "
+                                "to it, and what it holds goes when its last user exits; copy out what you need "
+                                "(`ckptfs export`) from this process, or restore the file", errno.ENOENT, "fstat")
+        if st.st_size < self.size_bytes:
+            raise RegionIOError(f"the region file {self.path} was truncated to {human_bytes(st.st_size)} while in use "
+                                f"(it was {human_bytes(self.size_bytes)}); its versions are damaged: restore it from "
+                                "a copy", errno.EIO, "fstat")
 
     def close(self) -> None:
         if self._map is not None:
@@ -224,15 +242,21 @@ class FileBackend(Backend):
 
     def read_direct(self, offset: int, buf) -> None:
         if self._read_direct_fd is None:
+            # through our own descriptor, not the path: the same file even if it was renamed or
+            # removed since (a removed region can still be read out); without /proc, the path
             try:
-                self._read_direct_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
+                self._read_direct_fd = os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+            except OSError:
+                # no /proc, or no O_DIRECT on this filesystem (EINVAL): buffered reads
                 self._read_direct_fd = -1
         if self._read_direct_fd < 0:
             return self.read_into(offset, buf)
-        _pread_full(self._read_direct_fd, memoryview(buf).cast("B"), offset, self.path)
+        try:
+            _pread_full(self._read_direct_fd, memoryview(buf).cast("B"), offset, self.path)
+        except OSError:
+            # O_DIRECT refused where a buffered read may still work (ext4 gone read-only after an
+            # error answers direct reads with EROFS): what is durable must stay loadable
+            self.read_into(offset, buf)
 
     def persist_mapped(self, offset: int, length: int) -> None:
         # Not mmap.flush: it holds the GIL for the whole msync, a disk flush of several ms that

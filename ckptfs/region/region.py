@@ -43,6 +43,7 @@ class Region(ModelTable, SlotReader):
         harnesses pass an instrumented one)."""
         self.path = path
         self.writable = writable
+        self.read_only_reason: str | None = None  # why a region asked for writable opened read-only
         self.backend: Backend = backend if backend is not None else open_backend(path, writable)
         try:
             self.superblock = self._read_superblock()

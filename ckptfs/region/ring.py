@@ -106,6 +106,7 @@ class Ring:
     def claim(self, step: int, layout: SlotLayout) -> "Claim":
         """A new counter and a claimed slot for version ``step``; waits while every slot is busy
         (BusyError after ``timeout_s``)."""
+        self.region.backend.check_present(for_write=True)
         counter = self.region.next_counter(self.entry)
         slot = self._claim_slot()
         return Claim(self, slot, counter, step, time.time_ns(), layout)

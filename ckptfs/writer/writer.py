@@ -87,7 +87,10 @@ class Writer:
         if staging_budget_bytes is not None and staging_budget_bytes < chunk_bytes:
             raise ValueError(f"staging_budget_bytes={staging_budget_bytes} is smaller than one chunk ({chunk_bytes})")
         if not region.writable:
-            raise CkptfsError(f"{region.path} is open read-only; open the store writable to save")
+            why = region.read_only_reason
+            raise CkptfsError(f"{region.path} is open read-only" + (f" ({why}): it can be read, not saved to; "
+                              "make its filesystem writable and open the store again" if why else
+                              "; open the store writable to save"))
         self.region = region
         self.model = model
         self.max_inflight = max_inflight
