@@ -16,7 +16,7 @@ from typing import Any
 
 import click
 
-from ckptfs.errors import CkptfsError, use_cli_words
+from ckptfs.errors import CkptfsError, cli_words
 from ckptfs.fs.daemon import READAHEAD_KB
 from ckptfs.units import human_bytes
 
@@ -545,9 +545,9 @@ def main(argv: list[str] | None = None) -> None:
     from ckptfs.fs.daemon import MountError
 
     debug = os.environ.get("CKPTFS_DEBUG", "") not in ("", "0")
-    use_cli_words()
     try:
-        rv = cli.main(args=argv, prog_name="ckptfs", standalone_mode=False)
+        with cli_words():
+            rv = cli.main(args=argv, prog_name="ckptfs", standalone_mode=False)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except click.UsageError as exc:  # one line, as every other error

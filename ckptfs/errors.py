@@ -4,17 +4,25 @@ The FUSE layer maps these to errno in one place (``ckptfs.fs.errno_for``); the C
 message on one line and exits non-zero.
 
 Advice names what the user can do in the words of the interface they used: ``in_words(python=
-"pass force=True", cli="--force")`` gives the Python wording, or the CLI's once the ``ckptfs``
-command has called ``use_cli_words()`` (a process-wide switch: a CLI process serves one user).
+"pass force=True", cli="--force")`` gives the Python wording, or the CLI's while the ``ckptfs``
+command runs (``cli_words()``: process-wide, as the command's threads raise too, and undone when
+the command returns, so that a program calling it keeps the Python wording).
 """
+
+import contextlib
 
 _words = "python"
 
 
-def use_cli_words() -> None:
-    """From now on, advice in messages names CLI flags and commands (called by ``ckptfs.cli.main``)."""
+@contextlib.contextmanager
+def cli_words():
+    """While the block runs, advice in messages names CLI flags and commands (``ckptfs.cli.main``)."""
     global _words
-    _words = "cli"
+    before, _words = _words, "cli"
+    try:
+        yield
+    finally:
+        _words = before
 
 
 def in_words(*, python: str, cli: str) -> str:

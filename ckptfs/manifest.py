@@ -26,6 +26,7 @@ import torch
 
 from ckptfs.errors import MalformedInputError, UnsupportedObjectError
 from ckptfs.gcpause import paused_gc
+from ckptfs.units import human_bytes
 
 MANIFEST_FORMAT = 1
 TENSOR_ALIGN_BYTES = 64
@@ -308,7 +309,7 @@ def encode_files(extra: dict | None) -> tuple[tuple[str, str], ...]:
         total += len(value.encode("utf-8", "surrogatepass"))
         files.append((name, value))
     if total > FILES_MAX_BYTES:
-        raise ValueError(f"extra files hold {total >> 20} MiB; at most {FILES_MAX_BYTES >> 20} MiB "
+        raise ValueError(f"extra files hold {human_bytes(total)}; at most {human_bytes(FILES_MAX_BYTES)} "
                          "(they are stored in the version's index); save large data as tensors")
     return tuple(files)
 

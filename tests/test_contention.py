@@ -37,7 +37,7 @@ def test_region_without_room_for_another_model(store):
     with store.writer("big", max_inflight=1, slot_bytes=100 << 20, slots=2) as w:
         w.save(state(1), 1).result()
     t0 = time.monotonic()
-    with pytest.raises(RegionFullError, match="ckptfs rm"):
+    with pytest.raises(RegionFullError, match="remove models"):
         with store.writer("other", max_inflight=1, slot_bytes=100 << 20, slots=2) as w:
             w.save(state(2), 2)
     assert time.monotonic() - t0 < 5
@@ -72,7 +72,7 @@ def test_checkpoint_that_outgrew_its_slots_is_refused_before_writing(store):
     with store.writer("m", max_inflight=1, slots=2) as w:
         w.save(state(1), 1).result()
         before = bytes(store.region.backend.view(0, store.region.superblock.data_offset))
-        with pytest.raises(CheckpointTooLargeError, match="ckptfs rm"):
+        with pytest.raises(CheckpointTooLargeError, match="remove the model"):
             w.save(state(2, n=500_000), 2)
     assert bytes(store.region.backend.view(0, store.region.superblock.data_offset)) == before
     _intact(store, "m", [1])

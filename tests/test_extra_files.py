@@ -97,7 +97,7 @@ def test_extra_is_checked_when_save_is_called(tmp_path):
                            ({"x.json": float("nan")}, TypeError), ({1: "x"}, TypeError), (["x"], TypeError)]:
             with pytest.raises(error):
                 w.save({"w": torch.ones(1)}, step=1, extra=bad, async_snapshot=True)
-        with pytest.raises(ValueError, match="at most 16 MiB"):
+        with pytest.raises(ValueError, match="at most 16.0 MiB"):
             w.save({"w": torch.ones(1)}, step=1, extra={"big.txt": "x" * (17 << 20)})
         w.save({"w": torch.ones(1)}, step=1).result()  # nothing of the refusals was written
     with ckptfs.Store(str(tmp_path / "r.region")) as store:

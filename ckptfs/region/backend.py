@@ -24,7 +24,7 @@ import re
 import stat
 
 from ckptfs import _native
-from ckptfs.errors import CkptfsError, RegionFormatError, RegionFullError, RegionIOError
+from ckptfs.errors import CkptfsError, RegionFormatError, RegionFullError, RegionIOError, in_words
 from ckptfs.units import human_bytes
 
 PAGE_BYTES = mmap.PAGESIZE
@@ -118,7 +118,11 @@ class Backend:
         if offset < 0 or offset + len(view) > self.size_bytes:
             raise ValueError(f"read of {len(view)} bytes at {offset} is outside the region")
         with io_step("read", self.path, offset, len(view)):
-            _pread_full(self._fd, view, offset, self.path)
+            self._pread(self._fd, view, offset, self.path)
+
+    # the read system call, a method so that a fault-injecting backend (ckptfs.testing.anomaly)
+    # can fail it
+    _pread = staticmethod(_pread_full)
 
     def read_direct(self, offset: int, buf) -> None:
         """Fill page-aligned ``buf`` (length a multiple of 4 KiB) from ``offset`` bypassing the
@@ -238,7 +242,6 @@ class FileBackend(Backend):
     # (ckptfs.testing.anomaly) can fail any one of them
     _pwrite = staticmethod(os.pwrite)
     _fdatasync = staticmethod(os.fdatasync)
-    _pread = staticmethod(_pread_full)
 
     def read_direct(self, offset: int, buf) -> None:
         if self._read_direct_fd is None:
@@ -252,7 +255,7 @@ class FileBackend(Backend):
         if self._read_direct_fd < 0:
             return self.read_into(offset, buf)
         try:
-            _pread_full(self._read_direct_fd, memoryview(buf).cast("B"), offset, self.path)
+            self._pread(self._read_direct_fd, memoryview(buf).cast("B"), offset, self.path)
         except OSError:
             # O_DIRECT refused where a buffered read may still work (ext4 gone read-only after an
             # error answers direct reads with EROFS): what is durable must stay loadable
@@ -289,8 +292,10 @@ class FileBackend(Backend):
                 free = _free_bytes(self._fd)
                 raise RegionFullError(
                     f"the filesystem holding {self.path} has {human_bytes(free)} free, and the new ring needs "
-                    f"{human_bytes(length)}; nothing was kept. Free space on that filesystem, save this model with "
-                    "fewer or smaller slots (slots=, slot_bytes=), or remove models (`ckptfs rm --all MODEL`)") from None
+                    f"{human_bytes(length)}; nothing was kept. Free space on that filesystem, " + in_words(
+                        python="save this model with fewer or smaller slots (slots=, slot_bytes=), or remove models "
+                               "(Store.remove_model)",
+                        cli="or remove models (`ckptfs rm --all MODEL`)")) from None
             if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 with io_step("fallocate", self.path, offset, length):
                     raise

@@ -8,7 +8,7 @@ import time
 import unicodedata
 
 from ckptfs import _native
-from ckptfs.errors import (BusyError, CorruptionError, InvalidNameError, no_model,
+from ckptfs.errors import (BusyError, CorruptionError, InvalidNameError, in_words, no_model,
                            RegionFormatError, RegionFullError)
 from ckptfs.region.backend import aligned_buffer
 from ckptfs.region.format import (COUNTER_WORD_OFFSET, ENTRY_BYTES, ENTRY_STATIC_OFFSET, LATEST_WORD_OFFSET,
@@ -182,8 +182,9 @@ class ModelTable:
         free = end - sb.data_offset - sum(e.ring_bytes for e in entries)
         raise RegionFullError(
             f"region {self.path} has no contiguous {human_bytes(nbytes)} free for a new model ring "
-            f"({human_bytes(free)} free in all); remove models with `ckptfs rm --all MODEL`, or create a larger "
-            "region with `ckptfs mkfs --size`")
+            f"({human_bytes(free)} free in all); " + in_words(
+                python="remove models (Store.remove_model), or create a larger region (Store.create(path, size_bytes=...))",
+                cli="remove models (`ckptfs rm --all MODEL`), or create a larger region (`ckptfs mkfs --size`)"))
 
     def _wipe_slot_headers(self, entry: ModelEntry) -> None:
         blank = aligned_buffer(SLOT_HEADER_BYTES)

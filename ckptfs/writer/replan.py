@@ -54,9 +54,11 @@ class _Node:
 class Structure:
     """A compiled object structure; see the module doc."""
 
-    def __init__(self, root: _Node, flat: Flattened, leaf_kinds: list, leaf_tensor: list[int], plain: list):
+    def __init__(self, root: _Node, flat: Flattened, leaf_tensor: list[int], plain: list):
         self._root = root
-        self._flat = flat
+        # what a match hands on unchanged; not the tensors: a structure must not keep the first
+        # save's tensors alive
+        self._names, self._signature, self._devices_seen = flat.names, flat.signature, flat.devices
         tensors = flat.tensors
         self._dtypes = [tensors[i].dtype for i in leaf_tensor]
         self._shapes = [tuple(tensors[i].shape) for i in leaf_tensor]
@@ -68,7 +70,6 @@ class Structure:
         self._tied = [(leaf, self._first_leaf[t]) for leaf, t in enumerate(leaf_tensor)
                       if self._first_leaf[t] != leaf]
         self._nonempty = [leaf for leaf in self._first_leaf if 0 not in self._shapes[leaf]]
-        self._plain_kinds = leaf_kinds
         self._plain = plain
 
     @classmethod
@@ -78,7 +79,6 @@ class Structure:
         if any(t.dtype in _COMPLEX or not t.is_contiguous() for t in flat.tensors):
             return None
         leaf_tensor: list[int] = []
-        kinds: list[str] = []
         plain: list = []
 
         def compile_node(node: dict) -> _Node:
@@ -89,7 +89,6 @@ class Structure:
                 leaf_tensor.append(value)
             elif kind in _PLAIN_TYPES:
                 n.leaf = len(plain)
-                kinds.append(kind)
                 plain.append(unflatten(node, []))
             elif kind in ("dict", "odict"):
                 n.keys = tuple(unflatten(k, []) for k, _ in value)
@@ -101,7 +100,7 @@ class Structure:
             n.all_tensors = bool(n.children) and all(c.kind == "tensor" for c in n.children)
             return n
 
-        return cls(compile_node(flat.skeleton), flat, kinds, leaf_tensor, plain)
+        return cls(compile_node(flat.skeleton), flat, leaf_tensor, plain)
 
     def match(self, obj: Any) -> Flattened | None:
         """``obj`` flattened through the cached structure, or None if its structure differs."""
@@ -113,8 +112,7 @@ class Structure:
         except (_Changed, AttributeError, RuntimeError, TypeError):
             return None
         skeleton, text = self._rebuild(self._root, plain)
-        f = self._flat
-        return Flattened(skeleton, tensors, f.names, f.signature, f.devices, skeleton_json=text)
+        return Flattened(skeleton, tensors, self._names, self._signature, self._devices_seen, skeleton_json=text)
 
     def _walk(self, n: _Node, obj: Any, leaves: list, plain: list) -> None:
         kind = n.kind

@@ -24,12 +24,13 @@ from concurrent.futures import InvalidStateError
 
 import torch
 
-from ckptfs.errors import BusyError, CkptfsError
+from ckptfs.errors import BusyError, CkptfsError, in_words
 from ckptfs.manifest import align_up, encode_files
 from ckptfs.memcopy import default_copy_threads
 from ckptfs.region.format import SLOTS_MAX
 from ckptfs.region.region import Region, validate_model_name
 from ckptfs.region.ring import Ring
+from ckptfs.units import human_bytes
 from ckptfs.writer.cuda import CallerMark, caller_mark
 from ckptfs.writer.job import Job, SaveFuture, SaveResult
 from ckptfs.writer.persist import PersistPipeline
@@ -338,9 +339,10 @@ def _check_geometry(entry, slots: int | None, slot_bytes: int | None) -> None:
                                                          ("slot_bytes", slot_bytes, entry.slot_bytes))
              if value is not None and value != has and not (name == "slot_bytes" and value <= has)]
     if asked:
-        raise ValueError(f"model {entry.name!r} already exists with {entry.nslots} slots of {entry.slot_bytes} bytes; "
-                         f"{' and '.join(asked)} apply when a model is created: leave them out, or remove the "
-                         f"model first (`ckptfs rm --all {entry.name}`, which deletes its versions)")
+        raise ValueError(f"model {entry.name!r} already exists with {entry.nslots} slots of {human_bytes(entry.slot_bytes)}; "
+                         f"{' and '.join(asked)} apply when a model is created: leave them out, or remove the model "
+                         "first (" + in_words(python=f"Store.remove_model({entry.name!r})",
+                                              cli=f"`ckptfs rm --all {entry.name}`") + ", which deletes its versions)")
 
 
 def _positive(name: str, value) -> None:
