@@ -7,9 +7,10 @@
 """
 from ckptfs import errors
 from ckptfs.reader import VerifyProblem
+from ckptfs.region.upgrade import upgrade
 from ckptfs.store import Store, Version, VersionInfo, default_region_path
 from ckptfs.writer.writer import SaveResult, Writer
 
 __all__ = ["Store", "Writer", "Version", "VersionInfo", "SaveResult", "VerifyProblem",
-           "default_region_path", "errors"]
+           "default_region_path", "errors", "upgrade"]
 __version__ = "0.1.0"

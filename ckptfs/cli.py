@@ -84,7 +84,7 @@ def _table(rows: list[list[Any]], header: list[str]) -> None:
 
 def _info_dict(v) -> dict:
     return {"model": v.model, "step": v.step, "counter": v.counter, "slot": v.slot,
-            "time_ns": v.time_ns, "data_bytes": v.data_bytes, "latest": bool(v.latest)}
+            "time_ns": v.time_ns, "data_bytes": v.data_bytes, "latest": bool(v.latest), "kept": bool(v.kept)}
 
 
 def _progress(total: int | None, desc: str):
@@ -296,8 +296,8 @@ def ls_(region, as_json, model):
         if as_json:
             click.echo(json.dumps([_info_dict(v) for v in versions], indent=1))
         else:
-            _table([[v.step, "latest" if v.latest else "", _when(v.time_ns), human_bytes(v.data_bytes), v.counter]
-                    for v in versions], ["STEP", "", "TIME", "SIZE", "COUNTER"])
+            _table([[v.step, ", ".join(m for m, on in (("latest", v.latest), ("kept", v.kept)) if on), _when(v.time_ns),
+                     human_bytes(v.data_bytes), v.counter] for v in versions], ["STEP", "", "TIME", "SIZE", "COUNTER"])
         return 0
 
 
@@ -502,6 +502,46 @@ def rm(region, all_, step_options, model, steps):
 
 
 @cli.command()
+@click.argument("region_path", metavar="REGION")
+def upgrade(region_path):
+    """Copy REGION, written by an older ckptfs (format 1), into the current format: every version
+    is copied and checked, the old file is kept as REGION.format1, then the copy takes its name."""
+    from ckptfs.region.upgrade import upgrade as run
+
+    for model, n in run(region_path):
+        click.echo(f"upgraded {model}: {n} version(s)")
+    click.echo(f"{region_path} now uses the current format; the old region is {region_path}.format1")
+    return 0
+
+
+@cli.command()
+@_region_option
+@click.argument("model")
+@click.argument("steps", nargs=-1, type=STEP, required=True)
+def keep(region, model, steps):
+    """Keep versions STEPS of MODEL (milestones): the ring never reuses them until `ckptfs unkeep`
+    or `ckptfs rm`; each takes its slot out of the ring, which takes another from free space."""
+    with _open_store(region) as store:
+        for s in steps:
+            store.keep(model, s)
+            click.echo(f"kept {model} step {s}")
+        return 0
+
+
+@cli.command()
+@_region_option
+@click.argument("model")
+@click.argument("steps", nargs=-1, type=STEP, required=True)
+def unkeep(region, model, steps):
+    """Give kept versions STEPS of MODEL back to the ring (reused once older than what it keeps)."""
+    with _open_store(region) as store:
+        for s in steps:
+            store.unkeep(model, s)
+            click.echo(f"unkept {model} step {s}")
+        return 0
+
+
+@cli.command()
 @_region_option
 @_json_option
 def status(region, as_json):
@@ -514,9 +554,17 @@ def status(region, as_json):
     click.echo(f"region   {st['path']} ({st['kind']}): {human_bytes(st['region_bytes'])}, "
                f"{human_bytes(st['used_bytes'])} in model rings, {human_bytes(st['free_bytes'])} free")
     click.echo()
-    _table([[m["name"], m["versions"], "-" if m["latest_step"] is None else m["latest_step"], m["slots"],
+    _table([[m["name"], m["versions"], "-" if m["latest_step"] is None else m["latest_step"],
+             " ".join(map(str, m["kept_steps"])) or "-", f"{m['slots']} (keeps {m['ring_slots']})",
              human_bytes(m["slot_bytes"]), m["saves_in_flight"]] for m in st["models"]],
-           ["MODEL", "VERSIONS", "LATEST", "SLOTS", "SLOT SIZE", "WRITING"])
+           ["MODEL", "VERSIONS", "LATEST", "KEPT", "SLOTS", "SLOT SIZE", "WRITING"])
+    pins = [(m["name"], p) for m in st["models"] for p in m["pinned"]]
+    click.echo()
+    if not pins:
+        click.echo("no versions pinned by readers")
+    else:
+        _table([[name, p["step"], " ".join(f"{pid} ({cmd})" for pid, cmd in p["holders"]) or "?"]
+                for name, p in pins], ["PINNED", "STEP", "BY PROCESS"])
     saves = st.get("saves_in_flight") or []
     click.echo()
     if not saves:

@@ -42,6 +42,10 @@ class IncompatibleVersionError(RegionFormatError):
     """The region was written by a newer, incompatible ckptfs."""
 
 
+class OldFormatError(IncompatibleVersionError):
+    """The region uses an older format; ``ckptfs upgrade`` copies it into the current one."""
+
+
 class InvalidNameError(CkptfsError, ValueError):
     """A model name that cannot be stored (empty, '/', '..', control characters, too long)."""
 
@@ -51,7 +55,7 @@ class UnsupportedObjectError(CkptfsError, TypeError):
 
 
 class CheckpointTooLargeError(CkptfsError):
-    """The checkpoint does not fit in the model's slots."""
+    """The checkpoint fits neither the model's slots nor the region's free space."""
 
 
 class RegionFullError(CkptfsError):

@@ -14,7 +14,10 @@ from ckptfs.errors import (BusyError, CorruptionError, NotFoundError, RegionForm
 from ckptfs.manifest import Manifest
 from ckptfs.reader import VerifyProblem, VersionData
 from ckptfs.region.format import COUNTER_MAX, SUPERBLOCK_BYTES, Superblock
+from ckptfs.region.holders import lock_holders
+from ckptfs.region.locks import slot_lock_offset
 from ckptfs.region.region import Region, SlotVersion
+from ckptfs.region.ring import mark_kept
 from ckptfs.writer.progress import read_progress
 from ckptfs.writer.writer import Writer
 
@@ -43,6 +46,7 @@ class VersionInfo:
     time_ns: int
     data_bytes: int
     latest: bool
+    kept: bool = False  # a milestone: never reused by the ring (Store.keep / unkeep)
 
 
 class Version:
@@ -173,7 +177,7 @@ class Store:
     def _info(v: SlotVersion, latest: SlotVersion | None) -> VersionInfo:
         h = v.header
         is_latest = latest is not None and latest.slot == v.slot and latest.header.counter == h.counter
-        return VersionInfo(v.entry.name, h.step, h.counter, v.slot, h.time_ns, h.data_bytes, is_latest)
+        return VersionInfo(v.entry.name, h.step, h.counter, v.slot, h.time_ns, h.data_bytes, is_latest, h.kept)
 
     def _find(self, model: str, step: int | None) -> tuple[SlotVersion, bool]:
         entry = self.region.get(model)
@@ -285,6 +289,9 @@ class Store:
         for index, name, what in region.damaged_entries():
             out.append(VerifyProblem(name or f"<model table entry {index}>", -1, None,
                                      f"{what}: the model is unreadable; its versions are lost"))
+        for entry, what in region.entry_problems():
+            out.append(VerifyProblem(entry.name, -1, None, f"model table entry {entry.index}: {'; '.join(what)}; the "
+                                     "intact copy is used, and the model's next writer rewrites the other copy"))
         return out
 
     def _model_problems(self, entry) -> list[VerifyProblem]:
@@ -298,6 +305,12 @@ class Store:
         problem = self.region.latest_problem(entry)
         if problem is not None:
             out.append(VerifyProblem(entry.name, -1, None, f"{problem}; `load` falls back to the newest intact version"))
+        for v in self.region.committed(entry):
+            if self.region.header_copies_differ(entry, v.slot):
+                out.append(VerifyProblem(entry.name, v.header.step, None,
+                                         f"one copy of the header of slot {v.slot} (region offset "
+                                         f"{entry.slot_offset(v.slot)}) is damaged, or was torn by a crash; the intact "
+                                         "copy is used, and the model's next writer rewrites the other copy"))
         for slot, offset, index in self.region.unreadable_slots(entry):
             said = (f"its index says step {index.step} ({len(index.tensors)} tensors)" if index is not None
                     else "its index is unreadable too")
@@ -312,6 +325,23 @@ class Store:
         v, _ = self._find(model, step)
         self.region.remove_version(v)
 
+    def keep(self, model: str, step: int) -> None:
+        """Keep a version (a milestone): the ring never reuses its slot until ``unkeep`` or
+        ``remove``; the model takes another slot from free space in its place."""
+        self._set_kept(model, step, True)
+
+    def unkeep(self, model: str, step: int) -> None:
+        """Give a kept version back to the ring (it is reused once it is older than the versions
+        the ring keeps)."""
+        self._set_kept(model, step, False)
+
+    def _set_kept(self, model: str, step: int, kept: bool) -> None:
+        for _ in range(PIN_RETRIES):
+            v, _ = self._find(model, step)
+            if mark_kept(self.region, v, kept):
+                return
+        raise no_step(model, step)
+
     def remove_model(self, model: str) -> None:
         """Remove a model and every version; BusyError while a writer or reader uses it."""
         self.region.remove_model(model)
@@ -321,22 +351,32 @@ class Store:
         """Region geometry and usage, and per model its versions and the slots in use."""
         sb = self.region.superblock
         models = []
+        holders = lock_holders(self.path) if os.path.exists(self.path) else {}
         for entry in self.region.entries():
             latest = self.region.latest(entry)
             committed = {v.slot for v in self.region.committed(entry)}
             latest_slot = latest.slot if latest else -1
-            busy = [s for s in range(entry.nslots) if self.region.is_busy(entry, s)]
+            busy = [s for s in entry.slots() if self.region.is_busy(entry, s)]
+            by_slot = {v.slot: v.header.step for v in self.region.committed(entry)}
+            # a reader's pin is a shared (READ) lock; a writer's claim an exclusive one
+            pinned = [{"step": by_slot[s], "slot": s,
+                       "holders": [(pid, cmd) for pid, cmd, kind in holders.get(slot_lock_offset(entry.index, s), ())
+                                   if kind == "READ"]} for s in busy if s in by_slot]
             models.append({
                 "name": entry.name,
                 "slots": entry.nslots,
                 "slot_bytes": entry.slot_bytes,
+                "ring_slots": entry.ring_slots,
+                "used_bytes": entry.nbytes,
                 "versions": len(committed),
+                "kept_steps": sorted(v.header.step for v in self.region.committed(entry) if v.header.kept),
                 "latest_step": latest.header.step if latest else None,
                 # a claimed slot that is neither latest nor committed is a save in flight
                 "saves_in_flight": sum(1 for s in busy if s != latest_slot and s not in committed),
                 "pinned_or_writing_slots": busy,
+                "pinned": [p for p in pinned if p["holders"]],
             })
-        used = sum(m["slots"] * m["slot_bytes"] for m in models)
+        used = sum(m["used_bytes"] for m in models)
         return {"path": self.path, "kind": self.region.backend.kind, "region_bytes": sb.region_bytes,
                 "used_bytes": used, "free_bytes": sb.region_bytes - sb.data_offset - used,
                 "models": models, "saves_in_flight": read_progress(sb.uuid)}

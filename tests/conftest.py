@@ -97,3 +97,12 @@ def assert_same(a, b, path="obj"):
 # Processes for multi-process tests: forked from a clean single-threaded server that has torch
 # and ckptfs imported (fast like fork, without forking this threaded test process).
 from ckptfs.testing.load import mp_context  # noqa: E402,F401 - re-exported for the tests
+
+
+def fill_region(store, leave_bytes: int = 0) -> None:
+    """Give every free byte of the region but ``leave_bytes`` to a model of its own ("filler"), so
+    that no model can take more slots (the tests of a full region)."""
+    region = store.region
+    block = region.superblock.block_bytes
+    free = region.data_area_bytes() - sum(e.nbytes for e in region.entries()) - leave_bytes
+    region.create_model("filler", 1, free // block * block)

@@ -22,7 +22,8 @@ from conftest import assert_same
 from conftest_mount import (CLI, TOY_MODEL, TOY_STEPS, force_unmount, make_toy_region, requires_fuse,
                             toy_state)
 
-SUBCOMMANDS = ["mkfs", "mount", "umount", "ls", "info", "verify", "export", "import", "rm", "status"]
+SUBCOMMANDS = ["mkfs", "mount", "umount", "ls", "info", "verify", "export", "import", "rm", "keep", "unkeep", "status",
+               "upgrade"]
 
 
 def run(capsys, *args):

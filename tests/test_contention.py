@@ -17,7 +17,7 @@ from ckptfs.region.region import Region
 from ckptfs.store import Store
 from ckptfs.testing.crashsim import same
 from ckptfs.testing.recording import RecordingBackend
-from conftest import mp_context
+from conftest import fill_region, mp_context
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -68,20 +68,22 @@ def test_filesystem_without_room(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
-def test_checkpoint_that_outgrew_its_slots_is_refused_before_writing(store):
+def test_checkpoint_that_outgrew_its_slots_in_a_full_region_is_refused_before_writing(store):
     with store.writer("m", max_inflight=1, slots=2) as w:
         w.save(state(1), 1).result()
+        fill_region(store, leave_bytes=1 << 20)  # room for a few more small slots, not for larger ones
         before = bytes(store.region.backend.view(0, store.region.superblock.data_offset))
-        with pytest.raises(CheckpointTooLargeError, match="remove the model"):
+        with pytest.raises(CheckpointTooLargeError, match="larger than its"):
             w.save(state(2, n=500_000), 2)
     assert bytes(store.region.backend.view(0, store.region.superblock.data_offset)) == before
     _intact(store, "m", [1])
 
 
-def test_all_slots_pinned_gives_busy_in_bounded_time(store):
+def test_all_slots_pinned_in_a_full_region_gives_busy_in_bounded_time(store):
     with store.writer("m", max_inflight=1, slots=3) as w:
         for s in (1, 2, 3):
             w.save(state(s), s).result()
+    fill_region(store)
     pins = [store.open_version("m", s) for s in (1, 2)]  # 3 is latest: nothing is free
     try:
         with store.writer("m", max_inflight=1, timeout_s=0.5) as w:

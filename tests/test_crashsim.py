@@ -11,6 +11,8 @@ import os
 
 import pytest
 
+import ckptfs
+
 from ckptfs.region.region import Region
 from ckptfs.testing.crashsim import CrashSim, record_scenario
 from ckptfs.testing.recording import (BarrierEnd, BarrierStart, MapChange, Mark, Persist,
@@ -60,8 +62,12 @@ def test_recording_sees_writes_barriers_and_mapped_updates(tmp_path):
 @pytest.mark.slow
 def test_crash_images_of_the_scripted_run(tmp_path):
     rec = record_scenario(str(tmp_path), seed=11)
-    assert rec.stats["saves"] == 20 and rec.stats["Write"] > 80
+    assert rec.stats["saves"] == 34 and rec.stats["Write"] > 80
     assert sum(1 for e in rec.events if isinstance(e, Mark) and e.kind == "remove_model_done") == 1
+    # the new records are in it: extents taken and given back (entry rewrites), a kept header
+    with ckptfs.Store(str(tmp_path / "recorded.region")) as s:
+        assert s.region.get("epsilon").slot_bytes >= 96 << 10 and s.region.get("epsilon").generation >= 2
+        assert any(v.kept for v in s.versions("beta")) and s.region.get("beta").generation >= 2
     sim = CrashSim(rec, str(tmp_path), seed=11, exhaustive_limit=16, samples=6, tears=2,
                    max_points=POINTS, continue_every=40)
     report = sim.run()

@@ -109,10 +109,25 @@ def test_damaged_index_of_latest(victim, caplog):
         assert same(F.fault_state("other", 2), s.load("other")) is None
 
 
-@pytest.mark.parametrize("byte", [0, 12, 20, 66, 84])  # magic, state, counter, manifest crc, own crc
-def test_damaged_slot_header(victim, byte):
-    site = _site(victim, "header", step=20)
+@pytest.mark.parametrize("copy", ["header", "header-mirror"])
+@pytest.mark.parametrize("byte", [0, 12, 20, 66, 88])  # magic, state, counter, manifest crc, own crc
+def test_one_damaged_copy_of_a_slot_header_is_reported_and_repaired(victim, copy, byte, caplog):
+    site = _site(victim, copy, step=20)
     _flip(victim, site.offset + byte, 1)
+    with ckptfs.Store(victim) as s:
+        assert [v.step for v in s.versions("m")] == [10, 20, 30, 40]  # the other copy holds it
+        assert same(F.fault_state("m", 20), s.load("m", 20)) is None
+        problems = s.verify("m")
+        assert [p.step for p in problems] == [20] and "one copy of the header" in problems[0].message
+        with caplog.at_level(logging.WARNING, logger="ckptfs"):
+            s.writer("m").close()  # the model's next writer rewrites the damaged copy
+        assert "rewritten from the intact copy" in caplog.text
+        assert s.verify() == []
+
+
+def test_both_copies_of_a_slot_header_damaged_lose_that_version_with_a_report(victim):
+    for copy in ("header", "header-mirror"):
+        _flip(victim, _site(victim, copy, step=20).offset + 20, 1)
     with ckptfs.Store(victim) as s:
         assert 20 not in [v.step for v in s.versions("m")]
         problems = s.verify("m")
@@ -122,9 +137,12 @@ def test_damaged_slot_header(victim, byte):
         assert same(F.fault_state("m", 40), s.load("m")) is None
 
 
-def test_zeroed_header_of_latest(victim, caplog):
+def test_zeroed_header_pages_of_latest(victim, caplog):
     site = _site(victim, "header", step=40)
-    _zero(victim, site.offset, 4096)
+    _zero(victim, site.offset, 4096)  # one copy: nothing lost
+    with ckptfs.Store(victim) as s:
+        assert same(F.fault_state("m", 40), s.load("m")) is None
+    _zero(victim, site.offset + 4096, 4096)  # and the other: step 40 is gone, load falls back
     with ckptfs.Store(victim) as s:
         with caplog.at_level(logging.WARNING, logger="ckptfs"):
             assert same(F.fault_state("m", 30), s.load("m")) is None
@@ -132,10 +150,26 @@ def test_zeroed_header_of_latest(victim, caplog):
         assert any("latest pointer" in p.message for p in s.verify("m"))
 
 
-@pytest.mark.parametrize("where", ["name", "magic", "nslots"])
-def test_damaged_model_table_entry(victim, where):
-    site = _site(victim, "entry", model="other")
-    _flip(victim, site.offset + {"name": 43, "magic": 2, "nslots": 13}[where], 2)
+@pytest.mark.parametrize("copy", ["entry", "entry-mirror"])
+@pytest.mark.parametrize("where", ["name", "magic", "extents"])
+def test_one_damaged_copy_of_a_model_table_entry_is_reported_and_repaired(victim, copy, where, caplog):
+    site = _site(victim, copy, model="other")
+    _flip(victim, site.offset + {"name": 36, "magic": 2, "extents": 300}[where], 2)
+    with ckptfs.Store(victim) as s:
+        assert s.models() == ["m", "other"]
+        problems = s.verify()
+        assert [p.model for p in problems] == ["other"] and "copy" in problems[0].message
+        assert same(F.fault_state("other", 2), s.load("other")) is None
+        with caplog.at_level(logging.WARNING, logger="ckptfs"):
+            s.writer("other").close()
+        assert "repaired from the intact copy" in caplog.text
+        assert s.verify() == []
+
+
+@pytest.mark.parametrize("where", ["name", "magic", "extents"])
+def test_both_copies_of_a_model_table_entry_damaged(victim, where):
+    for copy in ("entry", "entry-mirror"):
+        _flip(victim, _site(victim, copy, model="other").offset + {"name": 36, "magic": 2, "extents": 300}[where], 2)
     with ckptfs.Store(victim) as s:
         assert s.models() == ["m"]
         problems = s.verify()
@@ -206,7 +240,8 @@ def test_random_fault_campaign():
     assert report.failures == [], "\n".join(report.failures[:10])
     assert report.injected >= CAMPAIGN * 0.8
     assert report.detected >= report.injected * 0.35 and report.harmless >= report.injected * 0.15
-    assert len(report.by_kind) == 13  # every kind of site was hit
+    assert len(report.by_kind) == 15  # every kind of site was hit
+    assert report.undetectable == 0 and report.repaired > 0
 
 
 def test_the_fault_oracle_catches_unchecked_reads(pristine, tmp_path, monkeypatch):

@@ -7,17 +7,19 @@ import pytest
 from ckptfs.checksum import crc32, crc32_combine
 from ckptfs.errors import IncompatibleVersionError, InvalidNameError, MalformedInputError, RegionFormatError
 from ckptfs.manifest import EncodedTensors, Manifest, TensorRecord, encode_tensors
-from ckptfs.region.format import (SLOT_COMMITTED, ModelEntry, SlotHeader, Superblock, pack_latest,
-                                  slot_layout, unpack_latest)
+from ckptfs.region.format import (MAX_EXTENTS, SLOT_COMMITTED, SLOT_KEPT, Extent, ModelEntry, SlotHeader,
+                                  Superblock, pack_latest, slot_layout, unpack_latest)
 from ckptfs.region.region import validate_model_name
 
 
 def test_superblock_bytes_exact():
     sb = Superblock(region_bytes=1 << 30, block_bytes=4096, table_offset=4096, table_entries=1024,
-                    data_offset=4096 + 1024 * 512, uuid=bytes(range(16)), created_ns=7)
+                    data_offset=4096 + 2 * 1024 * 1024, uuid=bytes(range(16)), created_ns=7)
+    assert Superblock.new(1 << 30, 4096, 7).data_offset == sb.data_offset  # the table and its mirror
+    assert sb.mirror_offset == 4096 + 1024 * 1024
     raw = sb.pack()
-    body = (b"CKPTFSRG" + struct.pack("<HHI", 1, 0, 4096) + struct.pack("<QQII", 1 << 30, 4096, 1024, 512)
-            + struct.pack("<Q", 4096 + 1024 * 512) + bytes(range(16)) + struct.pack("<Q", 7))
+    body = (b"CKPTFSRG" + struct.pack("<HHI", 2, 0, 4096) + struct.pack("<QQII", 1 << 30, 4096, 1024, 1024)
+            + struct.pack("<Q", 4096 + 2 * 1024 * 1024) + bytes(range(16)) + struct.pack("<Q", 7))
     assert raw[:len(body)] == body
     assert raw[len(body):len(body) + 4] == struct.pack("<I", crc32(body))
     assert len(raw) == 4096 and raw[len(body) + 4:] == bytes(4096 - len(body) - 4)
@@ -31,37 +33,51 @@ def test_superblock_rejects_damage_and_newer_major():
     with pytest.raises(RegionFormatError, match="checksum"):
         Superblock.unpack(bytes(raw))
     newer = bytearray(sb.pack())
-    newer[8:10] = struct.pack("<H", 2)
+    newer[8:10] = struct.pack("<H", 3)
     with pytest.raises(IncompatibleVersionError, match="upgrade ckptfs"):
         Superblock.unpack(bytes(newer))
+    older = bytearray(sb.pack())
+    older[8:10] = struct.pack("<H", 1)
+    with pytest.raises(IncompatibleVersionError, match=r"format 1\.0.*ckptfs\.upgrade\('r'\)"):
+        Superblock.unpack(bytes(older), "r")
     with pytest.raises(RegionFormatError, match="not a ckptfs region"):
         Superblock.unpack(bytes(4096))
 
 
 def test_slot_header_bytes_exact():
     h = SlotHeader(SLOT_COMMITTED, counter=5, step=120, time_ns=9, model_index=2, slot=1,
-                   manifest_offset=4096, manifest_bytes=100, manifest_crc=0xDEADBEEF,
-                   data_offset=8192, data_bytes=1000)
+                   manifest_offset=8192, manifest_bytes=100, manifest_crc=0xDEADBEEF,
+                   data_offset=12288, data_bytes=1000, flags=SLOT_KEPT)
     raw = h.pack()
-    body = (b"CKPTSLOT" + struct.pack("<HHIQqQII", 1, 0, SLOT_COMMITTED, 5, 120, 9, 2, 1)
-            + struct.pack("<QQIQQ", 4096, 100, 0xDEADBEEF, 8192, 1000))
-    assert raw[:len(body)] == body
-    assert raw[len(body):len(body) + 4] == struct.pack("<I", crc32(body))
-    assert SlotHeader.unpack(raw) == h
+    body = (b"CKPTSLOT" + struct.pack("<HHIQqQII", 2, 0, SLOT_COMMITTED, 5, 120, 9, 2, 1)
+            + struct.pack("<QQIQQI", 8192, 100, 0xDEADBEEF, 12288, 1000, 1))
+    copy = body + struct.pack("<I", crc32(body))
+    assert len(raw) == 8192  # two pages: the header and its copy
+    assert raw == (copy.ljust(4096, b"\0")) * 2
+    assert SlotHeader.unpack_copies(raw) == [h, h] and h.kept
     torn = bytearray(raw)
     torn[20] ^= 0x80
-    assert SlotHeader.unpack(bytes(torn)) is None
+    assert SlotHeader.unpack_copies(bytes(torn)) == [None, h]
 
 
-def test_model_entry_roundtrip_and_damage():
-    e = ModelEntry(3, "gpt2", 4, 1 << 20, 1 << 22, 11)
-    raw = e.pack_static()
-    assert ModelEntry.unpack_static(3, raw) == e
-    assert ModelEntry.unpack_static(3, ModelEntry.free_static()) is None
+def test_model_entry_bytes_exact_roundtrip_and_damage():
+    e = ModelEntry(3, "gpt2", 4, 11, (Extent(1 << 22, 1 << 20, 4, 0), Extent(1 << 24, 2 << 20, 1, 4)), 7)
+    raw = e.pack_copy()
+    extents = struct.pack("<QQII", 1 << 22, 1 << 20, 4, 0) + struct.pack("<QQII", 1 << 24, 2 << 20, 1, 4)
+    body = (b"CKMODEL\0" + struct.pack("<QIIQH", 7, 1, 4, 11, 4) + b"gpt2".ljust(255, b"\0") + struct.pack("<H", 2)
+            + extents.ljust(24 * MAX_EXTENTS, b"\0"))
+    assert raw == body + struct.pack("<I", crc32(body)) and len(raw) <= 1008
+    assert ModelEntry.unpack_copy(3, raw) == e
+    assert e.slots() == [0, 1, 2, 3, 4] and e.slot_offset(4) == 1 << 24 and e.slot_size(2) == 1 << 20
+    assert e.slot_bytes == 2 << 20 and e.nslots == 5
+    assert ModelEntry.unpack_copy(3, bytes(len(raw))) is None
     bad = bytearray(raw)
     bad[30] ^= 1
     with pytest.raises(RegionFormatError):
-        ModelEntry.unpack_static(3, bytes(bad))
+        ModelEntry.unpack_copy(3, bytes(bad))
+    overlapping = dataclasses.replace(e, extents=(Extent(1 << 22, 1 << 20, 4, 0), Extent(1 << 24, 1 << 20, 2, 3)))
+    with pytest.raises(RegionFormatError, match="inconsistent extents"):
+        ModelEntry.unpack_copy(3, overlapping.pack_copy())
 
 
 def test_latest_word_packing():
@@ -70,8 +86,8 @@ def test_latest_word_packing():
 
 
 def test_slot_layout_is_page_aligned():
-    assert slot_layout(10, 1) == (4096, 8192, 12288)
-    assert slot_layout(4096, 4097) == (4096, 8192, 8192 + 8192)
+    assert slot_layout(10, 1) == (8192, 12288, 16384)
+    assert slot_layout(4096, 4097) == (8192, 12288, 12288 + 8192)
 
 
 @pytest.mark.parametrize("name", ["", ".", "..", "a/b", "x\0y", "tab\there", " lead", "trail ", "é" * 200,

@@ -12,6 +12,7 @@
 Every failure must be a ckptfs.errors.CkptfsError with a message; anything else (a struct.error,
 a RecursionError, an IndexError...) is a finding. CKPTFS_HYPOTHESIS_EXAMPLES scales the runs.
 """
+import dataclasses
 import json
 import os
 import struct
@@ -27,7 +28,7 @@ import ckptfs
 from ckptfs.checksum import crc32
 from ckptfs.errors import CkptfsError, InvalidNameError, MalformedInputError, RegionFormatError
 from ckptfs.manifest import Manifest
-from ckptfs.region.format import (ENTRY_BYTES, ENTRY_STATIC_OFFSET, SLOT_HEADER_BYTES, ModelEntry,
+from ckptfs.region.format import (ENTRY_BYTES, ENTRY_COPY_OFFSET, SLOT_HEADER_BYTES, Extent, ModelEntry,
                                   SlotHeader, Superblock)
 from ckptfs.testing.recording import copy_sparse
 
@@ -137,7 +138,7 @@ def _with_crc(body: bytes) -> bytes:
 def test_structures_on_random_bytes(raw):
     tried()
     for parse in (lambda: Superblock.unpack(raw), lambda: SlotHeader.unpack(raw),
-                  lambda: ModelEntry.unpack_static(0, raw)):
+                  lambda: ModelEntry.unpack_copy(0, raw)):
         try:
             parse()
         except RegionFormatError as e:
@@ -160,8 +161,8 @@ def test_structures_with_valid_crc_and_random_fields(which, data):
         elif which == "slot":
             SlotHeader.unpack(raw)
         else:
-            e = ModelEntry.unpack_static(0, raw)
-            assert e is None or (1 <= e.nslots and e.slot_bytes > 0)
+            e = ModelEntry.unpack_copy(0, raw)
+            assert e is None or (1 <= e.nslots and all(x.slot_bytes > 0 for x in e.extents))
     except RegionFormatError as e:
         assert str(e)
 
@@ -260,18 +261,26 @@ def test_open_crafted_region(good_region, tmp_path, target, data):
             assume(False)
     elif target == "entry":
         base = layout["table"] + layout["entry"] * ENTRY_BYTES
-        e = ModelEntry(layout["entry"], "m", 3, 0, 0, 0)
         with ckptfs.Store(src) as s:
             e = s.region.get("m")
+        x = e.extents[0]
         fields = dict(nslots=data.draw(st.integers(0, 70000)), slot_bytes=data.draw(ints),
-                      ring_offset=data.draw(ints), name=data.draw(st.text(max_size=300)))
-        name = data.draw(st.sampled_from(sorted(fields)))
-        e = ModelEntry(**{**e.__dict__, name: fields[name]})
+                      offset=data.draw(ints), first_slot=data.draw(st.integers(0, 70000)))
+        name = data.draw(st.sampled_from(sorted(fields) + ["name", "ring_slots", "two"]))
+        if name == "name":
+            e = dataclasses.replace(e, name=data.draw(st.text(max_size=300)), generation=e.generation + 1)
+        elif name == "ring_slots":
+            e = e.with_extents(e.extents, ring_slots=data.draw(st.integers(0, 70000)))
+        elif name == "two":  # a second extent anywhere
+            e = e.with_extents((x, Extent(data.draw(ints), data.draw(ints), data.draw(st.integers(0, 9)),
+                                          data.draw(st.integers(0, 9)))))
+        else:
+            e = e.with_extents((Extent(**{**x.__dict__, name: fields[name]}),))
         try:
-            raw = e.pack_static()
+            raw = e.pack_copy()
         except struct.error:
             assume(False)
-        _patch(path, base + ENTRY_STATIC_OFFSET, raw)
+        _patch(path, base + ENTRY_COPY_OFFSET, raw)  # copy A, a generation newer than copy B
     elif target == "latest":
         base = layout["table"] + layout["entry"] * ENTRY_BYTES
         _patch(path, base + data.draw(st.sampled_from([0, 8])), struct.pack("<Q", data.draw(ints)))

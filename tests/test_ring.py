@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import ckptfs
+from conftest import fill_region
 from ckptfs.errors import CkptfsError
 from ckptfs.region.format import unpack_latest
 from ckptfs.region.ring import Claim, Committed
@@ -48,8 +49,8 @@ def save_two_leaving_the_second_unpublished(store, monkeypatch) -> None:
     with store.writer("m") as w:
         w.save(state(1), step=1).result()
     original = Claim.commit
-    monkeypatch.setattr(Claim, "commit", lambda self, index, nbytes, publish=True: original(self, index, nbytes,
-                                                                                           publish=False))
+    monkeypatch.setattr(Claim, "commit", lambda self, index, nbytes, publish=True, keep=False:
+                        original(self, index, nbytes, publish=False, keep=keep))
     with store.writer("m") as w:
         assert w.save(state(2), step=2).result().published is False
     monkeypatch.undo()
@@ -118,6 +119,7 @@ def test_abort_gives_the_slot_back(store):
     try:
         layout = ring.layout(4096, 0)
         claims = [ring.claim(s, layout) for s in (2, 3, 4)]  # every slot but latest
+        fill_region(store)  # and no room for more
         with pytest.raises(ckptfs.errors.BusyError):
             ring.claim(5, layout)
         claims[0].abort()

@@ -1,6 +1,5 @@
 """Tier 1-2: what goes in comes back, exactly; what cannot go in is refused before any write."""
 import math
-import re
 from collections import OrderedDict
 
 import pytest
@@ -126,7 +125,7 @@ def test_unsupported_leaf_names_its_path(store, leaf, where):
 
 @pytest.mark.parametrize("obj, error, match", [
     ({"state": {"bad": object()}}, UnsupportedObjectError, r"state\.bad"),
-    ({"w": torch.zeros(1 << 20)}, CheckpointTooLargeError, r"Store.remove_model\(.later.\)"),
+    ({"w": torch.empty(80 << 20)}, CheckpointTooLargeError, r"Store.create\(path, size_bytes=...\)"),
 ])
 def test_async_save_refusals_come_through_the_future_before_any_write(store, obj, error, match):
     """With async_snapshot the object is read on the snapshot thread: a refusal is raised by
@@ -162,18 +161,32 @@ def test_step_must_be_int(store):
                 w.save({"x": torch.ones(1)}, step=bad)
 
 
-def test_checkpoint_larger_than_slot(store):
-    with store.writer("grow") as w:
+def test_a_model_outgrows_its_first_save(store):
+    """A state saved before the optimizer has state (step 0) and then three times larger: the
+    model gets larger slots from free space, the small version stays readable until the ring
+    has enough newer ones, then its slots go back."""
+    with store.writer("grow", slots=3) as w:
+        w.save({"w": torch.zeros(1000)}, step=0).result()
+        small = store.region.get("grow").slot_bytes
+        for step in (1, 2):
+            assert w.save({"w": torch.full((1 << 20,), float(step))}, step=step).result().published
+        entry = store.region.get("grow")
+        assert entry.slot_bytes >= (4 << 20) and len(entry.extents) == 2
+        assert [v.step for v in store.versions("grow")] == [0, 1, 2]
+        assert torch.equal(store.load("grow", step=0)["w"], torch.zeros(1000))
+        w.save({"w": torch.full((1 << 20,), 3.0)}, step=3).result()
+    entry = store.region.get("grow")
+    assert [x.slot_bytes for x in entry.extents] == [entry.slot_bytes] and small < entry.slot_bytes
+    assert [v.step for v in store.versions("grow")] == [1, 2, 3]
+    assert store.load("grow")["w"][0] == 3.0 and store.verify() == []
+
+
+def test_a_checkpoint_larger_than_the_region_is_refused_before_any_write(store):
+    with store.writer("huge2") as w:
         w.save({"w": torch.zeros(1000)}, step=1).result()
-        with pytest.raises(CheckpointTooLargeError, match=r"Store.remove_model\(.grow.\)") as too_large:
-            w.save({"w": torch.zeros(1 << 20)}, step=2)
-    assert [v.step for v in store.versions("grow")] == [1]
-    # the advice works as written (in the Python API's words: the call to make)
-    method, arg = re.search(r"Store\.(\w+)\('([^']*)'\)", str(too_large.value)).groups()
-    getattr(store, method)(arg)
-    assert store.models() == []
-    with store.writer("grow") as w:
-        assert w.save({"w": torch.zeros(1 << 20)}, step=2).result().published
+        with pytest.raises(CheckpointTooLargeError, match=r"Store.create\(path, size_bytes=...\)"):
+            w.save({"w": torch.empty(80 << 20)}, step=2)
+    assert [v.step for v in store.versions("huge2")] == [1]
 
 
 def test_region_full(store):
@@ -294,14 +307,22 @@ def test_tensors_that_require_grad(store):
     assert torch.equal(back["conj"], obj["conj"].detach().resolve_conj())
 
 
-def test_ring_geometry_of_an_existing_model_is_not_ignored(store):
+def test_ring_geometry_of_an_existing_model_takes_effect(store):
     with store.writer("geo", slots=4, slot_bytes=1 << 20) as w:
         w.save({"w": torch.zeros(1000)}, step=1).result()
-    for options in ({"slots": 10}, {"slot_bytes": 2 << 20}, {"slots": 10, "slot_bytes": 1 << 20}):
-        with pytest.raises(ValueError, match=r"already exists with 4 slots.*slots=10|slot_bytes=2097152") as e:
-            store.writer("geo", **options)
-        assert "Store.remove_model('geo')" in str(e.value)  # the Python API's words, not the CLI's
-    for options in ({}, {"slots": 4}, {"slot_bytes": 1 << 20}, {"slot_bytes": 4096}):  # what the ring has
+    with store.writer("geo", slots=10) as w:  # keeps 10 versions from now on
+        for step in range(2, 14):
+            w.save({"w": torch.full((1000,), float(step))}, step=step).result()
+    assert store.region.get("geo").ring_slots == 10 and len(store.versions("geo")) == 10
+    with store.writer("geo", slot_bytes=2 << 20):  # slots of at least 2 MiB, at once
+        assert store.region.get("geo").slot_bytes >= 2 << 20
+    with store.writer("geo", slots=3) as w:  # fewer: the extra slots go back as they empty
+        for step in range(14, 18):
+            w.save({"w": torch.full((1000,), float(step))}, step=step).result()
+    assert store.region.get("geo").nslots == 3 and [v.step for v in store.versions("geo")] == [15, 16, 17]
+    for options in ({}, {"slot_bytes": 4096}):  # what the ring has already
         with store.writer("geo", **options) as w:
-            w.save({"w": torch.ones(1000)}, step=2).result()
+            w.save({"w": torch.ones(1000)}, step=20).result()
     assert store.load("geo")["w"][0] == 1
+
+

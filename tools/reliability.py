@@ -95,9 +95,10 @@ def run_faults(a, workdir, rows, failures):
 
     r = run_campaign(a.faults, seed=a.seed, workdir=workdir)
     rows.append(("media faults injected / detected",
-                 f"{r.injected} injected: {r.detected} detected, {r.harmless} in meaningless bytes "
-                 f"(correctly silent), {r.undetectable} in the documented blind spot (zeroed header / "
-                 f"table sector: version lost, never misread); over {len(r.by_kind)} kinds of site",
+                 f"{r.injected} injected: {r.detected} detected ({r.repaired} of them in one copy of a mirrored "
+                 f"header or table entry, repaired from the other by the model's next writer), {r.harmless} in "
+                 f"meaningless bytes (correctly silent), {r.undetectable} lost without a report; over "
+                 f"{len(r.by_kind)} kinds of site",
                  len(r.failures)))
     failures += [f"faults: {f}" for f in r.failures]
 

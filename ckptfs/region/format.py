@@ -1,15 +1,17 @@
 """Byte layout of a region (documented in docs/FORMAT.md; keep the two in step).
 
     offset 0                superblock (one 4 KiB page; written once by mkfs, then read-only)
-    table_offset            model table: table_entries entries of ENTRY_BYTES each
-    data_offset             rings: per model, nslots slots of slot_bytes, block aligned
+    table_offset            model table: table_entries entries of ENTRY_BYTES each, then its mirror
+    data_offset             extents: per model up to MAX_EXTENTS runs of equal slots, block aligned
 
-    slot:  header (4 KiB) | manifest (JSON, padded to 4 KiB) | tensor bytes (padded to 4 KiB)
+    slot:  header (two 4 KiB copies) | manifest (JSON, padded to 4 KiB) | tensor bytes (padded to 4 KiB)
 
 All integers are little-endian. Every fixed structure ends with the CRC32 of its preceding bytes,
 so a torn or bit-flipped structure is recognized instead of trusted. The two 64-bit words at the
 start of a model entry (latest pointer, counter) are updated atomically in place and carry no CRC:
-an aligned 8-byte store cannot tear, and recovery checks what they point at.
+an aligned 8-byte store cannot tear, and recovery checks what they point at. Every other structure
+a version depends on is written twice, in different sectors (entries, slot headers): one sector
+lost to the media is repaired from the other copy, with a warning.
 """
 from __future__ import annotations
 
@@ -18,30 +20,35 @@ import uuid as uuidlib
 from dataclasses import dataclass
 
 from ckptfs.checksum import crc32
-from ckptfs.errors import IncompatibleVersionError, RegionFormatError
+from ckptfs.errors import IncompatibleVersionError, OldFormatError, RegionFormatError, in_words
 
-FORMAT_MAJOR = 1
+FORMAT_MAJOR = 2  # 2: mirrored entries and slot headers, extents, kept versions (1: docs/FORMAT.md's history)
 FORMAT_MINOR = 0
 PAGE_BYTES = 4096
 SUPERBLOCK_BYTES = PAGE_BYTES
 SUPERBLOCK_MAGIC = b"CKPTFSRG"
-ENTRY_BYTES = 512
+ENTRY_BYTES = 1024
+MAX_EXTENTS = 16
 DEFAULT_TABLE_ENTRIES = 1024
 NAME_MAX_BYTES = 255
-SLOT_HEADER_BYTES = PAGE_BYTES
+SLOT_HEADER_BYTES = 2 * PAGE_BYTES  # two pages: the header and its copy (a lost page leaves the other)
 SLOT_MAGIC = b"CKPTSLOT"
 ENTRY_MAGIC = b"CKMODEL\0"
 COUNTER_MAX = (1 << 48) - 1
 SLOTS_MAX = 1 << 16
 
-# slot states
+# slot states, and flags of a committed slot
 SLOT_WRITING = 1
 SLOT_COMMITTED = 2
+SLOT_KEPT = 1  # a kept version: never reused by the ring until unkept or removed
+HEADER_COPY_OFFSETS = (0, PAGE_BYTES)  # the two copies of a slot header, a page apart
 
-# model entry: [latest u64][counter u64][static part ... crc]
+# model entry in the table: [latest u64][counter u64][copy A of the rest]; the mirror table that
+# follows the table holds copy B of entry i at the same place of its own entry i
 LATEST_WORD_OFFSET = 0
 COUNTER_WORD_OFFSET = 8
-ENTRY_STATIC_OFFSET = 16
+ENTRY_COPY_OFFSET = 16
+ENTRY_COPY_BYTES = ENTRY_BYTES - ENTRY_COPY_OFFSET
 ENTRY_FREE = 0
 ENTRY_ACTIVE = 1
 
@@ -63,6 +70,9 @@ def _with_crc(fmt: struct.Struct, *fields) -> bytes:
 
 @dataclass(frozen=True)
 class Superblock:
+    """The region's geometry. The model table has ``table_entries`` entries at ``table_offset``,
+    and its mirror as many right after it (``mirror_offset``)."""
+
     region_bytes: int
     block_bytes: int
     table_offset: int
@@ -75,11 +85,15 @@ class Superblock:
 
     _FMT = struct.Struct("<8sHHIQQIIQ16sQI")
 
+    @property
+    def mirror_offset(self) -> int:
+        return self.table_offset + self.table_entries * ENTRY_BYTES
+
     @classmethod
     def new(cls, region_bytes: int, block_bytes: int, created_ns: int,
             table_entries: int = DEFAULT_TABLE_ENTRIES) -> "Superblock":
         table_offset = SUPERBLOCK_BYTES
-        data_offset = _align(table_offset + table_entries * ENTRY_BYTES, block_bytes)
+        data_offset = _align(table_offset + 2 * table_entries * ENTRY_BYTES, block_bytes)  # table and mirror
         return cls(region_bytes, block_bytes, table_offset, table_entries, data_offset,
                    uuidlib.uuid4().bytes, created_ns)
 
@@ -101,6 +115,12 @@ class Superblock:
             raise IncompatibleVersionError(
                 f"{path} uses region format {major}.{minor}, newer than this ckptfs understands "
                 f"({FORMAT_MAJOR}.{FORMAT_MINOR}); upgrade ckptfs to open it")
+        if major < FORMAT_MAJOR:
+            raise OldFormatError(
+                f"{path} uses region format {major}.{minor}, which this ckptfs does not open (it writes "
+                f"{FORMAT_MAJOR}.{FORMAT_MINOR}: mirrored metadata, growing slots, kept versions); copy it into "
+                "the new format with " + in_words(python=f"ckptfs.upgrade({path!r})", cli=f"`ckptfs upgrade {path}`")
+                + " (the old region stays as it is until the copy is complete)")
         try:
             (_, major, minor, block_bytes, region_bytes, table_offset, table_entries, entry_bytes,
              data_offset, uid, created_ns) = _checked(cls._FMT, raw, f"superblock of {path}")
@@ -110,63 +130,133 @@ class Superblock:
                  created_ns, major, minor)
         if (entry_bytes != ENTRY_BYTES or block_bytes < PAGE_BYTES or block_bytes & (block_bytes - 1)
                 or table_offset < SUPERBLOCK_BYTES
-                or data_offset < table_offset + table_entries * ENTRY_BYTES
+                or data_offset < table_offset + 2 * table_entries * ENTRY_BYTES
                 or data_offset > region_bytes):
             raise RegionFormatError(f"superblock of {path} has inconsistent geometry; the region is damaged")
         return sb
 
 
 @dataclass(frozen=True)
+class Extent:
+    """A run of ``nslots`` slots of ``slot_bytes`` each at region ``offset``, holding slot ids
+    ``first_slot .. first_slot + nslots - 1`` of its model (ids stay put when extents come and go,
+    so a latest word or a lock byte always names the same slot)."""
+
+    offset: int
+    slot_bytes: int
+    nslots: int
+    first_slot: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.nslots * self.slot_bytes
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+    @property
+    def slots(self) -> range:
+        return range(self.first_slot, self.first_slot + self.nslots)
+
+
+@dataclass(frozen=True)
 class ModelEntry:
-    """Static description of one model: its name and its ring of slots."""
+    """Static description of one model: its name, how many versions its ring keeps, and the
+    extents its slots live in. ``generation`` grows by one at every change of the extents."""
 
     index: int
     name: str
-    nslots: int
-    slot_bytes: int
-    ring_offset: int
+    ring_slots: int
     created_ns: int
+    extents: tuple[Extent, ...]
+    generation: int = 1
 
-    _FMT = struct.Struct(f"<8sIIQQQH{NAME_MAX_BYTES}sI")
-    NAME_OFFSET = 42  # of the name bytes within the static part (for salvage in messages)
-
-    @property
-    def ring_bytes(self) -> int:
-        return self.nslots * self.slot_bytes
-
-    def slot_offset(self, slot: int) -> int:
-        return self.ring_offset + slot * self.slot_bytes
-
-    def pack_static(self) -> bytes:
-        name = self.name.encode()
-        return _with_crc(self._FMT, ENTRY_MAGIC, ENTRY_ACTIVE, self.nslots, self.slot_bytes,
-                         self.ring_offset, self.created_ns, len(name), name)
+    # magic, generation, state, ring_slots, created_ns, name length, name, extent count, extents, CRC
+    _FMT = struct.Struct(f"<8sQIIQH{NAME_MAX_BYTES}sH{'QQII' * MAX_EXTENTS}I")
+    NAME_OFFSET = 34  # of the name bytes within a copy (for salvage in messages)
 
     @classmethod
-    def unpack_static(cls, index: int, raw: bytes) -> "ModelEntry | None":
-        """The entry, or None for a free slot of the table. Raises on a damaged entry."""
+    def new(cls, index: int, name: str, nslots: int, slot_bytes: int, offset: int, created_ns: int) -> "ModelEntry":
+        """A model with one extent of ``nslots`` slots (ids 0..nslots-1), keeping ``nslots`` versions."""
+        return cls(index, name, nslots, created_ns, (Extent(offset, slot_bytes, nslots, 0),))
+
+    @property
+    def nslots(self) -> int:
+        return sum(e.nslots for e in self.extents)
+
+    @property
+    def slot_bytes(self) -> int:
+        """The size of the model's largest slots: what a save is sized against."""
+        return max(e.slot_bytes for e in self.extents)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.extents)
+
+    def slots(self) -> list[int]:
+        """Every slot id of the model, ascending."""
+        return sorted(s for e in self.extents for s in e.slots)
+
+    def extent_of(self, slot: int) -> Extent:
+        for e in self.extents:
+            if e.first_slot <= slot < e.first_slot + e.nslots:
+                return e
+        raise KeyError(f"model {self.name!r} has no slot {slot}")
+
+    def has_slot(self, slot: int) -> bool:
+        return any(e.first_slot <= slot < e.first_slot + e.nslots for e in self.extents)
+
+    def slot_offset(self, slot: int) -> int:
+        e = self.extent_of(slot)
+        return e.offset + (slot - e.first_slot) * e.slot_bytes
+
+    def slot_size(self, slot: int) -> int:
+        return self.extent_of(slot).slot_bytes
+
+    def with_extents(self, extents, ring_slots: int | None = None) -> "ModelEntry":
+        """The next generation of this entry, with ``extents`` (and ``ring_slots``)."""
+        return ModelEntry(self.index, self.name, self.ring_slots if ring_slots is None else ring_slots,
+                          self.created_ns, tuple(extents), self.generation + 1)
+
+    def pack_copy(self) -> bytes:
+        """One copy of the entry (the table holds two, at ENTRY_COPY_OFFSETS)."""
+        name = self.name.encode()
+        flat = []
+        for e in self.extents:
+            flat += [e.offset, e.slot_bytes, e.nslots, e.first_slot]
+        flat += [0] * (4 * (MAX_EXTENTS - len(self.extents)))
+        return _with_crc(self._FMT, ENTRY_MAGIC, self.generation, ENTRY_ACTIVE, self.ring_slots, self.created_ns,
+                         len(name), name, len(self.extents), *flat)
+
+    @classmethod
+    def unpack_copy(cls, index: int, raw: bytes) -> "ModelEntry | None":
+        """The entry one copy holds, or None for an all-zero magic (free, or a copy not written).
+        Raises RegionFormatError on a damaged copy."""
         if raw[:8] != ENTRY_MAGIC:
             if any(raw[:8]):
                 # Free entries have an all-zero magic (never used, or cleared by removal): anything
                 # else there is damage, not a free entry -- else one flipped bit hides a model.
                 raise RegionFormatError(f"model table entry {index} has a damaged magic")
             return None
-        magic, state, nslots, slot_bytes, ring_offset, created_ns, name_len, name = _checked(
-            cls._FMT, raw, f"model table entry {index}")
+        fields = _checked(cls._FMT, raw, f"model table entry {index}")
+        _, generation, state, ring_slots, created_ns, name_len, name, nextents = fields[:8]
+        flat = fields[8:]
         if state != ENTRY_ACTIVE:
             return None
-        if name_len > NAME_MAX_BYTES or nslots < 1 or nslots > SLOTS_MAX or slot_bytes <= 0:
+        if name_len > NAME_MAX_BYTES or not 1 <= nextents <= MAX_EXTENTS or not 1 <= ring_slots <= SLOTS_MAX:
             raise RegionFormatError(f"model table entry {index} is inconsistent")
+        extents = tuple(Extent(*flat[4 * i:4 * i + 4]) for i in range(nextents))
+        ids = set()
+        for e in extents:
+            if e.nslots < 1 or e.slot_bytes <= 0 or e.first_slot + e.nslots > SLOTS_MAX or ids & set(e.slots):
+                raise RegionFormatError(f"model table entry {index} has inconsistent extents")
+            ids |= set(e.slots)
         try:
             text = name[:name_len].decode("utf-8")
         except UnicodeDecodeError:
             raise RegionFormatError(f"model table entry {index} holds a name that is not UTF-8") from None
-        return cls(index, text, nslots, slot_bytes, ring_offset, created_ns)
-
-    @classmethod
-    def free_static(cls) -> bytes:
-        """Bytes that mark a table entry free (the magic is cleared first-class)."""
-        return bytes(cls._FMT.size)
+        return cls(index, text, ring_slots, created_ns, extents, generation)
 
 
 @dataclass(frozen=True)
@@ -182,29 +272,44 @@ class SlotHeader:
     manifest_crc: int = 0
     data_offset: int = 0
     data_bytes: int = 0
+    flags: int = 0  # SLOT_KEPT
 
-    _FMT = struct.Struct("<8sHHIQqQIIQQIQQI")
+    _FMT = struct.Struct("<8sHHIQqQIIQQIQQII")
+
+    @property
+    def kept(self) -> bool:
+        return bool(self.flags & SLOT_KEPT)
 
     def pack(self) -> bytes:
+        """The header's pages: the header at each of HEADER_COPY_OFFSETS (a page apart), so that
+        a sector or page lost to the media leaves the other copy."""
         raw = _with_crc(self._FMT, SLOT_MAGIC, FORMAT_MAJOR, FORMAT_MINOR, self.state, self.counter,
                         self.step, self.time_ns, self.model_index, self.slot, self.manifest_offset,
-                        self.manifest_bytes, self.manifest_crc, self.data_offset, self.data_bytes)
-        return raw.ljust(SLOT_HEADER_BYTES, b"\0")
+                        self.manifest_bytes, self.manifest_crc, self.data_offset, self.data_bytes, self.flags)
+        page = bytearray(SLOT_HEADER_BYTES)
+        for off in HEADER_COPY_OFFSETS:
+            page[off:off + len(raw)] = raw
+        return bytes(page)
+
+    @classmethod
+    def unpack_copies(cls, raw: bytes) -> "list[SlotHeader | None]":
+        """Each copy of a header page (None where a copy is not a valid header)."""
+        return [cls.unpack(raw[off:off + cls._FMT.size]) for off in HEADER_COPY_OFFSETS]
 
     @classmethod
     def unpack(cls, raw: bytes) -> "SlotHeader | None":
-        """The header, or None if the slot holds no valid header (never written, torn, damaged)."""
+        """One copy: the header, or None if it is not valid (never written, torn, damaged)."""
         if raw[:8] != SLOT_MAGIC:
             return None
         try:
             (_, major, _minor, state, counter, step, time_ns, model_index, slot, m_off, m_bytes,
-             m_crc, d_off, d_bytes) = _checked(cls._FMT, raw, "slot header")
+             m_crc, d_off, d_bytes, flags) = _checked(cls._FMT, raw, "slot header")
         except RegionFormatError:
             return None
         if major > FORMAT_MAJOR:
             raise IncompatibleVersionError(
                 f"a slot was written with format {major}, newer than this ckptfs; upgrade ckptfs")
-        return cls(state, counter, step, time_ns, model_index, slot, m_off, m_bytes, m_crc, d_off, d_bytes)
+        return cls(state, counter, step, time_ns, model_index, slot, m_off, m_bytes, m_crc, d_off, d_bytes, flags)
 
 
 def pack_latest(counter: int, slot: int) -> int:

@@ -3,21 +3,24 @@
 This module is the only code that writes slot headers, takes claim locks, issues the barriers
 of a commit and moves the latest pointer. The order it keeps (docs/FORMAT.md, PCcheck §3.1):
 
-  1. ``Ring.claim``: a version counter larger than any handed out, and a slot that is neither
-     latest, pinned nor claimed (an exclusive lock byte, re-checked against latest once held),
-     the one holding the oldest version first. While every slot is busy it waits (backpressure)
-     up to ``timeout_s``, then BusyError;
+  1. ``Ring.claim``: a slot large enough that is neither latest, kept, pinned nor claimed (an
+     exclusive lock byte, re-checked against latest and kept once held), the one holding the
+     oldest version first, then a version counter larger than any handed out. Where there is no
+     such slot, the model takes more from the region's free space (region/extents.py: a reader
+     or a kept version never blocks a save, and a model outgrows its first save's slots); only
+     when the region is full does a claim wait, up to ``timeout_s``, then BusyError;
   2. ``Claim.begin``: a slot that holds a committed version is first marked WRITING, durably, so
      that a crash while it is rewritten never leaves the old header in front of half-new data;
   3. ``Claim.write``: bytes at offsets of the data area (O_DIRECT, page-aligned buffers);
   4. ``Claim.commit(index)``: the index, one barrier (data and index durable), then the header
-     that vouches for them alone in its page, and a second barrier;
+     that vouches for them (both copies) alone in its pages, and a second barrier;
   5. publish (part of ``commit`` unless ``publish=False``; else ``Ring.publish`` later): the
      compare-and-swap of the latest pointer, only while it names an older counter (PCcheck
      Listing 1), and the pointer made durable;
   6. the claim is released; ``Claim.abort`` releases it without committing (a WRITING slot
-     holds no version).
+     holds no version); slots taken beyond what the model keeps go back (region/extents.py).
 After a commit the region's subscribers hear of it (``Region.commits``), outside every lock.
+``mark_kept`` sets or clears a committed version's kept flag, the one other header write.
 
 A ring is opened by one writer; several rings (writers, processes) on one model exclude each
 other through the lock bytes. Another kind of commit (a rank's part of a global version, a
@@ -29,19 +32,24 @@ of a global version) needs a header state of its own.
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 import threading
 import time
 from dataclasses import dataclass
 
 from ckptfs.checksum import crc32
-from ckptfs.errors import BusyError, CheckpointTooLargeError, CkptfsError, in_words
+from ckptfs.errors import BusyError, CheckpointTooLargeError, CkptfsError, NotFoundError, RegionFullError, in_words
 from ckptfs.region.backend import aligned_buffer
-from ckptfs.region.format import (SLOT_COMMITTED, SLOT_HEADER_BYTES, SLOT_WRITING, ModelEntry, SlotHeader,
-                                  pack_latest, slot_layout, unpack_latest)
+from ckptfs.region.extents import KEPT, Extents
+from ckptfs.region.format import (SLOT_COMMITTED, SLOT_HEADER_BYTES, SLOT_KEPT, SLOT_WRITING, ModelEntry,
+                                  SlotHeader, pack_latest, slot_layout, unpack_latest)
 from ckptfs.region.locks import LockSpace, slot_lock_offset
-from ckptfs.units import human_bytes
+
+log = logging.getLogger("ckptfs")
 
 CLAIM_POLL_S = 0.005  # how often a claim waiting for a free slot looks again
+GROW_RETRY_S = 1.0  # how long a claim that found the region full waits before it asks again
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,8 @@ class Committed:
     slot: int
     data_bytes: int
     published: bool  # False: not (yet) latest; a newer version was, or publish=False
+    kept: bool = False
+
 
 
 class Ring:
@@ -81,8 +91,12 @@ class Ring:
         # pins (OFD locks of one description never conflict in the kernel).
         self._claims = LockSpace(region.path, writable=True)
         self._ages_lock = threading.Lock()
-        self._ages: list[int] | None = None
+        self._ages: dict[int, int] | None = None
+        self.extents = Extents(self)
+        if region.entry_problems_of(entry):
+            self.entry = region.repair_entry(entry.name)
         self._recover_counter()
+        self._repair_headers()
         self._roll_forward()
 
     def close(self) -> None:
@@ -90,71 +104,116 @@ class Ring:
 
     # ------------------------------------------------------------------ geometry
     def layout(self, index_bytes: int, data_bytes: int) -> SlotLayout:
-        """The slot layout of a version; CheckpointTooLargeError if it does not fit a slot."""
+        """The slot layout of a version. A version larger than the model's slots gets larger ones
+        at its claim; CheckpointTooLargeError only if it cannot fit the region at all."""
         layout = SlotLayout.of(index_bytes, data_bytes)
-        if layout.slot_bytes > self.entry.slot_bytes:
-            name = self.entry.name
+        if layout.slot_bytes > self.region.data_area_bytes():
             raise CheckpointTooLargeError(
-                f"this checkpoint of {name!r} needs {human_bytes(layout.slot_bytes)} but its slots hold "
-                f"{human_bytes(self.entry.slot_bytes)} (slots are sized at the model's first save); "
-                + in_words(python=f"remove the model (Store.remove_model({name!r})) and save again, or give "
-                                  "slot_bytes= large enough when the model is first created",
-                           cli=f"remove the model (`ckptfs rm --all {name}`) and save again"))
+                f"this checkpoint of {self.entry.name!r} needs {_mib(layout.slot_bytes)} but the region "
+                f"{self.region.path} holds {_mib(self.region.data_area_bytes())} in all; " + in_words(
+                    python="create a larger region (Store.create(path, size_bytes=...))",
+                    cli="create a larger region (`ckptfs mkfs --size`)"))
         return layout
+
+    def refresh(self) -> ModelEntry:
+        """The model's entry as the table holds it now (another writer may have added or given
+        back slots); NotFoundError if the model was removed."""
+        entry = self.region.reload(self.entry)
+        if entry.generation != self.entry.generation:
+            with self._ages_lock:
+                self.entry, self._ages = entry, None
+        return entry
 
     # ------------------------------------------------------------------ claim
     def claim(self, step: int, layout: SlotLayout) -> "Claim":
-        """A new counter and a claimed slot for version ``step``; waits while every slot is busy
-        (BusyError after ``timeout_s``)."""
+        """A claimed slot and a new counter for version ``step``; waits while every slot is busy
+        and the region has no room for more (BusyError after ``timeout_s``)."""
         self.region.backend.check_present(for_write=True)
-        counter = self.region.next_counter(self.entry)
-        slot = self._claim_slot()
-        return Claim(self, slot, counter, step, time.time_ns(), layout)
+        entry, slot = self._claim_slot(layout.slot_bytes)
+        try:
+            counter = self.region.next_counter(entry)
+        except BaseException:
+            self._claims.release(slot_lock_offset(entry.index, slot))
+            raise
+        return Claim(self, entry, slot, counter, step, time.time_ns(), layout)
 
-    def _claim_slot(self) -> int:
-        entry = self.entry
+    def _claim_slot(self, need: int) -> tuple[ModelEntry, int]:
         deadline = time.monotonic() + self.timeout_s
+        full_until = 0.0
         while True:
-            latest_slot = self._latest_slot()
-            ages = self._slot_ages()
-            for slot in sorted((s for s in range(entry.nslots) if s != latest_slot), key=ages.__getitem__):
-                lock = slot_lock_offset(entry.index, slot)
-                if not self._claims.try_exclusive(lock):
+            entry = self.refresh()
+            now = time.monotonic()
+            # kept versions left the ring: it takes slots in their place to keep ring_slots versions
+            ages = self._slot_ages(entry)
+            short = sum(1 for s in entry.slots() if entry.slot_size(s) >= need and ages[s] != KEPT) < entry.ring_slots
+            found = None if short and now >= full_until else self._try_claim(entry, need)
+            if found is not None:
+                return found
+            fits = any(x.slot_bytes >= need for x in entry.extents)
+            if now >= full_until:
+                try:
+                    self.extents.add(need, outgrown=not fits)
                     continue
-                if self._latest_slot() == slot:  # became latest between the look and the lock
-                    self._claims.release(lock)
-                    continue
-                return slot
-            if time.monotonic() > deadline:
-                raise BusyError(f"every slot of {entry.name!r} is latest, pinned by a reader or being written "
-                                f"after waiting {self.timeout_s} s; close readers (open files in the mount, "
-                                "loads) or create the model with more slots")
+                except RegionFullError as e:
+                    full, full_until = e, now + GROW_RETRY_S
+                    if short and fits:  # no room for the ring's share: make do with its other slots
+                        continue
+                    if not fits:
+                        raise CheckpointTooLargeError(
+                            f"this checkpoint of {entry.name!r} needs slots of {_mib(need)}, larger than its "
+                            f"{_mib(entry.slot_bytes)}, and {e}") from None
+            if now > deadline:
+                raise BusyError(f"every slot of {entry.name!r} is latest, kept, pinned by a reader or being written "
+                                f"after waiting {self.timeout_s} s, and {full}; close readers (open files in the "
+                                "mount, loads) or make room")
             with self._ages_lock:
                 self._ages = None  # another process may have moved things: look again
             time.sleep(CLAIM_POLL_S)
+
+    def _try_claim(self, entry: ModelEntry, need: int) -> tuple[ModelEntry, int] | None:
+        """Lock the free slot of at least ``need`` bytes holding the oldest version, or None."""
+        latest_slot = self._latest_slot()
+        ages = self._slot_ages(entry)
+        free = [s for s in entry.slots() if entry.slot_size(s) >= need and s != latest_slot and ages[s] != KEPT]
+        for slot in sorted(free, key=ages.__getitem__):
+            lock = slot_lock_offset(entry.index, slot)
+            if not self._claims.try_exclusive(lock):
+                continue
+            header = self.region.read_header(entry, slot)
+            now = self.region.reload(entry)
+            if (self._latest_slot() == slot  # became latest between the look and the lock
+                    or (header is not None and header.kept)  # kept by another process meanwhile
+                    or not now.has_slot(slot) or now.slot_offset(slot) != entry.slot_offset(slot)):
+                if header is not None and header.kept:
+                    self._note_age(slot, KEPT)
+                self._claims.release(lock)
+                continue
+            return now, slot
+        return None
 
     def _latest_slot(self) -> int:
         latest = unpack_latest(self.region.latest_word(self.entry))
         return latest[1] if latest else -1
 
-    def _slot_ages(self) -> list[int]:
-        """Counter of the committed version in each slot (-1: none), read from the headers once and
-        then kept up to date by this ring's own commits. Only the choice among free slots depends
-        on it (safety rests on the claim lock and the latest check), so a value made stale by
-        another process costs at most a less old version, never a wrong overwrite; it spares
-        every save a disk read per slot header."""
+    def _slot_ages(self, entry: ModelEntry) -> dict[int, int]:
+        """Counter of the committed version in each slot of ``entry`` (-1: none, KEPT: a kept
+        version), read from the headers once and then kept up to date by this ring's own commits.
+        Only the choice among free slots depends on it (safety rests on the claim lock and the
+        checks made once it is held), so a value made stale by another process costs at most a
+        less old version, never a wrong overwrite; it spares every save a read per slot header."""
         with self._ages_lock:
-            if self._ages is None:
-                ages = []
-                for slot in range(self.entry.nslots):
-                    header = self.region.read_header(self.entry, slot)
-                    ages.append(header.counter if header is not None and header.state == SLOT_COMMITTED else -1)
+            if self._ages is None or set(self._ages) != set(entry.slots()):
+                ages = {}
+                for slot in entry.slots():
+                    header = self.region.read_header(entry, slot)
+                    committed = header is not None and header.state == SLOT_COMMITTED
+                    ages[slot] = (KEPT if header.kept else header.counter) if committed else -1
                 self._ages = ages
-            return list(self._ages)
+            return dict(self._ages)
 
     def _note_age(self, slot: int, counter: int) -> None:
         with self._ages_lock:
-            if self._ages is not None:
+            if self._ages is not None and slot in self._ages:
                 self._ages[slot] = counter
 
     def _recover_counter(self) -> None:
@@ -163,6 +222,29 @@ class Ring:
         highest = max((v.header.counter for v in self.region.committed(self.entry)), default=0)
         latest = unpack_latest(self.region.latest_word(self.entry))
         self.region.raise_counter(self.entry, max(highest, latest[0] if latest else 0))
+
+    def _repair_headers(self) -> None:
+        """Rewrite the header of every committed version one of whose two copies is damaged or
+        stale (from the intact one, with a warning); a slot in use is left to the next open."""
+        region, entry = self.region, self.entry
+        for slot in entry.slots():
+            if not region.header_copies_differ(entry, slot):
+                continue
+            lock = slot_lock_offset(entry.index, slot)
+            if not self._claims.try_exclusive(lock):
+                continue
+            try:
+                header = region.read_header(entry, slot)
+                if header is None or not region.header_copies_differ(entry, slot):
+                    continue
+                page = aligned_buffer(SLOT_HEADER_BYTES)
+                page[:] = header.pack()
+                region.write_slot(entry, slot, 0, page)
+                region.backend.barrier()
+                log.warning("model %r: one copy of the header of slot %d (step %d) was damaged; rewritten from the "
+                            "intact copy", entry.name, slot, header.step)
+            finally:
+                self._claims.release(lock)
 
     def _roll_forward(self) -> None:
         """Publish the newest committed version if the latest pointer names an older one: a crash
@@ -180,6 +262,8 @@ class Ring:
         try:
             if region.read_header(entry, version.slot) == version.header:
                 self.publish(version.header.counter, version.slot)
+        except NotFoundError:
+            pass
         finally:
             self._claims.release(lock)
 
@@ -205,24 +289,26 @@ class Ring:
 class Claim:
     """One slot claimed for one version: ``begin``, ``write``s, then ``commit`` or ``abort``."""
 
-    def __init__(self, ring: Ring, slot: int, counter: int, step: int, time_ns: int, layout: SlotLayout):
+    def __init__(self, ring: Ring, entry: ModelEntry, slot: int, counter: int, step: int, time_ns: int,
+                 layout: SlotLayout):
         self.ring = ring
+        self.entry = entry  # the model's entry as of the claim: it holds this slot until released
         self.slot = slot
         self.counter = counter
         self.step = step
         self.time_ns = time_ns
         self.layout = layout
-        self._lock = slot_lock_offset(ring.entry.index, slot)
+        self._lock = slot_lock_offset(entry.index, slot)
         self._held = True
 
     @property
     def model(self) -> str:
-        return self.ring.entry.name
+        return self.entry.name
 
     def begin(self) -> None:
         """Before the first write: a slot that holds a committed version is marked WRITING,
         durably (its old version is gone from here on)."""
-        region, entry = self.ring.region, self.ring.entry
+        region, entry = self.ring.region, self.entry
         header = region.read_header(entry, self.slot)
         if header is not None and header.state == SLOT_COMMITTED:
             self.ring._note_age(self.slot, -1)
@@ -233,13 +319,14 @@ class Claim:
     def write(self, data_offset: int, buf) -> None:
         """Write page-aligned ``buf`` at ``data_offset`` of the version's data area."""
         self._check_held()
-        self.ring.region.write_slot(self.ring.entry, self.slot, self.layout.data_offset + data_offset, buf)
+        self.ring.region.write_slot(self.entry, self.slot, self.layout.data_offset + data_offset, buf)
 
-    def commit(self, index: bytes, data_bytes: int, *, publish: bool = True) -> Committed:
+    def commit(self, index: bytes, data_bytes: int, *, publish: bool = True, keep: bool = False) -> Committed:
         """Make the version durable behind ``index`` (its encoded manifest) and, with
-        ``publish``, latest if it is the newest; release the claim; tell the subscribers."""
+        ``publish``, latest if it is the newest (``keep``: kept, never reused by the ring);
+        release the claim; give back slots the model no longer needs; tell the subscribers."""
         self._check_held()
-        ring, region, entry, layout = self.ring, self.ring.region, self.ring.entry, self.layout
+        ring, region, entry, layout = self.ring, self.ring.region, self.entry, self.layout
         room = layout.data_offset - layout.index_offset
         if len(index) > room:
             raise CkptfsError(f"the index of {entry.name} step {self.step} outgrew its reserved space "
@@ -250,13 +337,15 @@ class Claim:
         # invalid header (no version), never a valid header over a torn index.
         region.backend.barrier()
         header = SlotHeader(SLOT_COMMITTED, self.counter, self.step, self.time_ns, entry.index, self.slot,
-                            layout.index_offset, len(index), crc32(index), layout.data_offset, data_bytes)
+                            layout.index_offset, len(index), crc32(index), layout.data_offset, data_bytes,
+                            SLOT_KEPT if keep else 0)
         self._write_page(0, header.pack())
         region.backend.barrier()  # header durable before the pointer moves
         published = ring.publish(self.counter, self.slot) if publish else False
-        ring._note_age(self.slot, self.counter)
+        ring._note_age(self.slot, KEPT if keep else self.counter)
         self._release()
-        committed = Committed(entry.name, self.step, self.counter, self.slot, data_bytes, published)
+        ring.extents.give_back()
+        committed = Committed(entry.name, self.step, self.counter, self.slot, data_bytes, published, keep)
         region.commits.notify(committed)
         return committed
 
@@ -278,4 +367,31 @@ class Claim:
     def _write_page(self, slot_offset: int, data: bytes, nbytes: int = SLOT_HEADER_BYTES) -> None:
         page = aligned_buffer(nbytes)
         page[:len(data)] = data
-        self.ring.region.write_slot(self.ring.entry, self.slot, slot_offset, page)
+        self.ring.region.write_slot(self.entry, self.slot, slot_offset, page)
+
+
+def mark_kept(region, version, kept: bool) -> bool:
+    """Set (or clear) the kept flag of a committed version's header, durably; False if the
+    version is gone. The version is pinned meanwhile (no claim can take it), and both header
+    copies are rewritten in one page: a torn write leaves one copy of either flag, each of them
+    a valid header of the same version."""
+    if not region.pin(version):
+        return False
+    try:
+        with region.meta_locked():  # one flag change at a time per region
+            header = region.read_header(version.entry, version.slot)
+            if header is None or header.counter != version.header.counter or header.state != SLOT_COMMITTED:
+                return False
+            flags = (header.flags | SLOT_KEPT) if kept else (header.flags & ~SLOT_KEPT)
+            if flags != header.flags:
+                page = aligned_buffer(SLOT_HEADER_BYTES)
+                page[:] = dataclasses.replace(header, flags=flags).pack()
+                region.write_slot(version.entry, version.slot, 0, page)
+                region.backend.barrier()
+            return True
+    finally:
+        region.unpin(version)
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB"

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from ckptfs.checksum import crc32
 from ckptfs.errors import CorruptionError, MalformedInputError
 from ckptfs.manifest import Manifest
-from ckptfs.region.format import SLOT_COMMITTED, SLOT_HEADER_BYTES, ModelEntry, SlotHeader, unpack_latest
+from ckptfs.region.format import PAGE_BYTES, SLOT_COMMITTED, SLOT_HEADER_BYTES, ModelEntry, SlotHeader, unpack_latest
 from ckptfs.region.locks import slot_lock_offset
 
 log = logging.getLogger("ckptfs")
@@ -33,26 +33,46 @@ class SlotReader:
     Region it is part of."""
 
     def read_header(self, entry: ModelEntry, slot: int) -> SlotHeader | None:
-        """The slot's header if it is valid and belongs to this model and slot."""
-        return self._parse_header(entry, slot, self.backend.read_bytes(entry.slot_offset(slot), SLOT_HEADER_BYTES))
+        """The slot's header if it is valid and belongs to this model and slot (from either copy)."""
+        if not entry.has_slot(slot):
+            return None
+        return self._parse_header(entry, slot, self.backend.read_bytes(entry.slot_offset(slot), SLOT_HEADER_BYTES))[0]
 
     @staticmethod
-    def _parse_header(entry: ModelEntry, slot: int, raw: bytes) -> SlotHeader | None:
-        header = SlotHeader.unpack(raw)
+    def _parse_header(entry: ModelEntry, slot: int, raw: bytes) -> tuple[SlotHeader | None, bool]:
+        """(the header of the page ``raw``, whether its copies disagree). Of two valid copies the
+        committed one wins: a committed header is only ever written after its version is durable,
+        and a slot's data is only overwritten after both copies say WRITING durably, so a copy
+        that is committed vouches for a complete version even when the other was torn."""
+        copies = [SlotReader._valid_copy(entry, slot, h) for h in SlotHeader.unpack_copies(raw)]
+        valid = [h for h in copies if h is not None]
+        if not valid:
+            return None, any(raw)
+        best = next((h for h in valid if h.state == SLOT_COMMITTED), valid[0])
+        return best, copies[0] != copies[1]
+
+    @staticmethod
+    def _valid_copy(entry: ModelEntry, slot: int, header: SlotHeader | None) -> SlotHeader | None:
         if header is None or header.model_index != entry.index or header.slot != slot:
             return None
         if header.state == SLOT_COMMITTED:
             end = header.data_offset + header.data_bytes
-            if (header.manifest_offset < SLOT_HEADER_BYTES or header.data_offset % SLOT_HEADER_BYTES
+            if (header.manifest_offset < SLOT_HEADER_BYTES or header.data_offset % PAGE_BYTES
                     or header.manifest_offset + header.manifest_bytes > header.data_offset
-                    or end > entry.slot_bytes):
+                    or end > entry.slot_size(slot)):
                 return None
         return header
+
+    def header_copies_differ(self, entry: ModelEntry, slot: int) -> bool:
+        """Whether one copy of the slot's header is damaged or stale while the other is valid."""
+        raw = self.backend.read_bytes(entry.slot_offset(slot), SLOT_HEADER_BYTES)
+        header, differ = self._parse_header(entry, slot, raw)
+        return header is not None and differ
 
     def committed(self, entry: ModelEntry) -> list[SlotVersion]:
         """Every slot holding a committed checkpoint, oldest counter first."""
         out = []
-        for slot in range(entry.nslots):
+        for slot in entry.slots():
             header = self.read_header(entry, slot)
             if header is not None and header.state == SLOT_COMMITTED:
                 out.append(SlotVersion(entry, slot, header))
@@ -93,7 +113,7 @@ class SlotReader:
                 # complete), or the pointer word itself was zeroed. Take the newest intact one.
                 return self.newest_intact(entry, above_counter=0), None
             counter, slot = target
-            header = self.read_header(entry, slot) if slot < entry.nslots else None
+            header = self.read_header(entry, slot)
             version = None
             if header is not None and header.state == SLOT_COMMITTED and header.counter == counter:
                 version = SlotVersion(entry, slot, header)
@@ -130,7 +150,7 @@ class SlotReader:
         version it held, if any, is lost. (A header zeroed as a whole looks like an empty slot:
         that is what removal leaves, and a fresh slot's index is written before its header.)"""
         out = []
-        for slot in range(entry.nslots):
+        for slot in entry.slots():
             offset = entry.slot_offset(slot)
             if self._header_readable(entry, slot):
                 continue
@@ -150,11 +170,11 @@ class SlotReader:
     def _header_readable(self, entry: ModelEntry, slot: int) -> bool:
         """Empty (never written, or removed) or valid, from one read of the header."""
         raw = self.backend.read_bytes(entry.slot_offset(slot), SLOT_HEADER_BYTES)
-        return not any(raw) or self._parse_header(entry, slot, raw) is not None
+        return not any(raw) or self._parse_header(entry, slot, raw)[0] is not None
 
     def _salvage_index(self, entry: ModelEntry, slot: int) -> Manifest | None:
         start = entry.slot_offset(slot) + SLOT_HEADER_BYTES
-        room = entry.slot_bytes - SLOT_HEADER_BYTES
+        room = entry.slot_size(slot) - SLOT_HEADER_BYTES
         if room <= 0 or self.backend.view(start, 1)[0] != ord("{"):
             return None
         raw = bytes(self.backend.view(start, min(room, 1 << 20)))
@@ -180,7 +200,8 @@ class SlotReader:
 
     def write_slot(self, entry: ModelEntry, slot: int, offset: int, buf) -> None:
         """Write aligned ``buf`` at ``offset`` within a slot the caller has claimed."""
-        if offset < 0 or offset + len(buf) > entry.slot_bytes:
-            raise ValueError(f"write of {len(buf)} bytes at {offset} overflows slot of {entry.slot_bytes}")
+        size = entry.slot_size(slot)
+        if offset < 0 or offset + len(buf) > size:
+            raise ValueError(f"write of {len(buf)} bytes at {offset} overflows slot of {size}")
         self.backend.write(entry.slot_offset(slot) + offset, buf)
 

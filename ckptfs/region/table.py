@@ -11,9 +11,9 @@ from ckptfs import _native
 from ckptfs.errors import (BusyError, CorruptionError, InvalidNameError, in_words, no_model,
                            RegionFormatError, RegionFullError)
 from ckptfs.region.backend import aligned_buffer
-from ckptfs.region.format import (COUNTER_WORD_OFFSET, ENTRY_BYTES, ENTRY_STATIC_OFFSET, LATEST_WORD_OFFSET,
-                                  NAME_MAX_BYTES, SLOT_HEADER_BYTES, SUPERBLOCK_BYTES, ModelEntry,
-                                  _align)
+from ckptfs.region.format import (COUNTER_WORD_OFFSET, ENTRY_BYTES, ENTRY_COPY_BYTES, ENTRY_COPY_OFFSET,
+                                  LATEST_WORD_OFFSET, NAME_MAX_BYTES, SLOT_HEADER_BYTES, SUPERBLOCK_BYTES,
+                                  ModelEntry, _align)
 from ckptfs.region.locks import META_LOCK_OFFSET, slot_lock_offset
 from ckptfs.units import human_bytes
 
@@ -45,20 +45,75 @@ class ModelTable:
     def _entry_offset(self, index: int) -> int:
         return self.superblock.table_offset + index * ENTRY_BYTES
 
+    def _copy_offsets(self, index: int) -> tuple[int, int]:
+        """Where copy A (in the table) and copy B (in its mirror) of entry ``index`` start."""
+        return (self._entry_offset(index) + ENTRY_COPY_OFFSET,
+                self.superblock.mirror_offset + index * ENTRY_BYTES + ENTRY_COPY_OFFSET)
+
     def _read_entry(self, index: int) -> ModelEntry | None:
-        off = self._entry_offset(index) + ENTRY_STATIC_OFFSET
-        entry = ModelEntry.unpack_static(index, bytes(self.backend.view(off, ENTRY_BYTES - ENTRY_STATIC_OFFSET)))
-        sb = self.superblock
-        if entry is not None:
+        """The entry at ``index`` (None: free), from the newest intact of its two copies; raises
+        RegionFormatError when no copy is intact and the entry is not free."""
+        return self._read_copies(index)[0]
+
+    def _read_copies(self, index: int) -> tuple[ModelEntry | None, list[str]]:
+        """(the entry, what is wrong with its copies). A copy that is damaged, missing or of an
+        older generation than the other is repaired by the next change of the entry
+        (``repair_entry``); reading never writes."""
+        parsed, errors = [], []
+        for which, off in zip("AB", self._copy_offsets(index)):
             try:
-                validate_model_name(entry.name)
-            except InvalidNameError as e:
-                raise RegionFormatError(f"model table entry {index} holds an impossible name: {e}") from None
-        if entry is not None and (entry.ring_offset % sb.block_bytes or entry.slot_bytes % sb.block_bytes
-                                  or entry.ring_offset < sb.data_offset
-                                  or entry.ring_offset + entry.ring_bytes > sb.region_bytes):
-            raise RegionFormatError(f"model table entry {index} places its ring outside the region's data area")
-        return entry
+                entry = ModelEntry.unpack_copy(index, bytes(self.backend.view(off, ENTRY_COPY_BYTES)))
+                if entry is not None:
+                    self._check_entry(entry)
+                parsed.append(entry)
+            except RegionFormatError as e:
+                parsed.append(None)
+                errors.append(f"copy {which}: {e}")
+        valid = [e for e in parsed if e is not None]
+        if not valid:
+            if errors:
+                raise RegionFormatError("; ".join(errors))
+            return None, []
+        entry = max(valid, key=lambda e: e.generation)
+        problems = list(errors)
+        for which, copy in zip("AB", parsed):
+            if copy is None and not errors:
+                problems.append(f"copy {which} is missing")
+            elif copy is not None and copy != entry:
+                problems.append(f"copy {which} is older (generation {copy.generation} of {entry.generation})")
+        return entry, problems
+
+    def _check_entry(self, entry: ModelEntry) -> None:
+        try:
+            validate_model_name(entry.name)
+        except InvalidNameError as e:
+            raise RegionFormatError(f"model table entry {entry.index} holds an impossible name: {e}") from None
+        sb = self.superblock
+        end = self._data_end()
+        ordered = sorted(entry.extents, key=lambda x: x.offset)
+        for x in ordered:
+            if x.offset % sb.block_bytes or x.slot_bytes % sb.block_bytes or x.offset < sb.data_offset or x.end > end:
+                raise RegionFormatError(f"model table entry {entry.index} places its slots outside the region's data area")
+        if any(a.end > b.offset for a, b in zip(ordered, ordered[1:])):
+            raise RegionFormatError(f"model table entry {entry.index} has extents that overlap")
+
+    def _data_end(self) -> int:
+        """The end of the data area: the backup superblock follows it."""
+        sb = self.superblock
+        return (sb.region_bytes - SUPERBLOCK_BYTES) // sb.block_bytes * sb.block_bytes
+
+    def entry_problems(self) -> list[tuple[ModelEntry, list[str]]]:
+        """(entry, what is wrong) of every readable entry whose two copies are not both intact
+        and equal (for verify)."""
+        out = []
+        for index in range(self.superblock.table_entries):
+            try:
+                entry, problems = self._read_copies(index)
+            except RegionFormatError:
+                continue  # damaged_entries reports it
+            if entry is not None and problems:
+                out.append((entry, problems))
+        return out
 
     def entries(self) -> list[ModelEntry]:
         """Every model of the region. A damaged entry is logged and left out (see damaged_entries)."""
@@ -86,23 +141,25 @@ class ModelTable:
                 out.append(entry)
         # Two rings over the same bytes can only come from damage (or a crafted region); writing
         # one would corrupt the other, so neither is trusted.
-        ordered = sorted(out, key=lambda e: e.ring_offset)
-        clash = {e.index for a, b in zip(ordered, ordered[1:]) if a.ring_offset + a.ring_bytes > b.ring_offset
-                 for e in (a, b)}
+        ordered = sorted(((x, e) for e in out for x in e.extents), key=lambda p: p[0].offset)
+        clash = {e.index for (a, ea), (b, eb) in zip(ordered, ordered[1:]) if a.end > b.offset for e in (ea, eb)}
         for e in [e for e in out if e.index in clash]:
-            log.warning("skipping model table entry %d (model %r): its ring overlaps another model's", e.index, e.name)
-            damaged.append((e.index, e.name, f"model table entry {e.index} has a ring that overlaps another model's"))
+            log.warning("skipping model table entry %d (model %r): its slots overlap another model's", e.index, e.name)
+            damaged.append((e.index, e.name, f"model table entry {e.index} has slots that overlap another model's"))
         out = [e for e in out if e.index not in clash]
         return out, damaged
 
     def _salvage_entry_name(self, index: int) -> str | None:
         """The name a damaged entry seems to hold (for messages only; never trusted)."""
-        off = self._entry_offset(index) + ENTRY_STATIC_OFFSET + ModelEntry.NAME_OFFSET
-        raw = bytes(self.backend.view(off, NAME_MAX_BYTES)).split(b"\0", 1)[0]
-        try:
-            return validate_model_name(raw.decode("utf-8")) if raw else None
-        except (UnicodeDecodeError, InvalidNameError):
-            return None
+        for copy in self._copy_offsets(index):
+            off = copy + ModelEntry.NAME_OFFSET
+            raw = bytes(self.backend.view(off, NAME_MAX_BYTES)).split(b"\0", 1)[0]
+            try:
+                if raw:
+                    return validate_model_name(raw.decode("utf-8"))
+            except (UnicodeDecodeError, InvalidNameError):
+                pass
+        return None
 
     def find(self, name: str) -> ModelEntry | None:
         for entry in self.entries():
@@ -134,10 +191,10 @@ class ModelTable:
                 self.pins.release(META_LOCK_OFFSET)
 
     def create_model(self, name: str, nslots: int, slot_bytes: int) -> ModelEntry:
-        """Add a model with a ring of ``nslots`` slots; returns the existing entry if present."""
+        """Add a model with one extent of ``nslots`` slots, keeping ``nslots`` versions; returns
+        the existing entry if present."""
         validate_model_name(name)
-        block = self.superblock.block_bytes
-        slot_bytes = _align(slot_bytes, block)
+        slot_bytes = _align(slot_bytes, self.superblock.block_bytes)
         with self.meta_locked():
             entries, damaged = self._scan_entries()
             for entry in entries:
@@ -149,67 +206,127 @@ class ModelTable:
             if index is None:
                 raise RegionFullError(f"the model table of {self.path} is full "
                                       f"({self.superblock.table_entries} models); remove a model first")
-            ring_offset = self._find_gap(entries, nslots * slot_bytes)
-            self.backend.reserve(ring_offset, nslots * slot_bytes)
-            entry = ModelEntry(index, name, nslots, slot_bytes, ring_offset, time.time_ns())
+            offset = self.find_gap(nslots * slot_bytes, what="a new model's slots")
+            entry = ModelEntry.new(index, name, nslots, slot_bytes, offset, time.time_ns())
+            self.backend.reserve(offset, nslots * slot_bytes)
+            # Stale headers from a removed model that lived here must not look like versions.
+            self.wipe_slot_headers(entry, entry.slots())
             base = self._entry_offset(index)
             mapping = self.backend.mapping
-            # Stale headers from a removed model that lived here must not look like versions.
-            self._wipe_slot_headers(entry)
             _native.atomic_store_u64(mapping, base + LATEST_WORD_OFFSET, 0)
             _native.atomic_store_u64(mapping, base + COUNTER_WORD_OFFSET, 0)
-            # Everything but the magic first, then the magic with one atomic 8-byte store: a crash
-            # (or a reader) sees a free entry or a complete one, never a torn one, even though the
-            # kernel may write the page back at any moment of the copy.
-            static = entry.pack_static()
-            start = base + ENTRY_STATIC_OFFSET
-            mapping[start + 8:start + len(static)] = static[8:]
-            self.backend.persist_mapped(base, ENTRY_BYTES)
-            _native.atomic_store_u64(mapping, start, int.from_bytes(static[:8], "little"))
-            self.backend.persist_mapped(start, 8)
+            # Both copies but their magics first, then each magic with one atomic 8-byte store: a
+            # crash (or a reader) sees a free entry or a complete one, never a torn one, even
+            # though the kernel may write the page back at any moment of the copy.
+            copy = entry.pack_copy()
+            offsets = self._copy_offsets(index)
+            for off in offsets:
+                mapping[off + 8:off + len(copy)] = copy[8:]
+                self.backend.persist_mapped(off, len(copy))
+            self.backend.persist_mapped(base, 16)
+            try:
+                for off in offsets:
+                    _native.atomic_store_u64(mapping, off, int.from_bytes(copy[:8], "little"))
+                    self.backend.persist_mapped(off, 8)
+            except BaseException:
+                # Failed half way (an I/O error): no model, rather than one with a copy missing.
+                for off in offsets:
+                    _native.atomic_store_u64(mapping, off, 0)
+                raise
             return entry
 
-    def _find_gap(self, entries: list[ModelEntry], nbytes: int) -> int:
+    def write_entry(self, entry: ModelEntry) -> None:
+        """Replace an existing entry by ``entry`` (a later generation); the caller holds the table
+        lock. Copy A, durable, then copy B, durable: a crash leaves one intact copy of either
+        generation, and readers take the newest intact one."""
+        copy = entry.pack_copy()
+        for off in self._copy_offsets(entry.index):
+            self.backend.mapping[off:off + len(copy)] = copy
+            self.backend.persist_mapped(off, len(copy))
+
+    def entry_problems_of(self, entry: ModelEntry) -> list[str]:
+        """What is wrong with the copies of ``entry`` in the table (empty: both intact and equal)."""
+        try:
+            return self._read_copies(entry.index)[1]
+        except RegionFormatError as e:
+            return [str(e)]
+
+    def repair_entry(self, name: str) -> ModelEntry:
+        """Rewrite both copies of a model's entry if one is damaged, missing or old (with a
+        warning); returns the entry."""
+        with self.meta_locked():
+            entry = self.get(name)
+            _, problems = self._read_copies(entry.index)
+            if problems:
+                log.warning("model %r: model table entry %d: %s; repaired from the intact copy",
+                            name, entry.index, "; ".join(problems))
+                self.write_entry(entry)
+            return entry
+
+    def reload(self, entry: ModelEntry) -> ModelEntry:
+        """The current generation of ``entry`` (same index, name and creation); NotFoundError if
+        the model was removed (and perhaps replaced by another of the same name)."""
+        try:
+            now = self._read_entry(entry.index)
+        except RegionFormatError as e:
+            raise CorruptionError(f"model {entry.name!r} is not readable in {self.path}: {e}; "
+                                  "run `ckptfs verify`") from None
+        if now is None or now.name != entry.name or now.created_ns != entry.created_ns:
+            raise no_model(entry.name, self.path)
+        return now
+
+    def data_area_bytes(self) -> int:
+        """The bytes of the region that slots can use, all models together."""
+        return self._data_end() - self.superblock.data_offset
+
+    def find_gap(self, nbytes: int, *, prefer: int | None = None, what: str = "new slots") -> int:
+        """The offset of ``nbytes`` of the data area that no model's extent holds (``prefer`` if
+        that one is free); RegionFullError when there is none. The caller holds the table lock."""
         sb = self.superblock
+        taken = sorted((x.offset, x.end) for e in self._scan_entries()[0] for x in e.extents)
+        end = self._data_end()
+        if prefer is not None and prefer + nbytes <= end and all(b <= prefer or a >= prefer + nbytes for a, b in taken):
+            return prefer
         cursor = sb.data_offset
-        for e in sorted(entries, key=lambda e: e.ring_offset):
-            if e.ring_offset - cursor >= nbytes:
+        for a, b in taken:
+            if a - cursor >= nbytes:
                 return cursor
-            cursor = max(cursor, e.ring_offset + e.ring_bytes)
-        end = (sb.region_bytes - SUPERBLOCK_BYTES) // sb.block_bytes * sb.block_bytes  # backup superblock
+            cursor = max(cursor, b)
         if end - cursor >= nbytes:
             return cursor
-        free = end - sb.data_offset - sum(e.ring_bytes for e in entries)
+        free = end - sb.data_offset - sum(b - a for a, b in taken)
         raise RegionFullError(
-            f"region {self.path} has no contiguous {human_bytes(nbytes)} free for a new model ring "
+            f"region {self.path} has no contiguous {human_bytes(nbytes)} free for {what} "
             f"({human_bytes(free)} free in all); " + in_words(
-                python="remove models (Store.remove_model), or create a larger region (Store.create(path, size_bytes=...))",
-                cli="remove models (`ckptfs rm --all MODEL`), or create a larger region (`ckptfs mkfs --size`)"))
+                python="remove models or versions (Store.remove_model, Store.remove), or create a larger region "
+                       "(Store.create(path, size_bytes=...))",
+                cli="remove models or versions (`ckptfs rm`), or create a larger region (`ckptfs mkfs --size`)"))
 
-    def _wipe_slot_headers(self, entry: ModelEntry) -> None:
+    def wipe_slot_headers(self, entry: ModelEntry, slots) -> None:
+        """Zero the headers of ``slots`` (new slots: no stale header may look like a version)."""
         blank = aligned_buffer(SLOT_HEADER_BYTES)
-        for slot in range(entry.nslots):
+        for slot in slots:
             self.backend.write(entry.slot_offset(slot), blank)
         self.backend.barrier()
 
     def remove_model(self, name: str) -> None:
-        """Remove a model and free its ring; BusyError while any of its slots is pinned or claimed."""
+        """Remove a model and free its slots; BusyError while any of its slots is pinned or claimed."""
         with self.meta_locked():
             entry = self.get(name)
             claimed = []
             try:
-                for slot in range(entry.nslots):
+                for slot in entry.slots():
                     off = slot_lock_offset(entry.index, slot)
                     if not self.pins.try_exclusive(off):
                         raise BusyError(f"model {name!r} is in use (a writer or a reader holds slot {slot}); "
                                         "close it first")
                     claimed.append(off)
-                # Clearing the magic (one atomic 8-byte store) frees the entry; the rest is left
-                # as it is, so a crash cannot leave a half-cleared entry that looks damaged.
-                start = self._entry_offset(entry.index) + ENTRY_STATIC_OFFSET
-                _native.atomic_store_u64(self.backend.mapping, start, 0)
-                self.backend.persist_mapped(start, 8)
+                # Clearing the magics (atomic 8-byte stores) frees the entry; the rest is left as
+                # it is, so a crash cannot leave a half-cleared entry that looks damaged. (A crash
+                # between the two leaves the model in place: removed again, not half removed.)
+                for off in self._copy_offsets(entry.index):
+                    _native.atomic_store_u64(self.backend.mapping, off, 0)
+                    self.backend.persist_mapped(off, 8)
             finally:
                 for off in claimed:
                     self.pins.release(off)
-

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ckptfs.errors import CorruptionError, NotFoundError, RegionFormatError
-from ckptfs.region.format import (COUNTER_WORD_OFFSET, ENTRY_BYTES, ENTRY_STATIC_OFFSET,
-                                  LATEST_WORD_OFFSET, SLOT_HEADER_BYTES, SUPERBLOCK_BYTES, ModelEntry, SlotHeader,
+from ckptfs.region.format import (COUNTER_WORD_OFFSET, ENTRY_BYTES, ENTRY_COPY_OFFSET, HEADER_COPY_OFFSETS,
+                                  LATEST_WORD_OFFSET, PAGE_BYTES, SUPERBLOCK_BYTES, ModelEntry, SlotHeader,
                                   Superblock)
 from ckptfs.store import Store
 from ckptfs.testing.crashsim import same
@@ -38,7 +38,8 @@ from ckptfs.testing.recording import copy_sparse
 MODELS = {"m": (10, 20, 30, 40), "other": (1, 2)}
 SUPERBLOCK_FIELDS = Superblock._FMT.size      # bytes of the superblock that mean something
 HEADER_FIELDS = SlotHeader._FMT.size          # bytes of a slot header that mean something
-ENTRY_STATIC_END = ENTRY_STATIC_OFFSET + ModelEntry._FMT.size  # magic .. CRC of a model table entry
+ENTRY_COPY_END = ENTRY_COPY_OFFSET + ModelEntry._FMT.size  # magic .. CRC of a copy of a model table entry
+MIRRORED = ("entry", "entry-mirror", "header", "header-mirror")  # one of two copies: repaired from the other
 
 
 def fault_state(model: str, step: int):
@@ -64,8 +65,8 @@ def make_fault_region(path: str) -> None:
 class Site:
     """A byte range of the region and what lives there."""
 
-    kind: str          # tensor, tensor-pad, index, index-pad, header, header-pad, entry, entry-pad,
-    #                    latest-word, counter-word, superblock, superblock-pad, backup
+    kind: str          # tensor, tensor-pad, index, index-pad, header, header-mirror, header-pad, entry,
+    #                    entry-mirror, entry-pad, latest-word, counter-word, superblock, superblock-pad, backup
     offset: int
     length: int
     model: str | None = None
@@ -83,16 +84,19 @@ def fault_sites(path: str) -> list[Site]:
         sites.append(Site("backup", region.backend.size_bytes - SUPERBLOCK_BYTES, SUPERBLOCK_FIELDS))
         for entry in region.entries():
             base = region.superblock.table_offset + entry.index * ENTRY_BYTES
+            mirror = region.superblock.mirror_offset + entry.index * ENTRY_BYTES
             sites.append(Site("latest-word", base + LATEST_WORD_OFFSET, 8, entry.name))
             sites.append(Site("counter-word", base + COUNTER_WORD_OFFSET, 8, entry.name))
-            sites.append(Site("entry", base + ENTRY_STATIC_OFFSET, ENTRY_STATIC_END - ENTRY_STATIC_OFFSET, entry.name))
-            sites.append(Site("entry-pad", base + ENTRY_STATIC_END, ENTRY_BYTES - ENTRY_STATIC_END, entry.name))
+            for kind, at in (("entry", base), ("entry-mirror", mirror)):
+                sites.append(Site(kind, at + ENTRY_COPY_OFFSET, ENTRY_COPY_END - ENTRY_COPY_OFFSET, entry.name))
+                sites.append(Site("entry-pad", at + ENTRY_COPY_END, ENTRY_BYTES - ENTRY_COPY_END, entry.name))
             for v in region.committed(entry):
                 h, slot_base = v.header, entry.slot_offset(v.slot)
                 step = h.step
                 kw = dict(model=entry.name, step=step, slot=v.slot)
-                sites.append(Site("header", slot_base, HEADER_FIELDS, **kw))
-                sites.append(Site("header-pad", slot_base + HEADER_FIELDS, SLOT_HEADER_BYTES - HEADER_FIELDS, **kw))
+                for kind, at in zip(("header", "header-mirror"), HEADER_COPY_OFFSETS):
+                    sites.append(Site(kind, slot_base + at, HEADER_FIELDS, **kw))
+                    sites.append(Site("header-pad", slot_base + at + HEADER_FIELDS, PAGE_BYTES - HEADER_FIELDS, **kw))
                 sites.append(Site("index", slot_base + h.manifest_offset, h.manifest_bytes, **kw))
                 pad = h.data_offset - h.manifest_offset - h.manifest_bytes
                 sites.append(Site("index-pad", slot_base + h.manifest_offset + h.manifest_bytes, pad, **kw))
@@ -129,11 +133,11 @@ def pick_fault(site: Site, rng: random.Random, how: str | None = None) -> Fault:
         return Fault(site, "bit", site.offset + rng.randrange(site.length), 1, rng.randrange(8))
     # a zeroed block: a 512-byte sector (a whole 4 KiB page for headers and superblocks, the way
     # a device loses them), cut to the site so that the expectation stays precise
-    if site.kind in ("header", "superblock", "backup"):
-        return Fault(site, "zero", site.offset, SLOT_HEADER_BYTES)  # the whole page, padding included
-    if site.kind in ("entry", "entry-pad", "latest-word", "counter-word"):
-        # a model table entry is one 512-byte sector: lost as a whole, or one word of it
-        if site.kind == "entry" or rng.random() < 0.5:
+    if site.kind in ("header", "header-mirror", "superblock", "backup"):
+        return Fault(site, "zero", site.offset, PAGE_BYTES)  # the whole page, padding included
+    if site.kind in ("entry", "entry-mirror", "entry-pad", "latest-word", "counter-word"):
+        # a model table entry (1 KiB, two sectors): lost as a whole, or only the site's bytes
+        if site.kind in ("entry", "entry-mirror") or rng.random() < 0.5:
             return Fault(site, "zero", site.offset - site.offset % ENTRY_BYTES, ENTRY_BYTES)
         return Fault(site, "zero", site.offset, site.length)
     block = 512
@@ -161,18 +165,20 @@ def inject(path: str, fault: Fault) -> bool:
 class FaultOutcome:
     detected: bool = False       # verify (or opening) reported it
     harmless: bool = False       # the bytes mean nothing: nothing must be reported
-    undetectable: bool = False   # documented blind spot (a zeroed header / table entry): data lost, not misread
+    undetectable: bool = False   # damage that loses data without a report (the target: never)
+    repaired: bool = False       # one copy of a mirrored structure: reported, then rewritten from the other
     failures: list = field(default_factory=list)
 
 
 def _expectation(fault: Fault) -> tuple[str, set]:
-    """('harmless' | 'version' | 'model' | 'region' | 'blind', the (model, step) made unreadable)."""
+    """('harmless' | 'version' | 'mirror' | 'region' | 'pointer' | ..., the (model, step) made unreadable)."""
     s = fault.site
-    if fault.how == "zero" and fault.length == ENTRY_BYTES and s.kind in ("entry", "entry-pad", "latest-word",
-                                                                         "counter-word"):
-        # the whole entry reads back as zeros: exactly a never-used entry, so the model is gone
-        # (its rings are not found again); documented blind spot
-        return "blind", {(s.model, st) for st in MODELS[s.model]}
+    if fault.how == "zero" and fault.length == ENTRY_BYTES:
+        # a whole entry of the table (its words and copy A) or of the mirror (copy B): the other
+        # copy holds the model; a zeroed latest word reads as "none yet" (newest intact is latest)
+        return "mirror", set()
+    if s.kind in MIRRORED:
+        return "mirror", set()
     if s.kind in ("tensor-pad", "index-pad", "header-pad", "entry-pad", "superblock-pad"):
         return "harmless", set()
     if s.kind == "counter-word":
@@ -182,12 +188,8 @@ def _expectation(fault: Fault) -> tuple[str, set]:
         return ("model-save" if fault.how == "bit" and bit >= 48 else "harmless"), set()
     if s.kind in ("superblock", "backup"):
         return "region", set()
-    if s.kind == "entry":
-        return "model", {(s.model, st) for st in MODELS[s.model]}
     if s.kind == "latest-word":
         return ("pointer" if fault.how == "bit" else "pointer-zero"), set()
-    if s.kind == "header" and fault.how == "zero":
-        return "blind", {(s.model, s.step)}
     return "version", {(s.model, s.step)}
 
 
@@ -222,15 +224,12 @@ def check_fault(path: str, fault: Fault) -> FaultOutcome:
                 strays = [p for p in problems if p.model != s.model or (p.step not in (s.step, -1))]
                 if strays:
                     fail(f"verify blamed intact versions: {[str(p) for p in strays]}")
-            elif kind == "model":
-                out.detected = any(s.model in str(p) and "entry" in p.message for p in problems)
-                if not out.detected:
-                    fail(f"verify did not report the damaged table entry (it said {text})")
-                try:
-                    store.load(s.model)
-                    fail("load of a model with a damaged table entry did not raise")
-                except CorruptionError:
-                    pass
+            elif kind == "mirror":
+                hit = [p for p in problems if p.model == s.model and "copy" in p.message
+                       and (s.step is None or p.step == s.step)]
+                out.detected = bool(hit)
+                if not hit:
+                    fail(f"verify did not report the damaged copy (it said {text})")
             elif kind == "region":
                 out.detected = any("superblock" in p.message for p in problems)
                 if not out.detected:
@@ -247,9 +246,6 @@ def check_fault(path: str, fault: Fault) -> FaultOutcome:
                 out.detected = any(p.model == s.model and "counter" in p.message for p in problems)
                 if not out.detected:
                     fail(f"verify did not report the damaged counter (it said {text})")
-            else:  # blind: a zeroed header block looks like an empty slot
-                out.undetectable = not problems
-                out.detected = bool(problems)
 
             # never wrong bytes; nothing else hidden
             for model, steps in MODELS.items():
@@ -265,8 +261,6 @@ def check_fault(path: str, fault: Fault) -> FaultOutcome:
                         fail(f"WRONG BYTES: {model} step {step} loaded without error but {diff}")
                     elif (model, step) in unreadable:
                         fail(f"{model} step {step} loaded, but its damage should have been caught")
-                if kind == "model" and model == s.model:
-                    continue
                 intact = [st for st in steps if (model, st) not in unreadable]
                 try:
                     got = store.load(model)
@@ -277,19 +271,24 @@ def check_fault(path: str, fault: Fault) -> FaultOutcome:
                     if intact:
                         fail(f"load({model!r}) raised {type(e).__name__} with intact versions left: {e}")
             # the model still takes saves, and the new one is latest
-            if kind != "model":
-                target = s.model or "m"
-                try:
-                    with store.writer(target, max_inflight=1, chunk_bytes=16 << 10) as w:
-                        w.save(fault_state(target, 99), 99).result()
-                    if kind == "model-save":
-                        fail("a save with a counter word past any pointer did not refuse")
-                    diff = same(fault_state(target, 99), store.load(target))
-                    if diff:
-                        fail(f"a new save after the fault did not load back as latest: {diff}")
-                except CorruptionError as e:
-                    if kind != "model-save":
-                        fail(f"a new save after the fault failed: {e}")
+            target = s.model or "m"
+            try:
+                with store.writer(target, max_inflight=1, chunk_bytes=16 << 10) as w:
+                    w.save(fault_state(target, 99), 99).result()
+                if kind == "model-save":
+                    fail("a save with a counter word past any pointer did not refuse")
+                diff = same(fault_state(target, 99), store.load(target))
+                if diff:
+                    fail(f"a new save after the fault did not load back as latest: {diff}")
+            except CorruptionError as e:
+                if kind != "model-save":
+                    fail(f"a new save after the fault failed: {e}")
+            if kind == "mirror":
+                # the writer that opened the model rewrote the damaged copy from the intact one
+                left = [str(p) for p in store.verify() if "copy" in p.message]
+                out.repaired = not left
+                if left:
+                    fail(f"the damaged copy was not repaired by the model's next writer: {left}")
     finally:
         logging.getLogger("ckptfs").disabled = False
     return out
@@ -301,6 +300,7 @@ class CampaignReport:
     detected: int = 0
     harmless: int = 0
     undetectable: int = 0
+    repaired: int = 0
     by_kind: dict = field(default_factory=dict)
     failures: list = field(default_factory=list)
 
@@ -329,6 +329,7 @@ def run_campaign(n: int, seed: int = 0, workdir: str | None = None) -> CampaignR
             report.detected += out.detected
             report.harmless += out.harmless
             report.undetectable += out.undetectable
+            report.repaired += out.repaired
             report.by_kind[site.kind] = report.by_kind.get(site.kind, 0) + 1
             for f in out.failures:
                 report.failures.append(f"{fault.describe()}: {f}")

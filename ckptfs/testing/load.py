@@ -478,7 +478,7 @@ def mount_kill_rounds(workdir: str, rounds: int, seed: int = 0, holders: int = 2
                 fails.append(f"the writer noticed: {wdoc['errors']}")
             with ckptfs.Store(region) as s:
                 entry = s.region.get(model)
-                stale = [slot for slot in range(entry.nslots)
+                stale = [slot for slot in entry.slots()
                          if s.region.pins.is_locked_by_others(slot_lock_offset(entry.index, slot))]
                 if stale:
                     fails.append(f"slots {stale} are still pinned after the daemon and the readers died")

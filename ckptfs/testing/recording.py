@@ -87,7 +87,8 @@ class RecordingBackend(FileBackend):
                  write_hook: Callable[[int, int], None] | None = None):
         super().__init__(path, writable)
         sb = Superblock.unpack(bytes(self.view(0, SUPERBLOCK_BYTES)), path)
-        self.watch_bytes = min(sb.table_offset + watch_entries * ENTRY_BYTES, sb.data_offset)
+        # the first entries of the table and of its mirror (and what lies between: never written)
+        self.watch_bytes = min(sb.mirror_offset + watch_entries * ENTRY_BYTES, sb.data_offset)
         self.data_offset = sb.data_offset
         self.events: list = []
         self.write_hook = write_hook

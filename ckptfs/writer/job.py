@@ -41,6 +41,7 @@ class Job:
     future: SaveFuture
     started: float  # perf_counter at save()
     crc_in_snapshot: bool  # a background snapshot takes the chunks' CRCs itself (see snapshot.py)
+    keep: bool = False  # commit the version kept (a milestone the ring never reuses)
     chunks_left: int = 0
     ready: threading.Event = field(default_factory=threading.Event)  # the slot may be written
     snapshot_taken: threading.Event = field(default_factory=threading.Event)

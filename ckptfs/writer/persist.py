@@ -159,7 +159,7 @@ class PersistPipeline:
         pieces = job.piece_crcs
         index = manifest.encode(plan.layout.tensors.with_crcs(
             [combine_piece_crcs(pieces.get(i, ())) for i in range(len(plan.layout.records))]))
-        committed = claim.commit(index, manifest.data_bytes)
+        committed = claim.commit(index, manifest.data_bytes, keep=job.keep)
         self._finish(job, SaveResult(claim.model, job.step, claim.counter, claim.slot, manifest.data_bytes,
                                      committed.published, job.stall_s, time.perf_counter() - job.started), None)
 

@@ -24,13 +24,12 @@ from concurrent.futures import InvalidStateError
 
 import torch
 
-from ckptfs.errors import BusyError, CkptfsError, in_words
+from ckptfs.errors import BusyError, CkptfsError
 from ckptfs.manifest import align_up, encode_files
 from ckptfs.memcopy import default_copy_threads
 from ckptfs.region.format import SLOTS_MAX
 from ckptfs.region.region import Region, validate_model_name
 from ckptfs.region.ring import Ring
-from ckptfs.units import human_bytes
 from ckptfs.writer.cuda import CallerMark, caller_mark
 from ckptfs.writer.job import Job, SaveFuture, SaveResult
 from ckptfs.writer.persist import PersistPipeline
@@ -67,15 +66,17 @@ class Writer:
     Tunables: ``max_inflight`` (N: saves persisting at once; the N+1st waits), ``persist_threads``
     (p: parallel writers to the region), ``chunk_bytes`` (pipeline granularity),
     ``staging_budget_bytes`` (hard cap on host staging memory; default: room for N snapshots of
-    the first checkpoint, at most half of physical memory), ``slots`` / ``slot_bytes`` (ring
-    geometry when the model is created; default N+2 slots sized at the first save),
-    ``timeout_s`` (longest wait for a free slot, staging buffer or permit before BusyError).
+    the first checkpoint, at most half of physical memory), ``slots`` (how many versions the ring keeps, default N+2; on an existing model a
+    new count takes effect), ``slot_bytes`` (the least slot size; default: the first save's, and
+    slots grow by themselves when a save outgrows them), ``keep_every`` (every save whose step
+    is a multiple of it is kept, as ``save(..., keep=True)``), ``timeout_s`` (longest wait for a
+    free slot, staging buffer or permit before BusyError).
     """
 
     def __init__(self, region: Region, model: str, *, max_inflight: int = 2,
                  persist_threads: int = DEFAULT_PERSIST_THREADS, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  staging_budget_bytes: int | None = None, slots: int | None = None,
-                 slot_bytes: int | None = None, timeout_s: float = 120.0):
+                 slot_bytes: int | None = None, keep_every: int | None = None, timeout_s: float = 120.0):
         validate_model_name(model)
         _positive("max_inflight", max_inflight)
         _positive("persist_threads", persist_threads)
@@ -85,6 +86,8 @@ class Writer:
         if slots is not None and not max_inflight + 1 <= slots <= SLOTS_MAX:
             raise ValueError(f"slots={slots} must be between max_inflight+1={max_inflight + 1} and {SLOTS_MAX}: "
                              "N checkpoints in flight need N+1 slots so the latest is never overwritten")
+        if keep_every is not None:
+            _positive("keep_every", keep_every)
         if staging_budget_bytes is not None and staging_budget_bytes < chunk_bytes:
             raise ValueError(f"staging_budget_bytes={staging_budget_bytes} is smaller than one chunk ({chunk_bytes})")
         if not region.writable:
@@ -98,13 +101,14 @@ class Writer:
         self.chunk_bytes = chunk_bytes
         self.staging_budget_bytes = staging_budget_bytes
         self.timeout_s = timeout_s
+        self.keep_every = keep_every
         self._slots = slots
         self._slot_bytes = slot_bytes
         self._setup_lock = threading.Lock()  # lazy set-up may race when save() is called from threads
         entry = region.find(model)
-        if entry is not None:
-            _check_geometry(entry, slots, slot_bytes)
         self._ring: Ring | None = None if entry is None else region.ring(entry, timeout_s=timeout_s)
+        if entry is not None:
+            self._ring.extents.reshape(slots, slot_bytes)
         self._planner = Planner(model, chunk_bytes)
         self._progress = ProgressBoard(region.superblock.uuid, model)
         self._permits = threading.BoundedSemaphore(max_inflight)
@@ -122,12 +126,15 @@ class Writer:
         _open_writers.add(self)
 
     # ------------------------------------------------------------------ public API
-    def save(self, obj, step: int, *, async_snapshot: bool = False, extra: dict | None = None) -> SaveFuture:
+    def save(self, obj, step: int, *, async_snapshot: bool = False, extra: dict | None = None,
+             keep: bool | None = None) -> SaveFuture:
         """Snapshot ``obj`` and persist it in the background as version ``step``.
 
         ``extra``: small files saved with the version, ``{name: str or JSON-able value}`` (e.g.
         ``{"config.json": model.config.to_dict()}``); the mount shows them in the version
         directory, and with a ``config.json`` an ``hf/`` directory that ``from_pretrained`` opens.
+        ``keep``: keep this version (a milestone): it leaves the ring and stays until unkept
+        (``Store.unkeep``) or removed; default: kept if ``step`` is a multiple of ``keep_every``.
 
         Everything that can be refused (unsupported leaves, a checkpoint too large for its
         slots, a full region) is refused before any write. Then:
@@ -147,12 +154,14 @@ class Writer:
         if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 1 << 62:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         files = encode_files(extra)
+        if keep is None:
+            keep = self.keep_every is not None and step % self.keep_every == 0
         started = time.perf_counter()
         future = SaveFuture()
         if not async_snapshot:
             plan = self._planner.plan(obj, step, files)
             self._register(future)
-            self._start(future, plan, started)
+            self._start(future, plan, started, keep=bool(keep))
             return future
         # Nothing else happens on the caller's thread: right after its optimizer step has
         # streamed the whole state through the caches, every object touched here is a cache
@@ -160,7 +169,7 @@ class Writer:
         self._register(future)
         if self._snapshot_thread is None:
             self._start_snapshot_thread()
-        self._snapshot_queue.put((future, obj, step, files, started, caller_mark()))
+        self._snapshot_queue.put((future, obj, step, files, bool(keep), started, caller_mark()))
         self._last_snapshot = future.snapshotted
         return future
 
@@ -228,16 +237,16 @@ class Writer:
             item = self._snapshot_queue.get()
             if item is None:
                 return
-            future, obj, step, files, started, mark = item
+            future, obj, step, files, keep, started, mark = item
             try:
                 plan = self._planner.plan(obj, step, files)
-                self._start(future, plan, started, background=True, mark=mark)
+                self._start(future, plan, started, background=True, mark=mark, keep=keep)
             except BaseException as e:  # noqa: BLE001 - delivered through both futures
                 if not future.done():
                     self._drop(future, e)
 
     def _start(self, future: SaveFuture, plan: SavePlan, started: float, background: bool = False,
-               mark: CallerMark | None = None) -> None:
+               mark: CallerMark | None = None, keep: bool = False) -> None:
         """Slot layout, permit, claim and snapshot of one save; raises (and fails the futures)
         if any of them cannot be had. ``background``: the snapshot runs beside the caller's
         compute (async_snapshot), so it also takes the chunks' CRCs; ``mark``: where its CUDA
@@ -257,7 +266,7 @@ class Writer:
             self._permits.release()
             self._drop(future, e)
             raise
-        job = Job(claim, plan, future, started, crc_in_snapshot=background)
+        job = Job(claim, plan, future, started, crc_in_snapshot=background, keep=keep)
         self._persist.begin(job)
         try:
             with self._persist.gate.snapshot():
@@ -330,19 +339,6 @@ class Writer:
                     budget = min(self.max_inflight * align_up(max(data_bytes, 1), chunk), physical // 2)
                 self._pools[cuda] = StagingPool(chunk, max(budget, chunk), pinned=cuda)
             return self._pools[cuda]
-
-
-def _check_geometry(entry, slots: int | None, slot_bytes: int | None) -> None:
-    """ValueError if ``slots`` / ``slot_bytes`` ask for another ring than the model has: they apply
-    when a model is created, and must not be dropped without a word."""
-    asked = [f"{name}={value}" for name, value, has in (("slots", slots, entry.nslots),
-                                                         ("slot_bytes", slot_bytes, entry.slot_bytes))
-             if value is not None and value != has and not (name == "slot_bytes" and value <= has)]
-    if asked:
-        raise ValueError(f"model {entry.name!r} already exists with {entry.nslots} slots of {human_bytes(entry.slot_bytes)}; "
-                         f"{' and '.join(asked)} apply when a model is created: leave them out, or remove the model "
-                         "first (" + in_words(python=f"Store.remove_model({entry.name!r})",
-                                              cli=f"`ckptfs rm --all {entry.name}`") + ", which deletes its versions)")
 
 
 def _positive(name: str, value) -> None:

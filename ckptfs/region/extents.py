@@ -1,0 +1,168 @@
+"""How a model's slots grow and shrink: extents taken from the region's free space and given back.
+
+A model keeps its newest ``ring_slots`` versions (the slots it was created with), its latest, its
+kept versions and whatever a reader has open. Its slots live in up to MAX_EXTENTS extents (runs of
+equal slots, docs/FORMAT.md). A claim that finds no free slot large enough (``Ring.claim``) asks
+for more here:
+  * **outgrown**: the save is larger than every slot (a model saved before its optimizer had
+    state, a model that grew): a new extent of ``ring_slots`` slots sized for it with headroom
+    (fewer if the region has less room). The smaller slots keep their versions readable and go
+    back once those versions are older than the newest ``ring_slots``;
+  * **busy**: every slot large enough is latest, kept, pinned by a reader or being written: one
+    more slot of the model's size, placed right after an extent of that size where the bytes are
+    free (the extent grows, so the entry does not run out of extents). Readers never stall
+    training while the region has room.
+After every commit ``give_back`` returns the slots at the end of each extent that hold nothing
+the model keeps and that the ring does not need to keep ``ring_slots`` versions of its size.
+Every change is written with the table lock held, new slots' headers wiped before the entry that
+names them is written (a stale header there must not look like a version), and slots given back
+are locked exclusively first (no reader or writer is in them).
+"""
+from __future__ import annotations
+
+import logging
+
+from ckptfs.errors import RegionFullError
+from ckptfs.region.format import MAX_EXTENTS, SLOT_COMMITTED, SLOTS_MAX, Extent, ModelEntry, _align, unpack_latest
+from ckptfs.region.locks import slot_lock_offset
+
+KEPT = 1 << 62  # Ring._slot_ages' value of a slot holding a kept version: never claimed, sorts last
+
+log = logging.getLogger("ckptfs")
+
+GROWTH_HEADROOM = 1.25  # an outgrown model's new slots leave room for it to grow a little more
+
+
+class Extents:
+    """The extent policy of one ring (``Ring.extents``)."""
+
+    def __init__(self, ring):
+        self.ring = ring
+        self.region = ring.region
+
+    # ------------------------------------------------------------------ taking
+    def reshape(self, ring_slots: int | None, slot_bytes: int | None) -> None:
+        """Make an existing model keep ``ring_slots`` versions (more slots now, or fewer given
+        back as they empty) and have slots of at least ``slot_bytes`` (larger ones now);
+        None leaves either as it is."""
+        region = self.region
+        if ring_slots is not None and ring_slots != self.ring.entry.ring_slots:
+            with region.meta_locked():
+                entry = self.ring.refresh()
+                entry = entry.with_extents(entry.extents, ring_slots=ring_slots)
+                region.write_entry(entry)
+                usable = sum(1 for x in entry.extents if x.slot_bytes >= entry.slot_bytes for _ in x.slots)
+                if ring_slots > usable:
+                    self._add(self.ring.refresh(), entry.slot_bytes, ring_slots - usable)
+                self.ring.refresh()
+            self.give_back()
+        if slot_bytes is not None and slot_bytes > self.ring.entry.slot_bytes:
+            self.add(slot_bytes, outgrown=True, headroom=1.0)
+
+    def add(self, need: int, *, outgrown: bool, headroom: float = GROWTH_HEADROOM) -> ModelEntry:
+        """Give the model free slots of at least ``need`` bytes (see the module's docstring);
+        RegionFullError if the region has no room even after giving back what may go."""
+        region = self.region
+        with region.meta_locked():
+            entry = self.ring.refresh()
+            if outgrown:
+                slot_bytes = max(_align(int(need * headroom), region.superblock.block_bytes), need)
+                counts = sorted({entry.ring_slots, 2, 1}, reverse=True)
+            else:
+                slot_bytes, counts = max(entry.slot_bytes, need), [1]
+            error = None
+            for nslots in counts:
+                try:
+                    new = self._add(entry, slot_bytes, nslots)
+                except RegionFullError as e:
+                    error = error or e
+                    continue
+                log.info("model %r: %d more slot(s) of %.1f MiB (%s)", entry.name, nslots, slot_bytes / 2**20,
+                         "its checkpoints outgrew its slots" if outgrown else "every slot was busy")
+                self.ring.refresh()
+                return new
+            raise error
+
+    def _add(self, entry: ModelEntry, slot_bytes: int, nslots: int) -> ModelEntry:
+        region = self.region
+        nbytes = slot_bytes * nslots
+        taken_ids = set(entry.slots())
+        extents = list(entry.extents)
+        new = None
+        for i, x in enumerate(extents):
+            ids = range(x.first_slot + x.nslots, x.first_slot + x.nslots + nslots)
+            if x.slot_bytes == slot_bytes and ids.stop <= SLOTS_MAX and not taken_ids.intersection(ids):
+                if region.find_gap(nbytes, prefer=x.end) == x.end:
+                    extents[i] = Extent(x.offset, slot_bytes, x.nslots + nslots, x.first_slot)
+                    new = Extent(x.end, slot_bytes, nslots, ids.start)
+                    break
+        if new is None:
+            if len(extents) >= MAX_EXTENTS:
+                raise RegionFullError(f"model {entry.name!r} has {MAX_EXTENTS} extents, the most an entry holds; "
+                                      "unkeep or remove versions of it")
+            first = next(i for i in range(SLOTS_MAX) if not taken_ids.intersection(range(i, i + nslots)))
+            if first + nslots > SLOTS_MAX:
+                raise RegionFullError(f"model {entry.name!r} has {SLOTS_MAX} slots, the most it can have")
+            new = Extent(region.find_gap(nbytes, what=f"more slots of {entry.name!r}"), slot_bytes, nslots, first)
+            extents.append(new)
+        region.backend.reserve(new.offset, nbytes)
+        grown = entry.with_extents(extents)
+        region.wipe_slot_headers(grown, new.slots)
+        region.write_entry(grown)
+        return grown
+
+    # ------------------------------------------------------------------ giving back
+    def give_back(self) -> bool:
+        """After a commit: return the slots the model does not need (see the module's docstring).
+        Cheap when there is nothing to return: the table lock is taken only then."""
+        entry = self.ring.entry
+        if len(entry.extents) == 1:
+            kept = sum(1 for age in self.ring._slot_ages(entry).values() if age == KEPT)
+            if entry.nslots - kept <= entry.ring_slots:
+                return False  # nothing spare (the usual case: no scan, no lock)
+        with self.region.meta_locked():
+            return self._give_back_locked(self.ring.refresh())
+
+    def _give_back_locked(self, entry: ModelEntry) -> bool:
+        """Trim the tails of the extents of ``entry`` (the table lock is held). Kept: latest, kept
+        versions, pinned or claimed slots, the newest ``ring_slots`` versions, and enough slots of
+        the model's size for ``ring_slots`` versions."""
+        region = self.region
+        headers = {s: region.read_header(entry, s) for s in entry.slots()}
+        latest = unpack_latest(region.latest_word(entry))
+        committed = sorted((h.counter, s) for s, h in headers.items() if h is not None and h.state == SLOT_COMMITTED)
+        kept = {s for s, h in headers.items() if h is not None and h.state == SLOT_COMMITTED and h.kept}
+        keep = set(kept)
+        if latest is not None:
+            keep.add(latest[1])
+        keep |= {s for _, s in committed[-entry.ring_slots:]}
+        size = entry.slot_bytes
+        usable = sum(1 for s in entry.slots() if entry.slot_size(s) >= size and s not in kept)
+        locks, dropped, extents = [], [], []
+        # smaller slots first (they can never take a save of the model's size), newest extents next
+        for x in sorted(entry.extents, key=lambda x: (x.slot_bytes >= size, -x.first_slot)):
+            n = x.nslots
+            while n > 0:
+                slot = x.first_slot + n - 1
+                if slot in keep or (x.slot_bytes >= size and usable <= entry.ring_slots):
+                    break
+                lock = slot_lock_offset(entry.index, slot)
+                if not self.ring._claims.try_exclusive(lock):
+                    break
+                locks.append(lock)
+                dropped.append(slot)
+                usable -= x.slot_bytes >= size
+                n -= 1
+            if n:
+                extents.append(Extent(x.offset, x.slot_bytes, n, x.first_slot))
+        try:
+            if not dropped:
+                return False
+            if not extents:  # a model keeps at least one extent
+                return False
+            region.write_entry(entry.with_extents(sorted(extents, key=lambda x: x.first_slot)))
+            self.ring.refresh()
+            return True
+        finally:
+            for lock in locks:
+                self.ring._claims.release(lock)

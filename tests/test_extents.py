@@ -1,0 +1,176 @@
+"""Slots that grow and shrink, kept versions, and the format upgrade: a model outgrows its first
+save, readers never stall a save while the region has room, milestones stay, an older region
+is copied into the current format (ckptfs.region.extents, ring.mark_kept, region.upgrade)."""
+import gzip
+import os
+import shutil
+import subprocess
+import sys
+import zlib
+
+import pytest
+import torch
+
+import ckptfs
+from ckptfs.errors import OldFormatError
+from ckptfs.testing.crashsim import same
+from conftest import fill_region
+
+
+def state(step: int, n: int = 1000):
+    return {"w": torch.full((n,), float(step)), "step": step}
+
+
+def test_an_optimizer_without_state_at_step_0_then_adam(store):
+    """The new user's case: model + optimizer saved before the first opt.step(), then after."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+    opt = torch.optim.AdamW(model.parameters())
+    with store.writer("adam") as w:
+        w.save({"model": model.state_dict(), "optim": opt.state_dict()}, step=0).result()
+        for step in range(1, 6):
+            model(torch.randn(8, 64)).sum().backward()
+            opt.step()
+            assert w.save({"model": model.state_dict(), "optim": opt.state_dict()}, step=step).result().published
+    back = store.load("adam")
+    assert torch.equal(back["optim"]["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    assert [v.step for v in store.versions("adam")] == [2, 3, 4, 5] and store.verify() == []
+
+
+def test_readers_pinning_every_slot_never_stall_the_writer(store):
+    with store.writer("m", max_inflight=1, slots=3, timeout_s=60) as w:
+        for step in (1, 2, 3):
+            w.save(state(step), step).result()
+        reader = ckptfs.Store(store.path)  # another reader (its own open file description)
+        pins = [reader.open_version("m", s) for s in (1, 2)]  # with latest, every slot is busy
+        for step in (4, 5, 6):
+            result = w.save(state(step), step).result(timeout=10)
+            assert result.published
+        assert store.region.get("m").nslots == 4  # one slot more, not one per save
+        assert [p.load()["step"] for p in pins] == [1, 2]
+        status = {m["name"]: m for m in store.status()["models"]}["m"]
+        assert sorted(p["step"] for p in status["pinned"]) == [1, 2]
+        assert all(pid == os.getpid() for p in status["pinned"] for pid, _ in p["holders"])
+        for p in pins:
+            p.close()
+        reader.close()
+        for step in range(7, 12):
+            w.save(state(step), step).result()
+    assert store.region.get("m").nslots == 3 and [v.step for v in store.versions("m")] == [9, 10, 11]
+
+
+def test_kept_versions_are_never_reused(store):
+    with store.writer("m", slots=3, keep_every=5) as w:
+        for step in range(1, 21):
+            w.save(state(step), step, keep=(step == 2) or None).result()
+    versions = store.versions("m")
+    assert [v.step for v in versions if v.kept] == [2, 5, 10, 15, 20]
+    assert [v.step for v in versions if not v.kept] == [18, 19]  # the ring keeps 3: 18, 19, 20
+    assert store.latest("m").step == 20
+    for v in versions:
+        assert store.load("m", v.step)["step"] == v.step
+    store.unkeep("m", 5)
+    store.unkeep("m", 10)
+    store.keep("m", 18)
+    with store.writer("m") as w:
+        for step in range(21, 26):
+            w.save(state(step), step).result()
+    assert [v.step for v in store.versions("m") if v.kept] == [2, 15, 18, 20]
+    assert [v.step for v in store.versions("m") if not v.kept] == [23, 24, 25]
+    assert store.region.get("m").nslots <= 3 + 4 + 1  # the ring's share, the kept ones, one in rotation
+    store.remove("m", 2)  # a kept version can be removed
+    assert 2 not in [v.step for v in store.versions("m")]
+    with pytest.raises(ckptfs.errors.NotFoundError):
+        store.keep("m", 3)
+
+
+def test_keep_and_unkeep_on_the_command_line(store, capsys):
+    from test_cli import run
+
+    with store.writer("m", slots=3) as w:
+        for step in range(1, 4):
+            w.save(state(step), step).result()
+    code, out, _ = run(capsys, "keep", "--region", store.path, "m", "step-00000002")
+    assert code == 0 and out.strip() == "kept m step 2"
+    code, out, _ = run(capsys, "ls", "--region", store.path, "m")
+    rows = [line.split() for line in out.splitlines()[1:]]
+    assert [r[:2] for r in rows[1:]] == [["2", "kept"], ["3", "latest"]] and rows[0][0] == "1" and rows[0][1] != "kept"
+    code, out, _ = run(capsys, "status", "--region", store.path)
+    assert code == 0 and "KEPT" in out and "no versions pinned by readers" in out
+    code, out, _ = run(capsys, "unkeep", "--region", store.path, "m", "2")
+    assert code == 0 and not store.versions("m")[1].kept
+    code, _, err = run(capsys, "keep", "--region", store.path, "m", "7")
+    assert code != 0 and "step 7" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_region_too_full_for_a_kept_versions_replacement_keeps_saving(store):
+    with store.writer("m", slots=3) as w:
+        for step in (1, 2, 3):
+            w.save(state(step), step).result()
+        fill_region(store)
+        store.keep("m", 2)
+        for step in (4, 5, 6):  # no room for a slot in the kept one's place: the ring makes do
+            assert w.save(state(step), step).result().published
+    assert [v.step for v in store.versions("m")] == [2, 5, 6]
+
+
+def test_one_model_extends_its_extent_in_place(store):
+    with store.writer("m", slots=2, max_inflight=1) as w:
+        w.save(state(1), 1).result()
+        for n in range(6):
+            w.save(state(2 + n), 2 + n, keep=True).result()
+    entry = store.region.get("m")
+    assert len(entry.extents) == 1 and entry.nslots == 7  # grown where it lies: no entry runs out of extents
+
+
+def _format1_region(tmp_path) -> str:
+    """The format-1 region of tests/data (made by ckptfs 3cc2de9: models gpt at 20, 30, 40, tiny at 7)."""
+    path = str(tmp_path / "old.region")
+    with gzip.open(os.path.join(os.path.dirname(__file__), "data", "format1.region.gz")) as f, open(path, "wb") as out:
+        shutil.copyfileobj(f, out)
+    return path
+
+
+def _format1_state(step: int):
+    g = torch.Generator().manual_seed(1)
+    for s in (10, 20, 30, 40):
+        obj = {"model": {"w": torch.randn(64, 64, generator=g), "b": torch.arange(s, s + 8)}, "step": s,
+               "lr": 0.5, "names": ["a", ("b", None)]}
+        if s == step:
+            return obj
+
+
+def test_an_older_region_is_refused_with_the_way_out_then_upgraded(tmp_path):
+    path = _format1_region(tmp_path)
+    before = zlib.crc32(open(path, "rb").read())
+    with pytest.raises(OldFormatError, match=r"format 1\.0.*ckptfs\.upgrade\("):
+        ckptfs.Store(path)
+    assert zlib.crc32(open(path, "rb").read()) == before  # never rewritten silently
+    assert ckptfs.upgrade(path) == [("gpt", 3), ("tiny", 1)]
+    assert zlib.crc32(open(path + ".format1", "rb").read()) == before
+    with ckptfs.Store(path) as s:
+        assert [(v.step, v.latest) for v in s.versions("gpt")] == [(20, False), (30, False), (40, True)]
+        for step in (20, 30, 40):
+            assert same(_format1_state(step), s.load("gpt", step)) is None
+        assert torch.equal(s.load("tiny")["t"], torch.ones(3, dtype=torch.bfloat16))
+        with s.open_version("gpt", 30) as v:
+            assert dict(v.manifest.files) == {"config.json": '{"x": 30}'}
+        assert s.verify() == []
+        with s.writer("gpt") as w:  # and it takes new saves
+            w.save(_format1_state(40), step=50).result()
+        assert s.latest("gpt").step == 50
+
+
+def test_upgrade_on_the_command_line(tmp_path):
+    path = _format1_region(tmp_path)
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    ls = subprocess.run([sys.executable, "-m", "ckptfs.cli", "ls", "--region", path], capture_output=True, text=True,
+                        env=env)
+    assert ls.returncode != 0 and f"`ckptfs upgrade {path}`" in ls.stderr and len(ls.stderr.splitlines()) == 1
+    up = subprocess.run([sys.executable, "-m", "ckptfs.cli", "upgrade", path], capture_output=True, text=True,
+                        env=env)
+    assert up.returncode == 0, up.stderr
+    assert "upgraded gpt: 3 version(s)" in up.stdout
+    ls = subprocess.run([sys.executable, "-m", "ckptfs.cli", "ls", "--region", path], capture_output=True, text=True,
+                        env=env)
+    assert ls.returncode == 0 and [line.split()[:3] for line in ls.stdout.splitlines()[1:]] == [
+        ["gpt", "3", "40"], ["tiny", "1", "7"]]
