@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 
-from ckptfs.errors import RegionFullError
+from ckptfs.errors import CkptfsError, RegionFullError
 from ckptfs.region.format import MAX_EXTENTS, SLOT_COMMITTED, SLOTS_MAX, Extent, ModelEntry, _align, unpack_latest
 from ckptfs.region.locks import slot_lock_offset
 
@@ -48,9 +48,9 @@ class Extents:
         region = self.region
         if ring_slots is not None and ring_slots != self.ring.entry.ring_slots:
             with region.meta_locked():
-                entry = self.ring.refresh()
-                entry = entry.with_extents(entry.extents, ring_slots=ring_slots)
-                region.write_entry(entry)
+                old = self.ring.refresh()
+                entry = old.with_extents(old.extents, ring_slots=ring_slots)
+                region.write_entry(entry, old)
                 usable = sum(1 for x in entry.extents if x.slot_bytes >= entry.slot_bytes for _ in x.slots)
                 if ring_slots > usable:
                     self._add(self.ring.refresh(), entry.slot_bytes, ring_slots - usable)
@@ -108,20 +108,25 @@ class Extents:
         region.backend.reserve(new.offset, nbytes)
         grown = entry.with_extents(extents)
         region.wipe_slot_headers(grown, new.slots)
-        region.write_entry(grown)
+        region.write_entry(grown, entry)
         return grown
 
     # ------------------------------------------------------------------ giving back
     def give_back(self) -> bool:
         """After a commit: return the slots the model does not need (see the module's docstring).
-        Cheap when there is nothing to return: the table lock is taken only then."""
+        Cheap when there is nothing to return: the table lock is taken only then. Never raises:
+        the commit it follows is complete; slots not given back now go at a later commit."""
         entry = self.ring.entry
         if len(entry.extents) == 1:
             kept = sum(1 for age in self.ring._slot_ages(entry).values() if age == KEPT)
             if entry.nslots - kept <= entry.ring_slots:
                 return False  # nothing spare (the usual case: no scan, no lock)
-        with self.region.meta_locked():
-            return self._give_back_locked(self.ring.refresh())
+        try:
+            with self.region.meta_locked():
+                return self._give_back_locked(self.ring.refresh())
+        except (CkptfsError, OSError) as e:
+            log.warning("model %r: spare slots not given back this time: %s", entry.name, e)
+            return False
 
     def _give_back_locked(self, entry: ModelEntry) -> bool:
         """Trim the tails of the extents of ``entry`` (the table lock is held). Kept: latest, kept
@@ -160,7 +165,7 @@ class Extents:
                 return False
             if not extents:  # a model keeps at least one extent
                 return False
-            region.write_entry(entry.with_extents(sorted(extents, key=lambda x: x.first_slot)))
+            region.write_entry(entry.with_extents(sorted(extents, key=lambda x: x.first_slot)), entry)
             self.ring.refresh()
             return True
         finally:

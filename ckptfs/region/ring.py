@@ -344,9 +344,9 @@ class Claim:
         published = ring.publish(self.counter, self.slot) if publish else False
         ring._note_age(self.slot, KEPT if keep else self.counter)
         self._release()
-        ring.extents.give_back()
         committed = Committed(entry.name, self.step, self.counter, self.slot, data_bytes, published, keep)
         region.commits.notify(committed)
+        ring.extents.give_back()
         return committed
 
     def abort(self) -> None:

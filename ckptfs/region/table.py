@@ -235,14 +235,23 @@ class ModelTable:
                 raise
             return entry
 
-    def write_entry(self, entry: ModelEntry) -> None:
+    def write_entry(self, entry: ModelEntry, previous: ModelEntry | None = None) -> None:
         """Replace an existing entry by ``entry`` (a later generation); the caller holds the table
         lock. Copy A, durable, then copy B, durable: a crash leaves one intact copy of either
-        generation, and readers take the newest intact one."""
+        generation, and readers take the newest intact one. If a step fails (an I/O error), both
+        copies are set back to ``previous`` before the error is raised: the change did not
+        happen, and no copy is left behind the other."""
         copy = entry.pack_copy()
-        for off in self._copy_offsets(entry.index):
-            self.backend.mapping[off:off + len(copy)] = copy
-            self.backend.persist_mapped(off, len(copy))
+        try:
+            for off in self._copy_offsets(entry.index):
+                self.backend.mapping[off:off + len(copy)] = copy
+                self.backend.persist_mapped(off, len(copy))
+        except BaseException:
+            if previous is not None:
+                old = previous.pack_copy()
+                for off in self._copy_offsets(entry.index):
+                    self.backend.mapping[off:off + len(old)] = old
+            raise
 
     def entry_problems_of(self, entry: ModelEntry) -> list[str]:
         """What is wrong with the copies of ``entry`` in the table (empty: both intact and equal)."""

@@ -99,17 +99,32 @@ def _same(a: dict, b: dict) -> bool:
             and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]))
 
 
-def one_run(path: str, fail_at: int, errno_code: int, step: int, new_model: bool) -> Run:
-    """Save ``state(step)`` (of a model "m" created before, or of a new model "n") with the
-    ``fail_at``-th call failing, then check the contract with a healthy region."""
+def big_state(step: int) -> dict:
+    """``state(step)`` with its weights 16 times larger: a save that outgrows the first one's slots."""
+    obj = state(step)
+    obj["model"]["w"] = torch.randn(256, 256, generator=torch.Generator().manual_seed(step))
+    return obj
+
+
+def one_run(path: str, fail_at: int, errno_code: int, step: int, model: str) -> Run:
+    """Save ``state(step)`` with the ``fail_at``-th call failing, then check the contract with a
+    healthy region. ``model``: "m" (created before), "n" (created by this save), or "g" (saved
+    small just before; this save outgrows its slots and takes larger ones)."""
+    if model == "g":
+        with Store(path) as store:
+            if "g" in store.models():
+                store.remove_model("g")
+            with store.writer("g", max_inflight=2, slots=4, chunk_bytes=8192) as w:
+                w.save(state(step - 1), step=step - 1).result()
     backend = FaultyBackend(path, fail_at, errno_code)
     region = Region(path, backend=backend)
-    model = "n" if new_model else "m"
     error = None
+    calls_at_commit: list[int] = []  # the backend's call count when the save's commit was complete
+    region.commits.subscribe(lambda c: calls_at_commit.append(len(backend.calls)))
     try:
         with Writer(region, model, max_inflight=2, slots=4, chunk_bytes=8192, timeout_s=10) as w:
             try:
-                w.save(state(step), step=step).result(timeout=60)
+                w.save(big_state(step) if model == "g" else state(step), step=step).result(timeout=60)
             except CkptfsError as e:
                 error = e
     except CkptfsError as e:  # raised again by close() (it waits for the save): the same error
@@ -120,8 +135,12 @@ def one_run(path: str, fail_at: int, errno_code: int, step: int, new_model: bool
         region.close()
     run = Run(fail_at, errno_code, backend.failed, None if error is None else f"{type(error).__name__}: {error}")
     if backend.failed is not None:
-        if backend.failed == "fallocate" and errno_code == errno_mod.ENOSPC and isinstance(error, RegionFullError):
+        if error is None and calls_at_commit and fail_at > calls_at_commit[0]:
+            pass  # after its commit (giving back spare slots): the save is complete; they go back later
+        elif backend.failed == "fallocate" and errno_code == errno_mod.ENOSPC and isinstance(error, RegionFullError):
             pass  # a ring that does not fit: the region-full error says what was needed and what is free
+        elif backend.failed == "fallocate" and errno_code == errno_mod.ENOSPC and error is None and model == "g":
+            pass  # no room for ring_slots larger slots: the save took fewer (and the ring grows later)
         elif not isinstance(error, RegionIOError):
             run.problems.append(f"{backend.failed} failed but the save raised {run.error!r}, not RegionIOError")
         elif error.operation not in backend.failed and backend.failed not in error.operation:
@@ -130,6 +149,10 @@ def one_run(path: str, fail_at: int, errno_code: int, step: int, new_model: bool
         run.problems.append(f"no fault injected, yet the save failed: {run.error}")
     run.problems += check_after_fault(path, step, model, saved=error is None)
     return run
+
+
+def _expected(model: str, step: int) -> dict:
+    return big_state(step) if model == "g" and step % 10 == 0 else state(step)
 
 
 def check_after_fault(path: str, step: int, model: str, saved: bool) -> list[str]:
@@ -143,6 +166,10 @@ def check_after_fault(path: str, step: int, model: str, saved: bool) -> list[str
             problems += [f"verify: {p}" for p in store.verify()]
             if model in store.models() and saved and store.latest(model).step != step:
                 problems.append(f"the save completed but latest of {model} is not step {step}")
+            if model == "g":
+                latest = store.latest("g")
+                if latest is None or not _same(store.load("g"), _expected("g", latest.step)):
+                    problems.append(f"the latest of g (step {latest and latest.step}) does not load exactly")
             # claims, pins and permits given back: the next save works and becomes latest
             with store.writer(model, max_inflight=2, slots=4, chunk_bytes=8192, timeout_s=10) as w:
                 w.save(state(step + 1), step=step + 1).result(timeout=60)
@@ -211,30 +238,30 @@ class Campaign:
 
 
 def campaign(workdir: str, errnos=(errno_mod.EIO, errno_mod.ENOSPC, errno_mod.EROFS)) -> Campaign:
-    """Every sweep: each errno, on a model that has versions and on a new one, then the staging
-    allocation failing at the first and the second buffer."""
+    """Every sweep: each errno, on a model that has versions, on a new one and on one whose save
+    outgrows its slots, then the staging allocation failing at the first and the second buffer."""
     path = os.path.join(workdir, "anomaly.region")
     with Store.create(path, size_bytes=64 << 20, force=True) as store:
         with store.writer("m", max_inflight=2, slots=4, chunk_bytes=8192) as w:
             w.save(state(1), step=1).result()
     report = Campaign()
     for code in errnos:
-        for new_model in (False, True):
-            report.runs += sweep(path, code, new_model)
+        for model in ("m", "n", "g"):
+            report.runs += sweep(path, code, model)
     for k, step in ((1, 9000), (2, 9100)):
         report.runs.append(staging_run(path, k, step))
     return report
 
 
-def sweep(path: str, errno_code: int, new_model: bool = False, max_runs: int = 200) -> list[Run]:
+def sweep(path: str, errno_code: int, model: str = "m", max_runs: int = 200) -> list[Run]:
     """One faulty save per k = 1, 2, ... until a save meets no fault (all its calls were tried)."""
     runs = []
-    step = 1000 if not new_model else 5000
+    step = {"m": 1000, "n": 5000, "g": 7000}[model]
     for k in range(1, max_runs + 1):
         step += 10
-        run = one_run(path, k, errno_code, step, new_model)
+        run = one_run(path, k, errno_code, step, model)
         runs.append(run)
-        if new_model:
+        if model == "n":
             with Store(path) as store:
                 if "n" in store.models():
                     store.remove_model("n")
