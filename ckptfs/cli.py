@@ -502,12 +502,15 @@ def rm(region, all_, step_options, model, steps):
 
 
 @cli.command()
-@click.argument("region_path", metavar="REGION")
-def upgrade(region_path):
-    """Copy REGION, written by an older ckptfs (format 1), into the current format: every version
-    is copied and checked, the old file is kept as REGION.format1, then the copy takes its name."""
+@_region_option
+def upgrade(region):
+    """Copy the region, written by an older ckptfs (format 1), into the current format: every
+    version is copied and checked, the old file is kept as PATH.format1, then the copy takes its
+    name."""
     from ckptfs.region.upgrade import upgrade as run
+    from ckptfs.store import default_region_path
 
+    region_path = region or default_region_path()
     for model, n in run(region_path):
         click.echo(f"upgraded {model}: {n} version(s)")
     click.echo(f"{region_path} now uses the current format; the old region is {region_path}.format1")

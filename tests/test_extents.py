@@ -165,9 +165,9 @@ def test_upgrade_on_the_command_line(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
     ls = subprocess.run([sys.executable, "-m", "ckptfs.cli", "ls", "--region", path], capture_output=True, text=True,
                         env=env)
-    assert ls.returncode != 0 and f"`ckptfs upgrade {path}`" in ls.stderr and len(ls.stderr.splitlines()) == 1
-    up = subprocess.run([sys.executable, "-m", "ckptfs.cli", "upgrade", path], capture_output=True, text=True,
-                        env=env)
+    assert ls.returncode != 0 and f"`ckptfs upgrade --region {path}`" in ls.stderr and len(ls.stderr.splitlines()) == 1
+    up = subprocess.run([sys.executable, "-m", "ckptfs.cli", "upgrade", "--region", path], capture_output=True,
+                        text=True, env=env)
     assert up.returncode == 0, up.stderr
     assert "upgraded gpt: 3 version(s)" in up.stdout
     ls = subprocess.run([sys.executable, "-m", "ckptfs.cli", "ls", "--region", path], capture_output=True, text=True,

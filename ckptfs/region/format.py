@@ -119,7 +119,7 @@ class Superblock:
             raise OldFormatError(
                 f"{path} uses region format {major}.{minor}, which this ckptfs does not open (it writes "
                 f"{FORMAT_MAJOR}.{FORMAT_MINOR}: mirrored metadata, growing slots, kept versions); copy it into "
-                "the new format with " + in_words(python=f"ckptfs.upgrade({path!r})", cli=f"`ckptfs upgrade {path}`")
+                "the new format with " + in_words(python=f"ckptfs.upgrade({path!r})", cli=f"`ckptfs upgrade --region {path}`")
                 + " (the old region stays as it is until the copy is complete)")
         try:
             (_, major, minor, block_bytes, region_bytes, table_offset, table_entries, entry_bytes,
