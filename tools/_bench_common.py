@@ -317,6 +317,27 @@ def odirect_write(path: str, nbytes: int, buf: AlignedBuffer, threads: int = 1,
     return time.perf_counter() - t0
 
 
+def odirect_write_states(path: str, nbytes: int, k: int, buf: AlignedBuffer) -> float:
+    """``k`` states of ``nbytes`` overwritten in a row over an existing file's blocks (state i at
+    i * nbytes rounded up to 4 KiB), each followed by fdatasync, as back-to-back saves into the
+    slots of a ring make them durable. Returns seconds for all of them."""
+    total = _round_up(nbytes)
+    block = buf.nbytes
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+    try:
+        for i in range(k):
+            for off, n in _split(total, block, 1)[0]:
+                mv = buf.mv[:n]
+                done = 0
+                while done < n:
+                    done += os.pwrite(fd, mv[done:], i * total + off + done)
+            os.fdatasync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t0
+
+
 def odirect_read(path: str, nbytes: int, buf: AlignedBuffer, threads: int = 1) -> float:
     """Sequential O_DIRECT read of the first ``nbytes`` (rounded up to 4 KiB) of ``path``."""
     total = _round_up(nbytes)
