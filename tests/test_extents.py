@@ -174,3 +174,17 @@ def test_upgrade_on_the_command_line(tmp_path):
                         env=env)
     assert ls.returncode == 0 and [line.split()[:3] for line in ls.stdout.splitlines()[1:]] == [
         ["gpt", "3", "40"], ["tiny", "1", "7"]]
+
+
+def test_a_region_too_small_for_the_whole_ring_starts_with_fewer_slots(tmp_path, caplog):
+    """A first save of 15 MiB into a 64 MiB region: 4 slots of 16.5 MiB do not fit; the model
+    starts with 3 (N+1 for N=2 in flight) and says so, instead of refusing the save."""
+    with ckptfs.Store.create(str(tmp_path / "small.region"), size_bytes=64 << 20) as store:
+        with caplog.at_level("WARNING", logger="ckptfs"):
+            with store.writer("m") as w:
+                for step in range(5):
+                    assert w.save(state(step, n=15 << 18), step).result().published
+        assert "room for 3 slots" in caplog.text
+        entry = store.region.get("m")
+        assert entry.nslots == 3 and entry.ring_slots == 4
+        assert [v.step for v in store.versions("m")] == [2, 3, 4] and store.verify() == []

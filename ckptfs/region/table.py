@@ -3,6 +3,7 @@ removed at once, read without a lock. A part of ``Region`` (``ckptfs.region.regi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 import unicodedata
@@ -190,9 +191,10 @@ class ModelTable:
             finally:
                 self.pins.release(META_LOCK_OFFSET)
 
-    def create_model(self, name: str, nslots: int, slot_bytes: int) -> ModelEntry:
+    def create_model(self, name: str, nslots: int, slot_bytes: int, min_slots: int | None = None) -> ModelEntry:
         """Add a model with one extent of ``nslots`` slots, keeping ``nslots`` versions; returns
-        the existing entry if present."""
+        the existing entry if present. Where the region has no room for ``nslots`` slots, as few
+        as ``min_slots`` (with a warning): the model takes the others when room is made."""
         validate_model_name(name)
         slot_bytes = _align(slot_bytes, self.superblock.block_bytes)
         with self.meta_locked():
@@ -206,9 +208,22 @@ class ModelTable:
             if index is None:
                 raise RegionFullError(f"the model table of {self.path} is full "
                                       f"({self.superblock.table_entries} models); remove a model first")
-            offset = self.find_gap(nslots * slot_bytes, what="a new model's slots")
-            entry = ModelEntry.new(index, name, nslots, slot_bytes, offset, time.time_ns())
-            self.backend.reserve(offset, nslots * slot_bytes)
+            have = nslots
+            while True:
+                try:
+                    offset = self.find_gap(have * slot_bytes, what=f"{have} slots of {human_bytes(slot_bytes)}")
+                    break
+                except RegionFullError:
+                    if have <= (min_slots or nslots):
+                        raise
+                    have -= 1
+            if have < nslots:
+                log.warning("region %s has room for %d slots of %s for model %r, not %d: it keeps fewer versions "
+                            "until room is made", self.path, have, human_bytes(slot_bytes), name, nslots)
+            entry = ModelEntry.new(index, name, have, slot_bytes, offset, time.time_ns())
+            if have < nslots:
+                entry = dataclasses.replace(entry, ring_slots=nslots)
+            self.backend.reserve(offset, have * slot_bytes)
             # Stale headers from a removed model that lived here must not look like versions.
             self.wipe_slot_headers(entry, entry.slots())
             base = self._entry_offset(index)

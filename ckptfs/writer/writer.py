@@ -310,7 +310,8 @@ class Writer:
                 need = plan.slot_layout.slot_bytes
                 nslots = self._slots or self.max_inflight + 2
                 slot_bytes = max(self._slot_bytes or int(need * SLOT_HEADROOM), need)
-                entry = self.region.create_model(self.model, nslots, slot_bytes)
+                # N saves in flight need N+1 slots; fewer than asked for where the region is short
+                entry = self.region.create_model(self.model, nslots, slot_bytes, min_slots=self.max_inflight + 1)
                 self._ring = self.region.ring(entry, timeout_s=self.timeout_s)
             return self._ring
 
