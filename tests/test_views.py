@@ -626,3 +626,24 @@ def test_adamw_transformer_round_trip(tmp_path):
     assert safetensors.torch.load_model(lm3, model_path) == (set(), [])
     assert lm3.head.weight is lm3.emb.weight
     assert_same(lm.state_dict(), lm3.state_dict())
+
+
+@pytest.mark.parametrize("names", [[], ["w"], ["a\"b\\\\c", "é✓", "line\nbreak", "\x00nul"]])
+def test_metadata_json_is_what_json_dumps_writes(names):
+    """metadata.json writes its tensor list by hand (a large version's document is mostly that
+    list): the bytes are exactly json.dumps(indent=2)'s."""
+    import json
+
+    from ckptfs.manifest import Manifest, TensorRecord
+    from ckptfs.views.metadata import iso8601_utc, json_safe, metadata_json_view
+
+    recs = tuple(TensorRecord(n, "float32", shape, 64 * i, 4 * max(1, len(shape)), 0xABC + i)
+                 for i, (n, shape) in enumerate(zip(names, [(), (3,), (2, 0, 5), (7, 1)])))
+    skel = {"dict": [[{"str": n}, {"tensor": i}] for i, n in enumerate(names)] + [[{"str": "lr"}, {"float": "0x1.0p-1"}]]}
+    m = Manifest("m", 3, 42, 1_700_000_000_123_456_789, recs, skel, 64 * len(recs))
+    doc = {"model": "m", "step": 3, "counter": 42, "time_ns": m.time_ns, "time": iso8601_utc(m.time_ns),
+           "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes,
+                        "crc32": f"{t.crc32:08x}"} for t in recs],
+           "object": json_safe(m.plain_part())}
+    expected = (json.dumps(doc, indent=2, ensure_ascii=True, allow_nan=False) + "\n").encode()
+    assert metadata_json_view(m).segments[0].data == expected

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+from json.encoder import encode_basestring_ascii
 from datetime import datetime, timezone
 from typing import Any
 
@@ -27,17 +28,32 @@ def metadata_json_view(manifest: Manifest) -> View:
         "counter": manifest.counter,
         "time_ns": manifest.time_ns,
         "time": iso8601_utc(manifest.time_ns),
-        "tensors": [
-            {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes,
-             "crc32": f"{t.crc32:08x}"}
-            for t in manifest.tensors
-        ],
+        "tensors": _TENSORS,
         "object": json_safe(manifest.plain_part()),
     }
     if manifest.files:
         doc["files"] = [name for name, _ in manifest.files]
     text = json.dumps(doc, indent=2, ensure_ascii=True, allow_nan=False) + "\n"
+    # The tensor list is most of a large version's document: written here, in the very bytes
+    # json.dumps(indent=2) gives, at a fraction of its pure-Python encoder's cost.
+    text = text.replace(json.dumps(_TENSORS), _tensor_list(manifest), 1)
     return View([Literal(text.encode("ascii"))])
+
+
+_TENSORS = "\0ckptfs:tensors\0"  # a stand-in no JSON value of the document can contain (NUL is escaped)
+
+
+def _tensor_list(manifest: Manifest) -> str:
+    """The ``tensors`` array as ``json.dumps(..., indent=2)`` writes it at depth 1."""
+    if not manifest.tensors:
+        return "[]"
+    quote = encode_basestring_ascii
+    items = []
+    for t in manifest.tensors:
+        shape = "[\n" + ",\n".join(f"        {d}" for d in t.shape) + "\n      ]" if t.shape else "[]"
+        items.append(f'    {{\n      "name": {quote(t.name)},\n      "dtype": {quote(t.dtype)},\n'
+                     f'      "shape": {shape},\n      "nbytes": {t.nbytes},\n      "crc32": "{t.crc32:08x}"\n    }}')
+    return "[\n" + ",\n".join(items) + "\n  ]"
 
 
 def iso8601_utc(time_ns: int) -> str:
