@@ -14,3 +14,13 @@ from ckptfs.writer.writer import SaveResult, Writer
 __all__ = ["Store", "Writer", "Version", "VersionInfo", "SaveResult", "VerifyProblem",
            "default_region_path", "errors", "upgrade"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """``ckptfs.dcp``: the torch.distributed.checkpoint storage (ckptfs.dist), imported on first
+    use (torch.distributed.checkpoint is slow to import)."""
+    if name == "dcp":
+        import ckptfs.dist as dist
+
+        return dist
+    raise AttributeError(f"module 'ckptfs' has no attribute {name!r}")

@@ -1,0 +1,115 @@
+"""torch.distributed.checkpoint's ``Metadata`` as JSON, and back: no pickle anywhere.
+
+DCP's own filesystem layout pickles its ``.metadata``; a checkpoint store that others read must
+not unpickle what it finds. The encoding covers what DCP's planners put there: per FQN the
+tensor's properties, global size and chunks (``TensorStorageMetadata``) or a bytes entry
+(``BytesStorageMetadata``); the planner data (the default planners' key paths: tuples of str and
+int); the storage data (``MetadataIndex`` -> a JSON-able value of the storage layer); the
+storage meta and the version. Anything else is refused with the FQN or key that holds it.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                   MetadataIndex, StorageMeta, TensorProperties,
+                                                   TensorStorageMetadata)
+
+from ckptfs.errors import MalformedInputError
+
+CODEC_VERSION = 1
+_LAYOUTS = {str(layout): layout for layout in (torch.strided, torch.sparse_coo)}
+_FORMATS = {str(f): f for f in (torch.contiguous_format, torch.channels_last, torch.preserve_format,
+                                torch.channels_last_3d)}
+
+
+def encode_metadata(metadata: Metadata) -> str:
+    """``metadata`` as a JSON document (canonical: sorted keys)."""
+    entries = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            p = md.properties
+            entries[fqn] = {"tensor": {
+                "dtype": str(p.dtype).removeprefix("torch."), "layout": str(p.layout),
+                "requires_grad": bool(p.requires_grad), "memory_format": str(p.memory_format),
+                "pin_memory": bool(p.pin_memory), "size": list(md.size),
+                "chunks": [[list(c.offsets), list(c.sizes)] for c in md.chunks]}}
+        elif isinstance(md, BytesStorageMetadata):
+            entries[fqn] = {"bytes": True}
+        else:
+            raise MalformedInputError(f"DCP metadata of {fqn!r} is a {type(md).__name__}, which ckptfs cannot store")
+    storage = [[_index(i), v] for i, v in (metadata.storage_data or {}).items()]
+    sm = metadata.storage_meta
+    doc = {"codec": CODEC_VERSION, "version": metadata.version, "state_dict": entries,
+           "planner_data": _plain(metadata.planner_data, "planner_data"), "storage_data": storage,
+           "storage_meta": None if sm is None else {"checkpoint_id": None if sm.checkpoint_id is None
+                                                    else str(sm.checkpoint_id), "save_id": sm.save_id,
+                                                    "load_id": sm.load_id, "modules": list(sm.modules)}}
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def decode_metadata(text: str) -> Metadata:
+    """The Metadata of ``encode_metadata``'s document; MalformedInputError if it is not one."""
+    try:
+        doc = json.loads(text)
+        if doc.get("codec") != CODEC_VERSION:
+            raise MalformedInputError(f"DCP metadata of codec {doc.get('codec')!r}, not {CODEC_VERSION}")
+        entries = {}
+        for fqn, e in doc["state_dict"].items():
+            if "bytes" in e:
+                entries[fqn] = BytesStorageMetadata()
+                continue
+            t = e["tensor"]
+            props = TensorProperties(dtype=getattr(torch, t["dtype"]), layout=_LAYOUTS[t["layout"]],
+                                     requires_grad=t["requires_grad"], memory_format=_FORMATS[t["memory_format"]],
+                                     pin_memory=t["pin_memory"])
+            if not isinstance(props.dtype, torch.dtype):
+                raise MalformedInputError(f"DCP metadata of {fqn!r} names dtype {t['dtype']!r}")
+            entries[fqn] = TensorStorageMetadata(props, torch.Size(t["size"]), [
+                ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in t["chunks"]])
+        storage = {_unindex(i): v for i, v in doc["storage_data"]}
+        sm = doc["storage_meta"]
+        meta = None if sm is None else StorageMeta(checkpoint_id=sm["checkpoint_id"], save_id=sm["save_id"],
+                                                    load_id=sm["load_id"], modules=sm["modules"])
+        return Metadata(state_dict_metadata=entries, planner_data=_unplain(doc["planner_data"]),
+                        storage_data=storage, storage_meta=meta, version=doc["version"])
+    except MalformedInputError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise MalformedInputError(f"the DCP metadata of this checkpoint is damaged or not ckptfs's: {e}") from None
+
+
+def _index(i: MetadataIndex) -> list:
+    return [i.fqn, None if i.offset is None else list(i.offset), i.index]
+
+
+def _unindex(raw: list) -> MetadataIndex:
+    fqn, offset, index = raw
+    return MetadataIndex(fqn, None if offset is None else torch.Size(offset), index)
+
+
+def _plain(value: Any, where: str) -> Any:
+    """JSON for plain values, tuples marked (the default planners' key paths are tuples)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, tuple):
+        return {"tuple": [_plain(v, where) for v in value]}
+    if isinstance(value, list):
+        return [_plain(v, where) for v in value]
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise MalformedInputError(f"DCP {where} has a dict with non-string keys, which ckptfs cannot store")
+        return {"dict": {k: _plain(v, where) for k, v in value.items()}}
+    raise MalformedInputError(f"DCP {where} holds a {type(value).__name__}, which ckptfs cannot store")
+
+
+def _unplain(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_unplain(v) for v in value]
+    if isinstance(value, dict):
+        if "tuple" in value:
+            return tuple(_unplain(v) for v in value["tuple"])
+        return {k: _unplain(v) for k, v in value["dict"].items()}
+    return value

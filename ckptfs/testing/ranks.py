@@ -1,0 +1,82 @@
+"""Multi-process gloo groups for the tests of ckptfs.dist: a real torch.distributed job on
+localhost (one process per rank, CPU, gloo), FSDP2 (``fully_shard``) over a small model with
+AdamW, saved and loaded through DCP with ckptfs as its storage."""
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch
+
+from ckptfs.testing.load import mp_context
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(target, world: int, *args, timeout_s: float = 240) -> None:
+    """Run ``target(rank, world, *args)`` in ``world`` processes joined in one gloo group;
+    AssertionError with each failing rank's traceback."""
+    ctx = mp_context()
+    port = free_port()
+    errors = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(target, rank, world, port, errors, args)) for rank in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout_s)
+    stuck = [p for p in procs if p.is_alive()]
+    for p in stuck:
+        p.kill()
+        p.join()
+    failures = []
+    while not errors.empty():
+        failures.append(errors.get())
+    if stuck:
+        failures.append(f"{len(stuck)} rank(s) still running after {timeout_s} s")
+    failures += [f"rank {i} exited with {p.exitcode}" for i, p in enumerate(procs) if p.exitcode and not failures]
+    assert not failures, "\n".join(failures)
+
+
+def _rank_main(target, rank, world, port, errors, args) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        try:
+            target(rank, world, *args)
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+
+
+def toy_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+
+
+def sharded(model: torch.nn.Module, world: int) -> torch.nn.Module:
+    """``model`` under FSDP2 over a CPU mesh of ``world`` ranks (each Linear a unit of its own)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def train_steps(model: torch.nn.Module, opt, steps: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(4, 16, generator=g)).sum().backward()
+        opt.step()
