@@ -40,7 +40,7 @@ def encode_metadata(metadata: Metadata) -> str:
             entries[fqn] = {"bytes": True}
         else:
             raise MalformedInputError(f"DCP metadata of {fqn!r} is a {type(md).__name__}, which ckptfs cannot store")
-    storage = [[_index(i), v] for i, v in (metadata.storage_data or {}).items()]
+    storage = [[encode_index(i), v] for i, v in (metadata.storage_data or {}).items()]
     sm = metadata.storage_meta
     doc = {"codec": CODEC_VERSION, "version": metadata.version, "state_dict": entries,
            "planner_data": _plain(metadata.planner_data, "planner_data"), "storage_data": storage,
@@ -69,7 +69,7 @@ def decode_metadata(text: str) -> Metadata:
                 raise MalformedInputError(f"DCP metadata of {fqn!r} names dtype {t['dtype']!r}")
             entries[fqn] = TensorStorageMetadata(props, torch.Size(t["size"]), [
                 ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in t["chunks"]])
-        storage = {_unindex(i): v for i, v in doc["storage_data"]}
+        storage = {decode_index(i): v for i, v in doc["storage_data"]}
         sm = doc["storage_meta"]
         meta = None if sm is None else StorageMeta(checkpoint_id=sm["checkpoint_id"], save_id=sm["save_id"],
                                                     load_id=sm["load_id"], modules=sm["modules"])
@@ -81,11 +81,13 @@ def decode_metadata(text: str) -> Metadata:
         raise MalformedInputError(f"the DCP metadata of this checkpoint is damaged or not ckptfs's: {e}") from None
 
 
-def _index(i: MetadataIndex) -> list:
+def encode_index(i: MetadataIndex) -> list:
+    """A MetadataIndex as JSON data."""
     return [i.fqn, None if i.offset is None else list(i.offset), i.index]
 
 
-def _unindex(raw: list) -> MetadataIndex:
+def decode_index(raw: list) -> MetadataIndex:
+    """The MetadataIndex of ``encode_index``."""
     fqn, offset, index = raw
     return MetadataIndex(fqn, None if offset is None else torch.Size(offset), index)
 

@@ -2,27 +2,33 @@
 with ``storage_writer=StorageWriter(store, model, step)`` and ``StorageReader(store, model)``.
 
 DCP plans (which rank writes which tensor or shard, replicated state once) and reshards on
-load; ckptfs stores the bytes and keeps the commit order (PCcheck §4.1):
-  1. every rank writes its part of step s (the tensors and shards of its write items) as a
-     version of its part model ``.MODEL.rank<R>`` (hidden in the mount: a leading dot), kept,
-     so that no ring reuses it while a global version may name it; ``write_data`` completes
-     when the part is durable and committed;
-  2. DCP gathers the results on the coordinator, whose ``finish`` commits the global version:
-     a version of MODEL at step s holding no tensors, only ``dcp-metadata.json`` (DCP's metadata
-     in JSON, ``ckptfs.dist.codec``) with, per item, the rank, the part's counter and the item's
-     position in it. Only then is step s a version anyone sees, and ``latest`` of MODEL is the
-     newest step whose every part is durable. A step older than the global latest is not
-     committed (an older save finishing after a newer one never wins);
-  3. after the commit, parts older than the new global version are unkept (the rings reuse
-     them); parts of steps that never completed go the same way at the next global commit.
-All ranks share one region here (one node). ``load`` reads the newest global version (or
-``step``) and each rank reads the pieces of the parts its load plan asks for.
+load; ckptfs stores the bytes and keeps the commit order (PCcheck §4.1, docs/DISTRIBUTED.md).
+Each rank passes the store of its node's region; ranks whose stores open the same region (same
+uuid) form a node, the lowest of them its leader. In ``write_data`` (every rank):
+  1. the rank writes its items as one version of its part model ``.MODEL.rank<R>`` (hidden in
+     the mount), **kept**: no ring reuses it while a global version may name it;
+  2. once it is durable, the ranks exchange, over a gloo group of their own (``coordination``),
+     their part counters, their items' places and (from the coordinator) DCP's metadata. A rank
+     that failed or died fails every rank's save: nothing below happens;
+  3. every node's leader commits the **global version** of step s in its region: a version of
+     MODEL holding no tensors, only ``dcp-metadata.json`` (DCP's metadata and where each item
+     is, as JSON: ``ckptfs.dist.codec``), unless the region's latest is already a newer step
+     (an older save finishing after a newer one never wins);
+  4. the ranks exchange again (every node recorded s); then each leader unkeeps its node's parts
+     older than s (superseded, or of steps that never completed), and the save completes. (A
+     rank also unkeeps, before it writes a part, its older parts that no global version of its
+     region names: a job whose saves keep failing does not fill the region with them.)
+``load`` (every rank): the ranks agree on the newest step that every node's region records (a
+crash between two nodes' commits leaves them one step apart for a while: the older is taken,
+and its parts were not released, 4), read its metadata from their own region, and each reads
+the pieces its load plan asks for from the parts, in whichever given region holds them.
 """
 from __future__ import annotations
 
 import io
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 import torch
 from torch.distributed.checkpoint import StorageReader as _DCPReader
@@ -32,13 +38,13 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ckptfs.dist.codec import decode_metadata, encode_metadata
-from ckptfs.errors import CorruptionError, NotFoundError, no_version_yet
+from ckptfs.dist.codec import decode_index, decode_metadata, encode_index, encode_metadata
+from ckptfs.errors import CkptfsError, CorruptionError, NotFoundError, no_version_yet
 
 METADATA_FILE = "dcp-metadata.json"
 _writers: dict[tuple[str, str], object] = {}  # (region, part model) -> its Writer, kept across steps
 _writers_lock = threading.Lock()
-_commit_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckptfs-dcp")
+_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckptfs-dcp")
 
 
 def part_model(model: str, rank: int) -> str:
@@ -47,16 +53,20 @@ def part_model(model: str, rank: int) -> str:
 
 
 class StorageWriter(_DCPWriter):
-    """Writes one DCP checkpoint (step ``step`` of ``model``) into ``store``'s region."""
+    """Writes step ``step`` of ``model``: this rank's part into ``store`` (its node's region),
+    and, on each node's leader, the global version once every part of every rank is durable.
+    ``timeout_s``: the longest the ranks wait for each other (a dead rank fails the save)."""
 
-    def __init__(self, store, model: str, step: int, *, max_inflight: int = 2):
+    def __init__(self, store, model: str, step: int, *, max_inflight: int = 2, timeout_s: float = 300.0):
         super().__init__()
         self.store = store
         self.model = model
         self.step = step
         self.max_inflight = max_inflight
+        self.timeout_s = timeout_s
         self.rank = 0
         self.is_coordinator = True
+        self._group = None
 
     # ---------------------------------------------------------------- DCP's StorageWriter
     def reset(self, checkpoint_id=None) -> None:
@@ -67,8 +77,10 @@ class StorageWriter(_DCPWriter):
         return False  # never chosen from a path: pass storage_writer=StorageWriter(...)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
+        # every rank runs this, in the same order: the place to make the coordination group
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank", _rank())
+        self._group = coordination(self.timeout_s)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=f"ckptfs:{self.model}@{self.step}")
@@ -80,55 +92,83 @@ class StorageWriter(_DCPWriter):
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
-        """This rank's items as one kept version of its part model; completes when durable."""
-        tensors, results = [], []
-        for pos, item in enumerate(plan.items):
-            data = planner.resolve_data(item)
-            if item.type == WriteItemType.BYTE_IO:
-                raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
-                tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-            else:
-                tensor = data.detach()
-            tensors.append(tensor)
-            results.append((item, tensor))
-        writer = _part_writer(self.store, part_model(self.model, self.rank), self.max_inflight)
-        save = writer.save({"items": tensors}, step=self.step, keep=True)
+        """This rank's part, then the global commit (see the module's docstring); the future
+        completes when the step is the global latest on every node, or fails on every rank."""
+        tensors = [_as_tensor(item, planner.resolve_data(item)) for item in plan.items]
+        name = part_model(self.model, self.rank)
+        _release_abandoned(self.store, self.model, name, self.step)
+        writer = _part_writer(self.store, name, self.max_inflight)
+        with _writers_lock:
+            _in_flight.add((self.store.path, name, self.step))
+        try:
+            save = writer.save({"items": tensors}, step=self.step, keep=True)
+        except BaseException:
+            _done_with(self.store, name, self.step)
+            raise
+        save.add_done_callback(lambda _: _done_with(self.store, name, self.step))
+        metadata = getattr(planner, "metadata", None) if self.is_coordinator else None
         done: Future = Future()
 
-        def wait() -> None:
+        def commit() -> None:
             try:
-                r = save.result()
-                done.set_result([WriteResult(index=item.index, size_in_bytes=_nbytes(t),
-                                             storage_data={"rank": self.rank, "counter": r.counter, "pos": pos})
-                                 for pos, (item, t) in enumerate(results)])
+                counter = save.result().counter
+                ok, error = True, None
+            except BaseException as e:  # noqa: BLE001 - told to every rank, raised below
+                counter, ok, error = None, False, f"rank {self.rank}: {e}"
+            try:
+                results = self._commit(plan, tensors, counter, ok, error, metadata)
+                done.set_result(results)
             except BaseException as e:  # noqa: BLE001 - delivered to DCP through the future
                 done.set_exception(e)
 
-        _commit_pool.submit(wait)
+        _pool.submit(commit)
         return done
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """On the coordinator, once every rank's part is durable: the global version."""
-        metadata.storage_data = {r.index: r.storage_data for rank_results in results for r in rank_results}
-        latest = _latest(self.store, self.model)
-        if latest is not None and latest.step >= self.step:
-            _reclaim(self.store, self.model, keep_step=latest.step)
-            return  # a newer (or the same) step is already the global latest
-        parts = sorted({(r.storage_data["rank"], r.storage_data["counter"]) for rr in results for r in rr})
-        with self.store.writer(self.model, max_inflight=1) as w:
-            w.save({"dcp": {"step": self.step, "parts": [list(p) for p in parts]}}, step=self.step,
-                   extra={METADATA_FILE: encode_metadata(metadata)}).result()
-        _reclaim(self.store, self.model, keep_step=self.step)
+        """Nothing is left: every node committed the global version in ``write_data``."""
+
+    # ---------------------------------------------------------------- the global commit
+    def _commit(self, plan, tensors, counter, ok, error, metadata) -> list[WriteResult]:
+        region = self.store.region.superblock.uuid.hex()
+        mine = {"rank": self.rank, "region": region, "ok": ok, "error": error, "counter": counter,
+                "items": [encode_index(item.index) for item in plan.items],
+                "metadata": None if metadata is None else encode_metadata(metadata)}
+        everyone = _exchange(mine, self._group)
+        failed = [p["error"] for p in everyone if not p["ok"]]
+        if failed:
+            raise CkptfsError(f"step {self.step} of {self.model!r} was not committed: " + "; ".join(failed))
+        record = _record(everyone, self.step)
+        leaders = {p["region"]: p["rank"] for p in sorted(everyone, key=lambda p: -p["rank"])}
+        recorded, why = True, None
+        if leaders[region] == self.rank:
+            try:
+                _record_here(self.store, self.model, self.step, record)
+            except BaseException as e:  # noqa: BLE001 - told to every rank
+                recorded, why = False, f"rank {self.rank} (region {region}): {e}"
+        acks = _exchange({"ok": recorded, "error": why}, self._group)
+        failed = [a["error"] for a in acks if not a["ok"]]
+        if failed:
+            raise CkptfsError(f"step {self.step} of {self.model!r} is not recorded on every node: " + "; ".join(failed))
+        if leaders[region] == self.rank:
+            node_ranks = [p["rank"] for p in everyone if p["region"] == region]
+            _reclaim(self.store, self.model, node_ranks, keep_step=self.step)
+        return [WriteResult(index=item.index, size_in_bytes=_nbytes(t),
+                            storage_data={"rank": self.rank, "counter": counter, "pos": pos})
+                for pos, (item, t) in enumerate(zip(plan.items, tensors))]
 
 
 class StorageReader(_DCPReader):
-    """Reads the newest global DCP checkpoint of ``model`` (or ``step``) from ``store``."""
+    """Reads the newest global DCP checkpoint of ``model`` (or ``step``) that every node
+    records. ``store``: this rank's node's region; ``peers``: other regions whose parts it may
+    need (another node's, reachable from here, as in a test of two nodes on one machine)."""
 
-    def __init__(self, store, model: str, step: int | None = None):
+    def __init__(self, store, model: str, step: int | None = None, *, peers=(), timeout_s: float = 300.0):
         super().__init__()
         self.store = store
         self.model = model
         self.step = step
+        self.timeout_s = timeout_s
+        self.regions = {s.region.superblock.uuid.hex(): s for s in (store, *peers)}
         self.metadata: Metadata | None = None
 
     def reset(self, checkpoint_id=None) -> None:
@@ -139,7 +179,17 @@ class StorageReader(_DCPReader):
         return False
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        with _global_version(self.store, self.model, self.step) as v:
+        # every rank runs this (DCP's local step of a load): the ranks agree on the step here
+        steps = _recorded_steps(self.store, self.model)
+        if self.step is not None:
+            steps &= {self.step}
+        agreed = set.intersection(*[set(s) for s in _exchange(sorted(steps), coordination(self.timeout_s))])
+        if not agreed:
+            if self.step is not None:
+                raise NotFoundError(f"step {self.step} of {self.model!r} is not a DCP checkpoint that every node "
+                                    "records; `ckptfs ls` lists the steps")
+            raise no_version_yet(self.model)
+        with _global_version(self.store, self.model, max(agreed)) as v:
             self.metadata = decode_metadata(dict(v.manifest.files)[METADATA_FILE])
         return self.metadata
 
@@ -154,12 +204,12 @@ class StorageReader(_DCPReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         storage = self.metadata.storage_data
-        by_part: dict[tuple[int, int], list] = {}
+        by_part: dict[tuple, list] = {}
         for item in plan.items:
             where = storage[item.storage_index]
-            by_part.setdefault((where["rank"], where["counter"]), []).append((item, where["pos"]))
-        for (rank, counter), items in sorted(by_part.items()):
-            stored = _read_part(self.store, self.model, rank, counter)
+            by_part.setdefault((where["region"], where["rank"], where["counter"]), []).append((item, where["pos"]))
+        for (region, rank, counter), items in sorted(by_part.items()):
+            stored = _read_part(self._store_of(region, rank), self.model, rank, counter)
             for item, pos in items:
                 tensor = stored[pos]
                 if item.type == LoadItemType.BYTE_IO:
@@ -174,12 +224,80 @@ class StorageReader(_DCPReader):
         done.set_result(None)
         return done
 
+    def _store_of(self, region: str, rank: int):
+        store = self.regions.get(region)
+        if store is None:
+            raise NotFoundError(f"the part of rank {rank} of {self.model!r} is in region {region} (another node's), "
+                                "which this rank cannot read: pass that region's store in peers=, or load where "
+                                "the parts are (a shared tier to drain them to is not built yet)")
+        return store
+
 
 # -------------------------------------------------------------------------------- helpers
+_groups: dict[float, object] = {}
+
+
+def coordination(timeout_s: float):
+    """The gloo group the checkpoint's ranks coordinate through (None without torch.distributed):
+    the job's own group where it is gloo (a CPU job), else one of its own per process, made
+    collectively at the first save or load of every rank, so that its collectives run from
+    background threads and never wait behind the training's NCCL traffic."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if dist.get_backend() == "gloo":
+        return dist.group.WORLD  # a CPU job's own group is gloo already: no second one needed
+    group = _groups.get(timeout_s)
+    if group is None:
+        group = _groups[timeout_s] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    return group
+
+
+def _exchange(mine, group) -> list:
+    """Every rank's ``mine``, in rank order (just ``[mine]`` without torch.distributed)."""
+    import torch.distributed as dist
+
+    if group is None:
+        return [mine]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, mine, group=group)
+    return out
+
+
+def _record(everyone: list[dict], step: int) -> str:
+    """The global version's ``dcp-metadata.json``: DCP's metadata, with each item's place."""
+    (metadata,) = [p["metadata"] for p in everyone if p["metadata"] is not None] or [None]
+    if metadata is None:
+        raise CkptfsError("the coordinator's planner has no global metadata (ckptfs needs DCP's DefaultSavePlanner "
+                          "or one that keeps .metadata)")
+    meta = decode_metadata(metadata)
+    meta.storage_data = {decode_index(index): {"region": p["region"], "rank": p["rank"], "counter": p["counter"],
+                                               "pos": pos}
+                         for p in everyone for pos, index in enumerate(p["items"])}
+    return encode_metadata(meta)
+
+
+def _record_here(store, model: str, step: int, record: str) -> None:
+    """Commit the global version of ``step`` in this node's region, unless a newer step is latest."""
+    latest = _latest(store, model)
+    if latest is not None and latest.step >= step:
+        return
+    with store.writer(model, max_inflight=1) as w:
+        w.save({"dcp": {"step": step}}, step=step, extra={METADATA_FILE: record}).result()
+
+
 def _rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _as_tensor(item, data) -> torch.Tensor:
+    if item.type == WriteItemType.BYTE_IO:
+        raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    return data.detach()
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -203,6 +321,13 @@ def _latest(store, model: str):
         return store.latest(model)
     except NotFoundError:
         return None
+
+
+def _recorded_steps(store, model: str) -> set[int]:
+    try:
+        return {v.step for v in store.versions(model)}
+    except NotFoundError:
+        return set()
 
 
 def _global_version(store, model: str, step: int | None):
@@ -229,11 +354,39 @@ def _read_part(store, model: str, rank: int, counter: int) -> list[torch.Tensor]
         return v.load()["items"]
 
 
-def _reclaim(store, model: str, keep_step: int) -> None:
-    """Unkeep every part older than global step ``keep_step`` (superseded, or of a step that never
-    completed), so that the part models' rings reuse them."""
-    for name in store.models():
-        if not name.startswith(f".{model}.rank"):
+_in_flight: set[tuple[str, str, int]] = set()  # (region, part model, step) of this process's saves
+
+
+def _done_with(store, name: str, step: int) -> None:
+    with _writers_lock:
+        _in_flight.discard((store.path, name, step))
+
+
+def _release_abandoned(store, model: str, name: str, step: int) -> None:
+    """Before a rank writes its part of ``step``: unkeep its older parts that no global version
+    of this region names (saves that failed or whose process died; this process's own saves
+    still in flight excepted), so that a job whose saves keep failing does not fill the region."""
+    latest = _latest(store, model)
+    try:
+        parts = store.versions(name)
+    except NotFoundError:
+        return
+    with _writers_lock:
+        busy = {s for path, n, s in _in_flight if path == store.path and n == name}
+    for v in parts:
+        if v.kept and v.step < step and (latest is None or v.step != latest.step) and v.step not in busy:
+            try:
+                store.unkeep(name, v.step)
+            except NotFoundError:
+                pass
+
+
+def _reclaim(store, model: str, ranks, keep_step: int) -> None:
+    """Unkeep the parts of ``ranks`` older than global step ``keep_step`` (superseded, or of a step
+    that never completed), so that the part models' rings reuse them."""
+    names = set(store.models())
+    for name in (part_model(model, r) for r in ranks):
+        if name not in names:
             continue
         for v in store.versions(name):
             if v.kept and v.step < keep_step:

@@ -3,9 +3,11 @@ localhost (one process per rank, CPU, gloo), FSDP2 (``fully_shard``) over a smal
 AdamW, saved and loaded through DCP with ckptfs as its storage."""
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import traceback
+from datetime import timedelta
 
 import torch
 
@@ -18,9 +20,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(target, world: int, *args, timeout_s: float = 240) -> None:
+def run_ranks(target, world: int, *args, timeout_s: float = 240, may_die: frozenset = frozenset()) -> list[int]:
     """Run ``target(rank, world, *args)`` in ``world`` processes joined in one gloo group;
-    AssertionError with each failing rank's traceback."""
+    AssertionError with each failing rank's traceback. Ranks in ``may_die`` may be killed (a
+    crash test's victims); returns every rank's exit code."""
     ctx = mp_context()
     port = free_port()
     errors = ctx.Queue()
@@ -38,16 +41,20 @@ def run_ranks(target, world: int, *args, timeout_s: float = 240) -> None:
         failures.append(errors.get())
     if stuck:
         failures.append(f"{len(stuck)} rank(s) still running after {timeout_s} s")
-    failures += [f"rank {i} exited with {p.exitcode}" for i, p in enumerate(procs) if p.exitcode and not failures]
+    failures += [f"rank {i} exited with {p.exitcode}" for i, p in enumerate(procs)
+                 if p.exitcode and i not in may_die and not failures]
     assert not failures, "\n".join(failures)
+    return [p.exitcode for p in procs]
 
 
 def _rank_main(target, rank, world, port, errors, args) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    faulthandler.dump_traceback_later(60, exit=True)  # a rank that hangs says where, and ends
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        # a collective waiting for a dead rank gives up after a minute, not gloo's half hour
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
         try:
             target(rank, world, *args)
         finally:
