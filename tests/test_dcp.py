@@ -240,7 +240,12 @@ def _save_with_a_kill(rank, world, region, step, kill_at):
     if rank == 1 and kill_at == KILL_POINTS[0]:
         storage.StorageWriter.write_data = die
     elif rank == 1 and kill_at == KILL_POINTS[1]:
-        threading.Timer(0.002, die).start()
+        real_write = storage.StorageWriter.write_data
+
+        def write_data(self, plan, planner):  # dies 1 ms into writing its part
+            threading.Timer(0.001, die).start()
+            return real_write(self, plan, planner)
+        storage.StorageWriter.write_data = write_data
     elif rank == 1 and kill_at in KILL_POINTS[2:]:
         real, calls = storage._exchange, []
 
@@ -290,3 +295,44 @@ def test_a_rank_killed_during_saves_leaves_the_newest_complete_step(tmp_path):
         assert store.latest("k").step == 100
         kept = [(m, v.step) for m in (".k.rank0", ".k.rank1") for v in store.versions(m) if v.kept]
         assert kept == [(".k.rank0", 100), (".k.rank1", 100)]  # the rest reclaimed
+
+
+def _save_disagreeing(rank, world, region, what):
+    step = 7 + (rank if what == "step" else 0)
+    model = "agree" + (str(rank) if what == "model" else "")
+    with ckptfs.Store(region) as store:
+        with pytest.raises(BaseException, match=f"do not save the same {what}.*rank\\(s\\) 0.*rank\\(s\\) 1"):
+            dcp.save({f"w{rank}": torch.ones(3)}, storage_writer=ckptfs.dcp.StorageWriter(store, model, step=step))
+        assert [m for m in store.models() if not m.startswith(".")] == []  # nothing committed
+
+
+def _async_save_while_training(rank, world, region):
+    model = sharded(toy_model(), world)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    train_steps(model, opt, 1, seed=3)
+    msd, osd = get_state_dict(model, opt)
+    expected = {k: v.full_tensor().clone() for k, v in msd.items()}
+    import torch.distributed as dist
+
+    ckpt_group = dist.new_group(backend="gloo")  # DCP's advice for async_save: its own group
+    with ckptfs.Store(region) as store:
+        fut = dcp.async_save({"model": msd}, process_group=ckpt_group,
+                             storage_writer=ckptfs.dcp.StorageWriter(store, "async", step=1, group=ckpt_group))
+        train_steps(model, opt, 3, seed=4)  # training goes on while the checkpoint is written
+        fut.result()
+        back = {"model": get_state_dict(model, opt)[0]}
+        dcp.load(back, storage_reader=ckptfs.dcp.StorageReader(store, "async"))
+        assert all(torch.equal(back["model"][k].full_tensor(), expected[k]) for k in expected)  # the step-1 state
+
+
+@pytest.mark.parametrize("what", ["step", "model"])
+def test_ranks_that_disagree_on_step_or_model_commit_nothing(tmp_path, what):
+    region = str(tmp_path / "r.region")
+    ckptfs.Store.create(region, size_bytes=64 << 20).close()
+    run_ranks(_save_disagreeing, 2, region, what)
+
+
+def test_async_save_while_training_continues(tmp_path):
+    region = str(tmp_path / "r.region")
+    ckptfs.Store.create(region, size_bytes=64 << 20).close()
+    run_ranks(_async_save_while_training, 2, region)

@@ -57,8 +57,10 @@ class StorageWriter(_DCPWriter):
     and, on each node's leader, the global version once every part of every rank is durable.
     ``timeout_s``: the longest the ranks wait for each other (a dead rank fails the save)."""
 
-    def __init__(self, store, model: str, step: int, *, max_inflight: int = 2, timeout_s: float = 300.0):
+    def __init__(self, store, model: str, step: int, *, max_inflight: int = 2, timeout_s: float = 300.0,
+                 group=None):
         super().__init__()
+        self.group = group  # the gloo group to coordinate through (default: one of ckptfs's own)
         self.store = store
         self.model = model
         self.step = step
@@ -80,7 +82,7 @@ class StorageWriter(_DCPWriter):
         # every rank runs this, in the same order: the place to make the coordination group
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank", _rank())
-        self._group = coordination(self.timeout_s)
+        self._group = self.group if self.group is not None else coordination(self.timeout_s)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=f"ckptfs:{self.model}@{self.step}")
@@ -131,9 +133,10 @@ class StorageWriter(_DCPWriter):
     def _commit(self, plan, tensors, counter, ok, error, metadata) -> list[WriteResult]:
         region = self.store.region.superblock.uuid.hex()
         mine = {"rank": self.rank, "region": region, "ok": ok, "error": error, "counter": counter,
-                "items": [encode_index(item.index) for item in plan.items],
+                "model": self.model, "step": self.step, "items": [encode_index(item.index) for item in plan.items],
                 "metadata": None if metadata is None else encode_metadata(metadata)}
         everyone = _exchange(mine, self._group)
+        _check_agreement(everyone)
         failed = [p["error"] for p in everyone if not p["ok"]]
         if failed:
             raise CkptfsError(f"step {self.step} of {self.model!r} was not committed: " + "; ".join(failed))
@@ -162,8 +165,10 @@ class StorageReader(_DCPReader):
     records. ``store``: this rank's node's region; ``peers``: other regions whose parts it may
     need (another node's, reachable from here, as in a test of two nodes on one machine)."""
 
-    def __init__(self, store, model: str, step: int | None = None, *, peers=(), timeout_s: float = 300.0):
+    def __init__(self, store, model: str, step: int | None = None, *, peers=(), timeout_s: float = 300.0,
+                 group=None):
         super().__init__()
+        self.group = group
         self.store = store
         self.model = model
         self.step = step
@@ -183,7 +188,8 @@ class StorageReader(_DCPReader):
         steps = _recorded_steps(self.store, self.model)
         if self.step is not None:
             steps &= {self.step}
-        agreed = set.intersection(*[set(s) for s in _exchange(sorted(steps), coordination(self.timeout_s))])
+        group = self.group if self.group is not None else coordination(self.timeout_s)
+        agreed = set.intersection(*[set(s) for s in _exchange(sorted(steps), group)])
         if not agreed:
             if self.step is not None:
                 raise NotFoundError(f"step {self.step} of {self.model!r} is not a DCP checkpoint that every node "
@@ -239,15 +245,13 @@ _groups: dict[float, object] = {}
 
 def coordination(timeout_s: float):
     """The gloo group the checkpoint's ranks coordinate through (None without torch.distributed):
-    the job's own group where it is gloo (a CPU job), else one of its own per process, made
-    collectively at the first save or load of every rank, so that its collectives run from
-    background threads and never wait behind the training's NCCL traffic."""
+    one of its own per process, made collectively at the first save or load of every rank, so
+    that its collectives run from background threads beside the training's own (an async save
+    while FSDP all-gathers on the job's group) and never wait behind its NCCL traffic."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    if dist.get_backend() == "gloo":
-        return dist.group.WORLD  # a CPU job's own group is gloo already: no second one needed
     group = _groups.get(timeout_s)
     if group is None:
         group = _groups[timeout_s] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
@@ -263,6 +267,18 @@ def _exchange(mine, group) -> list:
     out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, mine, group=group)
     return out
+
+
+def _check_agreement(everyone: list[dict]) -> None:
+    """CkptfsError (on every rank alike) if the ranks save different steps or models."""
+    for what in ("model", "step"):
+        values = {}
+        for p in everyone:
+            values.setdefault(p[what], []).append(p["rank"])
+        if len(values) > 1:
+            said = "; ".join(f"{what} {v!r} on rank(s) {', '.join(map(str, ranks))}" for v, ranks in values.items())
+            raise CkptfsError(f"the ranks do not save the same {what} ({said}): every rank must pass the same "
+                              f"{what} to StorageWriter; nothing was committed")
 
 
 def _record(everyone: list[dict], step: int) -> str:

@@ -51,7 +51,7 @@ def _rank_main(target, rank, world, port, errors, args) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    faulthandler.dump_traceback_later(60, exit=True)  # a rank that hangs says where, and ends
+    faulthandler.dump_traceback_later(100, exit=True)  # a rank that hangs says where, and ends
     try:
         # a collective waiting for a dead rank gives up after a minute, not gloo's half hour
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
