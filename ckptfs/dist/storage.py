@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import io
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -215,17 +216,21 @@ class StorageReader(_DCPReader):
             where = storage[item.storage_index]
             by_part.setdefault((where["region"], where["rank"], where["counter"]), []).append((item, where["pos"]))
         for (region, rank, counter), items in sorted(by_part.items()):
-            stored = _read_part(self._store_of(region, rank), self.model, rank, counter)
-            for item, pos in items:
-                tensor = stored[pos]
-                if item.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(item, io.BytesIO(tensor.numpy().tobytes()))
-                    continue
-                for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
-                    tensor = tensor.narrow(dim, offset, length)
-                target = planner.resolve_tensor(item).detach()
-                target.copy_(tensor)
-                planner.commit_tensor(item, target)
+            with _open_part(self._store_of(region, rank), self.model, rank, counter) as part:
+                stored = _item_records(part)
+                for item, pos in items:
+                    # each piece straight from the region into its target: no whole-part copy
+                    record = part.manifest.tensors[stored[pos]]
+                    raw = part.data.read(record.offset, record.nbytes)  # checked against its CRC
+                    if item.type == LoadItemType.BYTE_IO:
+                        planner.load_bytes(item, io.BytesIO(bytes(raw)))
+                        continue
+                    tensor = _tensor_of(raw, record)
+                    for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+                        tensor = tensor.narrow(dim, offset, length)
+                    target = planner.resolve_tensor(item).detach()
+                    target.copy_(tensor)
+                    planner.commit_tensor(item, target)
         done: Future = Future()
         done.set_result(None)
         return done
@@ -358,16 +363,31 @@ def _global_version(store, model: str, step: int | None):
     return v
 
 
-def _read_part(store, model: str, rank: int, counter: int) -> list[torch.Tensor]:
+def _open_part(store, model: str, rank: int, counter: int):
+    """The pinned part version of ``rank`` with ``counter``; CorruptionError if it is gone."""
     name = part_model(model, rank)
     match = [v for v in store.versions(name) if v.counter == counter]
-    if not match:
-        raise CorruptionError(f"the part of rank {rank} (counter {counter}) of {model!r} is gone from {name!r}; "
-                              "this global version cannot be loaded, use an older one")
-    with store.open_version(name, match[0].step) as v:
-        if v.info.counter != counter:
-            raise CorruptionError(f"the part of rank {rank} of {model!r} was overwritten while read")
-        return v.load()["items"]
+    if match:
+        v = store.open_version(name, match[0].step)
+        if v.info.counter == counter:
+            return v
+        v.close()
+    raise CorruptionError(f"the part of rank {rank} (counter {counter}) of {model!r} is gone from {name!r}; "
+                          "this global version cannot be loaded, use an older one")
+
+
+def _item_records(part) -> dict[int, int]:
+    """{position in the part's item list: its tensor's index in the manifest}."""
+    return {int(ref.key_path[1]): ref.tensor_index for ref in part.manifest.refs() if ref.key_path[:1] == ("items",)}
+
+
+def _tensor_of(raw: memoryview, record) -> torch.Tensor:
+    """A read-only tensor over a stored tensor's bytes (the region's mapping; copied from only)."""
+    if not record.nbytes:
+        return torch.empty(record.shape, dtype=record.torch_dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer": it is only read
+        return torch.frombuffer(raw, dtype=record.torch_dtype).view(record.shape)
 
 
 _in_flight: set[tuple[str, str, int]] = set()  # (region, part model, step) of this process's saves
