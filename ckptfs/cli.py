@@ -524,11 +524,7 @@ def upgrade(region):
 def keep(region, model, steps):
     """Keep versions STEPS of MODEL (milestones): the ring never reuses them until `ckptfs unkeep`
     or `ckptfs rm`; each takes its slot out of the ring, which takes another from free space."""
-    with _open_store(region) as store:
-        for s in steps:
-            store.keep(model, s)
-            click.echo(f"kept {model} step {s}")
-        return 0
+    return _set_kept(region, model, steps, True)
 
 
 @cli.command()
@@ -537,11 +533,15 @@ def keep(region, model, steps):
 @click.argument("steps", nargs=-1, type=STEP, required=True)
 def unkeep(region, model, steps):
     """Give kept versions STEPS of MODEL back to the ring (reused once older than what it keeps)."""
+    return _set_kept(region, model, steps, False)
+
+
+def _set_kept(region, model: str, steps, kept: bool) -> int:
     with _open_store(region) as store:
         for s in steps:
-            store.unkeep(model, s)
-            click.echo(f"unkept {model} step {s}")
-        return 0
+            (store.keep if kept else store.unkeep)(model, s)
+            click.echo(f"{'kept' if kept else 'unkept'} {model} step {s}")
+    return 0
 
 
 @cli.command()

@@ -18,35 +18,45 @@ from ckptfs.testing.ranks import run_ranks, sharded, toy_model, train_steps
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
-def _save_sharded(rank, world, region, step, out):
+def _node_store(regions, rank, world):
+    """The store of ``rank``'s node: the ranks split evenly over ``regions`` (simulated nodes)."""
+    return ckptfs.Store(regions[rank * len(regions) // world])
+
+
+def _save_sharded(rank, world, regions, step, out):
     """FSDP2 + AdamW at ``world`` ranks, two training steps, dcp.save through ckptfs; rank 0 also
     writes the unsharded model and optimizer state (the reference) to ``out``."""
     model = sharded(toy_model(), world)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     train_steps(model, opt, 2, seed=7)
     msd, osd = get_state_dict(model, opt)
-    with ckptfs.Store(region) as store:
-        dcp.save({"model": msd, "optim": osd}, storage_writer=ckptfs.dcp.StorageWriter(store, "fsdp", step=step))
+    with _node_store(regions, rank, world) as store:
+        dcp.save({"model": msd, "optim": osd, "epoch": 4},
+                 storage_writer=ckptfs.dcp.StorageWriter(store, "fsdp", step=step))
     full = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         torch.save(full, out)
 
 
-def _load_sharded(rank, world, region, out):
-    """Load the newest global version at ``world`` ranks and compare the unsharded state."""
+def _load_sharded(rank, world, regions, out):
+    """Load the newest global version at ``world`` ranks (parts from any of ``regions``) and
+    compare the unsharded state with the reference."""
     model = sharded(toy_model(), world)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     train_steps(model, opt, 1, seed=99)  # different values and optimizer state to overwrite
     msd, osd = get_state_dict(model, opt)
-    state = {"model": msd, "optim": osd}
-    with ckptfs.Store(region) as store:
-        dcp.load(state, storage_reader=ckptfs.dcp.StorageReader(store, "fsdp"))
+    state = {"model": msd, "optim": osd, "epoch": 0}
+    mine = _node_store(regions, rank, world)
+    peers = [ckptfs.Store(r) for r in regions if r != mine.path]
+    dcp.load(state, storage_reader=ckptfs.dcp.StorageReader(mine, "fsdp", peers=peers))
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     got = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:  # the unsharded state is gathered on rank 0 only
         ref_model, ref_optim = torch.load(out, weights_only=False)
         assert set(got[0]) == set(ref_model) and all(torch.equal(got[0][k], ref_model[k]) for k in ref_model)
-        assert _flat(got[1]) == _flat(ref_optim) and len(_flat(ref_optim)) == 12
+        assert _flat(got[1]) == _flat(ref_optim) and len(_flat(ref_optim)) == 12 and state["epoch"] == 4
+    for store in (mine, *peers):
+        store.close()
 
 
 def _flat(osd) -> list:
@@ -63,12 +73,12 @@ def test_fsdp2_saved_at_4_ranks_loads_at_2_at_1_and_at_4_again(tmp_path):
     region = str(tmp_path / "r.region")
     ckptfs.Store.create(region, size_bytes=256 << 20).close()
     out = str(tmp_path / "full.pt")
-    run_ranks(_save_sharded, 4, region, 100, out)
+    run_ranks(_save_sharded, 4, [region], 100, out)
     with ckptfs.Store(region) as store:
         assert [v.step for v in store.versions("fsdp")] == [100]
         assert sorted(m for m in store.models() if m.startswith(".")) == [f".fsdp.rank{r}" for r in range(4)]
-    run_ranks(_load_sharded, 2, region, out)
-    run_ranks(_load_sharded, 4, region, out)
+    run_ranks(_load_sharded, 2, [region], out)
+    run_ranks(_load_sharded, 4, [region], out)
     # and at world size 1, in this process, into the plain model: the unsharded weights
     model = toy_model()
     sd = {"model": model.state_dict()}
@@ -160,56 +170,19 @@ def test_reading_a_plain_version_through_dcp_says_what_it_is(store):
     assert os.path.basename(ckptfs.dist.part_model("gpt2", 3)) == ".gpt2.rank3"
 
 
-def _node_store(regions, rank):
-    """Two simulated nodes: ranks 0-1 use the first region, ranks 2-3 the second."""
-    return ckptfs.Store(regions[rank * len(regions) // 4])
-
-
-def _save_two_nodes(rank, world, regions, step, out):
-    model = sharded(toy_model(), world)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    train_steps(model, opt, 2, seed=11)
-    msd, osd = get_state_dict(model, opt)
-    with _node_store(regions, rank) as store:
-        dcp.save({"model": msd, "optim": osd, "epoch": 4},
-                 storage_writer=ckptfs.dcp.StorageWriter(store, "fsdp", step=step))
-    full = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if rank == 0:
-        torch.save(full, out)
-
-
-def _load_two_nodes(rank, world, regions, out):
-    model = sharded(toy_model(), world)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    train_steps(model, opt, 1, seed=99)
-    msd, osd = get_state_dict(model, opt)
-    state = {"model": msd, "optim": osd, "epoch": 0}
-    mine = _node_store(regions, rank)
-    peers = [ckptfs.Store(r) for r in regions if r != mine.path]
-    dcp.load(state, storage_reader=ckptfs.dcp.StorageReader(mine, "fsdp", peers=peers))
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    got = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if rank == 0:
-        ref_model, ref_optim = torch.load(out, weights_only=False)
-        assert all(torch.equal(got[0][k], ref_model[k]) for k in ref_model) and state["epoch"] == 4
-        assert _flat(got[1]) == _flat(ref_optim)
-    for s in (mine, *peers):
-        s.close()
-
-
 @pytest.mark.slow
 def test_two_nodes_each_record_the_global_version_and_load_across_them(tmp_path):
     regions = [str(tmp_path / "node0.region"), str(tmp_path / "node1.region")]
     for r in regions:
         ckptfs.Store.create(r, size_bytes=128 << 20).close()
     out = str(tmp_path / "full.pt")
-    run_ranks(_save_two_nodes, 4, regions, 300, out)
+    run_ranks(_save_sharded, 4, regions, 300, out)
     for node, r in enumerate(regions):
         with ckptfs.Store(r) as store:
             assert [(v.step, v.latest) for v in store.versions("fsdp")] == [(300, True)]  # each node records it
             assert sorted(m for m in store.models() if m.startswith(".")) == [
                 f".fsdp.rank{k}" for k in (2 * node, 2 * node + 1)]  # each rank's part on its node
-    run_ranks(_load_two_nodes, 4, regions, out)
+    run_ranks(_load_sharded, 4, regions, out)
     # a rank that cannot reach the other node's region says which part it misses
     with ckptfs.Store(regions[0]) as store:
         model = toy_model()
@@ -336,3 +309,34 @@ def test_async_save_while_training_continues(tmp_path):
     region = str(tmp_path / "r.region")
     ckptfs.Store.create(region, size_bytes=64 << 20).close()
     run_ranks(_async_save_while_training, 2, region)
+
+
+def _save_dtensors(rank, world, region, out):
+    """DTensors placed Shard(0), Shard(1) and Replicate() over the ranks, saved through ckptfs."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(5)
+    full = {"rows": torch.randn(64, 48), "cols": torch.randn(48, 64), "rep": torch.randn(1000)}
+    placed = {"rows": distribute_tensor(full["rows"], mesh, [Shard(0)]),
+              "cols": distribute_tensor(full["cols"], mesh, [Shard(1)]),
+              "rep": distribute_tensor(full["rep"], mesh, [Replicate()])}
+    with ckptfs.Store(region) as store:
+        dcp.save(placed, storage_writer=ckptfs.dcp.StorageWriter(store, "dt", step=1))
+    if rank == 0:
+        torch.save(full, out)
+
+
+def test_dtensors_sharded_on_either_dimension_or_replicated(tmp_path):
+    region = str(tmp_path / "r.region")
+    ckptfs.Store.create(region, size_bytes=64 << 20).close()
+    out = str(tmp_path / "full.pt")
+    run_ranks(_save_dtensors, 2, region, out)
+    full = torch.load(out)
+    back = {k: torch.zeros_like(v) for k, v in full.items()}
+    with ckptfs.Store(region) as store:
+        dcp.load(back, storage_reader=ckptfs.dcp.StorageReader(store, "dt"))  # one process: whole tensors
+        parts = sum(v.data_bytes for r in (0, 1) for v in store.versions(f".dt.rank{r}"))
+    assert all(torch.equal(back[k], full[k]) for k in full)
+    assert parts < 1.2 * sum(t.numel() * 4 for t in full.values())  # the replicated one written once
