@@ -306,7 +306,7 @@ class Store:
         if problem is not None:
             out.append(VerifyProblem(entry.name, -1, None, f"{problem}; `load` falls back to the newest intact version"))
         for v in self.region.committed(entry):
-            if self.region.header_copies_differ(entry, v.slot):
+            if self.region.header_copy_lost(entry, v.slot):
                 out.append(VerifyProblem(entry.name, v.header.step, None,
                                          f"one copy of the header of slot {v.slot} (region offset "
                                          f"{entry.slot_offset(v.slot)}) is damaged, or was torn by a crash; the intact "

@@ -42,8 +42,8 @@ from ckptfs.checksum import crc32
 from ckptfs.errors import BusyError, CheckpointTooLargeError, CkptfsError, NotFoundError, RegionFullError, in_words
 from ckptfs.region.backend import aligned_buffer
 from ckptfs.region.extents import KEPT, Extents
-from ckptfs.region.format import (SLOT_COMMITTED, SLOT_HEADER_BYTES, SLOT_KEPT, SLOT_WRITING, ModelEntry,
-                                  SlotHeader, pack_latest, slot_layout, unpack_latest)
+from ckptfs.region.format import (HEADER_COPY_OFFSETS, PAGE_BYTES, SLOT_COMMITTED, SLOT_HEADER_BYTES, SLOT_KEPT,
+                                  SLOT_WRITING, ModelEntry, SlotHeader, pack_latest, slot_layout, unpack_latest)
 from ckptfs.region.locks import LockSpace, slot_lock_offset
 
 log = logging.getLogger("ckptfs")
@@ -237,10 +237,7 @@ class Ring:
                 header = region.read_header(entry, slot)
                 if header is None or not region.header_copies_differ(entry, slot):
                     continue
-                page = aligned_buffer(SLOT_HEADER_BYTES)
-                page[:] = header.pack()
-                region.write_slot(entry, slot, 0, page)
-                region.backend.barrier()
+                rewrite_header(region, entry, slot, header)
                 log.warning("model %r: one copy of the header of slot %d (step %d) was damaged; rewritten from the "
                             "intact copy", entry.name, slot, header.step)
             finally:
@@ -370,11 +367,24 @@ class Claim:
         self.ring.region.write_slot(self.entry, self.slot, slot_offset, page)
 
 
+def rewrite_header(region, entry, slot: int, header: SlotHeader) -> None:
+    """Rewrite the header of a committed version in place (its kept flag, a repaired copy): one
+    copy, durable, then the other, durable. One write of both could tear both where a device
+    tears below a sector (the crash images found it: a kept flag set on the latest version, torn
+    in 8-byte pieces, lost that version); this way one intact copy, old or new, is always there."""
+    pages = header.pack()
+    for offset in HEADER_COPY_OFFSETS:
+        page = aligned_buffer(PAGE_BYTES)
+        page[:] = pages[offset:offset + PAGE_BYTES]
+        region.write_slot(entry, slot, offset, page)
+        region.backend.barrier()
+
+
 def mark_kept(region, version, kept: bool) -> bool:
     """Set (or clear) the kept flag of a committed version's header, durably; False if the
-    version is gone. The version is pinned meanwhile (no claim can take it), and both header
-    copies are rewritten in one page: a torn write leaves one copy of either flag, each of them
-    a valid header of the same version."""
+    version is gone. The version is pinned meanwhile (no claim can take it), and the header's
+    copies are rewritten one after the other (``rewrite_header``): a crash leaves a valid header
+    of the same version, with either flag."""
     if not region.pin(version):
         return False
     try:
@@ -384,10 +394,7 @@ def mark_kept(region, version, kept: bool) -> bool:
                 return False
             flags = (header.flags | SLOT_KEPT) if kept else (header.flags & ~SLOT_KEPT)
             if flags != header.flags:
-                page = aligned_buffer(SLOT_HEADER_BYTES)
-                page[:] = dataclasses.replace(header, flags=flags).pack()
-                region.write_slot(version.entry, version.slot, 0, page)
-                region.backend.barrier()
+                rewrite_header(region, version.entry, version.slot, dataclasses.replace(header, flags=flags))
             return True
     finally:
         region.unpin(version)

@@ -64,10 +64,21 @@ class SlotReader:
         return header
 
     def header_copies_differ(self, entry: ModelEntry, slot: int) -> bool:
-        """Whether one copy of the slot's header is damaged or stale while the other is valid."""
+        """Whether one copy of the slot's header is damaged or stale while the other is valid
+        (what the model's next writer rewrites)."""
         raw = self.backend.read_bytes(entry.slot_offset(slot), SLOT_HEADER_BYTES)
         header, differ = self._parse_header(entry, slot, raw)
         return header is not None and differ
+
+    def header_copy_lost(self, entry: ModelEntry, slot: int) -> bool:
+        """Whether one copy of the slot's header is not a valid header (damaged, or torn by a
+        crash) while the other is (what verify reports). Two valid copies that differ only in
+        the kept flag are a flag change a crash interrupted: the first copy holds the new flag."""
+        if not entry.has_slot(slot):
+            return False
+        raw = self.backend.read_bytes(entry.slot_offset(slot), SLOT_HEADER_BYTES)
+        copies = [self._valid_copy(entry, slot, h) for h in SlotHeader.unpack_copies(raw)]
+        return (copies[0] is None) != (copies[1] is None)
 
     def committed(self, entry: ModelEntry) -> list[SlotVersion]:
         """Every slot holding a committed checkpoint, oldest counter first."""
