@@ -274,13 +274,17 @@ def install_mount_helper(directory):
 @cli.command(name="ls")
 @_region_option
 @_json_option
+@click.option("-a", "--all", "show_all", is_flag=True,
+              help="Also the models whose name starts with '.' (each rank's parts of a DCP checkpoint).")
 @click.argument("model", required=False)
-def ls_(region, as_json, model):
+def ls_(region, as_json, show_all, model):
     """List the models, or the committed versions of MODEL."""
     with _open_store(region) as store:
         if model is None:
             rows = []
             for name in store.models():
+                if name.startswith(".") and not show_all:
+                    continue  # hidden, as in the mount: ranks' parts (.MODEL.rankN)
                 versions = store.versions(name)
                 latest = next((v for v in versions if v.latest), None)
                 rows.append({"model": name, "versions": len(versions),

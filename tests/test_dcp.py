@@ -222,11 +222,11 @@ def _save_with_a_kill(rank, world, region, step, kill_at):
     elif rank == 1 and kill_at in KILL_POINTS[2:]:
         real, calls = storage._exchange, []
 
-        def exchange(mine, group):
+        def exchange(mine, group, what):
             calls.append(1)
             if len(calls) == (1 if kill_at == KILL_POINTS[2] else 2):
                 die()
-            return real(mine, group)
+            return real(mine, group, what)
         storage._exchange = exchange
     with ckptfs.Store(region) as store:
         try:
@@ -340,3 +340,13 @@ def test_dtensors_sharded_on_either_dimension_or_replicated(tmp_path):
         parts = sum(v.data_bytes for r in (0, 1) for v in store.versions(f".dt.rank{r}"))
     assert all(torch.equal(back[k], full[k]) for k in full)
     assert parts < 1.2 * sum(t.numel() * 4 for t in full.values())  # the replicated one written once
+
+
+def test_ls_hides_the_ranks_parts_unless_asked(store, capsys):
+    from test_cli import run
+
+    dcp.save({"w": torch.ones(4)}, storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=1))
+    code, out, _ = run(capsys, "ls", "--region", store.path)
+    assert code == 0 and [line.split()[0] for line in out.splitlines()[1:]] == ["m"]
+    code, out, _ = run(capsys, "ls", "-a", "--region", store.path)
+    assert [line.split()[0] for line in out.splitlines()[1:]] == [".m.rank0", "m"]

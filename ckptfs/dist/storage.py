@@ -136,7 +136,7 @@ class StorageWriter(_DCPWriter):
         mine = {"rank": self.rank, "region": region, "ok": ok, "error": error, "counter": counter,
                 "model": self.model, "step": self.step, "items": [encode_index(item.index) for item in plan.items],
                 "metadata": None if metadata is None else encode_metadata(metadata)}
-        everyone = _exchange(mine, self._group)
+        everyone = _exchange(mine, self._group, f"the exchange of parts of {self.model!r} step {self.step}")
         _check_agreement(everyone)
         failed = [p["error"] for p in everyone if not p["ok"]]
         if failed:
@@ -149,7 +149,8 @@ class StorageWriter(_DCPWriter):
                 _record_here(self.store, self.model, self.step, record)
             except BaseException as e:  # noqa: BLE001 - told to every rank
                 recorded, why = False, f"rank {self.rank} (region {region}): {e}"
-        acks = _exchange({"ok": recorded, "error": why}, self._group)
+        acks = _exchange({"ok": recorded, "error": why}, self._group,
+                         f"the acknowledgement of {self.model!r} step {self.step}")
         failed = [a["error"] for a in acks if not a["ok"]]
         if failed:
             raise CkptfsError(f"step {self.step} of {self.model!r} is not recorded on every node: " + "; ".join(failed))
@@ -190,7 +191,8 @@ class StorageReader(_DCPReader):
         if self.step is not None:
             steps &= {self.step}
         group = self.group if self.group is not None else coordination(self.timeout_s)
-        agreed = set.intersection(*[set(s) for s in _exchange(sorted(steps), group)])
+        agreed = set.intersection(*[set(s) for s in _exchange(sorted(steps), group,
+                                                              f"the agreement on a step of {self.model!r} to load")])
         if not agreed:
             if self.step is not None:
                 raise NotFoundError(f"step {self.step} of {self.model!r} is not a DCP checkpoint that every node "
@@ -263,14 +265,19 @@ def coordination(timeout_s: float):
     return group
 
 
-def _exchange(mine, group) -> list:
-    """Every rank's ``mine``, in rank order (just ``[mine]`` without torch.distributed)."""
+def _exchange(mine, group, what: str) -> list:
+    """Every rank's ``mine``, in rank order (just ``[mine]`` without torch.distributed). ``what``
+    names the exchange in the error of one that fails (a rank died, or never came before the
+    group's timeout). (Under dcp.save DCP's own gather fails next and reports the dead peer.)"""
     import torch.distributed as dist
 
     if group is None:
         return [mine]
     out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, mine, group=group)
+    try:
+        dist.all_gather_object(out, mine, group=group)
+    except RuntimeError as e:
+        raise CkptfsError(f"{what} failed, nothing was committed: {' '.join(str(e).split())[:300]}") from None
     return out
 
 
