@@ -20,7 +20,7 @@ def __getattr__(name: str):
     """``ckptfs.dcp``: the torch.distributed.checkpoint storage (ckptfs.dist), imported on first
     use (torch.distributed.checkpoint is slow to import)."""
     if name == "dcp":
-        import ckptfs.dist as dist
+        import ckptfs.dcp as dcp
 
-        return dist
+        return dcp
     raise AttributeError(f"module 'ckptfs' has no attribute {name!r}")

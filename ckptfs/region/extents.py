@@ -61,13 +61,14 @@ class Extents:
 
     def add(self, need: int, *, outgrown: bool, headroom: float = GROWTH_HEADROOM) -> ModelEntry:
         """Give the model free slots of at least ``need`` bytes (see the module's docstring);
-        RegionFullError if the region has no room even after giving back what may go."""
+        RegionFullError if the region has no room for even one."""
         region = self.region
         with region.meta_locked():
             entry = self.ring.refresh()
             if outgrown:
                 slot_bytes = max(_align(int(need * headroom), region.superblock.block_bytes), need)
-                counts = sorted({entry.ring_slots, 2, 1}, reverse=True)
+                # the whole ring if there is room, else fewer (the rest follow as room is made)
+                counts = sorted({n for n in (entry.ring_slots, 2, 1) if n <= entry.ring_slots}, reverse=True)
             else:
                 slot_bytes, counts = max(entry.slot_bytes, need), [1]
             error = None
