@@ -289,20 +289,35 @@ def ls_(region, as_json, show_all, model):
                 latest = next((v for v in versions if v.latest), None)
                 rows.append({"model": name, "versions": len(versions),
                              "latest_step": latest.step if latest else None,
-                             "latest_bytes": latest.data_bytes if latest else 0})
+                             "latest_bytes": latest.data_bytes if latest else 0,
+                             "size": _size(store, latest) if latest else "-"})
             if as_json:
-                click.echo(json.dumps(rows, indent=1))
+                click.echo(json.dumps([{k: v for k, v in r.items() if k != "size"} for r in rows], indent=1))
             else:
-                _table([[r["model"], r["versions"], "-" if r["latest_step"] is None else r["latest_step"],
-                         human_bytes(r["latest_bytes"])] for r in rows], ["MODEL", "VERSIONS", "LATEST", "SIZE"])
+                _table([[r["model"], r["versions"], "-" if r["latest_step"] is None else r["latest_step"], r["size"]]
+                        for r in rows], ["MODEL", "VERSIONS", "LATEST", "SIZE"])
             return 0
         versions = store.versions(model)
         if as_json:
             click.echo(json.dumps([_info_dict(v) for v in versions], indent=1))
         else:
             _table([[v.step, ", ".join(m for m, on in (("latest", v.latest), ("kept", v.kept)) if on), _when(v.time_ns),
-                     human_bytes(v.data_bytes), v.counter] for v in versions], ["STEP", "", "TIME", "SIZE", "COUNTER"])
+                     _size(store, v), v.counter] for v in versions], ["STEP", "", "TIME", "SIZE", "COUNTER"])
         return 0
+
+
+def _size(store, v) -> str:
+    """A version's size as ls shows it; for a DCP checkpoint (no tensors of its own) the bytes of
+    its ranks' parts, and how many ranks."""
+    if v.data_bytes == 0:
+        from ckptfs.dist.storage import checkpoint_bytes
+
+        parts = checkpoint_bytes(store, v.model, v.step)
+        if parts is not None:
+            nbytes, ranks, elsewhere = parts
+            return (f"{human_bytes(nbytes)} in {ranks} rank(s)"
+                    + (f" ({elsewhere} on other nodes)" if elsewhere else ""))
+    return human_bytes(v.data_bytes)
 
 
 @cli.command()

@@ -348,5 +348,8 @@ def test_ls_hides_the_ranks_parts_unless_asked(store, capsys):
     dcp.save({"w": torch.ones(4)}, storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=1))
     code, out, _ = run(capsys, "ls", "--region", store.path)
     assert code == 0 and [line.split()[0] for line in out.splitlines()[1:]] == ["m"]
+    assert "in 1 rank(s)" in out  # a DCP checkpoint's size is its parts'
+    code, out, _ = run(capsys, "ls", "--region", store.path, "m")
+    assert code == 0 and "in 1 rank(s)" in out.splitlines()[1]
     code, out, _ = run(capsys, "ls", "-a", "--region", store.path)
     assert [line.split()[0] for line in out.splitlines()[1:]] == [".m.rank0", "m"]

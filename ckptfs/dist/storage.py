@@ -370,6 +370,22 @@ def _global_version(store, model: str, step: int | None):
     return v
 
 
+def checkpoint_bytes(store, model: str, step: int) -> tuple[int, int, int] | None:
+    """(bytes of the parts in ``store``'s region, ranks, ranks whose part is in another region)
+    of the global DCP version ``step`` of ``model``, or None if that version is not one."""
+    with store.open_version(model, step) as v:
+        text = dict(v.manifest.files).get(METADATA_FILE)
+    if text is None:
+        return None
+    here = store.region.superblock.uuid.hex()
+    parts = {(p["region"], p["rank"], p["counter"]) for p in decode_metadata(text).storage_data.values()}
+    nbytes = 0
+    for region, rank, counter in parts:
+        if region == here:
+            nbytes += sum(x.data_bytes for x in store.versions(part_model(model, rank)) if x.counter == counter)
+    return nbytes, len({rank for _, rank, _ in parts}), len({rank for region, rank, _ in parts if region != here})
+
+
 def _open_part(store, model: str, rank: int, counter: int):
     """The pinned part version of ``rank`` with ``counter``; CorruptionError if it is gone."""
     name = part_model(model, rank)
