@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
@@ -73,6 +74,18 @@ class VersionData:
                              f"{self.manifest.data_bytes} bytes of {self.manifest.model} step {self.manifest.step}")
         self._check_range(offset, length)
         return self._region.backend.view(self._data_base + offset, length)
+
+    def tensor(self, index: int) -> torch.Tensor:
+        """Stored tensor ``index`` as a read-only tensor over the region's mapping (zero-copy,
+        checked against its CRC first): for callers that copy pieces of it elsewhere, as a
+        resharded load does. Copy before the version is closed."""
+        record = self.manifest.tensors[index]
+        if not record.nbytes:
+            return torch.empty(record.shape, dtype=record.torch_dtype)
+        raw = self.read(record.offset, record.nbytes)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer": it is only read
+            return torch.frombuffer(raw, dtype=record.torch_dtype).view(record.shape)
 
     def sequential_reader(self) -> Callable[[int, int], memoryview]:
         """A ``read`` for one front-to-back pass over a file (``View.iter_blocks``) whose consumer

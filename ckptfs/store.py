@@ -354,14 +354,13 @@ class Store:
         holders = lock_holders(self.path) if os.path.exists(self.path) else {}
         for entry in self.region.entries():
             latest = self.region.latest(entry)
-            committed = {v.slot for v in self.region.committed(entry)}
+            committed = {v.slot: v.header for v in self.region.committed(entry)}  # one pass over the headers
             latest_slot = latest.slot if latest else -1
             busy = [s for s in entry.slots() if self.region.is_busy(entry, s)]
-            by_slot = {v.slot: v.header.step for v in self.region.committed(entry)}
             # a reader's pin is a shared (READ) lock; a writer's claim an exclusive one
-            pinned = [{"step": by_slot[s], "slot": s,
+            pinned = [{"step": committed[s].step, "slot": s,
                        "holders": [(pid, cmd) for pid, cmd, kind in holders.get(slot_lock_offset(entry.index, s), ())
-                                   if kind == "READ"]} for s in busy if s in by_slot]
+                                   if kind == "READ"]} for s in busy if s in committed]
             models.append({
                 "name": entry.name,
                 "slots": entry.nslots,
@@ -369,7 +368,7 @@ class Store:
                 "ring_slots": entry.ring_slots,
                 "used_bytes": entry.nbytes,
                 "versions": len(committed),
-                "kept_steps": sorted(v.header.step for v in self.region.committed(entry) if v.header.kept),
+                "kept_steps": sorted(h.step for h in committed.values() if h.kept),
                 "latest_step": latest.header.step if latest else None,
                 # a claimed slot that is neither latest nor committed is a save in flight
                 "saves_in_flight": sum(1 for s in busy if s != latest_slot and s not in committed),

@@ -12,6 +12,7 @@ import os
 import pytest
 
 import ckptfs
+from ckptfs.region.format import COUNTER_WORD_OFFSET
 
 from ckptfs.region.region import Region
 from ckptfs.testing.crashsim import CrashSim, record_scenario
@@ -54,7 +55,7 @@ def test_recording_sees_writes_barriers_and_mapped_updates(tmp_path):
     assert kinds.index(WriteDone) < backend.events.index(start)
     assert BarrierEnd in kinds and Persist in kinds
     # the counter's fetch-add on the mapping was seen before the persist that made it durable
-    counter_word = (region.superblock.table_offset + entry.index * 512 + 8) // 8
+    counter_word = region._word(entry, COUNTER_WORD_OFFSET) // 8
     changes = [e for e in backend.events if isinstance(e, MapChange) and any(w == counter_word for w, _ in e.changes)]
     assert changes and backend.events.index(changes[-1]) < max(i for i, e in enumerate(backend.events) if isinstance(e, Persist))
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import io
 import threading
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -222,12 +221,10 @@ class StorageReader(_DCPReader):
                 stored = _item_records(part)
                 for item, pos in items:
                     # each piece straight from the region into its target: no whole-part copy
-                    record = part.manifest.tensors[stored[pos]]
-                    raw = part.data.read(record.offset, record.nbytes)  # checked against its CRC
+                    tensor = part.data.tensor(stored[pos])  # checked against its CRC
                     if item.type == LoadItemType.BYTE_IO:
-                        planner.load_bytes(item, io.BytesIO(bytes(raw)))
+                        planner.load_bytes(item, io.BytesIO(tensor.numpy().tobytes()))
                         continue
-                    tensor = _tensor_of(raw, record)
                     for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
                         tensor = tensor.narrow(dim, offset, length)
                     target = planner.resolve_tensor(item).detach()
@@ -404,15 +401,6 @@ def _item_records(part) -> dict[int, int]:
     return {int(ref.key_path[1]): ref.tensor_index for ref in part.manifest.refs() if ref.key_path[:1] == ("items",)}
 
 
-def _tensor_of(raw: memoryview, record) -> torch.Tensor:
-    """A read-only tensor over a stored tensor's bytes (the region's mapping; copied from only)."""
-    if not record.nbytes:
-        return torch.empty(record.shape, dtype=record.torch_dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer": it is only read
-        return torch.frombuffer(raw, dtype=record.torch_dtype).view(record.shape)
-
-
 _in_flight: set[tuple[str, str, int]] = set()  # (region, part model, step) of this process's saves
 
 
@@ -432,12 +420,8 @@ def _release_abandoned(store, model: str, name: str, step: int) -> None:
         return
     with _writers_lock:
         busy = {s for path, n, s in _in_flight if path == store.path and n == name}
-    for v in parts:
-        if v.kept and v.step < step and (latest is None or v.step != latest.step) and v.step not in busy:
-            try:
-                store.unkeep(name, v.step)
-            except NotFoundError:
-                pass
+    _unkeep(store, name, [v for v in parts if v.step < step and (latest is None or v.step != latest.step)
+                          and v.step not in busy])
 
 
 def _reclaim(store, model: str, ranks, keep_step: int) -> None:
@@ -445,11 +429,15 @@ def _reclaim(store, model: str, ranks, keep_step: int) -> None:
     that never completed), so that the part models' rings reuse them."""
     names = set(store.models())
     for name in (part_model(model, r) for r in ranks):
-        if name not in names:
-            continue
-        for v in store.versions(name):
-            if v.kept and v.step < keep_step:
-                try:
-                    store.unkeep(name, v.step)
-                except NotFoundError:
-                    pass  # reused meanwhile: nothing to give back
+        if name in names:
+            _unkeep(store, name, [v for v in store.versions(name) if v.step < keep_step])
+
+
+def _unkeep(store, name: str, versions) -> None:
+    """Unkeep those of ``versions`` (of part model ``name``) that are kept."""
+    for v in versions:
+        if v.kept:
+            try:
+                store.unkeep(name, v.step)
+            except NotFoundError:
+                pass  # reused meanwhile: nothing to give back

@@ -51,7 +51,7 @@ class Extents:
                 old = self.ring.refresh()
                 entry = old.with_extents(old.extents, ring_slots=ring_slots)
                 region.write_entry(entry, old)
-                usable = sum(1 for x in entry.extents if x.slot_bytes >= entry.slot_bytes for _ in x.slots)
+                usable = self.ring.usable_slots(self.ring.refresh(), entry.slot_bytes)
                 if ring_slots > usable:
                     self._add(self.ring.refresh(), entry.slot_bytes, ring_slots - usable)
                 self.ring.refresh()
@@ -89,11 +89,12 @@ class Extents:
         nbytes = slot_bytes * nslots
         taken_ids = set(entry.slots())
         extents = list(entry.extents)
+        others = region.entries()  # scanned once for every place tried below
         new = None
         for i, x in enumerate(extents):
             ids = range(x.first_slot + x.nslots, x.first_slot + x.nslots + nslots)
             if x.slot_bytes == slot_bytes and ids.stop <= SLOTS_MAX and not taken_ids.intersection(ids):
-                if region.find_gap(nbytes, prefer=x.end) == x.end:
+                if region.find_gap(nbytes, prefer=x.end, entries=others) == x.end:
                     extents[i] = Extent(x.offset, slot_bytes, x.nslots + nslots, x.first_slot)
                     new = Extent(x.end, slot_bytes, nslots, ids.start)
                     break
@@ -104,7 +105,8 @@ class Extents:
             first = next(i for i in range(SLOTS_MAX) if not taken_ids.intersection(range(i, i + nslots)))
             if first + nslots > SLOTS_MAX:
                 raise RegionFullError(f"model {entry.name!r} has {SLOTS_MAX} slots, the most it can have")
-            new = Extent(region.find_gap(nbytes, what=f"more slots of {entry.name!r}"), slot_bytes, nslots, first)
+            new = Extent(region.find_gap(nbytes, what=f"more slots of {entry.name!r}", entries=others),
+                         slot_bytes, nslots, first)
             extents.append(new)
         region.backend.reserve(new.offset, nbytes)
         grown = entry.with_extents(extents)

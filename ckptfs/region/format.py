@@ -53,7 +53,7 @@ ENTRY_FREE = 0
 ENTRY_ACTIVE = 1
 
 
-def _checked(fmt: struct.Struct, raw: bytes, what: str) -> tuple:
+def checked(fmt: struct.Struct, raw: bytes, what: str) -> tuple:
     """Unpack ``raw`` whose last field is the CRC32 of the bytes before it."""
     if len(raw) < fmt.size:
         raise RegionFormatError(f"{what} is truncated ({len(raw)} of {fmt.size} bytes)")
@@ -104,7 +104,9 @@ class Superblock:
         return raw.ljust(SUPERBLOCK_BYTES, b"\0")
 
     @classmethod
-    def unpack(cls, raw: bytes, path: str = "region") -> "Superblock":
+    def unpack(cls, raw: bytes, path: str = "region", *, older_ok: bool = False) -> "Superblock":
+        """The superblock of ``raw`` (checked); OldFormatError for an older major version unless
+        ``older_ok`` (``ckptfs upgrade`` reads those: the superblock's layout is the same)."""
         if raw[:8] != SUPERBLOCK_MAGIC:
             raise RegionFormatError(
                 f"{path} is not a ckptfs region (no superblock magic); format it with `ckptfs mkfs {path}`")
@@ -115,7 +117,7 @@ class Superblock:
             raise IncompatibleVersionError(
                 f"{path} uses region format {major}.{minor}, newer than this ckptfs understands "
                 f"({FORMAT_MAJOR}.{FORMAT_MINOR}); upgrade ckptfs to open it")
-        if major < FORMAT_MAJOR:
+        if major < FORMAT_MAJOR and not older_ok:
             raise OldFormatError(
                 f"{path} uses region format {major}.{minor}, which this ckptfs does not open (it writes "
                 f"{FORMAT_MAJOR}.{FORMAT_MINOR}: mirrored metadata, growing slots, kept versions); copy it into "
@@ -123,15 +125,16 @@ class Superblock:
                 + " (the old region stays as it is until the copy is complete)")
         try:
             (_, major, minor, block_bytes, region_bytes, table_offset, table_entries, entry_bytes,
-             data_offset, uid, created_ns) = _checked(cls._FMT, raw, f"superblock of {path}")
+             data_offset, uid, created_ns) = checked(cls._FMT, raw, f"superblock of {path}")
         except RegionFormatError as e:
             raise RegionFormatError(f"{e}; the region is damaged") from None
         sb = cls(region_bytes, block_bytes, table_offset, table_entries, data_offset, uid,
                  created_ns, major, minor)
-        if (entry_bytes != ENTRY_BYTES or block_bytes < PAGE_BYTES or block_bytes & (block_bytes - 1)
-                or table_offset < SUPERBLOCK_BYTES
-                or data_offset < table_offset + 2 * table_entries * ENTRY_BYTES
-                or data_offset > region_bytes):
+        # the table's own geometry is this format's; an older one's is its reader's to check
+        table_ok = major < FORMAT_MAJOR or (entry_bytes == ENTRY_BYTES
+                                            and data_offset >= table_offset + 2 * table_entries * ENTRY_BYTES)
+        if (not table_ok or block_bytes < PAGE_BYTES or block_bytes & (block_bytes - 1)
+                or table_offset < SUPERBLOCK_BYTES or data_offset > region_bytes):
             raise RegionFormatError(f"superblock of {path} has inconsistent geometry; the region is damaged")
         return sb
 
@@ -239,7 +242,7 @@ class ModelEntry:
                 # else there is damage, not a free entry -- else one flipped bit hides a model.
                 raise RegionFormatError(f"model table entry {index} has a damaged magic")
             return None
-        fields = _checked(cls._FMT, raw, f"model table entry {index}")
+        fields = checked(cls._FMT, raw, f"model table entry {index}")
         _, generation, state, ring_slots, created_ns, name_len, name, nextents = fields[:8]
         flat = fields[8:]
         if state != ENTRY_ACTIVE:
@@ -303,7 +306,7 @@ class SlotHeader:
             return None
         try:
             (_, major, _minor, state, counter, step, time_ns, model_index, slot, m_off, m_bytes,
-             m_crc, d_off, d_bytes, flags) = _checked(cls._FMT, raw, "slot header")
+             m_crc, d_off, d_bytes, flags) = checked(cls._FMT, raw, "slot header")
         except RegionFormatError:
             return None
         if major > FORMAT_MAJOR:

@@ -129,23 +129,22 @@ class Ring:
         """A claimed slot and a new counter for version ``step``; waits while every slot is busy
         and the region has no room for more (BusyError after ``timeout_s``)."""
         self.region.backend.check_present(for_write=True)
-        entry, slot = self._claim_slot(layout.slot_bytes)
+        entry, slot, header = self._claim_slot(layout.slot_bytes)
         try:
             counter = self.region.next_counter(entry)
         except BaseException:
             self._claims.release(slot_lock_offset(entry.index, slot))
             raise
-        return Claim(self, entry, slot, counter, step, time.time_ns(), layout)
+        return Claim(self, entry, slot, counter, step, time.time_ns(), layout, header)
 
-    def _claim_slot(self, need: int) -> tuple[ModelEntry, int]:
+    def _claim_slot(self, need: int) -> tuple[ModelEntry, int, SlotHeader | None]:
         deadline = time.monotonic() + self.timeout_s
         full_until = 0.0
         while True:
             entry = self.refresh()
             now = time.monotonic()
             # kept versions left the ring: it takes slots in their place to keep ring_slots versions
-            ages = self._slot_ages(entry)
-            short = sum(1 for s in entry.slots() if entry.slot_size(s) >= need and ages[s] != KEPT) < entry.ring_slots
+            short = self.usable_slots(entry, need) < entry.ring_slots
             found = None if short and now >= full_until else self._try_claim(entry, need)
             if found is not None:
                 return found
@@ -170,8 +169,10 @@ class Ring:
                 self._ages = None  # another process may have moved things: look again
             time.sleep(CLAIM_POLL_S)
 
-    def _try_claim(self, entry: ModelEntry, need: int) -> tuple[ModelEntry, int] | None:
-        """Lock the free slot of at least ``need`` bytes holding the oldest version, or None."""
+    def _try_claim(self, entry: ModelEntry, need: int) -> tuple[ModelEntry, int, SlotHeader | None] | None:
+        """Lock the free slot of at least ``need`` bytes holding the oldest version, or None;
+        with the entry as of the lock and the slot's header (no other process writes it while
+        the claim is held)."""
         latest_slot = self._latest_slot()
         ages = self._slot_ages(entry)
         free = [s for s in entry.slots() if entry.slot_size(s) >= need and s != latest_slot and ages[s] != KEPT]
@@ -188,8 +189,14 @@ class Ring:
                     self._note_age(slot, KEPT)
                 self._claims.release(lock)
                 continue
-            return now, slot
+            return now, slot, header
         return None
+
+    def usable_slots(self, entry: ModelEntry, need: int) -> int:
+        """How many slots of ``entry`` could take a version of ``need`` bytes: large enough and
+        not kept (busy or not)."""
+        ages = self._slot_ages(entry)
+        return sum(1 for s in entry.slots() if entry.slot_size(s) >= need and ages[s] != KEPT)
 
     def _latest_slot(self) -> int:
         latest = unpack_latest(self.region.latest_word(self.entry))
@@ -287,8 +294,9 @@ class Claim:
     """One slot claimed for one version: ``begin``, ``write``s, then ``commit`` or ``abort``."""
 
     def __init__(self, ring: Ring, entry: ModelEntry, slot: int, counter: int, step: int, time_ns: int,
-                 layout: SlotLayout):
+                 layout: SlotLayout, header: SlotHeader | None):
         self.ring = ring
+        self._header = header  # the slot's header as read once the claim was held
         self.entry = entry  # the model's entry as of the claim: it holds this slot until released
         self.slot = slot
         self.counter = counter
@@ -305,8 +313,7 @@ class Claim:
     def begin(self) -> None:
         """Before the first write: a slot that holds a committed version is marked WRITING,
         durably (its old version is gone from here on)."""
-        region, entry = self.ring.region, self.entry
-        header = region.read_header(entry, self.slot)
+        region, entry, header = self.ring.region, self.entry, self._header
         if header is not None and header.state == SLOT_COMMITTED:
             self.ring._note_age(self.slot, -1)
             marker = SlotHeader(SLOT_WRITING, self.counter, self.step, self.time_ns, entry.index, self.slot)

@@ -46,7 +46,7 @@ class ModelTable:
     def _entry_offset(self, index: int) -> int:
         return self.superblock.table_offset + index * ENTRY_BYTES
 
-    def _copy_offsets(self, index: int) -> tuple[int, int]:
+    def entry_copy_offsets(self, index: int) -> tuple[int, int]:
         """Where copy A (in the table) and copy B (in its mirror) of entry ``index`` start."""
         return (self._entry_offset(index) + ENTRY_COPY_OFFSET,
                 self.superblock.mirror_offset + index * ENTRY_BYTES + ENTRY_COPY_OFFSET)
@@ -61,7 +61,7 @@ class ModelTable:
         older generation than the other is repaired by the next change of the entry
         (``repair_entry``); reading never writes."""
         parsed, errors = [], []
-        for which, off in zip("AB", self._copy_offsets(index)):
+        for which, off in zip("AB", self.entry_copy_offsets(index)):
             try:
                 entry = ModelEntry.unpack_copy(index, bytes(self.backend.view(off, ENTRY_COPY_BYTES)))
                 if entry is not None:
@@ -152,7 +152,7 @@ class ModelTable:
 
     def _salvage_entry_name(self, index: int) -> str | None:
         """The name a damaged entry seems to hold (for messages only; never trusted)."""
-        for copy in self._copy_offsets(index):
+        for copy in self.entry_copy_offsets(index):
             off = copy + ModelEntry.NAME_OFFSET
             raw = bytes(self.backend.view(off, NAME_MAX_BYTES)).split(b"\0", 1)[0]
             try:
@@ -211,7 +211,8 @@ class ModelTable:
             have = nslots
             while True:
                 try:
-                    offset = self.find_gap(have * slot_bytes, what=f"{have} slots of {human_bytes(slot_bytes)}")
+                    offset = self.find_gap(have * slot_bytes, what=f"{have} slots of {human_bytes(slot_bytes)}",
+                                           entries=entries)
                     break
                 except RegionFullError:
                     if have <= (min_slots or nslots):
@@ -234,7 +235,7 @@ class ModelTable:
             # crash (or a reader) sees a free entry or a complete one, never a torn one, even
             # though the kernel may write the page back at any moment of the copy.
             copy = entry.pack_copy()
-            offsets = self._copy_offsets(index)
+            offsets = self.entry_copy_offsets(index)
             for off in offsets:
                 mapping[off + 8:off + len(copy)] = copy[8:]
                 self.backend.persist_mapped(off, len(copy))
@@ -258,13 +259,13 @@ class ModelTable:
         happen, and no copy is left behind the other."""
         copy = entry.pack_copy()
         try:
-            for off in self._copy_offsets(entry.index):
+            for off in self.entry_copy_offsets(entry.index):
                 self.backend.mapping[off:off + len(copy)] = copy
                 self.backend.persist_mapped(off, len(copy))
         except BaseException:
             if previous is not None:
                 old = previous.pack_copy()
-                for off in self._copy_offsets(entry.index):
+                for off in self.entry_copy_offsets(entry.index):
                     self.backend.mapping[off:off + len(old)] = old
             raise
 
@@ -303,11 +304,14 @@ class ModelTable:
         """The bytes of the region that slots can use, all models together."""
         return self._data_end() - self.superblock.data_offset
 
-    def find_gap(self, nbytes: int, *, prefer: int | None = None, what: str = "new slots") -> int:
+    def find_gap(self, nbytes: int, *, prefer: int | None = None, what: str = "new slots",
+                 entries: list[ModelEntry] | None = None) -> int:
         """The offset of ``nbytes`` of the data area that no model's extent holds (``prefer`` if
-        that one is free); RegionFullError when there is none. The caller holds the table lock."""
+        that one is free); RegionFullError when there is none. The caller holds the table lock
+        (and passes ``entries`` if it has just scanned them)."""
         sb = self.superblock
-        taken = sorted((x.offset, x.end) for e in self._scan_entries()[0] for x in e.extents)
+        entries = self._scan_entries()[0] if entries is None else entries
+        taken = sorted((x.offset, x.end) for e in entries for x in e.extents)
         end = self._data_end()
         if prefer is not None and prefer + nbytes <= end and all(b <= prefer or a >= prefer + nbytes for a, b in taken):
             return prefer
@@ -348,7 +352,7 @@ class ModelTable:
                 # Clearing the magics (atomic 8-byte stores) frees the entry; the rest is left as
                 # it is, so a crash cannot leave a half-cleared entry that looks damaged. (A crash
                 # between the two leaves the model in place: removed again, not half removed.)
-                for off in self._copy_offsets(entry.index):
+                for off in self.entry_copy_offsets(entry.index):
                     _native.atomic_store_u64(self.backend.mapping, off, 0)
                     self.backend.persist_mapped(off, 8)
             finally:

@@ -20,7 +20,7 @@ from ckptfs.checksum import crc32
 from ckptfs.errors import CkptfsError, RegionFormatError
 from ckptfs.manifest import Manifest
 from ckptfs.region.backend import aligned_buffer
-from ckptfs.region.format import PAGE_BYTES, SUPERBLOCK_BYTES, SUPERBLOCK_MAGIC, Superblock
+from ckptfs.region.format import PAGE_BYTES, SUPERBLOCK_BYTES, Superblock, checked
 from ckptfs.region.ring import SlotLayout
 
 V1_ENTRY_BYTES = 512
@@ -47,31 +47,26 @@ class V1Model:
     versions: tuple[V1Version, ...]  # oldest counter first
 
 
-def read_v1(fd: int) -> tuple[Superblock, list[V1Model]]:
+def read_v1(fd: int, path: str = "region") -> tuple[Superblock, list[V1Model]]:
     """The geometry and the committed versions of a format-1 region open at ``fd``."""
-    raw = os.pread(fd, SUPERBLOCK_BYTES, 0)
-    fields = Superblock._FMT.unpack_from(raw)
-    if raw[:8] != SUPERBLOCK_MAGIC or crc32(raw[:Superblock._FMT.size - 4]) != fields[-1] or fields[1] != 1:
-        raise RegionFormatError("not a format-1 ckptfs region with an intact superblock; nothing to upgrade")
-    (_, major, minor, block_bytes, region_bytes, table_offset, table_entries, _entry_bytes, data_offset, uid,
-     created_ns) = fields[:-1]
-    sb = Superblock(region_bytes, block_bytes, table_offset, table_entries, data_offset, uid, created_ns, major, minor)
+    sb = Superblock.unpack(os.pread(fd, SUPERBLOCK_BYTES, 0), path, older_ok=True)
+    if sb.major != 1:
+        raise RegionFormatError(f"{path} uses format {sb.major}.{sb.minor}, not 1: nothing to upgrade")
+    if sb.data_offset < sb.table_offset + sb.table_entries * V1_ENTRY_BYTES:
+        raise RegionFormatError(f"superblock of {path} has inconsistent geometry; the region is damaged")
     models = []
-    for index in range(table_entries):
-        raw = os.pread(fd, V1_ENTRY.size, table_offset + index * V1_ENTRY_BYTES + 16)
-        if raw[:8] != b"CKMODEL\0" or crc32(raw[:-4]) != V1_ENTRY.unpack(raw)[-1]:
+    for index in range(sb.table_entries):
+        entry = _v1(V1_ENTRY, os.pread(fd, V1_ENTRY.size, sb.table_offset + index * V1_ENTRY_BYTES + 16), b"CKMODEL\0")
+        if entry is None or entry[1] != 1:  # free, damaged (left behind), or not active
             continue
-        _, state, nslots, slot_bytes, ring_offset, _created, name_len, name, _ = V1_ENTRY.unpack(raw)
-        if state != 1:
-            continue
+        _, _, nslots, slot_bytes, ring_offset, _created, name_len, name = entry
         versions = []
         for slot in range(nslots):
             base = ring_offset + slot * slot_bytes
-            h = os.pread(fd, V1_HEADER.size, base)
-            f = V1_HEADER.unpack(h)
-            if h[:8] != b"CKPTSLOT" or crc32(h[:-4]) != f[-1] or f[3] != 2 or f[7] != index or f[8] != slot:
+            h = _v1(V1_HEADER, os.pread(fd, V1_HEADER.size, base), b"CKPTSLOT")
+            if h is None or h[3] != 2 or h[7] != index or h[8] != slot:  # not a committed version here
                 continue
-            counter, step, time_ns, m_off, m_bytes, m_crc, d_off, d_bytes = f[4], f[5], f[6], f[9], f[10], f[11], f[12], f[13]
+            counter, step, time_ns, m_off, m_bytes, m_crc, d_off, d_bytes = h[4], h[5], h[6], h[9], h[10], h[11], h[12], h[13]
             if m_off + m_bytes > d_off or d_off + d_bytes > slot_bytes:
                 continue
             manifest = os.pread(fd, m_bytes, base + m_off)
@@ -80,6 +75,16 @@ def read_v1(fd: int) -> tuple[Superblock, list[V1Model]]:
         models.append(V1Model(name[:name_len].decode("utf-8"), nslots, slot_bytes,
                               tuple(sorted(versions, key=lambda v: v.counter))))
     return sb, models
+
+
+def _v1(fmt: struct.Struct, raw: bytes, magic: bytes) -> tuple | None:
+    """The fields of a format-1 structure with ``magic`` whose CRC checks, else None."""
+    if raw[:8] != magic:
+        return None
+    try:
+        return checked(fmt, raw, "format-1 structure")
+    except RegionFormatError:
+        return None
 
 
 def upgrade(path: str, *, progress=None) -> list[tuple[str, int]]:
@@ -93,7 +98,7 @@ def upgrade(path: str, *, progress=None) -> list[tuple[str, int]]:
     fd = os.open(path, os.O_RDONLY)
     tmp = f"{path}.upgrade-{os.getpid()}"
     try:
-        sb, models = read_v1(fd)
+        sb, models = read_v1(fd, path)
         done = []
         # a little larger than the old one (sparse): the new table and slot headers take more room
         grow = (4 << 20) + sum(m.nslots for m in models) * PAGE_BYTES

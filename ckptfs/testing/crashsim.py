@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from ckptfs.checksum import crc32
-from ckptfs.region.format import PAGE_BYTES
+from ckptfs.region.format import HEADER_COPY_OFFSETS
 from ckptfs.region.region import Region
 from ckptfs.store import Store
 from ckptfs.testing.recording import (BarrierEnd, BarrierStart, Mark, MapChange, Persist,
@@ -312,8 +312,8 @@ def _torn_header_report(problem, torn_headers, *, one_copy: bool = True) -> bool
     m = re.search(r"header of slot \d+ \(region offset (\d+)\) is unreadable", problem.message)
     if m is None and one_copy:
         m = re.search(r"one copy of the header of slot \d+ \(region offset (\d+)\)", problem.message)
-    # a header's copies are one 8 KiB write, or (rewritten in place) one page each
-    return m is not None and not torn_headers.isdisjoint({int(m.group(1)), int(m.group(1)) + PAGE_BYTES})
+    # a header's copies are one write, or (rewritten in place) one write each
+    return m is not None and not torn_headers.isdisjoint({int(m.group(1)) + off for off in HEADER_COPY_OFFSETS})
 
 
 def continue_image(path: str, truth: Truth, expected: Callable, torn_headers: set = frozenset()) -> list[str]:

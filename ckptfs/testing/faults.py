@@ -83,13 +83,14 @@ def fault_sites(path: str) -> list[Site]:
         sites.append(Site("superblock-pad", SUPERBLOCK_FIELDS, SUPERBLOCK_BYTES - SUPERBLOCK_FIELDS))
         sites.append(Site("backup", region.backend.size_bytes - SUPERBLOCK_BYTES, SUPERBLOCK_FIELDS))
         for entry in region.entries():
-            base = region.superblock.table_offset + entry.index * ENTRY_BYTES
-            mirror = region.superblock.mirror_offset + entry.index * ENTRY_BYTES
+            copy_a, copy_b = region.entry_copy_offsets(entry.index)
+            base = copy_a - ENTRY_COPY_OFFSET  # the table's entry: the words, then copy A
             sites.append(Site("latest-word", base + LATEST_WORD_OFFSET, 8, entry.name))
             sites.append(Site("counter-word", base + COUNTER_WORD_OFFSET, 8, entry.name))
-            for kind, at in (("entry", base), ("entry-mirror", mirror)):
-                sites.append(Site(kind, at + ENTRY_COPY_OFFSET, ENTRY_COPY_END - ENTRY_COPY_OFFSET, entry.name))
-                sites.append(Site("entry-pad", at + ENTRY_COPY_END, ENTRY_BYTES - ENTRY_COPY_END, entry.name))
+            for kind, at in (("entry", copy_a), ("entry-mirror", copy_b)):
+                sites.append(Site(kind, at, ENTRY_COPY_END - ENTRY_COPY_OFFSET, entry.name))
+                sites.append(Site("entry-pad", at - ENTRY_COPY_OFFSET + ENTRY_COPY_END, ENTRY_BYTES - ENTRY_COPY_END,
+                                  entry.name))
             for v in region.committed(entry):
                 h, slot_base = v.header, entry.slot_offset(v.slot)
                 step = h.step
