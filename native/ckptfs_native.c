@@ -11,7 +11,8 @@
  *    whole disk flush, which stalls a training loop's Python thread behind every commit);
  *  - the snapshot copy: many (destination, source) byte ranges copied by several threads with
  *    the GIL released, because one thread of torch's element-wise copy does not reach the
- *    memory bandwidth a save's stall is measured against.
+ *    memory bandwidth a save's stall is measured against;
+ *  - the bus guard (busguard.c): a SIGBUS in a region's mapping becomes a counted fault.
  *
  * Arguments are validated in Python (ckptfs/checksum.py, ckptfs/memcopy.py); here we only check
  * what would crash.
@@ -26,6 +27,8 @@
 #include <sys/mman.h>
 #include <unistd.h>
 #include <zlib.h>
+
+#include "busguard.h"
 
 static int
 word_at(Py_buffer *view, Py_ssize_t offset, int writable, uint64_t **out)
@@ -437,6 +440,13 @@ static PyMethodDef methods[] = {
     {"pmem_is_pmem", pmem_is_pmem_py, METH_VARARGS, "pmem_is_pmem(buf) -> bool"},
     {"copy_spans", copy_spans_py, METH_VARARGS,
      "copy_spans(dst, [(dst_offset, src, src_offset, length), ...], threads)"},
+    {"guard_mapping", guard_mapping_py, METH_VARARGS,
+     "guard_mapping(mapping) -> slot: a SIGBUS inside it is counted, not fatal (busguard.c)"},
+    {"mapping_faults", mapping_faults_py, METH_VARARGS,
+     "mapping_faults(slot) -> (faults, offset of the first one or -1)"},
+    {"unguard_mapping", unguard_mapping_py, METH_VARARGS, "unguard_mapping(slot): before the unmap"},
+    {"poison_page", poison_page_py, METH_VARARGS,
+     "poison_page(slot, offset): a fault there, as the handler records one (fault injection)"},
     {NULL, NULL, 0, NULL},
 };
 

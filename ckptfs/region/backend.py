@@ -12,6 +12,12 @@ A byte range is only ever written through one of the two, so the page cache and 
 hold different versions of the same page.
 
 Readers use ``view(offset, length)``: a zero-copy memoryview of the shared mapping.
+
+The mapping is guarded (native/busguard.c): an access that would kill the process with SIGBUS
+(the file truncated under it, a media error on pmem) reads zeros or writes nowhere instead, and
+is counted. ``check_mapping`` turns a count into RegionIOError; it runs after every mapped write
+is persisted and wherever a reader is about to trust what it read, so a truncation between a
+check and an access is never fatal and never silent.
 """
 from __future__ import annotations
 
@@ -79,6 +85,23 @@ class Backend:
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if self.writable else 0)
         self._map = mmap.mmap(fd, self.size_bytes, flags=mmap.MAP_SHARED, prot=prot)
         self._view = memoryview(self._map)
+        self._guard = _native.guard_mapping(self._map)
+
+    def check_mapping(self, operation: str = "mapped access") -> None:
+        """RegionIOError naming ``operation`` (the step that found it) if an access to this
+        region's mapping has ever faulted (SIGBUS, caught by the bus guard): what that access
+        read was zeros and what it wrote is lost, so nothing read or written through the mapping
+        since is trusted. Cheap: one counter read."""
+        if self._map is None:
+            return
+        faults, offset = _native.mapping_faults(self._guard)
+        if not faults:
+            return
+        self._check_size()
+        raise RegionIOError(f"{operation} of {self.path} failed: its mapping could not be read or written at "
+                            f"{human_bytes(offset)} (a bus error: the device reported a media error there, or the "
+                            "file was cut short); its versions there may be damaged: run `ckptfs verify`, and "
+                            "restore it from a copy", errno.EIO, operation)
 
     def view(self, offset: int, length: int) -> memoryview:
         """Zero-copy view of region bytes; raises ValueError outside the region."""
@@ -101,7 +124,9 @@ class Backend:
     def read_bytes(self, offset: int, length: int) -> bytes:
         """A copy of a few region bytes (headers) that a concurrent writer thread may need
         without holding the GIL through a disk read; ValueError outside the region."""
-        return bytes(self.view(offset, length))
+        data = bytes(self.view(offset, length))
+        self.check_mapping("mapped read")
+        return data
 
     def _check_range(self, offset: int, length: int) -> None:
         if offset < 0 or length < 0 or offset + length > self.size_bytes:
@@ -146,7 +171,10 @@ class Backend:
         """RegionIOError if the region file was truncated under this process (its mapping would
         kill the process with SIGBUS where it reaches past the end), or, ``for_write``, removed
         (a save to it would go when the process ends; reading it is still how to rescue what it
-        holds). Called before each save claims a slot and each version is opened (an fstat)."""
+        holds), or if its mapping has faulted (``check_mapping``). Called before each save claims
+        a slot and each version is opened (an fstat); what happens after the check is covered by
+        the bus guard and ``check_mapping``."""
+        self.check_mapping()
         if self.kind != "file" or self._fd < 0:
             return
         st = os.fstat(self._fd)
@@ -154,6 +182,13 @@ class Backend:
             raise RegionIOError(f"the region file {self.path} was removed while in use: nothing more can be saved "
                                 "to it, and what it holds goes when its last user exits; copy out what you need "
                                 "(`ckptfs export`) from this process, or restore the file", errno.ENOENT, "fstat")
+        self._check_size(st)
+
+    def _check_size(self, st: os.stat_result | None = None) -> None:
+        """RegionIOError if the region file is now shorter than when it was opened."""
+        if self.kind != "file" or self._fd < 0:
+            return
+        st = os.fstat(self._fd) if st is None else st
         if st.st_size < self.size_bytes:
             raise RegionIOError(f"the region file {self.path} was truncated to {human_bytes(st.st_size)} while in use "
                                 f"(it was {human_bytes(self.size_bytes)}); its versions are damaged: restore it from "
@@ -164,9 +199,10 @@ class Backend:
             self._view.release()
             try:
                 self._map.close()
+                _native.unguard_mapping(self._guard)
             except BufferError:
                 # A reader still holds a view (e.g. a tensor loaded with zero copy); the
-                # mapping goes when the last view does.
+                # mapping goes when the last view does, and stays guarded until then.
                 pass
             self._map = None
         if self._fd >= 0:
@@ -266,6 +302,7 @@ class FileBackend(Backend):
         # would stall the training loop's thread behind every commit.
         with io_step("msync", self.path, offset, length):
             self._msync(self._map, offset, length)
+        self.check_mapping("msync")
 
     _msync = staticmethod(_native.msync_range)
 
@@ -327,14 +364,21 @@ class DevdaxBackend(Backend):
         self._map_region(self._fd)
 
     def write(self, offset: int, buf) -> None:
-        _native.pmem_memcpy_persist(self._map, offset, buf)
+        self._memcpy_persist(self._map, offset, buf)
+        self.check_mapping("pmem write")
 
     def barrier(self) -> None:
         # pmem_memcpy_persist already drained; nothing is pending.
         pass
 
     def persist_mapped(self, offset: int, length: int) -> None:
-        _native.pmem_persist(self._map, offset, length)
+        self._persist(self._map, offset, length)
+        self.check_mapping("pmem persist")
+
+    # the mapped writes, methods so that a fault-injecting backend (ckptfs.testing.anomaly) can
+    # poison the page they go to
+    _memcpy_persist = staticmethod(_native.pmem_memcpy_persist)
+    _persist = staticmethod(_native.pmem_persist)
 
 
 def _devdax_size(path: str) -> int:

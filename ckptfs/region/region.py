@@ -49,8 +49,8 @@ class Region(ModelTable, SlotReader):
             self.superblock = self._read_superblock()
             if self.superblock.region_bytes > self.backend.size_bytes:
                 raise RegionFormatError(
-                    f"{path} is {self.backend.size_bytes} bytes but its superblock says "
-                    f"{self.superblock.region_bytes}; the region was truncated")
+                    f"{path} is {human_bytes(self.backend.size_bytes)} but its superblock says "
+                    f"{human_bytes(self.superblock.region_bytes)}: the region was truncated; restore it from a copy")
             self.pins = LockSpace(path, writable)
         except BaseException:
             self.backend.close()
