@@ -459,6 +459,7 @@ def _export_file(view, data, dest: str) -> int:
         for block in view.iter_blocks(data.sequential_reader(), EXPORT_BLOCK_BYTES):
             out.write(block)
         out.flush()
+        data.confirm()
         return view.size
     os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)  # views' subdirectories (hf/)
     tmp = dest + ".ckptfs-part"
@@ -468,6 +469,7 @@ def _export_file(view, data, dest: str) -> int:
             for block in view.iter_blocks(data.sequential_reader(), EXPORT_BLOCK_BYTES):
                 f.write(block)
                 bar.update(len(block))
+        data.confirm()  # the blocks were views of the mapping: none read a faulted page
         os.replace(tmp, dest)
     except BaseException:
         if os.path.exists(tmp):

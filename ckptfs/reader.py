@@ -36,12 +36,15 @@ PREFETCH_AHEAD_BYTES = 16 << 20  # with this much asked for ahead of the block b
 
 @dataclass(frozen=True)
 class VerifyProblem:
-    """One failed check: the version, the tensor (None for the index) and what is wrong."""
+    """One failed check: the version, the tensor (None for the index) and what is wrong;
+    ``repairable``: one of two copies is lost, the other is used, and the model's next writer
+    rewrites the lost one (nothing of the version is lost)."""
 
     model: str
     step: int
     tensor: str | None
     message: str
+    repairable: bool = False
 
     def __str__(self) -> str:
         where = (self.model + (f" step {self.step}" if self.step >= 0 else "")
@@ -86,6 +89,13 @@ class VersionData:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer": it is only read
             return torch.frombuffer(raw, dtype=record.torch_dtype).view(record.shape)
+
+    def confirm(self) -> None:
+        """RegionIOError if an access to the region's mapping has faulted since it was opened
+        (the file cut short under it, a media error): bytes handed out by ``read`` are zero-copy
+        views, so a consumer calls this after it has copied them and before it trusts the copy
+        (the mount before it replies, export before it keeps its file)."""
+        self._region.backend.check_mapping()
 
     def sequential_reader(self) -> Callable[[int, int], memoryview]:
         """A ``read`` for one front-to-back pass over a file (``View.iter_blocks``) whose consumer
@@ -145,6 +155,7 @@ class VersionData:
     def _expect(self, index: int, crc: int) -> None:
         record = self.manifest.tensors[index]
         if crc != record.crc32:
+            self.confirm()  # zeros from a faulted mapping: say so, not "damaged bytes"
             raise CorruptionError(self.damage_message(record))
         self._checked.add(index)
 

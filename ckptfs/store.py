@@ -69,6 +69,11 @@ class Version:
         touched is checked against its CRC first (CorruptionError names a damaged one)."""
         return self.data.read(offset, length)
 
+    def confirm(self) -> None:
+        """RegionIOError if what ``read`` handed out may be zeros of a faulted mapping (see
+        VersionData.confirm): call it after copying, before trusting the copy."""
+        self.data.confirm()
+
     def load(self, map_location="cpu", verify: bool = True):
         return self.data.restore(map_location, verify)
 
@@ -291,7 +296,8 @@ class Store:
                                      f"{what}: the model is unreadable; its versions are lost"))
         for entry, what in region.entry_problems():
             out.append(VerifyProblem(entry.name, -1, None, f"model table entry {entry.index}: {'; '.join(what)}; the "
-                                     "intact copy is used, and the model's next writer rewrites the other copy"))
+                                     "intact copy is used, and the model's next writer rewrites the other copy",
+                                     repairable=True))
         return out
 
     def _model_problems(self, entry) -> list[VerifyProblem]:
@@ -310,7 +316,8 @@ class Store:
                 out.append(VerifyProblem(entry.name, v.header.step, None,
                                          f"one copy of the header of slot {v.slot} (region offset "
                                          f"{entry.slot_offset(v.slot)}) is damaged, or was torn by a crash; the intact "
-                                         "copy is used, and the model's next writer rewrites the other copy"))
+                                         "copy is used, and the model's next writer rewrites the other copy",
+                                         repairable=True))
         for slot, offset, index in self.region.unreadable_slots(entry):
             said = (f"its index says step {index.step} ({len(index.tensors)} tensors)" if index is not None
                     else "its index is unreadable too")

@@ -31,6 +31,9 @@ class FakeVersion:
     def read(self, offset, length):
         return self.store.region[offset:offset + length]
 
+    def confirm(self):
+        self.store.confirms += 1
+
     def close(self):
         if not self.closed:
             self.closed = True
@@ -51,6 +54,7 @@ class FakeStore:
         self.pins: dict[tuple, int] = {}
         self.listings = 0
         self.counter = 0
+        self.confirms = 0  # reads confirmed after their copy (the bus guard's check)
 
     def commit(self, model, step):
         self.counter += 1
@@ -202,6 +206,7 @@ def test_open_pins_until_close_and_reads_the_view(env):
     assert store.pins[("gpt", 20)] == 1
     assert h.read(0, 2) == b"v2" and h.read(2, 4) == store.region[:4] and h.read(1000, 50) == store.region[998:1000]
     assert h.read(h.size, 10) == b""
+    assert store.confirms == 4  # every reply confirmed, once its bytes were copied
     h.close()
     assert store.pins[("gpt", 20)] == 0
 

@@ -223,12 +223,15 @@ class StorageReader(_DCPReader):
                     # each piece straight from the region into its target: no whole-part copy
                     tensor = part.data.tensor(stored[pos])  # checked against its CRC
                     if item.type == LoadItemType.BYTE_IO:
-                        planner.load_bytes(item, io.BytesIO(tensor.numpy().tobytes()))
+                        raw = tensor.numpy().tobytes()
+                        part.data.confirm()
+                        planner.load_bytes(item, io.BytesIO(raw))
                         continue
                     for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
                         tensor = tensor.narrow(dim, offset, length)
                     target = planner.resolve_tensor(item).detach()
                     target.copy_(tensor)
+                    part.data.confirm()  # the copy read a live mapping, not zeros of a faulted one
                     planner.commit_tensor(item, target)
         done: Future = Future()
         done.set_result(None)

@@ -143,7 +143,9 @@ class OpenFile:
 
     def read(self, offset: int, size: int) -> bytes:
         """Up to ``size`` bytes at ``offset``; fewer only at the end of the file."""
-        return self.view.read(offset, size, self.version.read)
+        data = self.view.read(offset, size, self.version.read)
+        self.version.confirm()  # a copy of the mapping, not zeros of a faulted page
+        return data
 
     def close(self) -> None:
         self.version.close()

@@ -152,7 +152,9 @@ class SlotReader:
         """Whether the version's index matches the CRC its header holds."""
         h = version.header
         start = version.entry.slot_offset(version.slot) + h.manifest_offset
-        return crc32(self.backend.view(start, h.manifest_bytes)) == h.manifest_crc
+        ok = crc32(self.backend.view(start, h.manifest_bytes)) == h.manifest_crc
+        self.backend.check_mapping()
+        return ok
 
     def unreadable_slots(self, entry: ModelEntry) -> list[tuple[int, int, Manifest | None]]:
         """(slot, region offset, the index behind it if readable) of every slot whose header is
@@ -189,6 +191,7 @@ class SlotReader:
         if room <= 0 or self.backend.view(start, 1)[0] != ord("{"):
             return None
         raw = bytes(self.backend.view(start, min(room, 1 << 20)))
+        self.backend.check_mapping()
         try:
             return Manifest.decode(raw.split(b"\0", 1)[0])
         except (MalformedInputError, RecursionError):
@@ -198,6 +201,7 @@ class SlotReader:
         h = version.header
         start = version.entry.slot_offset(version.slot) + h.manifest_offset
         raw = bytes(self.backend.view(start, h.manifest_bytes))
+        self.backend.check_mapping()
         if crc32(raw) != h.manifest_crc:
             raise CorruptionError(f"the index of {version.entry.name} step {h.step} (slot {version.slot}) "
                                   "fails its checksum; run `ckptfs verify` and use another version")

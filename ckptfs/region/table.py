@@ -70,6 +70,7 @@ class ModelTable:
             except RegionFormatError as e:
                 parsed.append(None)
                 errors.append(f"copy {which}: {e}")
+        self.backend.check_mapping()  # zeros read through a faulted mapping are not a free entry
         valid = [e for e in parsed if e is not None]
         if not valid:
             if errors:
