@@ -6,6 +6,7 @@ import logging
 import pytest
 
 import ckptfs
+from ckptfs import _native
 from ckptfs.errors import RegionIOError
 from ckptfs.testing import anomaly
 
@@ -59,3 +60,18 @@ def test_the_mount_answers_a_region_io_error_with_its_errno():
 
     assert errno_for(RegionIOError("x", errno.EROFS, "write")) == errno.EROFS
     assert errno_for(RegionIOError("x", errno.EIO, "read")) == errno.EIO
+
+
+@pytest.mark.crash
+@pytest.mark.skipif(not _native.pmem_available(), reason="libpmem1 is not installed")
+@pytest.mark.parametrize("model", ["m", "n", "g"], ids=["existing model", "new model", "outgrown slots"])
+def test_every_mapped_step_of_a_devdax_save_failing(region_with_a_version, model, caplog):
+    """The devdax backend writes and flushes through the mapping: each of those steps meets a
+    page that cannot be read or written in turn (a bus error, caught by the bus guard)."""
+    with caplog.at_level(logging.CRITICAL, logger="ckptfs"):
+        runs = anomaly.sweep(region_with_a_version, errno.EIO, model, devdax=True)
+    assert runs[-1].operation is None, "the sweep stopped before a save met no fault"
+    assert {r.operation for r in runs if r.operation} == set(anomaly.DEVDAX_OPERATIONS)
+    assert len(runs) > 20
+    assert all("RegionIOError" in r.error for r in runs if r.operation and r.error)
+    assert [p for r in runs for p in r.problems] == []

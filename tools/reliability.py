@@ -10,8 +10,9 @@ Sections (``--only`` picks some):
   kills    a writer SIGKILLed at random moments, round after round (ckptfs.testing.load)
   mount    the mount daemon SIGKILLed while readers hold files open and a writer saves
   faults   random media faults at rest (ckptfs.testing.faults)
-  anomaly  every I/O call of a save failing in turn, EIO / ENOSPC / EROFS, and the staging
-           allocation failing (ckptfs.testing.anomaly)
+  anomaly  every I/O call of a save failing in turn, EIO / ENOSPC / EROFS, every mapped step
+           of a devdax save meeting a bad page, and the staging allocation failing
+           (ckptfs.testing.anomaly)
   hostile  the property tests of tests/test_hostile.py with many more examples
   load     sustained load: writer + 4 readers (mount and Store.load) + verify
 
@@ -109,7 +110,8 @@ def run_anomaly(a, workdir, rows, failures):
     r = campaign(workdir)
     ops = ", ".join(f"{op} {n}" for op, n in sorted(r.by_operation().items()))
     rows.append(("I/O anomalies (each save-path call failing in turn)",
-                 f"{len(r.runs)} saves, {r.faults} faults injected (EIO, ENOSPC, EROFS; staging allocation): "
+                 f"{len(r.runs)} saves, {r.faults} faults injected (EIO, ENOSPC, EROFS; devdax bad pages; "
+                 "staging allocation): "
                  f"{ops}", len(r.failures)))
     failures += [f"anomaly: {f}" for f in r.failures]
 
