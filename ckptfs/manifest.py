@@ -18,9 +18,10 @@ commit without moving anything (see docs/FORMAT.md).
 from __future__ import annotations
 
 import json
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
@@ -41,11 +42,12 @@ _DTYPE_NAMES = [
 ]
 DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in _DTYPE_NAMES if hasattr(torch, n)}
 DTYPE_NAMES: dict[torch.dtype, str] = {d: n for n, d in DTYPES.items()}
+_ITEMSIZE: dict[str, int] = {n: d.itemsize for n, d in DTYPES.items()}
 
 
-@dataclass(frozen=True)
-class TensorRecord:
-    """One stored tensor: ``nbytes`` contiguous bytes at ``offset`` from the version's data start."""
+class TensorRecord(NamedTuple):
+    """One stored tensor: ``nbytes`` contiguous bytes at ``offset`` from the version's data start.
+    (A named tuple: an index holds tens of thousands, decoded on every open of a version.)"""
 
     name: str  # dotted path of its first reference in the object, unique within the version
     dtype: str  # torch dtype name, e.g. "bfloat16" (a key of DTYPES)
@@ -60,10 +62,7 @@ class TensorRecord:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -165,10 +164,14 @@ class Manifest:
                 raise MalformedInputError("manifest tensors must be a list")
             tensors = []
             for t in doc["tensors"]:
-                if not isinstance(t["shape"], list) or not isinstance(t["crc32"], str) or len(t["crc32"]) != 8:
+                name, dtype, shape, offset, nbytes, crc = (t["name"], t["dtype"], t["shape"], t["offset"],
+                                                           t["nbytes"], t["crc32"])
+                # exact types: JSON gives no subclasses, and a bool is not an int here
+                if (type(name) is not str or type(dtype) is not str or type(shape) is not list
+                        or type(offset) is not int or type(nbytes) is not int or type(crc) is not str
+                        or len(crc) != 8 or not all(type(d) is int for d in shape)):
                     raise MalformedInputError(f"tensor record {t!r:.80} is not valid")
-                tensors.append(TensorRecord(_str(t["name"]), _str(t["dtype"]), tuple(_int(s) for s in t["shape"]),
-                                            _int(t["offset"]), _int(t["nbytes"]), int(t["crc32"], 16)))
+                tensors.append(TensorRecord(name, dtype, tuple(shape), offset, nbytes, int(crc, 16)))
             files = doc.get("files", {})
             if not isinstance(files, dict):
                 raise MalformedInputError("manifest files must be an object")
@@ -191,11 +194,12 @@ class Manifest:
             raise MalformedInputError("two tensor records have the same name")
         _check_skeleton(self.skeleton, len(self.tensors), 0)
         for t in self.tensors:
-            if t.dtype not in DTYPES:
+            itemsize = _ITEMSIZE.get(t.dtype)
+            if itemsize is None:
                 raise MalformedInputError(f"tensor {t.name!r} has unknown dtype {t.dtype!r}")
-            if any(s < 0 for s in t.shape) or t.offset < 0:
+            if t.offset < 0 or (t.shape and min(t.shape) < 0):
                 raise MalformedInputError(f"tensor {t.name!r} has a negative shape or offset")
-            if t.nbytes != expected_nbytes(t.dtype, t.shape):
+            if t.nbytes != math.prod(t.shape) * itemsize:
                 raise MalformedInputError(f"tensor {t.name!r}: {t.nbytes} bytes do not match "
                                           f"shape {list(t.shape)} of {t.dtype}")
             if t.offset + t.nbytes > self.data_bytes:
@@ -379,10 +383,7 @@ def _check_skeleton(node, ntensors: int, depth: int) -> None:
 
 
 def expected_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n * DTYPES[dtype].itemsize
+    return math.prod(shape) * _ITEMSIZE[dtype]
 
 
 def align_up(value: int, alignment: int) -> int:

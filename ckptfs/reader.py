@@ -102,29 +102,51 @@ class VersionData:
         keeps nothing until the pass completes (``ckptfs export`` writes a temporary file and
         removes it on error). A tensor read from its first byte to its last, in order, is
         checksummed on the way, at no extra pass over the device, and CorruptionError comes
-        before its last block is handed out; any other access is checked first, as by ``read``."""
-        starts = {self.manifest.tensors[i].offset: i for i in self._order}
+        before its last block is handed out; a block may span several tensors (a view's extent
+        covers tensors stored one after another). Any other access is checked first, as by
+        ``read``."""
         stream = {}  # while a tensor streams by: its index, running CRC and next offset
 
         def read(offset: int, length: int) -> memoryview:
-            if not stream and offset in starts and starts[offset] not in self._checked:
-                stream.update(index=starts[offset], crc=0, next=offset)
-            if stream and offset == stream["next"]:
-                record = self.manifest.tensors[stream["index"]]
-                end = record.offset + record.nbytes
-                if offset + length <= end:
-                    view = self._view_ahead(offset, length)
-                    stream["crc"] = crc32(view, stream["crc"])
-                    stream["next"] = offset + length
-                    if stream["next"] == end:
-                        index, crc = stream["index"], stream["crc"]
-                        stream.clear()
-                        self._expect(index, crc)
-                    return view
-            stream.clear()  # not a front-to-back pass: check first, as read() does
-            return self.read(offset, length)
+            pieces = self._stream_pieces(offset, length, stream)
+            if pieces is None:  # not a front-to-back pass: check first, as read() does
+                stream.clear()
+                return self.read(offset, length)
+            view = self._view_ahead(offset, length)
+            for index, lo, hi, crc in pieces:
+                crc = crc32(view[lo - offset:hi - offset], crc)
+                record = self.manifest.tensors[index]
+                if hi == record.offset + record.nbytes:
+                    stream.clear()
+                    self._expect(index, crc)
+                else:
+                    stream.update(index=index, crc=crc, next=hi)
+            return view
 
         return read
+
+    def _stream_pieces(self, offset: int, length: int, stream: dict) -> list[tuple[int, int, int, int]] | None:
+        """For a sequential read of ``[offset, offset + length)``: (tensor index, start, end,
+        CRC so far) of each piece of a not yet checked tensor it holds, or None when one of them
+        is neither the tensor's first bytes nor the continuation of ``stream``."""
+        if offset < 0 or length < 0 or offset + length > self.manifest.data_bytes:
+            return None
+        end, tensors, pieces = offset + length, self.manifest.tensors, []
+        i = max(bisect.bisect_right(self._starts, offset) - 1, 0)
+        while i < len(self._order) and self._starts[i] < end:
+            index = self._order[i]
+            record = tensors[index]
+            lo, hi = max(offset, record.offset), min(end, record.offset + record.nbytes)
+            i += 1
+            if lo >= hi or index in self._checked:
+                continue
+            if lo == record.offset:
+                pieces.append((index, lo, hi, 0))
+            elif stream.get("index") == index and stream["next"] == lo:
+                pieces.append((index, lo, hi, stream["crc"]))
+            else:
+                return None
+        return pieces
 
     def _check_range(self, offset: int, length: int) -> None:
         i = max(bisect.bisect_right(self._starts, offset) - 1, 0)

@@ -110,7 +110,7 @@ def test_crc32_combine_matches_whole():
 
 def with_crcs(m: Manifest, crcs: list[int]) -> Manifest:
     """``m`` with its records holding ``crcs``: the reference for CRCs given apart from them."""
-    return dataclasses.replace(m, tensors=tuple(dataclasses.replace(t, crc32=c) for t, c in zip(m.tensors, crcs)))
+    return dataclasses.replace(m, tensors=tuple(t._replace(crc32=c) for t, c in zip(m.tensors, crcs)))
 
 
 def test_manifest_length_independent_of_crcs_and_roundtrips():

@@ -75,3 +75,39 @@ def test_an_intact_pass_equals_the_ranges(tmp_path):
             streamed = b"".join(bytes(b) for b in view.iter_blocks(v.data.sequential_reader(), block_bytes=MIB // 3))
             assert streamed == view.read(0, view.size, v.read)
             assert v.data.verify() == []
+
+
+def test_a_pass_over_many_small_tensors_streams_blocks_that_span_them(tmp_path, monkeypatch):
+    """Tensors stored one after another make one extent of a view; its blocks span several
+    tensors, and each is still checksummed as it streams by (no check-first pass), a damaged one
+    refused before the block holding its end is handed out."""
+    path = str(tmp_path / "r.region")
+    state = {f"t{i}": torch.full((1024 + 16 * i,), float(i)) for i in range(300)}  # 64-byte multiples
+    with ckptfs.Store.create(path, size_bytes=64 << 20) as s:
+        with s.writer("m") as w:
+            w.save(state, step=1).result()
+        with s.open_version("m") as v:
+            view = safetensors_view(v.manifest)
+            assert len(view.segments) < 10  # a header and a few long extents, not 300
+            checked_first = []
+            original = type(v.data)._crc_of
+            monkeypatch.setattr(type(v.data), "_crc_of", lambda self, r: checked_first.append(r) or original(self, r))
+            streamed = b"".join(bytes(b) for b in view.iter_blocks(v.data.sequential_reader(), block_bytes=10_000))
+            assert checked_first == []
+            assert streamed == view.read(0, view.size, v.read)
+        version = s.region.latest(s.region.get("m"))
+        rec = next(r for r in s.region.read_manifest(version).tensors if r.name == "t150")
+        where = version.data_base + rec.offset + rec.nbytes - 1
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.pwrite(fd, bytes([os.pread(fd, 1, where)[0] ^ 1]), where)
+    finally:
+        os.close(fd)
+    with ckptfs.Store(path) as s, s.open_version("m") as v:
+        view = safetensors_view(v.manifest)
+        handed_out = 0
+        with pytest.raises(CorruptionError, match="tensor 't150'"):
+            for block in view.iter_blocks(v.data.sequential_reader(), block_bytes=10_000):
+                handed_out += len(block)
+        header = view.segments[0].length
+        assert handed_out < header + rec.offset + rec.nbytes  # t150's last byte was never handed out

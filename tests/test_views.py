@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import pickle
 import random
 import shutil
 import struct
@@ -21,15 +22,17 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from hypothesis import example, given, settings, strategies as st
 from safetensors import safe_open
 import safetensors.torch
 from safetensors.torch import load_file
 
 from ckptfs.checksum import crc32, crc32_combine
-from ckptfs.manifest import DTYPE_NAMES, DTYPES, Manifest, TensorRecord, align_up, flatten
+from ckptfs.manifest import DTYPE_NAMES, DTYPES, Manifest, TensorRecord, align_up, flatten, unflatten
 from ckptfs.views import (Extent, Literal, View, ViewBuilder, files_for, key_file_name,
                           metadata_json_view, safetensors_view, torch_zip_view)
-from ckptfs.views.torchzip import contiguous_strides
+from ckptfs.views.safetensors import SAFETENSORS_DTYPES, encode_header
+from ckptfs.views.torchpickle import LEGACY_STORAGE, contiguous_strides, pickle_skeleton
 
 # torch warns whenever it creates a complex32 tensor
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
@@ -214,10 +217,15 @@ def test_view_builder_coalesces_literals_and_tracks_position():
     b.extent(100, 0)
     assert b.position == 4
     b.extent(100, 5)
+    b.extent(105, 2)  # continues the extent before: one extent
+    b.extent(200, 1)  # a gap: a new one
     b.literal(b"e")
+    b.extent(201, 1)  # after a literal: a new one
     view = b.build()
-    assert view.segments == (Literal(b"abcd"), Extent(100, 5), Literal(b"e"))
-    assert view.size == b.position == 10
+    assert view.segments == (Literal(b"abcd"), Extent(100, 7), Extent(200, 1), Literal(b"e"), Extent(201, 1))
+    assert view.size == b.position == 14
+    with pytest.raises(ValueError):
+        b.extent(-1, 1)
 
 
 def test_extent_rejects_negative():
@@ -288,6 +296,31 @@ def test_safetensors_every_dtype_round_trips(tmp_path):
         assert f.get_slice("float4_e2m1fn_x2").get_shape() == [2, 6]  # F4 counts 4-bit values
 
 
+@settings(max_examples=150, deadline=None)
+@given(meta=st.dictionaries(st.text(), st.text(), max_size=3),
+       tensors=st.lists(st.tuples(st.text(), st.sampled_from(sorted(SAFETENSORS_DTYPES)),
+                                  st.lists(st.integers(1, 5000), min_size=1, max_size=4),
+                                  st.integers(0, 1 << 40)), max_size=8))
+@example(meta={"a\ud800": '"\x00'}, tensors=[('x\ud800"\n\u2603\\', "float4_e2m1fn_x2", [2, 3], 3)])
+def test_safetensors_header_is_json_dumps_of_the_dicts(meta, tensors):
+    """encode_header writes the JSON by hand: it must be byte for byte what json.dumps of the
+    header dicts gives (names with quotes, control characters, non-ASCII, lone surrogates)."""
+    records = [(name, TensorRecord(name, dtype, tuple(shape), 0, nbytes)) for name, dtype, shape, nbytes in tensors]
+    header, offset = {"__metadata__": meta}, 0
+    for name, rec in records:
+        shape = list(rec.shape)
+        if rec.dtype == "float4_e2m1fn_x2":
+            shape[-1] *= 2
+        header[name] = {"dtype": SAFETENSORS_DTYPES[rec.dtype], "shape": shape,
+                        "data_offsets": [offset, offset + rec.nbytes]}
+        offset += rec.nbytes
+    if len(header) != len(records) + 1:
+        return  # names are unique in a real file
+    expected = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    expected += b" " * (-len(expected) % 8)
+    assert encode_header(meta, records) == struct.pack("<Q", len(expected)) + expected
+
+
 def test_safetensors_per_key_view_tied_weights_and_names(tmp_path):
     w = torch.randn(4, 4)
     obj = {"model": {"emb.weight": w, "head.weight": w, "blocks": [{"b": torch.ones(2)}]},
@@ -306,7 +339,9 @@ def test_safetensors_per_key_view_tied_weights_and_names(tmp_path):
     with safe_open(model_path, "pt") as f:
         assert json.loads(f.metadata()["ckptfs.aliases"]) == {"head.weight": "emb.weight"}
     view = safetensors_view(stored.manifest, key="model")
-    assert len(view.segments) == 3  # header, emb.weight, blocks.0.b: the tied bytes once
+    # header, then emb.weight and blocks.0.b (one extent where stored one after the other): the
+    # tied bytes once
+    assert sum(s.length for s in view.segments if isinstance(s, Extent)) == w.nbytes + 2 * 4
     optim = safetensors_view(stored.manifest, key="optim")
     assert b'"step":{"dtype":"F32","shape":[]' in optim.segments[0].data
 
@@ -440,6 +475,87 @@ def test_torch_zip_rejects_bad_archive_names():
     for bad in ["", "a/b", "a\\b", "a\0", "ckpt\u2713"]:
         with pytest.raises(ValueError):
             torch_zip_view(manifest, archive_name=bad)
+
+
+class _TensorStub:
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+class _StorageStub(_TensorStub):
+    __slots__ = ()
+
+
+class ReferencePickler(pickle.Pickler):
+    """torch.save's way to pickle a tensor (``persistent_id`` for its storage, a reduction to
+    ``_rebuild_tensor_v2/v3``) as Pickler hooks over stubs: the oracle for torchpickle, which
+    writes the same bytes without the hooks."""
+
+    def __init__(self, file, tensors):
+        super().__init__(file, protocol=2)
+        self.tensors = tensors
+        self.storage_keys: dict[int, str] = {}
+
+    def persistent_id(self, obj):
+        if type(obj) is not _StorageStub:
+            return None
+        record = self.tensors[obj.index]
+        key = self.storage_keys.setdefault(obj.index, str(len(self.storage_keys)))
+        legacy = LEGACY_STORAGE.get(record.dtype)
+        if legacy is None:
+            return ("storage", torch.UntypedStorage, key, "cpu", record.nbytes)
+        return ("storage", legacy, key, "cpu", record.numel)
+
+    def reducer_override(self, obj):
+        if type(obj) is not _TensorStub:
+            return NotImplemented
+        record = self.tensors[obj.index]
+        args = (_StorageStub(obj.index), 0, (*record.shape,), contiguous_strides(record.shape), False, OrderedDict())
+        if record.dtype in LEGACY_STORAGE:
+            return torch._utils._rebuild_tensor_v2, args
+        return torch._utils._rebuild_tensor_v3, (*args, record.torch_dtype)
+
+
+def reference_pickle(manifest):
+    buf = io.BytesIO()
+    pickler = ReferencePickler(buf, manifest.tensors)
+    pickler.dump(unflatten(manifest.skeleton, [_TensorStub(i) for i in range(len(manifest.tensors))]))
+    return buf.getvalue(), list(pickler.storage_keys)
+
+
+_TENSOR_POOL = [t for i, dtype in enumerate(DTYPES.values())
+                for t in [sample(dtype, (2, 3), seed=i), sample(dtype, (1,), seed=i).reshape(()),
+                          sample(dtype, (0, 2)), sample(dtype, (1, 1, 1, 300)), sample(dtype, (70000,))]]
+_leaves = st.one_of(st.none(), st.booleans(), st.integers(-(1 << 70), 1 << 70), st.integers(-300, 70000),
+                    st.floats(allow_nan=True), st.text(max_size=3), st.sampled_from(["a", "cpu", "storage", ""]),
+                    st.integers(0, len(_TENSOR_POOL) - 1).map(lambda i: _TENSOR_POOL[i]))
+_keys = st.one_of(st.text(max_size=4), st.integers(-5, 300), st.booleans(), st.none())
+_objects = st.recursive(_leaves, lambda inner: st.one_of(
+    st.lists(inner, max_size=5), st.lists(inner, max_size=5).map(tuple),
+    st.dictionaries(_keys, inner, max_size=5),
+    st.dictionaries(_keys, inner, max_size=5).map(OrderedDict)), max_leaves=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(obj=_objects)
+def test_data_pkl_is_what_the_pickler_writes(obj):
+    """torchpickle writes data.pkl opcode by opcode: byte for byte what the Pickler with
+    torch.save's hooks writes, for skeletons as flattened and as decoded from the region."""
+    manifest = lay_out(obj).manifest
+    for m in (manifest, Manifest.decode(manifest.encode())):
+        assert pickle_skeleton(m) == reference_pickle(m)
+
+
+@pytest.mark.parametrize("n", [1, 2, 999, 1000, 1001, 2000])
+def test_data_pkl_batches_and_memo_indices_past_256(n):
+    """Containers around pickle's batch size (1,000) and memo indices past 255 (LONG_BINPUT)."""
+    t = torch.ones(2)
+    for obj in ({f"k{i}": t if i % 7 else torch.zeros(i % 5) for i in range(n)},
+                OrderedDict((i, [i, (i,), "x"]) for i in range(n)), [t] * n, tuple(range(n))):
+        manifest = lay_out(obj).manifest
+        assert pickle_skeleton(manifest) == reference_pickle(manifest)
 
 
 def test_contiguous_strides_match_torch():

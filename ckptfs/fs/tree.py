@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ckptfs.fs.errors import read_only
+from ckptfs.gcpause import paused_gc
 
 log = logging.getLogger("ckptfs.fs")
 
@@ -308,11 +309,14 @@ class Tree:
         key = (model, step, info.counter)
         views = self._files.get(key)
         if views is None:
-            if version is not None:
-                views = self._views_of(version, info)
-            else:
-                with self.store.open_version(model, step) as pinned:
-                    views = self._views_of(pinned, info)
+            # one pause of the cyclic GC over the index's decoding and the views' synthesis:
+            # between the two, a collection would traverse every record just made
+            with paused_gc():
+                if version is not None:
+                    views = self._views_of(version, info)
+                else:
+                    with self.store.open_version(model, step) as pinned:
+                        views = self._views_of(pinned, info)
             self._files[key] = views
         return info.counter, views
 

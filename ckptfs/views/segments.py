@@ -8,34 +8,55 @@ returns a bytes-like object of exactly ``length`` bytes (``Version.read``: check
 from __future__ import annotations
 
 from bisect import bisect_right
-from dataclasses import dataclass
 from itertools import accumulate
 from typing import Callable, Iterable, Iterator, Union
 
 ReadRegion = Callable[[int, int], "bytes | bytearray | memoryview"]
 
 
-@dataclass(frozen=True)
 class Literal:
     """Bytes that are part of the view itself."""
 
-    data: bytes
+    # Plain slotted classes, not dataclasses: a view of a version with 40,000 tensors is built of
+    # as many segments, and a frozen dataclass costs several times as much to construct.
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes):
+        self.data = data
 
     @property
     def length(self) -> int:
         return len(self.data)
 
+    def __eq__(self, other) -> bool:
+        return type(other) is Literal and other.data == self.data
 
-@dataclass(frozen=True)
+    def __hash__(self) -> int:
+        return hash((Literal, self.data))
+
+    def __repr__(self) -> str:
+        return f"Literal({self.data[:32]!r}{'...' if len(self.data) > 32 else ''})"
+
+
 class Extent:
     """``length`` bytes of the version's data area starting at data offset ``offset``."""
 
-    offset: int
-    length: int
+    __slots__ = ("offset", "length")
 
-    def __post_init__(self) -> None:
-        if self.offset < 0 or self.length < 0:
-            raise ValueError(f"extent ({self.offset}, {self.length}) has a negative offset or length")
+    def __init__(self, offset: int, length: int):
+        if offset < 0 or length < 0:
+            raise ValueError(f"extent ({offset}, {length}) has a negative offset or length")
+        self.offset = offset
+        self.length = length
+
+    def __eq__(self, other) -> bool:
+        return type(other) is Extent and (other.offset, other.length) == (self.offset, self.length)
+
+    def __hash__(self) -> int:
+        return hash((Extent, self.offset, self.length))
+
+    def __repr__(self) -> str:
+        return f"Extent({self.offset}, {self.length})"
 
 
 Segment = Union[Literal, Extent]
@@ -102,7 +123,8 @@ def _slice(seg: Segment, lo: int, hi: int, read_region: ReadRegion):
 
 
 class ViewBuilder:
-    """Appends segments in file order, coalescing adjacent literals into one.
+    """Appends segments in file order, coalescing adjacent literals into one and an extent that
+    continues the one before it (the next tensor stored right after the last) into one.
 
     ``position`` is the file offset the next appended byte will have, which is what format
     writers need to compute their own offsets (zip local-header offsets, alignment padding).
@@ -110,24 +132,43 @@ class ViewBuilder:
 
     def __init__(self) -> None:
         self._segments: list[Segment] = []
-        self._pending = bytearray()
+        self._pending: list[bytes] = []  # literal pieces, joined into one Literal when flushed
+        self._extent_offset = self._extent_length = 0  # the extent being extended, if length > 0
         self.position = 0
 
     def literal(self, data: bytes) -> None:
-        self._pending += data
-        self.position += len(data)
+        if data:
+            if self._extent_length:
+                self._flush_extent()
+            self._pending.append(data)
+            self.position += len(data)
 
     def extent(self, offset: int, length: int) -> None:
-        if length:
-            self._flush()
-            self._segments.append(Extent(offset, length))
-            self.position += length
+        if length <= 0 or offset < 0:
+            if length == 0:
+                return
+            raise ValueError(f"extent ({offset}, {length}) has a negative offset or length")
+        if self._pending:
+            self._flush_literal()
+        if self._extent_length and self._extent_offset + self._extent_length == offset:
+            self._extent_length += length
+        else:
+            if self._extent_length:
+                self._flush_extent()
+            self._extent_offset, self._extent_length = offset, length
+        self.position += length
 
     def build(self) -> View:
-        self._flush()
+        self._flush_literal()
+        self._flush_extent()
         return View(self._segments)
 
-    def _flush(self) -> None:
+    def _flush_literal(self) -> None:
         if self._pending:
-            self._segments.append(Literal(bytes(self._pending)))
-            self._pending.clear()
+            self._segments.append(Literal(b"".join(self._pending)))
+            self._pending = []
+
+    def _flush_extent(self) -> None:
+        if self._extent_length:
+            self._segments.append(Extent(self._extent_offset, self._extent_length))
+            self._extent_length = 0

@@ -26,35 +26,17 @@ from a hash that depends on its C++ library; ours is deterministic too.
 from __future__ import annotations
 
 import hashlib
-import io
-import pickle
 import struct
 import sys
-from collections import OrderedDict
-from dataclasses import dataclass
-
-import torch
-import torch._utils
+from typing import NamedTuple
 
 from ckptfs.checksum import crc32, crc32_combine
-from ckptfs.manifest import Manifest, TensorRecord, unflatten
+from ckptfs.manifest import Manifest, TensorRecord
 from ckptfs.views.registry import register
+from ckptfs.views.torchpickle import pickle_skeleton
 from ckptfs.views.segments import View, ViewBuilder
 
 STORAGE_ALIGNMENT = 64
-PICKLE_PROTOCOL = 2
-
-# torch pickles these dtypes through their legacy typed-storage class and _rebuild_tensor_v2
-# (torch.storage._dtype_to_storage_type_map, frozen: "we should no longer add dtypes to this
-# map"); every other dtype goes through UntypedStorage, _rebuild_tensor_v3 and an explicit dtype.
-_LEGACY_STORAGE: dict[str, type] = {
-    "float64": torch.DoubleStorage, "float32": torch.FloatStorage, "float16": torch.HalfStorage,
-    "bfloat16": torch.BFloat16Storage, "complex128": torch.ComplexDoubleStorage,
-    "complex64": torch.ComplexFloatStorage, "int64": torch.LongStorage, "int32": torch.IntStorage,
-    "int16": torch.ShortStorage, "int8": torch.CharStorage, "uint8": torch.ByteStorage,
-    "bool": torch.BoolStorage,
-}
-
 _U32_MAX = 0xFFFFFFFF
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _CENTRAL_HEADER = struct.Struct("<IHHHHHHIIIHHHHHII")
@@ -64,10 +46,12 @@ _END = struct.Struct("<IHHHHIIH")
 _FLAG_HAS_DESCRIPTOR = 0x0008
 _FLAG_UTF8 = 0x0800
 _FB_EXTRA_HEADER = 4  # "FB" + u16 length
+_U16 = struct.Struct("<H")
+_DESCRIPTOR32 = struct.Struct("<IIII")
+_DESCRIPTOR64 = struct.Struct("<IIQQ")
 
 
-@dataclass(frozen=True)
-class _Entry:
+class _Entry(NamedTuple):
     """One archive member: literal ``data``, or ``size`` bytes at ``data_offset`` of the version."""
 
     name: str
@@ -126,108 +110,42 @@ def _serialization_id(archive_name: str, entries: list[_Entry]) -> bytes:
 
 
 # --------------------------------------------------------------------------------------------
-# data.pkl
-
-
-class _TensorStub:
-    """Stands for ``manifest.tensors[index]`` in the tree that gets pickled."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, index: int):
-        self.index = index
-
-
-class _StorageStub(_TensorStub):
-    """Stands for the storage of ``manifest.tensors[index]``; pickled as a persistent id."""
-
-    __slots__ = ()
-
-
-class _SkeletonPickler(pickle.Pickler):
-    """Pickles a tree of plain values and ``_TensorStub``s the way torch.save pickles tensors.
-
-    One stub per stored tensor, so a tensor referenced twice is pickled once and memoized (as
-    torch.save does for one tensor object referenced twice), and loads back as one tensor.
-    ``storage_keys`` maps tensor index to storage key, in order of first use.
-    """
-
-    def __init__(self, file: io.BytesIO, tensors: tuple[TensorRecord, ...]):
-        super().__init__(file, protocol=PICKLE_PROTOCOL)
-        self._tensors = tensors
-        self.storage_keys: dict[int, str] = {}
-
-    def persistent_id(self, obj):
-        if type(obj) is not _StorageStub:
-            return None
-        record = self._tensors[obj.index]
-        key = self.storage_keys.setdefault(obj.index, str(len(self.storage_keys)))
-        legacy = _LEGACY_STORAGE.get(record.dtype)
-        if legacy is None:  # UntypedStorage counts bytes, typed storages count elements
-            return ("storage", torch.UntypedStorage, key, "cpu", record.nbytes)
-        return ("storage", legacy, key, "cpu", record.numel)
-
-    def reducer_override(self, obj):
-        if type(obj) is not _TensorStub:
-            return NotImplemented
-        record = self._tensors[obj.index]
-        # (storage, storage_offset, size, stride, requires_grad, backward_hooks), as in
-        # torch.Tensor._reduce_ex_internal; torch builds fresh tuples, so do we ((*t,) copies).
-        args = (_StorageStub(obj.index), 0, (*record.shape,), contiguous_strides(record.shape),
-                False, OrderedDict())
-        if record.dtype in _LEGACY_STORAGE:
-            return torch._utils._rebuild_tensor_v2, args
-        return torch._utils._rebuild_tensor_v3, (*args, record.torch_dtype)
-
-
-def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Strides of a contiguous tensor of ``shape``, exactly as torch computes them (a dimension
-    of size 0 counts as 1, so ``(2, 0, 3)`` gives ``(3, 3, 1)``)."""
-    strides = []
-    step = 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
-
-
-def pickle_skeleton(manifest: Manifest) -> tuple[bytes, list[int]]:
-    """``data.pkl`` for the manifest's object, and the tensor indices in storage-key order."""
-    stubs = [_TensorStub(i) for i in range(len(manifest.tensors))]
-    buf = io.BytesIO()
-    pickler = _SkeletonPickler(buf, manifest.tensors)
-    pickler.dump(unflatten(manifest.skeleton, stubs))
-    return buf.getvalue(), list(pickler.storage_keys)
-
-
-# --------------------------------------------------------------------------------------------
 # zip container (miniz's mz_zip_writer_add_mem_ex_v2 and mz_zip_writer_finalize_archive)
 
 
 def _zip_view(archive_name: str, entries: list[_Entry]) -> View:
+    # One pass, the headers packed inline: a version of 40,000 tensors has as many entries, and
+    # this runs on the first stat of its files.
     builder = ViewBuilder()
-    central = bytearray()
-    for entry in entries:
-        name = f"{archive_name}/{entry.name}".encode("ascii")
+    literal, extent = builder.literal, builder.extent
+    central = []
+    prefix = archive_name.encode("ascii") + b"/"
+    for name, size, crc, data, data_offset in entries:
+        name = prefix + name.encode("ascii")
         header_offset = builder.position
-        zip64 = _zip64_extra(entry.size, header_offset)
-        builder.literal(_local_header(name, entry, zip64, header_offset))
-        if entry.data is None:
-            builder.extent(entry.data_offset, entry.size)
+        zip64 = _zip64_extra(size, header_offset) if size >= _U32_MAX or header_offset >= _U32_MAX else b""
+        # miniz announces a data descriptor only when there is data to follow
+        flags = _FLAG_UTF8 | _FLAG_HAS_DESCRIPTOR if size else _FLAG_UTF8
+        data_start = header_offset + _LOCAL_HEADER.size + len(name) + len(zip64) + _FB_EXTRA_HEADER
+        padding = -data_start % STORAGE_ALIGNMENT  # torch's "FB" extra field: data 64-byte aligned
+        # streaming style: CRC and sizes are 0 here and come in the data descriptor
+        literal(_LOCAL_HEADER.pack(0x04034B50, 0, flags, 0, 0, 0, 0, 0, 0, len(name),
+                                   len(zip64) + _FB_EXTRA_HEADER + padding)
+                + name + zip64 + b"FB" + _U16.pack(padding) + b"Z" * padding)
+        if data is None:
+            extent(data_offset, size)
         else:
-            builder.literal(entry.data)
-        if entry.size:
-            builder.literal(_data_descriptor(entry, wide=bool(zip64)))
-        central += _central_header(name, entry, zip64, header_offset)
+            literal(data)
+        if size:  # miniz writes 64-bit sizes whenever the entry has a Zip64 extra field
+            literal((_DESCRIPTOR64 if zip64 else _DESCRIPTOR32).pack(0x08074B50, crc, size, size))
+        size32 = min(size, _U32_MAX)
+        central.append(_CENTRAL_HEADER.pack(0x02014B50, 0, 0, flags, 0, 0, 0, crc, size32, size32, len(name),
+                                            len(zip64), 0, 0, 0, 0, min(header_offset, _U32_MAX)) + name + zip64)
     central_offset = builder.position
-    builder.literal(bytes(central))
-    builder.literal(_end_records(len(entries), len(central), central_offset))
+    central_bytes = b"".join(central)
+    literal(central_bytes)
+    literal(_end_records(len(entries), len(central_bytes), central_offset))
     return builder.build()
-
-
-def _flags(entry: _Entry) -> int:
-    # miniz announces a data descriptor only when there is data to follow.
-    return _FLAG_UTF8 | (_FLAG_HAS_DESCRIPTOR if entry.size else 0)
 
 
 def _zip64_extra(size: int, header_offset: int) -> bytes:
@@ -240,33 +158,6 @@ def _zip64_extra(size: int, header_offset: int) -> bytes:
     if not fields:
         return b""
     return struct.pack(f"<HH{len(fields)}Q", 0x0001, 8 * len(fields), *fields)
-
-
-def _alignment_extra(data_start_without_padding: int) -> bytes:
-    """torch's "FB" extra field: filler that moves the entry's data to a 64-byte boundary."""
-    padding = -data_start_without_padding % STORAGE_ALIGNMENT
-    return b"FB" + struct.pack("<H", padding) + b"Z" * padding
-
-
-def _local_header(name: bytes, entry: _Entry, zip64: bytes, header_offset: int) -> bytes:
-    data_start = header_offset + _LOCAL_HEADER.size + len(name) + len(zip64) + _FB_EXTRA_HEADER
-    extra = zip64 + _alignment_extra(data_start)
-    # Streaming style: CRC and sizes are 0 here and come in the data descriptor.
-    return _LOCAL_HEADER.pack(0x04034B50, 0, _flags(entry), 0, 0, 0, 0, 0, 0,
-                              len(name), len(extra)) + name + extra
-
-
-def _data_descriptor(entry: _Entry, *, wide: bool) -> bytes:
-    if wide:  # miniz writes 64-bit sizes whenever the entry has a Zip64 extra field
-        return struct.pack("<IIQQ", 0x08074B50, entry.crc, entry.size, entry.size)
-    return struct.pack("<IIII", 0x08074B50, entry.crc, entry.size, entry.size)
-
-
-def _central_header(name: bytes, entry: _Entry, zip64: bytes, header_offset: int) -> bytes:
-    size32 = min(entry.size, _U32_MAX)
-    return _CENTRAL_HEADER.pack(
-        0x02014B50, 0, 0, _flags(entry), 0, 0, 0, entry.crc, size32, size32,
-        len(name), len(zip64), 0, 0, 0, 0, min(header_offset, _U32_MAX)) + name + zip64
 
 
 def _end_records(count: int, central_size: int, central_offset: int) -> bytes:
