@@ -21,7 +21,7 @@ import json
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -65,8 +65,7 @@ class TensorRecord(NamedTuple):
         return math.prod(self.shape)
 
 
-@dataclass(frozen=True)
-class TensorRef:
+class TensorRef(NamedTuple):
     """One occurrence of a stored tensor in the object (tied weights give several per tensor)."""
 
     name: str  # dotted path, unique among refs
@@ -97,12 +96,15 @@ class Manifest:
             return cached
         out: list[TensorRef] = []
         seen: set[str] = set()
-        for key_path, index in _walk_tensor_refs(self.skeleton, ()):
-            name = base = ".".join(key_path) or "tensor"
-            n = 1
-            while name in seen:
-                name = f"{base}#{n}"
-                n += 1
+        found: list[tuple[tuple[str, ...], int]] = []
+        _tensor_refs(self.skeleton, (), found)
+        for key_path, index in found:
+            name = ".".join(key_path) or "tensor"
+            if name in seen:
+                base, n = name, 1
+                while name in seen:
+                    name = f"{base}#{n}"
+                    n += 1
             seen.add(name)
             out.append(TensorRef(name, key_path, index))
         refs = tuple(out)
@@ -347,7 +349,8 @@ def map_tensor_refs(node, ref: Callable[[Any], Any], depth: int = 0) -> dict:
     if kind in ("dict", "odict") and isinstance(value, list):
         if not all(isinstance(item, list) and len(item) == 2 for item in value):
             raise MalformedInputError(f"skeleton {kind} node holds an item that is not a [key, value] pair")
-        return {kind: [[k, map_tensor_refs(v, ref, depth + 1)] for k, v in value]}
+        return {kind: [[k, {"tensor": ref(v["tensor"])} if type(v) is dict and len(v) == 1 and "tensor" in v  # usual leaf
+                        else map_tensor_refs(v, ref, depth + 1)] for k, v in value]}
     return node
 
 
@@ -614,14 +617,21 @@ def unflatten(skeleton: dict, tensors: list) -> Any:
     raise MalformedInputError(f"unknown skeleton node kind {kind!r}")
 
 
-def _walk_tensor_refs(node: dict, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], int]]:
+def _tensor_refs(node: dict, path: tuple[str, ...], out: list) -> None:
+    """Append (key path, tensor index) of every tensor node under ``node``, in order (a list,
+    not a generator: a skeleton of 40,000 tensors is walked on every first view of a version)."""
     (kind, value), = node.items()
     if kind == "tensor":
-        yield path, int(value)
+        out.append((path, int(value)))
     elif kind in ("dict", "odict"):
         for k, v in value:
-            key = unflatten(k, [])
-            yield from _walk_tensor_refs(v, path + (_key_text(key),))
+            key = k.get("str")
+            sub = path + (key if type(key) is str else _key_text(unflatten(k, [])),)
+            index = v.get("tensor")
+            if index is not None and len(v) == 1:
+                out.append((sub, int(index)))
+            else:
+                _tensor_refs(v, sub, out)
     elif kind in ("list", "tuple"):
         for i, v in enumerate(value):
-            yield from _walk_tensor_refs(v, path + (str(i),))
+            _tensor_refs(v, path + (str(i),), out)
