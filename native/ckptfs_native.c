@@ -207,6 +207,40 @@ pmem_persist_py(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* madvise(advice) of the pages covering buf[offset, offset+length), GIL released: mmap.madvise
+   holds it, and MADV_POPULATE_WRITE of a staging pool faults in hundreds of MB (the writer does
+   it on a thread of its own beside the training loop). */
+static PyObject *
+madvise_range(PyObject *self, PyObject *args)
+{
+    Py_buffer view;
+    Py_ssize_t offset, length;
+    int advice;
+    if (!PyArg_ParseTuple(args, "w*nni", &view, &offset, &length, &advice))
+        return NULL;
+    if (offset < 0 || length < 0 || offset + length > view.len) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "range outside the buffer");
+        return NULL;
+    }
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t start = (uintptr_t)view.buf + (uintptr_t)offset;
+    uintptr_t aligned = start - start % page;
+    size_t span = (size_t)(start + (uintptr_t)length - aligned);
+    int rc, err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    rc = madvise((void *)aligned, span, advice);
+    if (rc != 0)
+        err = errno;
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    if (rc != 0) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
 /* msync(MS_SYNC) of the pages covering buf[offset, offset+length), GIL released. */
 static PyObject *
 msync_range(PyObject *self, PyObject *args)
@@ -437,6 +471,8 @@ static PyMethodDef methods[] = {
     {"pmem_memcpy_persist", pmem_memcpy_persist_py, METH_VARARGS,
      "pmem_memcpy_persist(dst, offset, src)"},
     {"msync_range", msync_range, METH_VARARGS, "msync_range(mapping, offset, length): MS_SYNC, GIL released"},
+    {"madvise_range", madvise_range, METH_VARARGS,
+     "madvise_range(mapping, offset, length, advice): madvise, GIL released"},
     {"pmem_is_pmem", pmem_is_pmem_py, METH_VARARGS, "pmem_is_pmem(buf) -> bool"},
     {"copy_spans", copy_spans_py, METH_VARARGS,
      "copy_spans(dst, [(dst_offset, src, src_offset, length), ...], threads)"},

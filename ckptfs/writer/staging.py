@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from ckptfs import _native
 from ckptfs.errors import BusyError, StagingMemoryError
 from ckptfs.units import human_bytes
 
@@ -59,7 +60,7 @@ def _prefault_huge(mapping: mmap.mmap) -> None:
     except (AttributeError, OSError):
         pass
     try:
-        mapping.madvise(MADV_POPULATE_WRITE)
+        _native.madvise_range(mapping, 0, len(mapping), MADV_POPULATE_WRITE)  # the GIL released
     except OSError:
         view = memoryview(mapping)
         for offset in range(0, len(mapping), mmap.PAGESIZE):
