@@ -379,8 +379,12 @@ def _check_skeleton(node, ntensors: int, depth: int) -> None:
             key, v = item
             if not isinstance(key, dict) or len(key) != 1 or next(iter(key)) not in _SCALAR_KINDS:
                 raise MalformedInputError(f"skeleton {kind} key {key!r:.40} is not a plain value")
-            _check_skeleton(key, ntensors, depth + 1)
-            _check_skeleton(v, ntensors, depth + 1)
+            # the usual key (a str) and value (a tensor) are checked here, below the depth limit
+            if depth >= MAX_DEPTH or type(key.get("str")) is not str:
+                _check_skeleton(key, ntensors, depth + 1)
+            index = v.get("tensor") if type(v) is dict and len(v) == 1 else None
+            if depth >= MAX_DEPTH or type(index) is not int or not 0 <= index < ntensors:
+                _check_skeleton(v, ntensors, depth + 1)
     else:
         raise MalformedInputError(f"unknown skeleton node kind {kind!r:.40}")
 

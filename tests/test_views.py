@@ -751,7 +751,7 @@ def test_metadata_json_is_what_json_dumps_writes(names):
     import json
 
     from ckptfs.manifest import Manifest, TensorRecord
-    from ckptfs.views.metadata import iso8601_utc, json_safe, metadata_json_view
+    from ckptfs.views.metadata import iso8601_utc, metadata_json_view
 
     recs = tuple(TensorRecord(n, "float32", shape, 64 * i, 4 * max(1, len(shape)), 0xABC + i)
                  for i, (n, shape) in enumerate(zip(names, [(), (3,), (2, 0, 5), (7, 1)])))
@@ -763,3 +763,41 @@ def test_metadata_json_is_what_json_dumps_writes(names):
            "object": json_safe(m.plain_part())}
     expected = (json.dumps(doc, indent=2, ensure_ascii=True, allow_nan=False) + "\n").encode()
     assert metadata_json_view(m).segments[0].data == expected
+
+
+def json_safe(value):
+    """The oracle of metadata.json's ``object``: the plain part made JSON-safe as documented
+    (tuples as lists, non-finite floats as strings, keys as str() with #n on a collision)."""
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            name = base = k if isinstance(k, str) else str(k)
+            n = 1
+            while name in out:
+                name = f"{base}#{n}"
+                n += 1
+            out[name] = json_safe(v)
+        return out
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+@settings(max_examples=200, deadline=None)
+@given(obj=_objects)
+@example(obj={1: "a", "1": "b", True: None, "True": 2.5, None: [float("inf"), float("nan"), -0.0], 1.5: ((),)})
+def test_metadata_object_is_json_dumps_of_the_json_safe_object(obj):
+    """metadata.json writes the object straight from the skeleton: byte for byte what
+    json.dumps(indent=2) writes of the plain part made JSON-safe."""
+    from ckptfs.views.metadata import _OBJECT, metadata_json_view
+
+    stored = lay_out(obj)
+    m = stored.manifest
+    text = metadata_json_view(m).segments[0].data.decode("ascii")
+    doc = json.loads(text)
+    expected_object = json.dumps(json_safe(m.plain_part()), indent=2, ensure_ascii=True, allow_nan=False)
+    doc["object"] = _OBJECT
+    rebuilt = json.dumps(doc, indent=2, ensure_ascii=True, allow_nan=False) + "\n"
+    assert text == rebuilt.replace(json.dumps(_OBJECT), expected_object.replace("\n", "\n  "), 1)

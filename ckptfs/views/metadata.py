@@ -5,9 +5,8 @@ import json
 import math
 from json.encoder import encode_basestring_ascii
 from datetime import datetime, timezone
-from typing import Any
 
-from ckptfs.manifest import Manifest
+from ckptfs.manifest import Manifest, unflatten
 from ckptfs.views.registry import register
 from ckptfs.views.segments import Literal, View
 
@@ -20,7 +19,7 @@ def metadata_json_view(manifest: Manifest) -> View:
     Keys: ``model``, ``step``, ``counter``, ``time_ns``, ``time`` (ISO 8601 UTC, nanoseconds),
     ``tensors`` (one entry per stored tensor: name, dtype, shape, nbytes, crc32 as 8 lowercase
     hex digits) and ``object``: the saved object with each tensor replaced by
-    ``"<tensor NAME>"``, made JSON-safe (see ``json_safe``).
+    ``"<tensor NAME>"``, made JSON-safe (see ``_object_json``).
     """
     doc = {
         "model": manifest.model,
@@ -29,7 +28,7 @@ def metadata_json_view(manifest: Manifest) -> View:
         "time_ns": manifest.time_ns,
         "time": iso8601_utc(manifest.time_ns),
         "tensors": _TENSORS,
-        "object": json_safe(manifest.plain_part()),
+        "object": _OBJECT,
     }
     if manifest.files:
         doc["files"] = [name for name, _ in manifest.files]
@@ -37,10 +36,13 @@ def metadata_json_view(manifest: Manifest) -> View:
     # The tensor list is most of a large version's document: written here, in the very bytes
     # json.dumps(indent=2) gives, at a fraction of its pure-Python encoder's cost.
     text = text.replace(json.dumps(_TENSORS), _tensor_list(manifest), 1)
+    text = text.replace(json.dumps(_OBJECT), _object_json(manifest), 1)
     return View([Literal(text.encode("ascii"))])
 
 
-_TENSORS = "\0ckptfs:tensors\0"  # a stand-in no JSON value of the document can contain (NUL is escaped)
+# stand-ins no JSON value of the document can contain (NUL is escaped)
+_TENSORS = "\0ckptfs:tensors\0"
+_OBJECT = "\0ckptfs:object\0"
 
 
 def _tensor_list(manifest: Manifest) -> str:
@@ -62,25 +64,64 @@ def iso8601_utc(time_ns: int) -> str:
     return f"{datetime.fromtimestamp(seconds, timezone.utc):%Y-%m-%dT%H:%M:%S}.{nanos:09d}Z"
 
 
-def json_safe(value: Any) -> Any:
-    """``value`` as plain JSON data: tuples become lists, non-finite floats the strings "nan",
-    "inf", "-inf", and non-string dict keys their ``str()``; a key that collides with an
-    earlier one gets ``#1``, ``#2``... appended, so no entry is lost."""
-    if isinstance(value, dict):
-        out: dict[str, Any] = {}
-        for k, v in value.items():
-            name = base = k if isinstance(k, str) else str(k)
+def _object_json(manifest: Manifest) -> str:
+    """The ``object`` value as ``json.dumps(..., indent=2)`` writes it at depth 1, straight from
+    the skeleton (json.dumps with an indent runs its pure-Python encoder): the saved object with
+    each tensor as ``"<tensor NAME>"``, tuples as lists, non-finite floats as the strings "nan",
+    "inf", "-inf", and non-string dict keys as their ``str()``; a key that collides with an
+    earlier one of its dict gets ``#1``, ``#2``... appended, so no entry is lost."""
+    out: list[str] = []
+    _write_node(manifest.skeleton, 1, out, [t.name for t in manifest.tensors])
+    return "".join(out)
+
+
+def _write_node(node: dict, level: int, out: list[str], names: list[str]) -> None:
+    (kind, value), = node.items()
+    if kind == "tensor":
+        out.append(encode_basestring_ascii(f"<tensor {names[value]}>"))
+    elif kind in _SCALAR_JSON:
+        out.append(_SCALAR_JSON[kind](value))
+    elif kind in ("list", "tuple", "dict", "odict"):
+        if not value:
+            out.append("[]" if kind in ("list", "tuple") else "{}")
+            return
+        inner = "\n" + "  " * (level + 1)
+        if kind in ("list", "tuple"):
+            out.append("[")
+            for i, item in enumerate(value):
+                out.append(inner if i == 0 else "," + inner)
+                _write_node(item, level + 1, out, names)
+            out.append("\n" + "  " * level + "]")
+            return
+        out.append("{")
+        taken: set[str] = set()
+        for i, (key, item) in enumerate(value):
+            (key_kind, key_value), = key.items()
+            name = base = key_value if key_kind == "str" else str(unflatten(key, []))
             n = 1
-            while name in out:
+            while name in taken:
                 name = f"{base}#{n}"
                 n += 1
-            out[name] = json_safe(v)
-        return out
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    return value
+            taken.add(name)
+            out.append((inner if i == 0 else "," + inner) + encode_basestring_ascii(name) + ": ")
+            _write_node(item, level + 1, out, names)
+        out.append("\n" + "  " * level + "}")
+    else:
+        raise ValueError(f"unknown skeleton node kind {kind!r}")
+
+
+def _float_json(hex_text: str) -> str:
+    x = float.fromhex(hex_text)
+    return float.__repr__(x) if math.isfinite(x) else encode_basestring_ascii(str(x))
+
+
+_SCALAR_JSON = {
+    "str": encode_basestring_ascii,
+    "int": lambda v: int.__repr__(int(v)),
+    "float": _float_json,
+    "bool": lambda v: "true" if v else "false",
+    "none": lambda v: "null",
+}
 
 
 register("metadata", lambda manifest: {METADATA_FILE: metadata_json_view(manifest)},

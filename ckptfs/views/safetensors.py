@@ -71,8 +71,7 @@ def safetensors_view(manifest: Manifest, *, key: str | None = None,
         meta.setdefault(SKELETON_KEY, dumps_compact(map_tensor_refs(manifest.skeleton, first_name.__getitem__)))
     builder = ViewBuilder()
     builder.literal(encode_header(_metadata(manifest, skipped, aliases, meta), kept))
-    for _, rec in kept:
-        builder.extent(rec.offset, rec.nbytes)
+    builder.extents((rec.offset, rec.nbytes) for _, rec in kept)
     return builder.build()
 
 

@@ -158,6 +158,24 @@ class ViewBuilder:
             self._extent_offset, self._extent_length = offset, length
         self.position += length
 
+    def extents(self, pairs) -> None:
+        """``extent(offset, length)`` of each pair in order, runs of adjacent ones merged first
+        (one call for the tensors of a file rather than one per tensor)."""
+        start = end = -1
+        for offset, length in pairs:
+            if length <= 0 or offset < 0:
+                if length == 0:
+                    continue
+                raise ValueError(f"extent ({offset}, {length}) has a negative offset or length")
+            if offset == end:
+                end += length
+                continue
+            if start >= 0:
+                self.extent(start, end - start)
+            start, end = offset, offset + length
+        if start >= 0:
+            self.extent(start, end - start)
+
     def build(self) -> View:
         self._flush_literal()
         self._flush_extent()

@@ -24,6 +24,7 @@ generated skeletons, and to torch.save itself.
 """
 from __future__ import annotations
 
+import functools
 import pickle
 import struct
 from collections import OrderedDict
@@ -75,6 +76,10 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 def _put_op(n: int) -> bytes:
     """BINPUT n (LONG_BINPUT from 256)."""
     return b"q" + bytes((n,)) if n < 256 else b"r" + struct.pack("<I", n)
+
+
+_U32 = struct.Struct("<I")
+_long_put_op = functools.partial(struct.Struct("<cI").pack, b"r")  # LONG_BINPUT n, a C call
 
 
 def _get_op(n: int) -> bytes:
@@ -274,15 +279,16 @@ class _Writer:
         if shape_ops is None:
             shape_ops = self.shape_ops[shape] = (_int_tuple_op(tuple(shape)), _int_tuple_op(contiguous_strides(shape)))
         n = self.memo_size
-        pieces = [head, b"X", struct.pack("<I", len(key)), key, _put_op(n), mid,
-                  _int_op(record.numel if legacy else record.nbytes), b"t", _put_op(n + 1), b"QK\x00"]
+        put = _put_op if n < 256 else _long_put_op  # past 255 every put is a LONG_BINPUT
+        pieces = [head, b"X", _U32.pack(len(key)), key, put(n), mid,
+                  _int_op(record.numel if legacy else record.nbytes), b"t", put(n + 1), b"QK\x00"]
         n += 2
         for op in shape_ops:
             pieces.append(op)
             if op != b")":
-                pieces.append(_put_op(n))
+                pieces.append(put(n))
                 n += 1
-        pieces += (hooks, _put_op(n), args_end, _put_op(n + 1), b"R", _put_op(n + 2))
+        pieces += (hooks, put(n), args_end, put(n + 1), b"R", put(n + 2))
         self.out += b"".join(pieces)
         self.memo_size = n + 3
         self.tensor_memo[index] = n + 2

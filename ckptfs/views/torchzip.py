@@ -120,27 +120,29 @@ def _zip_view(archive_name: str, entries: list[_Entry]) -> View:
     literal, extent = builder.literal, builder.extent
     central = []
     prefix = archive_name.encode("ascii") + b"/"
+    tail = b""  # the entry's data descriptor, appended with the next local header (one call less)
     for name, size, crc, data, data_offset in entries:
         name = prefix + name.encode("ascii")
-        header_offset = builder.position
+        header_offset = builder.position + len(tail)
         zip64 = _zip64_extra(size, header_offset) if size >= _U32_MAX or header_offset >= _U32_MAX else b""
         # miniz announces a data descriptor only when there is data to follow
         flags = _FLAG_UTF8 | _FLAG_HAS_DESCRIPTOR if size else _FLAG_UTF8
         data_start = header_offset + _LOCAL_HEADER.size + len(name) + len(zip64) + _FB_EXTRA_HEADER
         padding = -data_start % STORAGE_ALIGNMENT  # torch's "FB" extra field: data 64-byte aligned
         # streaming style: CRC and sizes are 0 here and come in the data descriptor
-        literal(_LOCAL_HEADER.pack(0x04034B50, 0, flags, 0, 0, 0, 0, 0, 0, len(name),
-                                   len(zip64) + _FB_EXTRA_HEADER + padding)
+        literal(tail + _LOCAL_HEADER.pack(0x04034B50, 0, flags, 0, 0, 0, 0, 0, 0, len(name),
+                                          len(zip64) + _FB_EXTRA_HEADER + padding)
                 + name + zip64 + b"FB" + _U16.pack(padding) + b"Z" * padding)
         if data is None:
             extent(data_offset, size)
         else:
             literal(data)
-        if size:  # miniz writes 64-bit sizes whenever the entry has a Zip64 extra field
-            literal((_DESCRIPTOR64 if zip64 else _DESCRIPTOR32).pack(0x08074B50, crc, size, size))
+        # miniz writes 64-bit sizes whenever the entry has a Zip64 extra field
+        tail = (_DESCRIPTOR64 if zip64 else _DESCRIPTOR32).pack(0x08074B50, crc, size, size) if size else b""
         size32 = min(size, _U32_MAX)
         central.append(_CENTRAL_HEADER.pack(0x02014B50, 0, 0, flags, 0, 0, 0, crc, size32, size32, len(name),
                                             len(zip64), 0, 0, 0, 0, min(header_offset, _U32_MAX)) + name + zip64)
+    literal(tail)
     central_offset = builder.position
     central_bytes = b"".join(central)
     literal(central_bytes)
