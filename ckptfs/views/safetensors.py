@@ -148,15 +148,21 @@ def encode_header(metadata: dict[str, str], tensors: list[tuple[str, TensorRecor
     quote = encode_basestring_ascii
     parts = [f"{{{quote(METADATA_KEY)}:{json.dumps(metadata, separators=(',', ':'), ensure_ascii=True)}"]
     offset = 0
+    fields: dict[tuple, str] = {}  # (dtype, shape) -> the entry's text up to its offsets
     for name, rec in tensors:
         end = offset + rec.nbytes
-        shape = ",".join(map(str, _shape(rec)))
-        parts.append(f'{quote(name)}:{{"dtype":"{SAFETENSORS_DTYPES[rec.dtype]}","shape":[{shape}],'
-                     f'"data_offsets":[{offset},{end}]}}')
+        kind = (rec.dtype, rec.shape)
+        head = fields.get(kind)
+        if head is None:
+            shape = ",".join(map(str, _shape(rec)))
+            head = fields[kind] = f'"dtype":"{SAFETENSORS_DTYPES[rec.dtype]}","shape":[{shape}],"data_offsets":['
+        parts.append(f"{quote(name)}:{{{head}{offset},{end}]}}")
         offset = end
-    raw = (",".join(parts) + "}").encode("ascii")
-    raw += b" " * (-len(raw) % _HEADER_ALIGN)
-    return struct.pack("<Q", len(raw)) + raw
+    parts.append("}")
+    length = sum(map(len, parts)) + len(parts) - 2  # ASCII: characters are bytes; commas between
+    padding = -length % _HEADER_ALIGN
+    # one copy of a header of megabytes: no concatenation of the whole after the join
+    return b"".join([struct.pack("<Q", length + padding), ",".join(parts[:-1]).encode("ascii"), b"}", b" " * padding])
 
 
 def safetensors_files(manifest: Manifest) -> dict[str, View]:

@@ -116,6 +116,29 @@ class View:
                 yield read_region(seg.offset + lo, min(block_bytes, seg.length - lo))
 
 
+class LazyView(View):
+    """A View whose size is known at once and whose segments are made on first use: listing a
+    version (a stat per file) needs sizes only, and a large index's segments cost more to make
+    than its size costs to compute. ``build()`` gives the segments; AssertionError if they do
+    not add up to ``size`` (the two computations disagree: a bug, never served)."""
+
+    __slots__ = ("_build",)
+
+    def __init__(self, size: int, build: Callable[[], Iterable[Segment]]):  # noqa: super() not called: lazy
+        self.size = size
+        self._build = build
+
+    def __getattr__(self, name: str):
+        # only for the slots not set yet: the segments and their starts
+        if name not in ("segments", "_starts"):
+            raise AttributeError(name)
+        built = View(self._build())
+        if built.size != self.size:
+            raise AssertionError(f"a view's segments hold {built.size} bytes, its size says {self.size}")
+        self.segments, self._starts = built.segments, built._starts
+        return getattr(self, name)
+
+
 def _slice(seg: Segment, lo: int, hi: int, read_region: ReadRegion):
     if isinstance(seg, Literal):
         return seg.data[lo:hi]

@@ -208,6 +208,19 @@ class _Writer:
         else:
             raise ValueError(f"unknown skeleton node kind {kind!r}")
 
+    def save_item(self, key: dict, value: dict) -> None:
+        """A dict item; the usual one (a str key, a tensor value) without ``save``'s dispatch."""
+        text = key.get("str")
+        if type(text) is str and len(key) == 1:
+            self.save_str(text)
+        else:
+            self.save(key)
+        index = value.get("tensor")
+        if index is not None and len(value) == 1:
+            self.save_tensor(index)
+        else:
+            self.save(value)
+
     def save_tuple(self, items: list) -> None:
         if not items:
             self.out += b")"
@@ -243,8 +256,7 @@ class _Writer:
         for start in range(0, len(pairs) + 1, _BATCH):
             self.out += b"("
             for k, v in pairs[start:start + _BATCH]:
-                self.save(k)
-                self.save(v)
+                self.save_item(k, v)
             self.out += b"u"  # SETITEMS
 
     def save_odict_items(self, pairs: list) -> None:
@@ -255,8 +267,7 @@ class _Writer:
             if len(batch) > 1:
                 self.out += b"("
             for k, v in batch:
-                self.save(k)
-                self.save(v)
+                self.save_item(k, v)
             self.out += b"u" if len(batch) > 1 else b"s"
 
     def save_tensor(self, index: int) -> None:

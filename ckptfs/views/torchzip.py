@@ -34,7 +34,7 @@ from ckptfs.checksum import crc32, crc32_combine
 from ckptfs.manifest import Manifest, TensorRecord
 from ckptfs.views.registry import register
 from ckptfs.views.torchpickle import pickle_skeleton
-from ckptfs.views.segments import View, ViewBuilder
+from ckptfs.views.segments import LazyView, View, ViewBuilder
 
 STORAGE_ALIGNMENT = 64
 _U32_MAX = 0xFFFFFFFF
@@ -47,6 +47,7 @@ _FLAG_HAS_DESCRIPTOR = 0x0008
 _FLAG_UTF8 = 0x0800
 _FB_EXTRA_HEADER = 4  # "FB" + u16 length
 _U16 = struct.Struct("<H")
+_SERIALIZATION_ID_BYTES = 40
 _DESCRIPTOR32 = struct.Struct("<IIII")
 _DESCRIPTOR64 = struct.Struct("<IIQQ")
 
@@ -71,17 +72,27 @@ def torch_zip_view(manifest: Manifest, *, archive_name: str = "checkpoint") -> V
     """
     _check_archive_name(archive_name)
     pickled, storage_order = pickle_skeleton(manifest)
-    entries = [
+    tensors = manifest.tensors
+    head = [
         _literal("data.pkl", pickled),
         _literal(".format_version", b"1"),
         _literal(".storage_alignment", str(STORAGE_ALIGNMENT).encode()),
         # Tensor bytes are stored as the writing machine holds them in memory.
         _literal("byteorder", sys.byteorder.encode()),
-        *(_tensor(key, manifest.tensors[index]) for key, index in enumerate(storage_order)),
-        _literal("version", b"3\n"),
     ]
-    entries.append(_literal(".data/serialization_id", _serialization_id(archive_name, entries)))
-    return _zip_view(archive_name, entries)
+    version = _literal("version", b"3\n")
+
+    def entries() -> list[_Entry]:
+        out = [*head, *(_tensor(key, tensors[index]) for key, index in enumerate(storage_order)), version]
+        out.append(_literal(".data/serialization_id", _serialization_id(archive_name, out)))
+        return out
+
+    # The size from the members' names and sizes alone; the headers only when first read.
+    prefix = len(archive_name) + 1
+    members = [(prefix + len(e.name), e.size) for e in head]
+    members += [(prefix + len("data/") + len(str(key)), tensors[index].nbytes) for key, index in enumerate(storage_order)]
+    members += [(prefix + len(version.name), version.size), (prefix + len(".data/serialization_id"), _SERIALIZATION_ID_BYTES)]
+    return LazyView(_zip_size(members), lambda: _zip_view(archive_name, entries()).segments)
 
 
 def _check_archive_name(name: str) -> None:
@@ -106,7 +117,7 @@ def _serialization_id(archive_name: str, entries: list[_Entry]) -> bytes:
     data_crc = 0
     for e in entries:
         data_crc = crc32_combine(data_crc, e.crc, e.size)
-    return f"{name_hash:020d}{data_crc:020d}".encode()
+    return f"{name_hash:020d}{data_crc:020d}".encode()  # _SERIALIZATION_ID_BYTES
 
 
 # --------------------------------------------------------------------------------------------
@@ -114,8 +125,8 @@ def _serialization_id(archive_name: str, entries: list[_Entry]) -> bytes:
 
 
 def _zip_view(archive_name: str, entries: list[_Entry]) -> View:
-    # One pass, the headers packed inline: a version of 40,000 tensors has as many entries, and
-    # this runs on the first stat of its files.
+    # One pass, the headers packed inline (a version of 40,000 tensors has as many entries);
+    # the members are placed by _placement, as _zip_size counts them.
     builder = ViewBuilder()
     literal, extent = builder.literal, builder.extent
     central = []
@@ -124,12 +135,11 @@ def _zip_view(archive_name: str, entries: list[_Entry]) -> View:
     for name, size, crc, data, data_offset in entries:
         name = prefix + name.encode("ascii")
         header_offset = builder.position + len(tail)
-        zip64 = _zip64_extra(size, header_offset) if size >= _U32_MAX or header_offset >= _U32_MAX else b""
+        zip64, padding, _ = _placement(header_offset, len(name), size)
         # miniz announces a data descriptor only when there is data to follow
         flags = _FLAG_UTF8 | _FLAG_HAS_DESCRIPTOR if size else _FLAG_UTF8
-        data_start = header_offset + _LOCAL_HEADER.size + len(name) + len(zip64) + _FB_EXTRA_HEADER
-        padding = -data_start % STORAGE_ALIGNMENT  # torch's "FB" extra field: data 64-byte aligned
-        # streaming style: CRC and sizes are 0 here and come in the data descriptor
+        # streaming style: CRC and sizes are 0 here and come in the data descriptor; torch's "FB"
+        # extra field pads the data to a 64-byte boundary
         literal(tail + _LOCAL_HEADER.pack(0x04034B50, 0, flags, 0, 0, 0, 0, 0, 0, len(name),
                                           len(zip64) + _FB_EXTRA_HEADER + padding)
                 + name + zip64 + b"FB" + _U16.pack(padding) + b"Z" * padding)
@@ -137,7 +147,6 @@ def _zip_view(archive_name: str, entries: list[_Entry]) -> View:
             extent(data_offset, size)
         else:
             literal(data)
-        # miniz writes 64-bit sizes whenever the entry has a Zip64 extra field
         tail = (_DESCRIPTOR64 if zip64 else _DESCRIPTOR32).pack(0x08074B50, crc, size, size) if size else b""
         size32 = min(size, _U32_MAX)
         central.append(_CENTRAL_HEADER.pack(0x02014B50, 0, 0, flags, 0, 0, 0, crc, size32, size32, len(name),
@@ -148,6 +157,26 @@ def _zip_view(archive_name: str, entries: list[_Entry]) -> View:
     literal(central_bytes)
     literal(_end_records(len(entries), len(central_bytes), central_offset))
     return builder.build()
+
+
+def _placement(header_offset: int, name_len: int, size: int) -> tuple[bytes, int, int]:
+    """(Zip64 extra field, "FB" padding, offset after the member) of a member of ``size`` bytes
+    with a name of ``name_len`` bytes whose local header is at ``header_offset``."""
+    zip64 = _zip64_extra(size, header_offset) if size >= _U32_MAX or header_offset >= _U32_MAX else b""
+    data_start = header_offset + _LOCAL_HEADER.size + name_len + len(zip64) + _FB_EXTRA_HEADER
+    padding = -data_start % STORAGE_ALIGNMENT
+    # miniz writes 64-bit sizes in the data descriptor whenever the entry has a Zip64 field
+    descriptor = (_DESCRIPTOR64.size if zip64 else _DESCRIPTOR32.size) if size else 0
+    return zip64, padding, data_start + padding + size + descriptor
+
+
+def _zip_size(members: list[tuple[int, int]]) -> int:
+    """The size of the archive of members (name length, size), from their placement alone."""
+    position = central = 0
+    for name_len, size in members:
+        zip64, _, position = _placement(position, name_len, size)
+        central += _CENTRAL_HEADER.size + name_len + len(zip64)
+    return position + central + _ZIP64_END.size + _ZIP64_LOCATOR.size + _END.size
 
 
 def _zip64_extra(size: int, header_offset: int) -> bytes:
