@@ -171,9 +171,13 @@ class Manifest:
                 # exact types: JSON gives no subclasses, and a bool is not an int here
                 if (type(name) is not str or type(dtype) is not str or type(shape) is not list
                         or type(offset) is not int or type(nbytes) is not int or type(crc) is not str
-                        or len(crc) != 8 or not all(type(d) is int for d in shape)):
+                        or len(crc) != 8):
                     raise MalformedInputError(f"tensor record {t!r:.80} is not valid")
                 tensors.append(TensorRecord(name, dtype, tuple(shape), offset, nbytes, int(crc, 16)))
+            # the dimensions' types in one pass over all records (a generator per record costs)
+            if any(type(d) is not int for t in tensors for d in t.shape):
+                bad = next(t for t in tensors if any(type(d) is not int for d in t.shape))
+                raise MalformedInputError(f"tensor record {bad.name!r:.60} has a shape that is not a list of ints")
             files = doc.get("files", {})
             if not isinstance(files, dict):
                 raise MalformedInputError("manifest files must be an object")

@@ -64,9 +64,16 @@ class VersionData:
         self._data_base = data_base
         self.manifest = manifest
         self._checked: set[int] = set() if checked is None else checked
-        placed = sorted((r.offset, i) for i, r in enumerate(manifest.tensors) if r.nbytes)
-        self._starts = [offset for offset, _ in placed]
-        self._order = [i for _, i in placed]
+        self._placed: tuple[list[int], list[int]] | None = None  # see _placement
+
+    def _placement(self) -> tuple[list[int], list[int]]:
+        """(data offsets in ascending order, the index of the tensor at each), sorted on the first
+        range read: an open that only lists a version's files (the mount's first stat) reads none."""
+        placed = self._placed
+        if placed is None:
+            order = sorted((r.offset, i) for i, r in enumerate(self.manifest.tensors) if r.nbytes)
+            placed = self._placed = ([offset for offset, _ in order], [i for _, i in order])
+        return placed
 
     # ------------------------------------------------------------------ ranges
     def read(self, offset: int, length: int) -> memoryview:
@@ -132,9 +139,10 @@ class VersionData:
         if offset < 0 or length < 0 or offset + length > self.manifest.data_bytes:
             return None
         end, tensors, pieces = offset + length, self.manifest.tensors, []
-        i = max(bisect.bisect_right(self._starts, offset) - 1, 0)
-        while i < len(self._order) and self._starts[i] < end:
-            index = self._order[i]
+        starts, order = self._placement()
+        i = max(bisect.bisect_right(starts, offset) - 1, 0)
+        while i < len(order) and starts[i] < end:
+            index = order[i]
             record = tensors[index]
             lo, hi = max(offset, record.offset), min(end, record.offset + record.nbytes)
             i += 1
@@ -149,10 +157,11 @@ class VersionData:
         return pieces
 
     def _check_range(self, offset: int, length: int) -> None:
-        i = max(bisect.bisect_right(self._starts, offset) - 1, 0)
+        starts, order = self._placement()
+        i = max(bisect.bisect_right(starts, offset) - 1, 0)
         tensors = self.manifest.tensors
-        while i < len(self._order) and self._starts[i] < offset + length:
-            index = self._order[i]
+        while i < len(order) and starts[i] < offset + length:
+            index = order[i]
             record = tensors[index]
             if index not in self._checked and offset < record.offset + record.nbytes:
                 self._expect(index, self._crc_of(record))

@@ -55,6 +55,7 @@ class FakeStore:
         self.listings = 0
         self.counter = 0
         self.confirms = 0  # reads confirmed after their copy (the bus guard's check)
+        self.given_manifests: list = []  # the manifest= of each open_version
 
     def commit(self, model, step):
         self.counter += 1
@@ -72,7 +73,8 @@ class FakeStore:
             raise E.NotFoundError(model)
         return sorted(self.table[model].values(), key=lambda i: i.step)
 
-    def open_version(self, model, step=None, checked=None):
+    def open_version(self, model, step=None, checked=None, manifest=None):
+        self.given_manifests.append(manifest)
         info = self.table.get(model, {}).get(step)
         if info is None:
             raise E.NotFoundError(f"{model} {step}")
@@ -209,6 +211,11 @@ def test_open_pins_until_close_and_reads_the_view(env):
     assert store.confirms == 4  # every reply confirmed, once its bytes were copied
     h.close()
     assert store.pins[("gpt", 20)] == 0
+    # the index decoded for the listing is handed to every later open of the version's files
+    # (Store.open_version reuses it while the slot holds that save): no decode per open
+    store.given_manifests.clear()
+    tree.open(f, os.O_RDONLY).close()
+    assert [m.counter for m in store.given_manifests] == [store.table["gpt"][20].counter]
 
 
 def test_open_of_a_replaced_version_releases_its_pin(env):

@@ -111,3 +111,25 @@ def test_a_pass_over_many_small_tensors_streams_blocks_that_span_them(tmp_path, 
                 handed_out += len(block)
         header = view.segments[0].length
         assert handed_out < header + rec.offset + rec.nbytes  # t150's last byte was never handed out
+
+
+def test_open_version_reuses_an_index_only_for_the_same_save(tmp_path, monkeypatch):
+    """The mount hands the index it decoded to every later open of the version's files; the
+    store uses it only while the pinned slot holds that very save."""
+    with ckptfs.Store.create(str(tmp_path / "r.region"), size_bytes=64 << 20) as s:
+        with s.writer("m", max_inflight=1, slots=2) as w:
+            w.save({"x": torch.ones(4)}, step=1).result()
+            with s.open_version("m", 1) as v:
+                first = v.manifest
+            decoded = []
+            read_manifest = s.region.read_manifest
+            monkeypatch.setattr(s.region, "read_manifest", lambda sv: decoded.append(sv.header.step) or read_manifest(sv))
+            with s.open_version("m", 1, manifest=first) as v:
+                assert v.manifest is first and decoded == []
+                assert torch.equal(v.load()["x"], torch.ones(4))
+            w.save({"x": torch.zeros(4)}, step=2).result()
+            w.save({"x": torch.full((4,), 3.0)}, step=3).result()  # two slots: step 1's slot is reused
+        with s.open_version("m", 3, manifest=first) as v:
+            assert v.manifest is not first and v.manifest.step == 3 and decoded == [3]
+        with pytest.raises(ckptfs.errors.NotFoundError):
+            s.open_version("m", 1, manifest=first)

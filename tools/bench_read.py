@@ -28,6 +28,14 @@ steady warm state the target is about.
 Targets (DESIGN.md): ``cp`` from the mount >= 0.8x the plain file's throughput (ratio = plain
 time / mount time), cold and warm; ``torch.load`` from the mount <= 1.25x the time of the plain
 file (ratio = mount time / plain time). Ratios are per round, the table shows their median.
+
+Many tensors (issue 21): ``--tensors 40000 --size-gib 0.3125`` splits the state into that many
+tensors, and the ``listing`` row times ``ls -l`` of the version directory on a fresh mount each
+round (caches dropped first: the daemon decodes the index and makes every file's size then),
+against the same listing of a plain directory holding copies of the files; target <= 0.5 s in
+every round.
+
+    python tools/bench_read.py --tensors 40000 --size-gib 0.3125 --rounds 5
 """
 from __future__ import annotations
 
@@ -65,14 +73,38 @@ def timed_load(path: str) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def build(workdir: str, size: int) -> str:
+def build(workdir: str, size: int, n_tensors: int | None = None) -> str:
     import ckptfs
 
     region = os.path.join(workdir, "bench.region")
+    state = make_flat_state(size) if n_tensors is None else make_flat_state(size, n_tensors=n_tensors)
     with ckptfs.Store.create(region, size_bytes=int(size * 2.4) + (256 << 20)) as store:
         with store.writer(MODEL, max_inflight=1, slots=2) as w:
-            w.save({"model": make_flat_state(size), "step": 1}, 1).result()
+            w.save({"model": state, "step": 1}, 1).result()
     return region
+
+
+LISTING_TARGET_S = 0.5
+
+
+def timed_listing(directory: str) -> float:
+    t0 = time.perf_counter()
+    subprocess.run(["ls", "-l", directory + "/"], check=True, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - t0
+
+
+def measure_listing(region: str, mnt: str, proc: subprocess.Popen, plain_dir: str, rounds: int):
+    """(mount listing times, plain listing times, the mount's daemon): ``ls -l`` of the version
+    on a fresh mount per round, caches dropped before each mount and each plain listing."""
+    mounted, plain = [], []
+    for _ in range(rounds):
+        unmount(proc, mnt)
+        drop_caches()
+        proc = mount(region, mnt)
+        mounted.append(timed_listing(os.path.join(mnt, MODEL, "latest")))
+        drop_caches()
+        plain.append(timed_listing(plain_dir))
+    return mounted, plain, proc
 
 
 def mount(region: str, mnt: str) -> subprocess.Popen:
@@ -160,7 +192,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="256 MiB, 2 rounds")
     ap.add_argument("--dir", default="/tmp/ckptfs-bench", help="where the region and plain files go")
     ap.add_argument("--json", help="write every sample and ratio here")
-    ap.add_argument("--only", choices=["cp", "load"], help="measure only the cp rows or only the torch.load rows")
+    ap.add_argument("--only", choices=["cp", "load", "listing"],
+                    help="measure only the cp rows, the torch.load rows or the listing row")
+    ap.add_argument("--tensors", type=int, help="split the state into this many tensors (e.g. 40000)")
     args = ap.parse_args()
     size = 256 * MiB if args.quick else int(args.size_gib * GiB)
     rounds = 2 if args.quick else args.rounds
@@ -171,7 +205,7 @@ def main() -> None:
     try:
         print(f"bench_read: {size / GiB:.2f} GiB checkpoint in {workdir}; load average {os.getloadavg()[0]:.2f}",
               file=sys.stderr)
-        region = build(workdir, size)
+        region = build(workdir, size, args.tensors)
         proc = mount(region, mnt)
         version = os.path.join(mnt, MODEL, "latest")
         pairs = {"cp": (os.path.join(version, "state.safetensors"), os.path.join(workdir, "plain.safetensors")),
@@ -183,8 +217,18 @@ def main() -> None:
         cold_ok = drop_caches()
         if not cold_ok:
             print("bench_read: cannot drop the page cache (not root?): cold rows are warm", file=sys.stderr)
-        samples = measure(pairs, rounds, {args.only} if args.only else {"cp", "load"})
+        kinds = {args.only} if args.only else {"cp", "load", "listing"}
+        samples = measure(pairs, rounds, kinds - {"listing"})
         result = report(samples, nbytes, cold_ok)
+        if "listing" in kinds:
+            plain_dir = os.path.join(workdir, "plain-version")
+            shutil.copytree(version, plain_dir)
+            mounted, plain, proc = measure_listing(region, mnt, proc, plain_dir, rounds)
+            ok = max(mounted) <= LISTING_TARGET_S
+            print(f"{'ls -l, fresh mount':<16} {statistics.median(mounted):>9.3f} {statistics.median(plain):>9.3f}"
+                  f"   worst {max(mounted):.3f} s, plain worst {max(plain):.3f} s; target <= {LISTING_TARGET_S} s "
+                  f"in every round: {'ok' if ok else 'MISSED'}")
+            result["listing"] = {"mount_s": mounted, "plain_s": plain, "target": f"<={LISTING_TARGET_S}", "ok": ok}
         print(f"\nstate.safetensors {nbytes['cp'] / GiB:.2f} GiB, checkpoint.pt {nbytes['load'] / GiB:.2f} GiB; "
               f"{rounds} rounds, medians; load average now {os.getloadavg()[0]:.2f}")
         folios = {k: large_folio_share(p) for k, p in zip(("mount", "plain"), pairs["cp"])}

@@ -177,6 +177,7 @@ class Tree:
         self._models: dict[str, _Model] = {}
         self._files: dict[tuple[str, int, int], dict[str, Any]] = {}  # (model, step, counter) -> views
         self._checked: dict[tuple[str, int, int], set[int]] = {}  # same key -> tensors found intact
+        self._manifests: dict[tuple[str, int, int], Any] = {}  # same key -> its decoded index
         self._by_key: dict[tuple, Node] = {}
         self._by_ino: dict[int, Node] = {}
         self._next_ino = ROOT_INODE + 1
@@ -225,9 +226,10 @@ class Tree:
         self._models = models
         self._refreshed_at = now
         live = {(n, s, i.counter) for n, m in models.items() for s, i in m.versions.items()}
-        for key in (self._files.keys() | self._checked.keys()) - live:
+        for key in (self._files.keys() | self._checked.keys() | self._manifests.keys()) - live:
             self._files.pop(key, None)
             self._checked.pop(key, None)
+            self._manifests.pop(key, None)
 
     def _model(self, name: str) -> _Model:
         m = self._models.get(name)
@@ -317,7 +319,9 @@ class Tree:
                 else:
                     with self.store.open_version(model, step) as pinned:
                         views = self._views_of(pinned, info)
+                        version = pinned
             self._files[key] = views
+            self._manifests[key] = version.manifest  # each later open of its files reuses it
         return info.counter, views
 
     def _views_of(self, version, info) -> dict[str, Any]:
@@ -417,8 +421,9 @@ class Tree:
             raise OSError(errno.EINVAL, "cannot open a symbolic link")
         self.refresh()
         self._version(node.model, node.step)
-        checked = self._checked.setdefault((node.model, node.step, node.counter), set())
-        version = self.store.open_version(node.model, node.step, checked=checked)
+        key = (node.model, node.step, node.counter)
+        checked = self._checked.setdefault(key, set())
+        version = self.store.open_version(node.model, node.step, checked=checked, manifest=self._manifests.get(key))
         try:
             if version.info.counter != node.counter:
                 raise FileNotFoundError(errno.ENOENT, f"{node.name}: its version was replaced")

@@ -212,7 +212,14 @@ class _Writer:
         """A dict item; the usual one (a str key, a tensor value) without ``save``'s dispatch."""
         text = key.get("str")
         if type(text) is str and len(key) == 1:
-            self.save_str(text)
+            n = self.memo.get(id(text))
+            if n is None:  # save_str, inline: once per key of a large state dict
+                raw = text.encode("utf-8", "surrogatepass")
+                n = self.memo[id(text)] = self.memo_size
+                self.memo_size = n + 1
+                self.out += b"".join((b"X", _U32.pack(len(raw)), raw, _put_op(n)))
+            else:
+                self.get(n)
         else:
             self.save(key)
         index = value.get("tensor")
