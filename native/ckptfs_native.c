@@ -12,7 +12,9 @@
  *  - the snapshot copy: many (destination, source) byte ranges copied by several threads with
  *    the GIL released, because one thread of torch's element-wise copy does not reach the
  *    memory bandwidth a save's stall is measured against;
- *  - the bus guard (busguard.c): a SIGBUS in a region's mapping becomes a counted fault.
+ *  - the bus guard (busguard.c): a SIGBUS in a region's mapping becomes a counted fault;
+ *  - the usual items of a synthesized checkpoint.pt's pickle (torchpickle.c), which the mount
+ *    writes for every tensor on the first stat of a version's files.
  *
  * Arguments are validated in Python (ckptfs/checksum.py, ckptfs/memcopy.py); here we only check
  * what would crash.
@@ -29,6 +31,7 @@
 #include <zlib.h>
 
 #include "busguard.h"
+#include "torchpickle.h"
 
 static int
 word_at(Py_buffer *view, Py_ssize_t offset, int writable, uint64_t **out)
@@ -476,6 +479,9 @@ static PyMethodDef methods[] = {
     {"pmem_is_pmem", pmem_is_pmem_py, METH_VARARGS, "pmem_is_pmem(buf) -> bool"},
     {"copy_spans", copy_spans_py, METH_VARARGS,
      "copy_spans(dst, [(dst_offset, src, src_offset, length), ...], threads)"},
+    {"pickle_tensor_items", pickle_tensor_items_py, METH_VARARGS,
+     "pickle_tensor_items(out, pairs, start, memo, tensor_memo, storage_order, tensors, templates, memo_size) "
+     "-> (stop, memo_size): see torchpickle.c"},
     {"guard_mapping", guard_mapping_py, METH_VARARGS,
      "guard_mapping(mapping) -> slot: a SIGBUS inside it is counted, not fatal (busguard.c)"},
     {"mapping_faults", mapping_faults_py, METH_VARARGS,

@@ -558,6 +558,18 @@ def test_data_pkl_batches_and_memo_indices_past_256(n):
         assert pickle_skeleton(manifest) == reference_pickle(manifest)
 
 
+def test_data_pkl_of_counts_shapes_and_strides_past_2_31():
+    """Numbers the native writer leaves to the Python one (LONG1 past 2**31): same bytes."""
+    records = (TensorRecord("small", "float32", (3,), 0, 12),
+               TensorRecord("long", "float32", (1 << 31,), 64, 1 << 33),  # numel past 2**31
+               TensorRecord("wide", "bfloat16", (2, 1 << 30, 2), 0, 1 << 33),  # a stride past 2**31
+               TensorRecord("bytes", "uint16", (1 << 30, 2), 0, 1 << 32),  # UntypedStorage nbytes
+               TensorRecord("after", "float32", (5,), 0, 20))
+    skeleton = {"dict": [[{"str": r.name}, {"tensor": i}] for i, r in enumerate(records)]}
+    manifest = Manifest("m", 1, 1, 0, records, skeleton, 1 << 34)
+    assert pickle_skeleton(manifest) == reference_pickle(manifest)
+
+
 def test_contiguous_strides_match_torch():
     for shape in [(), (0,), (3,), (2, 0, 3), (1, 1), (4, 1, 5), (0, 2)]:
         assert contiguous_strides(shape) == torch.empty(shape).stride(), shape

@@ -32,6 +32,7 @@ from collections import OrderedDict
 import torch
 import torch._utils
 
+from ckptfs import _native
 from ckptfs.manifest import Manifest
 
 PICKLE_PROTOCOL = 2
@@ -122,7 +123,7 @@ class _Writer:
     """One pickling pass; ``out`` collects the bytes."""
 
     def __init__(self, manifest: Manifest):
-        self.tensors = manifest.tensors
+        self.tensors = tuple(manifest.tensors)  # (no copy of a tuple) the native writer wants one
         self.out = bytearray()
         self.memo_size = 0
         # id of a str -> its memo index: the skeleton's strs, and the interned "storage" and "cpu"
@@ -208,6 +209,19 @@ class _Writer:
         else:
             raise ValueError(f"unknown skeleton node kind {kind!r}")
 
+    def save_items(self, pairs: list) -> None:
+        """Dict items in order: runs of the usual ones (a str key, a tensor whose dtype has its
+        template) by _native.pickle_tensor_items, the same bytes as ``save_item`` writes; each
+        other item here."""
+        i = 0
+        while i < len(pairs):
+            i, self.memo_size = _native.pickle_tensor_items(self.out, pairs, i, self.memo, self.tensor_memo,
+                                                            self.storage_order, self.tensors, self.templates,
+                                                            self.memo_size)
+            if i < len(pairs):
+                self.save_item(*pairs[i])
+                i += 1
+
     def save_item(self, key: dict, value: dict) -> None:
         """A dict item; the usual one (a str key, a tensor value) without ``save``'s dispatch."""
         text = key.get("str")
@@ -262,8 +276,7 @@ class _Writer:
         # that is a multiple of 1,000 ends with an empty batch
         for start in range(0, len(pairs) + 1, _BATCH):
             self.out += b"("
-            for k, v in pairs[start:start + _BATCH]:
-                self.save_item(k, v)
+            self.save_items(pairs[start:start + _BATCH])
             self.out += b"u"  # SETITEMS
 
     def save_odict_items(self, pairs: list) -> None:
@@ -273,8 +286,7 @@ class _Writer:
             batch = pairs[start:start + _BATCH]
             if len(batch) > 1:
                 self.out += b"("
-            for k, v in batch:
-                self.save_item(k, v)
+            self.save_items(batch)
             self.out += b"u" if len(batch) > 1 else b"s"
 
     def save_tensor(self, index: int) -> None:
