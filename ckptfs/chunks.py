@@ -6,7 +6,7 @@ The data area of a slot is one contiguous, page-padded run of tensor bytes; chun
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ckptfs.checksum import crc32_combine
 from ckptfs.manifest import TensorRecord, align_up
@@ -14,16 +14,14 @@ from ckptfs.manifest import TensorRecord, align_up
 IO_ALIGN_BYTES = 4096
 
 
-@dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):  # named tuples: a plan of 40,000 tensors makes as many
     tensor: int  # index of the record
     tensor_start: int  # byte offset within the tensor
     length: int
     buffer_start: int  # byte offset within the chunk
 
 
-@dataclass(frozen=True)
-class Chunk:
+class Chunk(NamedTuple):
     start: int  # byte offset within the data area
     length: int  # a multiple of IO_ALIGN_BYTES
     pieces: tuple[Piece, ...]
