@@ -1,9 +1,12 @@
 """The staging pool: a hard budget, and buffers made ahead of the first save where its size is
-known (a writer opened on a model that has a version, i.e. a job resumed after a restart)."""
+known (a writer opened on a model that has a version, i.e. a job resumed after a restart, or
+told the state by Writer.prepare)."""
 import threading
 
+import pytest
 import torch
 
+import ckptfs.errors
 from ckptfs.writer.staging import StagingPool
 
 
@@ -45,8 +48,8 @@ def test_a_resumed_writer_prefills_its_pool_before_the_first_save(store):
         w.save(state, step=1).result()
     w = store.writer("m", chunk_bytes=256 << 10)
     try:
-        assert w._prefill_thread is not None
-        w._prefill_thread.join(timeout=30)
+        (thread,) = w._background
+        thread.join(timeout=30)
         (pool,) = w._pools.values()
         assert pool.chunk_bytes == 256 << 10 and len(pool._free) == pool.max_buffers == 8  # 2 saves in flight
         w.save(state, step=2).result()
@@ -55,4 +58,26 @@ def test_a_resumed_writer_prefills_its_pool_before_the_first_save(store):
         w.close()
     assert torch.equal(store.load("m")["w"], state["w"])
     with store.writer("new") as fresh:
-        assert fresh._prefill_thread is None  # no version: nothing to size a pool by
+        assert fresh._background == []  # no version: nothing to size a pool by
+
+
+def test_prepare_makes_the_plan_and_the_pool_so_the_first_save_makes_neither(store, monkeypatch):
+    """Writer.prepare(state): the structure planned and the staging faulted in off the caller's
+    thread; the first save then flattens nothing and makes no buffer."""
+    from ckptfs.writer import plan as plan_module, staging
+
+    state = {"model": {f"w{i}": torch.randn(1000) for i in range(50)}, "step": 3}
+    with store.writer("m", chunk_bytes=64 << 10) as w:
+        w.prepare(state).result(timeout=60)
+        (pool,) = w._pools.values()
+        assert len(pool._free) == pool.max_buffers  # all faulted in
+        flattened, made = [], []
+        real_flatten = plan_module.flatten
+        monkeypatch.setattr(plan_module, "flatten", lambda obj: flattened.append(obj) or real_flatten(obj))
+        new_buffer = staging._new_buffer
+        monkeypatch.setattr(staging, "_new_buffer", lambda *a: made.append(a) or new_buffer(*a))
+        w.save(state, step=1).result()
+        assert flattened == [] and made == []
+        with pytest.raises(ckptfs.errors.UnsupportedObjectError):  # what a save would refuse
+            w.prepare({"x": object()}).result(timeout=60)
+    assert torch.equal(store.load("m")["model"]["w7"], state["model"]["w7"])

@@ -58,26 +58,27 @@ class Snapshotter:
         if devices:
             self._take_cuda(job, pool, devices, mark)
         else:
-            self._take_host(job, self._spans(job), pool)
+            self._take_host(job, self.host_spans(job.plan), pool)
 
-    def _spans(self, job: Job) -> list[list[tuple]]:
-        """Per chunk, the (buffer offset, source, source offset, length) spans of its copy.
+    def host_spans(self, plan) -> list[list[tuple]]:
+        """Per chunk of a plan of CPU tensors, the (buffer offset, source, source offset,
+        length) spans of its copy (Writer.prepare makes them ahead of the first save).
 
         Reused from the last snapshot when it had the same layout and its tensors started at the
         same addresses (the same parameters, updated in place): those buffers are over exactly
         the bytes these tensors hold now, as the memory they cover stays allocated while held."""
-        tensors = job.plan.flat.tensors
+        tensors = plan.flat.tensors
         ptrs = [t.data_ptr() for t in tensors]
         cached = self._host_spans
-        if cached is not None and cached[0] is job.plan.layout and cached[1] == ptrs:
+        if cached is not None and cached[0] is plan.layout and cached[1] == ptrs:
             return cached[2]
         sources = [byte_source(t) for t in tensors]
         host = [host_bytes(s) for s in sources]
         spans = [[(p.buffer_start, host[p.tensor], p.tensor_start, p.length) for p in chunk.pieces]
-                 for chunk in job.chunks]
+                 for chunk in plan.layout.chunks]
         # only where every source is the tensor's own memory (not a contiguous or resolved copy)
         own = all(s.data_ptr() == p for s, p in zip(sources, ptrs) if s.numel())
-        self._host_spans = (job.plan.layout, ptrs, spans) if own else None
+        self._host_spans = (plan.layout, ptrs, spans) if own else None
         return spans
 
     def _take_host(self, job: Job, spans: list[list[tuple]], pool: StagingPool) -> None:

@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 import weakref
-from concurrent.futures import InvalidStateError
+from concurrent.futures import Future, InvalidStateError
 
 import torch
 
@@ -122,7 +122,8 @@ class Writer:
         self._snapshot_queue: queue.SimpleQueue = queue.SimpleQueue()
         self._snapshot_thread: threading.Thread | None = None
         self._last_snapshot = None
-        self._prefill_thread = self._start_prefill(entry)
+        self._background: list[threading.Thread] = []  # prefill and prepare, joined at close
+        self._start_prefill(entry)
         _open_writers.add(self)
 
     # ------------------------------------------------------------------ public API
@@ -173,6 +174,34 @@ class Writer:
         self._last_snapshot = future.snapshotted
         return future
 
+    def prepare(self, obj) -> Future:
+        """Get ready for saves of ``obj`` without saving it: make the save plan of its structure
+        and fault in (for CUDA tensors: pin) the staging memory its saves use, on a thread of
+        its own, so that the first save stalls no longer than the later ones. Without it the
+        first save does both on the caller's thread: seconds for a state of GBs or of tens of
+        thousands of tensors. Call it with the state as it will be saved (after the optimizer
+        made its state: AdamW makes it at its first step), then go on training; its tensors are
+        not read. The future resolves once both are ready, or with the error the first save
+        would raise for ``obj`` (an unsupported leaf, say). The staging memory is what the
+        writer holds anyway from its first save on (see the README)."""
+        if self._closed:
+            raise CkptfsError("this writer is closed; open a new one with store.writer(...)")
+        future: Future = Future()
+
+        def run() -> None:
+            try:
+                plan = self._planner.plan(obj, 0)  # the structure and layout, cached for the saves
+                if not plan.cuda_devices:
+                    self._snapshotter.host_spans(plan)  # the copy's spans, cached for the same tensors
+                self._pool(bool(plan.cuda_devices), plan.layout.data_bytes).prefill()
+            except BaseException as e:  # noqa: BLE001 - delivered through the future
+                future.set_exception(e)
+            else:
+                future.set_result(None)
+
+        self._in_background(run)
+        return future
+
     def wait_snapshot(self) -> None:
         """Block until the last background snapshot is taken (the tensors may then change);
         raises the error that stopped it, if any."""
@@ -208,8 +237,8 @@ class Writer:
             self._persist.close()
             for pool in self._pools.values():
                 pool.close()
-            if self._prefill_thread is not None:
-                self._prefill_thread.join()
+            for thread in self._background:
+                thread.join()
             if self._ring is not None:
                 self._ring.close()
             self._progress.close()
@@ -315,20 +344,22 @@ class Writer:
                 self._ring = self.region.ring(entry, timeout_s=self.timeout_s)
             return self._ring
 
-    def _start_prefill(self, entry) -> threading.Thread | None:
+    def _start_prefill(self, entry) -> None:
         """For a model that has a version (a job resumed after a restart): make and fault in the
         host staging pool for checkpoints of that size on a thread of its own, while the job
         loads and takes its first steps, instead of in its first save's stall. A model without a
-        version sizes its pool at its first save (which pays for it: the size is not known before).
-        Not where CUDA is available: such a job snapshots through a pinned pool of its own, and a
-        host pool made on a guess would hold memory twice."""
+        version sizes its pool at ``prepare`` or at its first save. Not where CUDA is available:
+        such a job snapshots through a pinned pool of its own, and a host pool made on a guess
+        would hold memory twice."""
         latest = self.region.latest(entry) if entry is not None else None
         if latest is None or latest.header.data_bytes == 0 or torch.cuda.is_available():
-            return None
-        pool = self._pool(False, latest.header.data_bytes)
-        thread = threading.Thread(target=pool.prefill, name="ckptfs-prefill", daemon=True)
+            return
+        self._in_background(self._pool(False, latest.header.data_bytes).prefill)
+
+    def _in_background(self, target) -> None:
+        thread = threading.Thread(target=target, name="ckptfs-prefill", daemon=True)
         thread.start()
-        return thread
+        self._background.append(thread)
 
     def _pool(self, cuda: bool, data_bytes: int) -> StagingPool:
         with self._setup_lock:
