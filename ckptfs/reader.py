@@ -24,8 +24,8 @@ import torch
 
 from ckptfs.checksum import crc32
 from ckptfs.chunks import Chunk, combine_piece_crcs, plan_chunks
-from ckptfs.errors import CorruptionError
-from ckptfs.manifest import Manifest, TensorRecord, unflatten
+from ckptfs.errors import CorruptionError, UnsupportedObjectError
+from ckptfs.manifest import Manifest, TensorRecord, flatten, unflatten
 from ckptfs.writer.staging import StagingBuffer
 
 READ_CHUNK_BYTES = 32 << 20
@@ -210,19 +210,25 @@ class VersionData:
                 bad.append((record, crc))
         return bad
 
-    def restore(self, map_location="cpu", verify: bool = True):
+    def restore(self, map_location="cpu", verify: bool = True, into=None):
         """The saved object, with every tensor on ``map_location``; CorruptionError naming the
-        first damaged tensor (when ``verify``)."""
+        first damaged tensor (when ``verify``). ``into``: an object of the same structure (the
+        state dicts of the model and optimizer being resumed) whose tensors are overwritten in
+        place instead (on their own devices; no new tensor memory); the result is the saved
+        object over those tensors."""
         m = self.manifest
+        if into is not None:
+            tensors = matching_tensors(m, into)
+            # detached views: a parameter that requires grad is written like any tensor
+            targets = [t.detach().view(-1).view(torch.uint8) if t.numel() else None for t in tensors]
+            bad = self.scan(_copy_out(targets))
+            if verify and bad:
+                raise CorruptionError(self.damage_message(bad[0][0]))
+            return unflatten(m.skeleton, tensors)
         tensors = [torch.empty(r.shape, dtype=r.torch_dtype) for r in m.tensors]
         targets = [t.reshape(-1).view(torch.uint8) if t.numel() else None for t in tensors]
 
-        def copy_out(buf: StagingBuffer, chunk: Chunk) -> None:
-            for p in chunk.pieces:
-                targets[p.tensor][p.tensor_start:p.tensor_start + p.length].copy_(
-                    buf.tensor[p.buffer_start:p.buffer_start + p.length])
-
-        bad = self.scan(copy_out)
+        bad = self.scan(_copy_out(targets))
         if verify and bad:
             raise CorruptionError(self.damage_message(bad[0][0]))
         device = torch.device(map_location) if map_location is not None else torch.device("cpu")
@@ -238,6 +244,35 @@ class VersionData:
         return [VerifyProblem(self.manifest.model, self.manifest.step, r.name,
                               f"checksum mismatch (stored {r.crc32:08x}, computed {crc:08x})")
                 for r, crc in self.scan(None, progress)]
+
+
+def _copy_out(targets: list) -> Callable[[StagingBuffer, Chunk], None]:
+    """A scan's ``on_chunk`` that copies each tensor piece into ``targets`` (flat uint8 views)."""
+    def copy_out(buf: StagingBuffer, chunk: Chunk) -> None:
+        for p in chunk.pieces:
+            targets[p.tensor][p.tensor_start:p.tensor_start + p.length].copy_(
+                buf.tensor[p.buffer_start:p.buffer_start + p.length])
+    return copy_out
+
+
+def matching_tensors(manifest: Manifest, into) -> list[torch.Tensor]:
+    """The tensors of ``into``, one per stored tensor in the manifest's order, once each is
+    found to be where and what the saved one was (same path, dtype and shape, contiguous);
+    ValueError naming the first difference, before anything is written into them."""
+    try:
+        flat = flatten(into)
+    except UnsupportedObjectError as e:
+        raise ValueError(f"into= holds something that is not a state: {e}") from None
+    if len(flat.tensors) != len(manifest.tensors):
+        raise ValueError(f"into= holds {len(flat.tensors)} tensors, {manifest.model} step {manifest.step} "
+                         f"{len(manifest.tensors)}: pass the state dicts the checkpoint was saved from")
+    for name, t, record in zip(flat.names, flat.tensors, manifest.tensors):
+        if name != record.name or t.dtype != record.torch_dtype or tuple(t.shape) != record.shape:
+            raise ValueError(f"into= differs from {manifest.model} step {manifest.step} at {record.name!r}: saved "
+                             f"{record.dtype}{list(record.shape)}, into= has {name!r} {str(t.dtype)[6:]}{list(t.shape)}")
+        if not t.is_contiguous():
+            raise ValueError(f"into= tensor {name!r} is not contiguous: it cannot be loaded in place")
+    return list(flat.tensors)
 
 
 def _scan(region, data_base: int, manifest: Manifest, on_chunk, progress) -> list[int]:

@@ -74,8 +74,9 @@ class Version:
         VersionData.confirm): call it after copying, before trusting the copy."""
         self.data.confirm()
 
-    def load(self, map_location="cpu", verify: bool = True):
-        return self.data.restore(map_location, verify)
+    def load(self, map_location="cpu", verify: bool = True, into=None):
+        """The saved object (see Store.load)."""
+        return self.data.restore(map_location, verify, into)
 
     def close(self) -> None:
         if self._open:
@@ -227,8 +228,14 @@ class Store:
             time.sleep(0.001)
         raise BusyError(f"could not pin the latest version of {model!r}: it kept changing; try again")
 
-    def load(self, model: str, step: int | None = None, map_location="cpu", verify: bool = True):
+    def load(self, model: str, step: int | None = None, map_location="cpu", verify: bool = True, into=None):
         """The saved object of a version (``step`` None: latest), tensors on ``map_location``.
+
+        ``into``: the state to resume, of the saved object's structure (e.g. ``{"model":
+        model.state_dict(), "optim": opt.state_dict()}``, whose tensors are the live ones): its
+        tensors are overwritten in place, on their own devices, and returned in the saved
+        object; no second copy of the state is allocated. ValueError naming the first tensor
+        that differs (path, dtype, shape) before anything is written.
 
         The version stays pinned while it is read; every tensor is checked against its CRC
         unless ``verify`` is False (CorruptionError on a mismatch). With ``step`` None, a latest
@@ -237,7 +244,7 @@ class Store:
         """
         try:
             with self.open_version(model, step) as version:
-                return version.load(map_location, verify)
+                return version.load(map_location, verify, into)
         except CorruptionError as damaged:
             if step is not None or not verify:
                 raise
@@ -250,7 +257,7 @@ class Store:
                     with self.open_version(model, v.header.step) as version:
                         if version.info.counter != v.header.counter:
                             continue
-                        obj = version.load(map_location, verify)
+                        obj = version.load(map_location, verify, into)
                 except (CorruptionError, NotFoundError):
                     continue
                 log.warning("%s; loaded step %d of %r instead, the newest intact version",

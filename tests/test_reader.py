@@ -133,3 +133,43 @@ def test_open_version_reuses_an_index_only_for_the_same_save(tmp_path, monkeypat
             assert v.manifest is not first and v.manifest.step == 3 and decoded == [3]
         with pytest.raises(ckptfs.errors.NotFoundError):
             s.open_version("m", 1, manifest=first)
+
+
+def test_load_into_overwrites_the_live_tensors_in_place(tmp_path):
+    """Store.load(into=state): the tensors of the model and optimizer being resumed get the
+    saved bytes in place (no second copy), tied weights stay tied, plain values come from the
+    checkpoint; a state that differs is refused, naming where, before anything is written."""
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10))
+    model[1].weight = model[0].weight  # tied
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.arange(3)).sum().backward()
+    opt.step()
+    saved = {"model": model.state_dict(), "optim": opt.state_dict(), "epoch": 7}
+    expected = {k: v.clone() for k, v in saved["model"].items()}
+    with ckptfs.Store.create(str(tmp_path / "r.region"), size_bytes=64 << 20) as s:
+        with s.writer("m") as w:
+            w.save(saved, step=1).result()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()  # the live model drifts away from the checkpoint
+        live = {"model": model.state_dict(), "optim": opt.state_dict(), "epoch": 0}
+        before = {k: v.data_ptr() for k, v in live["model"].items()}
+        out = s.load("m", into=live)
+        assert out["epoch"] == 7
+        for k, v in expected.items():
+            assert torch.equal(model.state_dict()[k], v), k  # the model's own parameters, in place
+            assert out["model"][k].data_ptr() == before[k]
+        assert model[1].weight is model[0].weight
+        moments = opt.state_dict()["state"][0]["exp_avg"]
+        assert torch.equal(moments, saved["optim"]["state"][0]["exp_avg"])
+        params = dict(model.named_parameters())  # tensors that require grad: written all the same
+        params_state = {"model": {k: params.get(k, v) for k, v in model.state_dict().items()},
+                        "optim": opt.state_dict(), "epoch": 0}
+        s.load("m", into=params_state)
+        wrong = {"model": {**model.state_dict(), "1.bias": torch.zeros(11)}, "optim": opt.state_dict(), "epoch": 0}
+        untouched = wrong["model"]["0.weight"].clone()
+        with pytest.raises(ValueError, match=r"'model.1.bias'.*float32\[10\].*float32\[11\]"):
+            s.load("m", into=wrong)
+        assert torch.equal(wrong["model"]["0.weight"], untouched)
+        with pytest.raises(ValueError, match="tensors"):
+            s.load("m", into={"model": {}})

@@ -57,6 +57,7 @@ LABELS: dict[str, tuple[str, str]] = {
     "ckptfs_stall": ("ckptfs save: stall (until save returns)", "ckptfs"),
     "ckptfs_durable": ("ckptfs save: durable (until future result)", "ckptfs"),
     "ckptfs_load": ("ckptfs Store.load (cold cache, to cpu)", "ckptfs"),
+    "ckptfs_load_into": ("ckptfs Store.load(into=) the state's tensors (cold cache)", "ckptfs"),
     "ckptfs_load_dev": ("ckptfs Store.load (cold cache, to device)", "ckptfs"),
     "ckptfs_b2b": ("ckptfs back-to-back saves, N+1 in a row (per save)", "ckptfs"),
     "torch_save": ("torch.save + fsync", "baseline"),
@@ -87,6 +88,7 @@ class Bench:
         self.dropped_ok = True
         self.first_stall_s: float | None = None  # the writer's first save, reported apart (issue 21)
         self.cold_first_stall_s: float | None = None  # the same without Writer.prepare
+        self.load_into_ok = True
 
     def drop(self) -> None:
         if self.args.no_drop:
@@ -421,6 +423,18 @@ def m_ckptfs(b: Bench, state: Any) -> Iterator[dict]:
                 else:
                     out["ckptfs_load"]["verified"] = True
             del loaded
+            if copy_dst is not None and b.load_into_ok:
+                # the same load into preallocated tensors of the state's structure (a job resuming
+                # into its live model and optimizer): no new tensor memory to fault in
+                gc.collect()
+                b.drop()
+                t0 = time.perf_counter()
+                try:
+                    store.load(model, into=copy_dst)
+                    out["ckptfs_load_into"] = {"s": time.perf_counter() - t0}
+                except ValueError as e:  # a state whose clone unties tied tensors
+                    b.load_into_ok = False
+                    b.note(f"ckptfs: Store.load(into=) not measured: {e}")
             if a.device.startswith("cuda"):
                 gc.collect()
                 b.drop()
@@ -485,6 +499,7 @@ TARGETS = [
     ("stall / warm memcpy (best case)", "ckptfs_stall", "memcpy", None, None, "s", "cpu"),
     ("GPU stall / pinned D2H copy", "ckptfs_stall", "d2h_pinned", "<=", 1.1, "s", "cuda"),
     ("Store.load / raw O_DIRECT read", "ckptfs_load", "raw_read", ">=", 0.9, "GB/s", "cpu,cuda"),
+    ("Store.load(into=) / raw O_DIRECT read", "ckptfs_load_into", "raw_read", None, None, "GB/s", "cpu"),
 ]
 
 
