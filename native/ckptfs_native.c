@@ -210,6 +210,29 @@ pmem_persist_py(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* call(first page, length, arg) over the pages covering view[offset, offset+length) with the GIL
+   released (msync, madvise); releases the view; OSError if it fails. */
+static PyObject *
+on_pages(Py_buffer *view, Py_ssize_t offset, Py_ssize_t length, int (*call)(void *, size_t, int), int arg)
+{
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t start = (uintptr_t)view->buf + (uintptr_t)offset;
+    uintptr_t aligned = start - start % page;
+    size_t span = (size_t)(start + (uintptr_t)length - aligned);
+    int rc, err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    rc = call((void *)aligned, span, arg);
+    if (rc != 0)
+        err = errno;
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(view);
+    if (rc != 0) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
 /* madvise(advice) of the pages covering buf[offset, offset+length), GIL released: mmap.madvise
    holds it, and MADV_POPULATE_WRITE of a staging pool faults in hundreds of MB (the writer does
    it on a thread of its own beside the training loop). */
@@ -221,27 +244,11 @@ madvise_range(PyObject *self, PyObject *args)
     int advice;
     if (!PyArg_ParseTuple(args, "w*nni", &view, &offset, &length, &advice))
         return NULL;
-    if (offset < 0 || length < 0 || offset + length > view.len) {
+    if (range_in(&view, offset, length) < 0) {
         PyBuffer_Release(&view);
-        PyErr_SetString(PyExc_ValueError, "range outside the buffer");
         return NULL;
     }
-    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
-    uintptr_t start = (uintptr_t)view.buf + (uintptr_t)offset;
-    uintptr_t aligned = start - start % page;
-    size_t span = (size_t)(start + (uintptr_t)length - aligned);
-    int rc, err = 0;
-    Py_BEGIN_ALLOW_THREADS
-    rc = madvise((void *)aligned, span, advice);
-    if (rc != 0)
-        err = errno;
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&view);
-    if (rc != 0) {
-        errno = err;
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
-    Py_RETURN_NONE;
+    return on_pages(&view, offset, length, madvise, advice);
 }
 
 /* msync(MS_SYNC) of the pages covering buf[offset, offset+length), GIL released. */
@@ -252,22 +259,7 @@ msync_range(PyObject *self, PyObject *args)
     Py_ssize_t offset, length;
     if (parse_buffer_range(args, &view, &offset, &length) < 0)
         return NULL;
-    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
-    uintptr_t start = (uintptr_t)view.buf + (uintptr_t)offset;
-    uintptr_t aligned = start - start % page;
-    size_t span = (size_t)(start + (uintptr_t)length - aligned);
-    int rc, err = 0;
-    Py_BEGIN_ALLOW_THREADS
-    rc = msync((void *)aligned, span, MS_SYNC);
-    if (rc != 0)
-        err = errno;
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&view);
-    if (rc != 0) {
-        errno = err;
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
-    Py_RETURN_NONE;
+    return on_pages(&view, offset, length, msync, MS_SYNC);
 }
 
 /* Copies src into dst[offset:] with non-temporal stores and a final fence (devdax write path). */
