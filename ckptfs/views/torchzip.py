@@ -47,6 +47,7 @@ _FLAG_HAS_DESCRIPTOR = 0x0008
 _FLAG_UTF8 = 0x0800
 _FB_EXTRA_HEADER = 4  # "FB" + u16 length
 _U16 = struct.Struct("<H")
+_SERIALIZATION_ID_NAME = ".data/serialization_id"
 _SERIALIZATION_ID_BYTES = 40
 _DESCRIPTOR32 = struct.Struct("<IIII")
 _DESCRIPTOR64 = struct.Struct("<IIQQ")
@@ -84,14 +85,14 @@ def torch_zip_view(manifest: Manifest, *, archive_name: str = "checkpoint") -> V
 
     def entries() -> list[_Entry]:
         out = [*head, *(_tensor(key, tensors[index]) for key, index in enumerate(storage_order)), version]
-        out.append(_literal(".data/serialization_id", _serialization_id(archive_name, out)))
+        out.append(_literal(_SERIALIZATION_ID_NAME, _serialization_id(archive_name, out)))
         return out
 
     # The size from the members' names and sizes alone; the headers only when first read.
     prefix = len(archive_name) + 1
     members = [(prefix + len(e.name), e.size) for e in head]
-    members += [(prefix + len("data/") + len(str(key)), tensors[index].nbytes) for key, index in enumerate(storage_order)]
-    members += [(prefix + len(version.name), version.size), (prefix + len(".data/serialization_id"), _SERIALIZATION_ID_BYTES)]
+    members += [(prefix + len(_tensor_name(key)), tensors[index].nbytes) for key, index in enumerate(storage_order)]
+    members += [(prefix + len(version.name), version.size), (prefix + len(_SERIALIZATION_ID_NAME), _SERIALIZATION_ID_BYTES)]
     return LazyView(_zip_size(members), lambda: _zip_view(archive_name, entries()).segments)
 
 
@@ -105,8 +106,12 @@ def _literal(name: str, data: bytes) -> _Entry:
     return _Entry(name, len(data), crc32(data), data)
 
 
+def _tensor_name(key: int) -> str:
+    return f"data/{key}"
+
+
 def _tensor(key: int, record: TensorRecord) -> _Entry:
-    return _Entry(f"data/{key}", record.nbytes, record.crc32, None, record.offset)
+    return _Entry(_tensor_name(key), record.nbytes, record.crc32, None, record.offset)
 
 
 def _serialization_id(archive_name: str, entries: list[_Entry]) -> bytes:
