@@ -80,4 +80,9 @@ def test_prepare_makes_the_plan_and_the_pool_so_the_first_save_makes_neither(sto
         assert flattened == [] and made == []
         with pytest.raises(ckptfs.errors.UnsupportedObjectError):  # what a save would refuse
             w.prepare({"x": object()}).result(timeout=60)
-    assert torch.equal(store.load("m")["model"]["w7"], state["model"]["w7"])
+        assert torch.equal(store.load("m")["model"]["w7"], state["model"]["w7"])
+        # a state that changed after prepare (a key added, a shape changed) is planned anew
+        changed = {"model": {**state["model"], "w7": torch.randn(3, 5), "extra": torch.ones(2)}, "step": 4}
+        w.save(changed, step=2).result()
+        loaded = store.load("m")
+        assert torch.equal(loaded["model"]["w7"], changed["model"]["w7"]) and loaded["model"]["extra"].tolist() == [1, 1]
