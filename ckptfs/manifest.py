@@ -101,10 +101,7 @@ class Manifest:
         for key_path, index in found:
             name = ".".join(key_path) or "tensor"
             if name in seen:
-                base, n = name, 1
-                while name in seen:
-                    name = f"{base}#{n}"
-                    n += 1
+                name = unique_name(name, seen)
             seen.add(name)
             out.append(TensorRef(name, key_path, index))
         refs = tuple(out)
@@ -200,12 +197,11 @@ class Manifest:
             raise MalformedInputError("two tensor records have the same name")
         _check_skeleton(self.skeleton, len(self.tensors), 0)
         for t in self.tensors:
-            itemsize = _ITEMSIZE.get(t.dtype)
-            if itemsize is None:
+            if t.dtype not in _ITEMSIZE:
                 raise MalformedInputError(f"tensor {t.name!r} has unknown dtype {t.dtype!r}")
             if t.offset < 0 or (t.shape and min(t.shape) < 0):
                 raise MalformedInputError(f"tensor {t.name!r} has a negative shape or offset")
-            if t.nbytes != math.prod(t.shape) * itemsize:
+            if t.nbytes != expected_nbytes(t.dtype, t.shape):
                 raise MalformedInputError(f"tensor {t.name!r}: {t.nbytes} bytes do not match "
                                           f"shape {list(t.shape)} of {t.dtype}")
             if t.offset + t.nbytes > self.data_bytes:
@@ -341,6 +337,13 @@ def _one_key_node(node, depth: int) -> tuple[str, Any]:
     return kind, value
 
 
+def tensor_leaf(node) -> Any:
+    """The reference of a skeleton node ``{"tensor": r}``, None for any other node: the usual
+    value of a state dict, which the walkers over tens of thousands of them take without
+    recursing (the reference itself is checked by ``check_skeleton``)."""
+    return node.get("tensor") if type(node) is dict and len(node) == 1 else None
+
+
 def map_tensor_refs(node, ref: Callable[[Any], Any], depth: int = 0) -> dict:
     """A copy of skeleton ``node`` with each tensor reference ``r`` replaced by ``ref(r)``
     (e.g. indices to names and back). Checks only the shape of the containers
@@ -353,8 +356,8 @@ def map_tensor_refs(node, ref: Callable[[Any], Any], depth: int = 0) -> dict:
     if kind in ("dict", "odict") and isinstance(value, list):
         if not all(isinstance(item, list) and len(item) == 2 for item in value):
             raise MalformedInputError(f"skeleton {kind} node holds an item that is not a [key, value] pair")
-        return {kind: [[k, {"tensor": ref(v["tensor"])} if type(v) is dict and len(v) == 1 and "tensor" in v  # usual leaf
-                        else map_tensor_refs(v, ref, depth + 1)] for k, v in value]}
+        return {kind: [[k, map_tensor_refs(v, ref, depth + 1) if (r := tensor_leaf(v)) is None else {"tensor": ref(r)}]
+                       for k, v in value]}
     return node
 
 
@@ -386,7 +389,7 @@ def _check_skeleton(node, ntensors: int, depth: int) -> None:
             # the usual key (a str) and value (a tensor) are checked here, below the depth limit
             if depth >= MAX_DEPTH or type(key.get("str")) is not str:
                 _check_skeleton(key, ntensors, depth + 1)
-            index = v.get("tensor") if type(v) is dict and len(v) == 1 else None
+            index = tensor_leaf(v)
             if depth >= MAX_DEPTH or type(index) is not int or not 0 <= index < ntensors:
                 _check_skeleton(v, ntensors, depth + 1)
     else:
@@ -394,6 +397,7 @@ def _check_skeleton(node, ntensors: int, depth: int) -> None:
 
 
 def expected_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    """The bytes of a contiguous tensor of ``dtype`` (a DTYPES name) and ``shape``."""
     return math.prod(shape) * _ITEMSIZE[dtype]
 
 
@@ -547,7 +551,7 @@ class _Walk:
             if index is not None:
                 return index
             self._seen[key] = len(self.tensors)
-        name = _unique_name(self._dotted() or "tensor", self._taken)
+        name = unique_name(self._dotted() or "tensor", self._taken)
         self._taken.add(name)
         self.tensors.append(t)  # detached where its bytes are taken (writer._byte_source)
         self.names.append(name)
@@ -584,9 +588,11 @@ def _key_text(key: Any) -> str:
     return key if isinstance(key, str) else repr(key)
 
 
-def _unique_name(name: str, taken: set[str]) -> str:
-    """``name``, or ``name#1``, ``name#2``... when another tensor already has it (keys that
-    contain dots can collide with nested paths: {"a.b": x, "a": {"b": y}})."""
+def unique_name(name: str, taken: set[str]) -> str:
+    """``name``, or ``name#1``, ``name#2``... when another entry already has it (keys that
+    contain dots can collide with nested paths: {"a.b": x, "a": {"b": y}}); the one rule of
+    every list of names made from a skeleton (tensor names, views' entries). The caller adds
+    the result to ``taken``."""
     if name not in taken:
         return name
     n = 1
@@ -635,11 +641,11 @@ def _tensor_refs(node: dict, path: tuple[str, ...], out: list) -> None:
         for k, v in value:
             key = k.get("str")
             sub = path + (key if type(key) is str else _key_text(unflatten(k, [])),)
-            index = v.get("tensor")
-            if index is not None and len(v) == 1:
-                out.append((sub, int(index)))
-            else:
+            index = tensor_leaf(v)
+            if index is None:
                 _tensor_refs(v, sub, out)
+            else:
+                out.append((sub, int(index)))
     elif kind in ("list", "tuple"):
         for i, v in enumerate(value):
             _tensor_refs(v, path + (str(i),), out)

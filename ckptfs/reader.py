@@ -18,7 +18,7 @@ import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -138,16 +138,9 @@ class VersionData:
         is neither the tensor's first bytes nor the continuation of ``stream``."""
         if offset < 0 or length < 0 or offset + length > self.manifest.data_bytes:
             return None
-        end, tensors, pieces = offset + length, self.manifest.tensors, []
-        starts, order = self._placement()
-        i = max(bisect.bisect_right(starts, offset) - 1, 0)
-        while i < len(order) and starts[i] < end:
-            index = order[i]
-            record = tensors[index]
+        end, pieces = offset + length, []
+        for index, record in self._unchecked_in(offset, end):
             lo, hi = max(offset, record.offset), min(end, record.offset + record.nbytes)
-            i += 1
-            if lo >= hi or index in self._checked:
-                continue
             if lo == record.offset:
                 pieces.append((index, lo, hi, 0))
             elif stream.get("index") == index and stream["next"] == lo:
@@ -157,14 +150,20 @@ class VersionData:
         return pieces
 
     def _check_range(self, offset: int, length: int) -> None:
+        for index, record in self._unchecked_in(offset, offset + length):
+            self._expect(index, self._crc_of(record))
+
+    def _unchecked_in(self, start: int, end: int) -> Iterator[tuple[int, TensorRecord]]:
+        """(index, record) of each tensor not yet found intact that holds bytes of data range
+        ``[start, end)``, in data order."""
         starts, order = self._placement()
-        i = max(bisect.bisect_right(starts, offset) - 1, 0)
         tensors = self.manifest.tensors
-        while i < len(order) and starts[i] < offset + length:
+        i = max(bisect.bisect_right(starts, start) - 1, 0)
+        while i < len(order) and starts[i] < end:
             index = order[i]
             record = tensors[index]
-            if index not in self._checked and offset < record.offset + record.nbytes:
-                self._expect(index, self._crc_of(record))
+            if index not in self._checked and start < record.offset + record.nbytes:
+                yield index, record
             i += 1
 
     def _crc_of(self, record: TensorRecord) -> int:
@@ -221,18 +220,14 @@ class VersionData:
             tensors = matching_tensors(m, into)
             # detached views: a parameter that requires grad is written like any tensor
             targets = [t.detach().view(-1).view(torch.uint8) if t.numel() else None for t in tensors]
-            bad = self.scan(_copy_out(targets))
-            if verify and bad:
-                raise CorruptionError(self.damage_message(bad[0][0]))
-            return unflatten(m.skeleton, tensors)
-        tensors = [torch.empty(r.shape, dtype=r.torch_dtype) for r in m.tensors]
-        targets = [t.reshape(-1).view(torch.uint8) if t.numel() else None for t in tensors]
-
+        else:
+            tensors = [torch.empty(r.shape, dtype=r.torch_dtype) for r in m.tensors]
+            targets = [t.view(-1).view(torch.uint8) if t.numel() else None for t in tensors]
         bad = self.scan(_copy_out(targets))
         if verify and bad:
             raise CorruptionError(self.damage_message(bad[0][0]))
         device = torch.device(map_location) if map_location is not None else torch.device("cpu")
-        if device.type != "cpu":
+        if into is None and device.type != "cpu":
             moved = [t.pin_memory().to(device, non_blocking=True) for t in tensors]
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -266,10 +261,10 @@ def matching_tensors(manifest: Manifest, into) -> list[torch.Tensor]:
     if len(flat.tensors) != len(manifest.tensors):
         raise ValueError(f"into= holds {len(flat.tensors)} tensors, {manifest.model} step {manifest.step} "
                          f"{len(manifest.tensors)}: pass the state dicts the checkpoint was saved from")
-    for name, t, record in zip(flat.names, flat.tensors, manifest.tensors):
-        if name != record.name or t.dtype != record.torch_dtype or tuple(t.shape) != record.shape:
+    for (name, dtype, shape), t, record in zip(flat.signature, flat.tensors, manifest.tensors):
+        if (name, dtype, shape) != (record.name, record.dtype, record.shape):
             raise ValueError(f"into= differs from {manifest.model} step {manifest.step} at {record.name!r}: saved "
-                             f"{record.dtype}{list(record.shape)}, into= has {name!r} {str(t.dtype)[6:]}{list(t.shape)}")
+                             f"{record.dtype}{list(record.shape)}, into= has {name!r} {dtype}{list(shape)}")
         if not t.is_contiguous():
             raise ValueError(f"into= tensor {name!r} is not contiguous: it cannot be loaded in place")
     return list(flat.tensors)

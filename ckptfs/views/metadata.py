@@ -6,7 +6,7 @@ import math
 from json.encoder import encode_basestring_ascii
 from datetime import datetime, timezone
 
-from ckptfs.manifest import Manifest, unflatten
+from ckptfs.manifest import Manifest, unflatten, unique_name
 from ckptfs.views.registry import register
 from ckptfs.views.segments import Literal, View
 
@@ -102,11 +102,7 @@ def _write_node(node: dict, level: int, out: list[str], names: list[str]) -> Non
         taken: set[str] = set()
         for i, (key, item) in enumerate(value):
             (key_kind, key_value), = key.items()
-            name = base = key_value if key_kind == "str" else str(unflatten(key, []))
-            n = 1
-            while name in taken:
-                name = f"{base}#{n}"
-                n += 1
+            name = unique_name(key_value if key_kind == "str" else str(unflatten(key, [])), taken)
             taken.add(name)
             out.append((inner if i == 0 else "," + inner) + encode_basestring_ascii(name) + ": ")
             _write_node(item, level + 1, out, names)

@@ -167,37 +167,34 @@ class ViewBuilder:
             self.position += len(data)
 
     def extent(self, offset: int, length: int) -> None:
-        if length <= 0 or offset < 0:
-            if length == 0:
-                return
-            raise ValueError(f"extent ({offset}, {length}) has a negative offset or length")
-        if self._pending:
-            self._flush_literal()
-        if self._extent_length and self._extent_offset + self._extent_length == offset:
-            self._extent_length += length
-        else:
-            if self._extent_length:
-                self._flush_extent()
-            self._extent_offset, self._extent_length = offset, length
-        self.position += length
+        self.extents(((offset, length),))
 
     def extents(self, pairs) -> None:
-        """``extent(offset, length)`` of each pair in order, runs of adjacent ones merged first
-        (one call for the tensors of a file rather than one per tensor)."""
-        start = end = -1
+        """``length`` bytes at data offset ``offset`` for each (offset, length), in order; one
+        that continues the extent before it (the next tensor stored right after the last) is
+        merged into it. One call for the tensors of a file: a safetensors view of 40,000
+        tensors is made on the first listing of its version."""
+        if self._extent_length:
+            start, end = self._extent_offset, self._extent_offset + self._extent_length
+        else:
+            start = end = -1
+        added = 0
         for offset, length in pairs:
             if length <= 0 or offset < 0:
                 if length == 0:
                     continue
                 raise ValueError(f"extent ({offset}, {length}) has a negative offset or length")
+            if self._pending:
+                self._flush_literal()
+            added += length
             if offset == end:
                 end += length
                 continue
             if start >= 0:
-                self.extent(start, end - start)
+                self._segments.append(Extent(start, end - start))
             start, end = offset, offset + length
-        if start >= 0:
-            self.extent(start, end - start)
+        self.position += added
+        self._extent_offset, self._extent_length = (start, end - start) if start >= 0 else (0, 0)
 
     def build(self) -> View:
         self._flush_literal()

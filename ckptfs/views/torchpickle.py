@@ -33,7 +33,7 @@ import torch
 import torch._utils
 
 from ckptfs import _native
-from ckptfs.manifest import Manifest
+from ckptfs.manifest import Manifest, tensor_leaf
 
 PICKLE_PROTOCOL = 2
 
@@ -236,11 +236,11 @@ class _Writer:
                 self.get(n)
         else:
             self.save(key)
-        index = value.get("tensor")
-        if index is not None and len(value) == 1:
-            self.save_tensor(index)
-        else:
+        index = tensor_leaf(value)
+        if index is None:
             self.save(value)
+        else:
+            self.save_tensor(index)
 
     def save_tuple(self, items: list) -> None:
         if not items:

@@ -199,7 +199,7 @@ class Writer:
             else:
                 future.set_result(None)
 
-        self._in_background(run)
+        self._in_background(run, "ckptfs-prepare")
         return future
 
     def wait_snapshot(self) -> None:
@@ -354,10 +354,10 @@ class Writer:
         latest = self.region.latest(entry) if entry is not None else None
         if latest is None or latest.header.data_bytes == 0 or torch.cuda.is_available():
             return
-        self._in_background(self._pool(False, latest.header.data_bytes).prefill)
+        self._in_background(self._pool(False, latest.header.data_bytes).prefill, "ckptfs-prefill")
 
-    def _in_background(self, target) -> None:
-        thread = threading.Thread(target=target, name="ckptfs-prefill", daemon=True)
+    def _in_background(self, target, name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
         thread.start()
         self._background.append(thread)
 
