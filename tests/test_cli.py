@@ -525,6 +525,11 @@ def test_background_mount_umount_and_their_errors(capsys, toy_region, tmp_path):
         force_unmount(mnt)
 
 
+def mount_flags(path: str) -> list[str]:
+    """The options of the mount at ``path`` as /proc/mounts lists them ("ro" or "rw" first)."""
+    return next(line.split()[3] for line in open("/proc/mounts") if line.split()[1] == path).split(",")
+
+
 @pytest.mark.fuse
 @pytest.mark.slow
 @requires_fuse
@@ -541,7 +546,13 @@ def test_mount_helper_for_mount8_and_fstab(toy_region, tmp_path):
                            env=env, capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
         assert mount_entry(mnt) == ("fuse.ckptfs", toy_region)
+        # mount(8) passes `rw` to every helper unless told `ro`: the mount stays read-only
+        assert mount_flags(mnt)[0] == "ro"
         assert torch.load(os.path.join(mnt, TOY_MODEL, "latest", "checkpoint.pt"), weights_only=True)["step"] == 300
+        subprocess.run(["umount", mnt], check=True)
+        r = subprocess.run([helper, toy_region, mnt, "-o", "rw,rm_versions"], env=env, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0 and mount_flags(mnt)[0] == "rw", r.stderr  # `rm -r` of a version asked for
         subprocess.run(["umount", mnt], check=True)
         r = subprocess.run([helper, str(tmp_path / "nope.region"), mnt], env=env, capture_output=True, text=True)
         assert r.returncode != 0 and "no region yet at" in r.stderr
@@ -575,7 +586,7 @@ def test_readme_steps_for_mount8(toy_region, tmp_path):
         r = subprocess.run(["env", "-i", "mount", "-t", "fuse.ckptfs", toy_region, mnt, "-o", "nofail,allow_other"],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
-        assert mount_entry(mnt) == ("fuse.ckptfs", toy_region)
+        assert mount_entry(mnt) == ("fuse.ckptfs", toy_region) and mount_flags(mnt)[0] == "ro"
         assert torch.load(os.path.join(mnt, TOY_MODEL, "latest", "checkpoint.pt"), weights_only=True)["step"] == 300
         r = subprocess.run(["mount", "-t", "fuse.ckptfs", toy_region, mnt], capture_output=True, text=True)
         assert r.returncode != 0 and "already mounted" in r.stderr
