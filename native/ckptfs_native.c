@@ -31,6 +31,7 @@
 #include <zlib.h>
 
 #include "busguard.h"
+#include "jsonviews.h"
 #include "torchpickle.h"
 
 static int
@@ -471,6 +472,12 @@ static PyMethodDef methods[] = {
     {"pmem_is_pmem", pmem_is_pmem_py, METH_VARARGS, "pmem_is_pmem(buf) -> bool"},
     {"copy_spans", copy_spans_py, METH_VARARGS,
      "copy_spans(dst, [(dst_offset, src, src_offset, length), ...], threads)"},
+    {"safetensors_entries", safetensors_entries_py, METH_VARARGS,
+     "safetensors_entries(pairs, heads, head_of) -> (entries bytes, merged extents, data bytes): jsonviews.c"},
+    {"metadata_tensor_list", metadata_tensor_list_py, METH_VARARGS,
+     "metadata_tensor_list(tensors, shapes, shape_of) -> str: jsonviews.c"},
+    {"skeleton_json", skeleton_json_py, METH_VARARGS,
+     "skeleton_json(skeleton, names) -> str: compact JSON, tensor references as names[r] (jsonviews.c)"},
     {"pickle_tensor_items", pickle_tensor_items_py, METH_VARARGS,
      "pickle_tensor_items(out, pairs, start, memo, tensor_memo, storage_order, tensors, templates, memo_size) "
      "-> (stop, memo_size): see torchpickle.c"},

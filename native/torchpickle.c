@@ -10,41 +10,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "outbuf.h"
 #include "torchpickle.h"
 
 #define MAX_DIMS 64
 #define INT_OP_MAX 0x7FFFFFFFLL /* past it the Python writer encodes (LONG1) */
-
-typedef struct {
-    char *buf;
-    Py_ssize_t len, cap;
-} Out;
-
-static int
-out_put(Out *o, const void *p, Py_ssize_t n)
-{
-    if (o->len + n > o->cap) {
-        Py_ssize_t cap = (o->cap ? o->cap * 2 : 4096);
-        while (cap < o->len + n)
-            cap *= 2;
-        char *b = PyMem_Realloc(o->buf, (size_t)cap);
-        if (b == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        o->buf = b;
-        o->cap = cap;
-    }
-    memcpy(o->buf + o->len, p, (size_t)n);
-    o->len += n;
-    return 0;
-}
-
-static int
-out_bytes(Out *o, PyObject *b)
-{
-    return out_put(o, PyBytes_AS_STRING(b), PyBytes_GET_SIZE(b));
-}
 
 static void
 le32(char *p, uint32_t v)

@@ -548,6 +548,19 @@ def test_data_pkl_is_what_the_pickler_writes(obj):
         assert pickle_skeleton(m) == reference_pickle(m)
 
 
+@settings(max_examples=200, deadline=None)
+@given(obj=_objects, suffix=st.text(max_size=3))
+def test_named_skeleton_is_json_dumps_of_the_mapped_skeleton(obj, suffix):
+    """The whole-state safetensors file's skeleton is dumped in C, tensor references replaced by
+    names in the same pass: byte for byte json.dumps of the mapped copy."""
+    from ckptfs.manifest import dumps_compact, dumps_named_skeleton, map_tensor_refs
+
+    manifest = lay_out(obj).manifest
+    for m in (manifest, Manifest.decode(manifest.encode())):
+        names = {i: f"{t.name}{suffix}\u2603\U0001f600" for i, t in enumerate(m.tensors)}
+        assert dumps_named_skeleton(m.skeleton, names) == dumps_compact(map_tensor_refs(m.skeleton, names.__getitem__))
+
+
 @pytest.mark.parametrize("n", [1, 2, 999, 1000, 1001, 2000])
 def test_data_pkl_batches_and_memo_indices_past_256(n):
     """Containers around pickle's batch size (1,000) and memo indices past 255 (LONG_BINPUT)."""
@@ -756,7 +769,8 @@ def test_adamw_transformer_round_trip(tmp_path):
     assert_same(lm.state_dict(), lm3.state_dict())
 
 
-@pytest.mark.parametrize("names", [[], ["w"], ["a\"b\\\\c", "é✓", "line\nbreak", "\x00nul"]])
+@pytest.mark.parametrize("names", [[], ["w"], ["a\"b\\\\c", "é✓", "line\nbreak", "\x00nul"],
+                                   ["\x7fdel\x1f", "x😀y", "lone\udc80", "\t\b\f\r/"]])
 def test_metadata_json_is_what_json_dumps_writes(names):
     """metadata.json writes its tensor list by hand (a large version's document is mostly that
     list): the bytes are exactly json.dumps(indent=2)'s."""
@@ -765,7 +779,7 @@ def test_metadata_json_is_what_json_dumps_writes(names):
     from ckptfs.manifest import Manifest, TensorRecord
     from ckptfs.views.metadata import iso8601_utc, metadata_json_view
 
-    recs = tuple(TensorRecord(n, "float32", shape, 64 * i, 4 * max(1, len(shape)), 0xABC + i)
+    recs = tuple(TensorRecord(n, "float32", shape, 64 * i, 4 * max(1, len(shape)), 0xFFFFFFFF - 0x1000 * i)
                  for i, (n, shape) in enumerate(zip(names, [(), (3,), (2, 0, 5), (7, 1)])))
     skel = {"dict": [[{"str": n}, {"tensor": i}] for i, n in enumerate(names)] + [[{"str": "lr"}, {"float": "0x1.0p-1"}]]}
     m = Manifest("m", 3, 42, 1_700_000_000_123_456_789, recs, skel, 64 * len(recs))

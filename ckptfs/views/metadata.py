@@ -6,6 +6,7 @@ import math
 from json.encoder import encode_basestring_ascii
 from datetime import datetime, timezone
 
+from ckptfs import _native
 from ckptfs.manifest import Manifest, unflatten, unique_name
 from ckptfs.views.registry import register
 from ckptfs.views.segments import Literal, View
@@ -47,20 +48,17 @@ _OBJECT = "\0ckptfs:object\0"
 
 
 def _tensor_list(manifest: Manifest) -> str:
-    """The ``tensors`` array as ``json.dumps(..., indent=2)`` writes it at depth 1."""
+    """The ``tensors`` array as ``json.dumps(..., indent=2)`` writes it at depth 1; its items are
+    written in C (``_native.metadata_tensor_list``: a large index, on the first listing)."""
     if not manifest.tensors:
         return "[]"
-    quote = encode_basestring_ascii
-    items = []
-    shapes: dict[tuple[int, ...], str] = {}  # a large index has few distinct shapes
-    for t in manifest.tensors:
-        shape = shapes.get(t.shape)
-        if shape is None:
-            shape = shapes[t.shape] = ("[\n" + ",\n".join(f"        {d}" for d in t.shape) + "\n      ]"
-                                       if t.shape else "[]")
-        items.append(f'    {{\n      "name": {quote(t.name)},\n      "dtype": {quote(t.dtype)},\n'
-                     f'      "shape": {shape},\n      "nbytes": {t.nbytes},\n      "crc32": "{t.crc32:08x}"\n    }}')
-    return "[\n" + ",\n".join(items) + "\n  ]"
+    items = _native.metadata_tensor_list(manifest.tensors, {}, _shape_json)
+    return "[\n" + items + "\n  ]"
+
+
+def _shape_json(shape: tuple[int, ...]) -> str:
+    """A shape as json.dumps(indent=2) writes it at depth 3."""
+    return "[\n" + ",\n".join(f"        {d}" for d in shape) + "\n      ]" if shape else "[]"
 
 
 def iso8601_utc(time_ns: int) -> str:

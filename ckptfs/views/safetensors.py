@@ -14,9 +14,10 @@ import struct
 from json.encoder import encode_basestring_ascii
 from typing import Mapping
 
-from ckptfs.manifest import Manifest, TensorRecord, dumps_compact, map_tensor_refs, unique_name
+from ckptfs import _native
+from ckptfs.manifest import Manifest, TensorRecord, dumps_named_skeleton, unique_name
 from ckptfs.views.registry import register
-from ckptfs.views.segments import View, ViewBuilder
+from ckptfs.views.segments import LazyView, View, ViewBuilder
 
 STATE_FILE = "state.safetensors"
 _NAME_MAX = 255  # bytes, Linux NAME_MAX
@@ -73,11 +74,18 @@ def safetensors_view(manifest: Manifest, *, key: str | None = None,
         aliases = {alias: name for alias, name in aliases.items() if name in kept_names}
     meta = dict(metadata or {})
     if key is None and not skipped:
-        meta.setdefault(SKELETON_KEY, dumps_compact(map_tensor_refs(manifest.skeleton, first_name.__getitem__)))
-    builder = ViewBuilder()
-    builder.literal(encode_header(_metadata(manifest, skipped, aliases, meta), kept))
-    builder.extents((rec.offset, rec.nbytes) for _, rec in kept)
-    return builder.build()
+        meta.setdefault(SKELETON_KEY, dumps_named_skeleton(manifest.skeleton, first_name))
+    header, extents, data_bytes = _header_and_extents(_metadata(manifest, skipped, aliases, meta), kept)
+
+    def segments():
+        # made on the first read: a listing needs the size only, and 40,000 tensors stored apart
+        # (aligned) are as many extents
+        builder = ViewBuilder()
+        builder.literal(header)
+        builder.extents(extents)
+        return builder.build().segments
+
+    return LazyView(len(header) + data_bytes, segments)
 
 
 def _select(manifest: Manifest, key: str | None
@@ -135,28 +143,31 @@ def encode_header(metadata: dict[str, str], tensors: list[tuple[str, TensorRecor
     """The length word and the padded JSON header of a file of ``tensors`` (name, record), in
     order, contiguous from data offset 0. The JSON is exactly ``json.dumps({"__metadata__":
     metadata, name: {"dtype", "shape", "data_offsets"}...}, separators=(",", ":"),
-    ensure_ascii=True)`` (a test holds it to that), written here a tensor per f-string: at
-    40,000 tensors json.dumps of the dicts costs several times as much. ASCII only: every name
-    is encodable (even one with a lone surrogate), and serde_json reads the \\u escapes back to
-    the same string."""
-    quote = encode_basestring_ascii
-    parts = [f"{{{quote(METADATA_KEY)}:{json.dumps(metadata, separators=(',', ':'), ensure_ascii=True)}"]
-    offset = 0
-    fields: dict[tuple, str] = {}  # (dtype, shape) -> the entry's text up to its offsets
-    for name, rec in tensors:
-        end = offset + rec.nbytes
-        kind = (rec.dtype, rec.shape)
-        head = fields.get(kind)
-        if head is None:
-            shape = ",".join(map(str, _shape(rec)))
-            head = fields[kind] = f'"dtype":"{SAFETENSORS_DTYPES[rec.dtype]}","shape":[{shape}],"data_offsets":['
-        parts.append(f"{quote(name)}:{{{head}{offset},{end}]}}")
-        offset = end
-    parts.append("}")
-    length = sum(map(len, parts)) + len(parts) - 2  # ASCII: characters are bytes; commas between
+    ensure_ascii=True)`` (a test holds it to that). ASCII only: every name is encodable (even one
+    with a lone surrogate), and serde_json reads the \\u escapes back to the same string."""
+    return _header_and_extents(metadata, tensors)[0]
+
+
+def _header_and_extents(metadata: dict[str, str], tensors: list[tuple[str, TensorRecord]]
+                        ) -> tuple[bytes, list[tuple[int, int]], int]:
+    """``encode_header``'s bytes, the records' (offset, nbytes) with the adjacent ones merged, and
+    the sum of their nbytes.
+    The tensor entries are written in C (``_native.safetensors_entries``): a version of 40,000
+    tensors is encoded on the first listing of its directory, where json.dumps of the dicts
+    costs ten times as much."""
+    entries, extents, data_bytes = _native.safetensors_entries(tensors, {}, _entry_head)
+    meta = f"{{{encode_basestring_ascii(METADATA_KEY)}:{json.dumps(metadata, separators=(',', ':'), ensure_ascii=True)}"
+    length = len(meta) + (len(entries) + 1 if entries else 0) + 1  # ASCII: characters are bytes
     padding = -length % _HEADER_ALIGN
     # one copy of a header of megabytes: no concatenation of the whole after the join
-    return b"".join([struct.pack("<Q", length + padding), ",".join(parts[:-1]).encode("ascii"), b"}", b" " * padding])
+    return b"".join([struct.pack("<Q", length + padding), meta.encode("ascii"), b"," if entries else b"",
+                     entries, b"}", b" " * padding]), extents, data_bytes
+
+
+def _entry_head(rec: TensorRecord) -> str:
+    """A tensor entry's text from its dtype up to its data offsets (shared by every tensor of the
+    same dtype and shape)."""
+    return f'"dtype":"{SAFETENSORS_DTYPES[rec.dtype]}","shape":[{",".join(map(str, _shape(rec)))}],"data_offsets":['
 
 
 def safetensors_files(manifest: Manifest) -> dict[str, View]:
