@@ -37,6 +37,12 @@ def _json_option(f):
     return click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")(f)
 
 
+def _part_models(store, model: str) -> list[str]:
+    from ckptfs.dist.storage import part_models
+
+    return part_models(store, model)
+
+
 def _open_store(region: str | None, *, create: bool = False):
     """The region of --region (default: the per-user one). Only commands that write (mount,
     import) may create the default region; the others say that there is none yet."""
@@ -327,13 +333,15 @@ def _size(store, v) -> str:
 @click.argument("model")
 def info(region, as_json, step, model):
     """Show one version of MODEL: step, time, tensors (dtype, shape, size, CRC32), files."""
+    from ckptfs.dist.whole import as_whole
     from ckptfs.views import files_for
 
     with _open_store(region) as store:
-        with store.open_version(model, _version_step(store, model, step).step) as v:
-            m = v.manifest
+        v, _ = as_whole(store, store.open_version(model, _version_step(store, model, step).step))
+        with v:
+            m = v.manifest  # a multi-rank version's whole tensors
             files = {name: view.size for name, view in files_for(m).items()}
-            doc = dict(_info_dict(v.info), files=files, tensors=[
+            doc = dict(_info_dict(v.info), data_bytes=m.data_bytes, files=files, tensors=[
                 {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes,
                  "crc32": f"{t.crc32:08x}"} for t in m.tensors])
         if as_json:
@@ -362,10 +370,14 @@ def verify(region, step, model):
     if step is not None and model is None:
         raise click.UsageError("--step needs a MODEL")
     with _open_store(region) as store:
-        total = sum(v.data_bytes for name in ([model] if model else store.models())
-                    for v in store.versions(name) if step is None or v.step == step)
+        # a multi-rank model's versions hold its ranks' parts: those are checked with it
+        names = [model, *_part_models(store, model)] if model else store.models()
+        total = sum(v.data_bytes for name in names for v in store.versions(name) if step is None or v.step == step)
         with _progress(total, "verify") as bar:
             problems = store.verify(model, step, progress=bar.update)  # called with bytes just checked
+            for name in names[1:] if model else ():
+                if step is None or any(v.step == step for v in store.versions(name)):
+                    problems += store.verify(name, step, progress=bar.update)
         for p in problems:
             click.echo(f"ckptfs: verify: {p}", err=True)
         what = f"{model} step {step}" if step is not None else (model or "the region")
@@ -399,6 +411,7 @@ def export(region, step, file_name, key, force, model, output):
     Every tensor is checked as it streams: a damaged version fails with the tensor's name and
     leaves no file behind (on standard output, the stream stops short). Existing files are
     replaced only with --force."""
+    from ckptfs.dist.whole import as_whole
     from ckptfs.views import files_for
 
     if key is not None:
@@ -414,7 +427,8 @@ def export(region, step, file_name, key, force, model, output):
     if output != "-" and not os.path.isdir(parent):
         raise CkptfsError(f"cannot write {output}: no directory {parent}")
     with _open_store(region) as store:
-        with store.open_version(model, _version_step(store, model, step).step) as v:
+        v, _ = as_whole(store, store.open_version(model, _version_step(store, model, step).step))
+        with v:
             views = files_for(v.manifest)
             if file_name is not None and file_name not in views:
                 raise CkptfsError(f"{model} step {v.info.step} has no {file_name}; it has: {', '.join(views)}")

@@ -2,11 +2,15 @@
 its storage, on real gloo process groups (one process per rank) and FSDP2 over a CPU mesh:
 saved at one world size and loaded at others, bit-exact against the unsharded state; the global
 version committed only once every rank's part is durable; DCP's metadata stored as JSON."""
+import itertools
 import json
+import math
 import os
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
@@ -14,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
 import ckptfs
 from ckptfs.errors import MalformedInputError
 from ckptfs.testing.ranks import run_ranks, sharded, toy_model, train_steps
+from conftest_mount import mounted, requires_fuse
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -69,6 +74,7 @@ def _flat(osd) -> list:
 
 
 @pytest.mark.slow
+@requires_fuse
 def test_fsdp2_saved_at_4_ranks_loads_at_2_at_1_and_at_4_again(tmp_path):
     region = str(tmp_path / "r.region")
     ckptfs.Store.create(region, size_bytes=256 << 20).close()
@@ -84,8 +90,12 @@ def test_fsdp2_saved_at_4_ranks_loads_at_2_at_1_and_at_4_again(tmp_path):
     sd = {"model": model.state_dict()}
     with ckptfs.Store(region) as store:
         dcp.load(sd, storage_reader=ckptfs.dcp.StorageReader(store, "fsdp"))
-    ref_model, _ = torch.load(out, weights_only=False)
+    ref_model, ref_optim = torch.load(out, weights_only=False)
     assert all(torch.equal(sd["model"][k], ref_model[k]) for k in ref_model)
+    # the mount: the unsharded model and optimizer state, whole, from the 4 ranks' parts
+    full = {**{f"model.{k}": v for k, v in ref_model.items()},
+            **{f"optim.state.{k}.{n}": v for k, entry in ref_optim["state"].items() for n, v in entry.items()}}
+    _check_whole_files(region, tmp_path / "mnt", "fsdp", full, ranks=4)
 
 
 def _save_replicated(rank, world, region, step):
@@ -171,6 +181,7 @@ def test_reading_a_plain_version_through_dcp_says_what_it_is(store):
 
 
 @pytest.mark.slow
+@requires_fuse
 def test_two_nodes_each_record_the_global_version_and_load_across_them(tmp_path):
     regions = [str(tmp_path / "node0.region"), str(tmp_path / "node1.region")]
     for r in regions:
@@ -183,6 +194,13 @@ def test_two_nodes_each_record_the_global_version_and_load_across_them(tmp_path)
             assert sorted(m for m in store.models() if m.startswith(".")) == [
                 f".fsdp.rank{k}" for k in (2 * node, 2 * node + 1)]  # each rank's part on its node
     run_ranks(_load_sharded, 4, regions, out)
+    # the mount of one node's region cannot show whole tensors, and says where the parts are
+    with mounted(regions[0], str(tmp_path / "mnt")) as m:
+        files = sorted(os.listdir(m / "fsdp/latest"))
+        parts = json.load(open(m / "fsdp/latest/dcp-parts.json"))
+    assert "state.safetensors" not in files and "model.safetensors" not in files
+    assert [(p["rank"], p["in_this_region"]) for p in parts["ranks"]] == [(0, True), (1, True), (2, False), (3, False)]
+    assert "rank(s) 2, 3 are in another node's region" in parts["whole_tensors"]
     # a rank that cannot reach the other node's region says which part it misses
     with ckptfs.Store(regions[0]) as store:
         model = toy_model()
@@ -328,6 +346,7 @@ def _save_dtensors(rank, world, region, out):
         torch.save(full, out)
 
 
+@requires_fuse
 def test_dtensors_sharded_on_either_dimension_or_replicated(tmp_path):
     region = str(tmp_path / "r.region")
     ckptfs.Store.create(region, size_bytes=64 << 20).close()
@@ -340,6 +359,38 @@ def test_dtensors_sharded_on_either_dimension_or_replicated(tmp_path):
         parts = sum(v.data_bytes for r in (0, 1) for v in store.versions(f".dt.rank{r}"))
     assert all(torch.equal(back[k], full[k]) for k in full)
     assert parts < 1.2 * sum(t.numel() * 4 for t in full.values())  # the replicated one written once
+    _check_whole_files(region, tmp_path / "mnt", "dt", full)
+
+
+def _check_whole_files(region, mnt, model, full, ranks=2):
+    """The mount shows the multi-rank version's tensors whole: checkpoint.pt and state.safetensors
+    equal ``full`` (by dotted FQN), the zip entries' CRCs and metadata.json's are the whole
+    tensors' own (unzip -t), and dcp-parts.json names every rank's part."""
+    import subprocess
+    import zlib
+
+    from safetensors.torch import load_file
+
+    with mounted(region, str(mnt)) as m:
+        version = m / f"{model}/latest"
+        pt = _dotted(torch.load(os.path.join(version, "checkpoint.pt"), weights_only=True, mmap=True))
+        st = load_file(os.path.join(version, "state.safetensors"))
+        meta = json.load(open(os.path.join(version, "metadata.json")))
+        parts = json.load(open(os.path.join(version, "dcp-parts.json")))
+        test = subprocess.run(["unzip", "-tq", os.path.join(version, "checkpoint.pt")], capture_output=True, text=True)
+    assert set(pt) == set(st) == set(full)
+    for k, v in full.items():
+        assert torch.equal(pt[k], v) and torch.equal(st[k], v), k
+    crcs = {t["name"]: t["crc32"] for t in meta["tensors"]}
+    assert crcs == {k: f"{zlib.crc32(v.numpy().tobytes()):08x}" for k, v in full.items()}
+    assert test.returncode == 0, test.stdout + test.stderr
+    assert [p["rank"] for p in parts["ranks"]] == list(range(ranks)) and all(p["in_this_region"] for p in parts["ranks"])
+
+
+def _dotted(obj, prefix="") -> dict:
+    if isinstance(obj, dict):
+        return {k: v for key, value in obj.items() for k, v in _dotted(value, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: obj}
 
 
 def test_ls_hides_the_ranks_parts_unless_asked(store, capsys):
@@ -353,3 +404,56 @@ def test_ls_hides_the_ranks_parts_unless_asked(store, capsys):
     assert code == 0 and "in 1 rank(s)" in out.splitlines()[1]
     code, out, _ = run(capsys, "ls", "-a", "--region", store.path)
     assert [line.split()[0] for line in out.splitlines()[1:]] == [".m.rank0", "m"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_whole_tensor_pieces_reassemble_any_grid_of_chunks(data):
+    """A whole tensor from its chunks (ckptfs.dist.whole._pieces): any shape, split along any
+    dims into uneven blocks (empty ones included), each chunk in a part of its own, comes back
+    byte for byte; a chunk missing is refused."""
+    from ckptfs.dist.whole import _Chunk, _pieces
+    from ckptfs.errors import CorruptionError
+    from ckptfs.manifest import TensorRecord
+
+    shape = tuple(data.draw(st.lists(st.integers(0, 5), max_size=3)))
+    cuts = [sorted(set(data.draw(st.lists(st.integers(0, n), max_size=3)))) for n in shape]
+    bounds = [list(zip([0, *c], [*c, n])) for c, n in zip(cuts, shape)]
+    whole = torch.arange(max(1, torch.Size(shape).numel()), dtype=torch.int16)[:torch.Size(shape).numel()].reshape(shape)
+    chunks, parts = [], []
+    for block in itertools.product(*bounds):
+        offsets = tuple(lo for lo, _ in block)
+        sizes = tuple(hi - lo for lo, hi in block)
+        piece = whole[tuple(slice(lo, hi) for lo, hi in block)].contiguous()
+        parts.append(piece.numpy().tobytes())
+        chunks.append(_Chunk(offsets, sizes, len(parts) - 1, TensorRecord("c", "int16", sizes, 0, len(parts[-1]))))
+    got = b"".join(parts[p.part][p.offset:p.offset + p.nbytes] for p in _pieces(shape, 2, chunks))
+    assert got == whole.numpy().tobytes()
+    live = [c for c in chunks if math.prod(c.sizes)]
+    if len(live) > 1:
+        with pytest.raises(CorruptionError):
+            _pieces(shape, 2, [c for c in chunks if c is not live[-1]])
+
+
+def test_info_export_and_verify_of_a_multi_rank_version(store, capsys, tmp_path):
+    """`ckptfs info` lists the whole tensors, `export` writes them whole, `verify MODEL` checks
+    the ranks' parts too and finds a flipped byte in one; an export of the damaged version fails
+    and leaves nothing."""
+    from test_cli import flip_a_tensor_byte, run
+
+    full = {"w": torch.randn(64, 32), "b": torch.arange(10.0)}
+    dcp.save(full, storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=7))
+    code, out, _ = run(capsys, "info", "--region", store.path, "m")
+    assert code == 0 and "in 2 tensors" in out and "dcp-parts.json" in out
+    assert {line.split()[0] for line in out.splitlines() if line.startswith(("w ", "b "))} == {"w", "b"}
+    assert run(capsys, "export", "--region", store.path, "m", str(tmp_path / "out") + "/")[0] == 0
+    back = torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=True)
+    assert all(torch.equal(back[k], v) for k, v in full.items()) and set(back) == set(full)
+    assert run(capsys, "verify", "--region", store.path, "m")[0] == 0
+    store.close()
+    flip_a_tensor_byte(store.path, ".m.rank0", 7, "items.0")
+    code, _, err = run(capsys, "verify", "--region", store.path, "m", "--step", "7")
+    assert code == 1 and ".m.rank0 step 7 tensor items.0" in err
+    code, _, err = run(capsys, "export", "--region", store.path, "m", str(tmp_path / "bad") + "/")
+    assert code != 0 and "items.0" in err and "checksum" in err
+    assert not os.path.exists(tmp_path / "bad") or not os.listdir(tmp_path / "bad")

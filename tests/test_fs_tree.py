@@ -119,7 +119,7 @@ def env():
     store, clock = FakeStore(), Clock()
     for s in (10, 20, 30):
         store.commit("gpt", s)
-    tree = Tree(store, files_for=fake_files_for, clock=clock)
+    tree = Tree(store, files_for=fake_files_for, whole=lambda store, version, layout: (version, False), clock=clock)
     return store, tree, clock
 
 

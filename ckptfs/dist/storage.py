@@ -52,6 +52,12 @@ def part_model(model: str, rank: int) -> str:
     return f".{model}.rank{rank}"
 
 
+def part_models(store, model: str) -> list[str]:
+    """The part models of ``model`` in ``store``'s region (those ``part_model`` names)."""
+    prefix = part_model(model, 0)[:-1]
+    return [m for m in store.models() if m.startswith(prefix) and m[len(prefix):].isdigit()]
+
+
 class StorageWriter(_DCPWriter):
     """Writes step ``step`` of ``model``: this rank's part into ``store`` (its node's region),
     and, on each node's leader, the global version once every part of every rank is durable.
@@ -386,12 +392,13 @@ def checkpoint_bytes(store, model: str, step: int) -> tuple[int, int, int] | Non
     return nbytes, len({rank for _, rank, _ in parts}), len({rank for region, rank, _ in parts if region != here})
 
 
-def _open_part(store, model: str, rank: int, counter: int):
-    """The pinned part version of ``rank`` with ``counter``; CorruptionError if it is gone."""
+def _open_part(store, model: str, rank: int, counter: int, checked: set[int] | None = None):
+    """The pinned part version of ``rank`` with ``counter``; CorruptionError if it is gone.
+    ``checked``: as ``Store.open_version``'s."""
     name = part_model(model, rank)
     match = [v for v in store.versions(name) if v.counter == counter]
     if match:
-        v = store.open_version(name, match[0].step)
+        v = store.open_version(name, match[0].step, checked=checked)
         if v.info.counter == counter:
             return v
         v.close()

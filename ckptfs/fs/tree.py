@@ -156,15 +156,19 @@ class Tree:
     """The inode table and the name space of one mount, backed by a Store.
 
     ``files_for(manifest) -> dict[path, View]`` defaults to ``ckptfs.views.files_for`` of the
-    ``views`` given (ids; None: every registered view); ``clock`` is ``time.monotonic`` (tests
-    pass their own). A commit made in this process (``Region.commits``) makes the next lookup
+    ``views`` given (ids; None: every registered view); ``whole(store, version, layout)`` reads a
+    pinned version (default ``ckptfs.dist.whole.as_whole``: a multi-rank version as its whole
+    tensors); ``clock`` is ``time.monotonic`` (tests pass their own). A commit made in this process (``Region.commits``) makes the next lookup
     take a new listing at once; ``close`` stops that.
     """
 
     def __init__(self, store, *, views=None, files_for: Callable | None = None,
-                 refresh_interval: float = REFRESH_INTERVAL,
+                 whole: Callable | None = None, refresh_interval: float = REFRESH_INTERVAL,
                  clock: Callable[[], float] = time.monotonic):
         self.store = store
+        if whole is None:
+            from ckptfs.dist.whole import as_whole as whole
+        self._as_whole = whole
         if files_for is None:
             from ckptfs.views import check_view_ids, files_for as registry_files_for
 
@@ -178,6 +182,7 @@ class Tree:
         self._files: dict[tuple[str, int, int], dict[str, Any]] = {}  # (model, step, counter) -> views
         self._checked: dict[tuple[str, int, int], set[int]] = {}  # same key -> tensors found intact
         self._manifests: dict[tuple[str, int, int], Any] = {}  # same key -> its decoded index
+        self._layouts: dict[tuple[str, int, int], Any] = {}  # same key -> WholeLayout, or False: not multi-rank
         self._by_key: dict[tuple, Node] = {}
         self._by_ino: dict[int, Node] = {}
         self._next_ino = ROOT_INODE + 1
@@ -226,10 +231,11 @@ class Tree:
         self._models = models
         self._refreshed_at = now
         live = {(n, s, i.counter) for n, m in models.items() for s, i in m.versions.items()}
-        for key in (self._files.keys() | self._checked.keys() | self._manifests.keys()) - live:
+        for key in (self._files.keys() | self._checked.keys() | self._manifests.keys() | self._layouts.keys()) - live:
             self._files.pop(key, None)
             self._checked.pop(key, None)
             self._manifests.pop(key, None)
+            self._layouts.pop(key, None)
 
     def _model(self, name: str) -> _Model:
         m = self._models.get(name)
@@ -317,12 +323,20 @@ class Tree:
                 if version is not None:
                     views = self._views_of(version, info)
                 else:
-                    with self.store.open_version(model, step) as pinned:
+                    with self._whole(key, self.store.open_version(model, step)) as pinned:
                         views = self._views_of(pinned, info)
                         version = pinned
             self._files[key] = views
-            self._manifests[key] = version.manifest  # each later open of its files reuses it
+            # each later open of its files reuses the decoded index (a whole version's own)
+            self._manifests[key] = getattr(version, "version", version).manifest
         return info.counter, views
+
+    def _whole(self, key: tuple, version):
+        """``version`` itself, or, for a multi-rank DCP version, the pinned whole-tensor reading
+        of it (ckptfs.dist.whole: its files show whole, unsharded tensors), whose layout is made
+        once per listed version. ``version`` is closed if that fails."""
+        opened, self._layouts[key] = self._as_whole(self.store, version, self._layouts.get(key))
+        return opened
 
     def _views_of(self, version, info) -> dict[str, Any]:
         if version.info.counter != info.counter:  # the slot was reused since the snapshot
@@ -423,7 +437,8 @@ class Tree:
         self._version(node.model, node.step)
         key = (node.model, node.step, node.counter)
         checked = self._checked.setdefault(key, set())
-        version = self.store.open_version(node.model, node.step, checked=checked, manifest=self._manifests.get(key))
+        version = self._whole(key, self.store.open_version(node.model, node.step, checked=checked,
+                                                            manifest=self._manifests.get(key)))
         try:
             if version.info.counter != node.counter:
                 raise FileNotFoundError(errno.ENOENT, f"{node.name}: its version was replaced")

@@ -1,0 +1,314 @@
+"""A multi-rank DCP version seen as one checkpoint of whole, unsharded tensors.
+
+The global version of a step holds DCP's metadata: each tensor's global size and chunks, and
+where each chunk is (a rank's part version, the item's position in it). ``plan_whole`` lays the
+whole tensors end to end in a *virtual* data area and describes it with an ordinary Manifest,
+so that every view (checkpoint.pt, the safetensors files, hf/, metadata.json) is synthesized
+exactly as for a single-process version; ``WholeVersion`` serves reads of that area from the
+parts, through each part's checked read path (every chunk checked against its CRC before any of
+its bytes leaves), with the parts pinned while it is open.
+
+A whole tensor is a list of ``Piece``s: runs of its row-major bytes that lie contiguously in one
+chunk. Chunks split along dim 0 (FSDP, a dim-0 Shard) are one piece each; a split along a later
+dim interleaves: one piece per chunk per index of the dims before it. Each whole tensor's CRC32
+(checkpoint.pt's zip entries, metadata.json) is combined from its chunks' CRCs where each piece
+is a whole chunk, and read once from the parts otherwise.
+
+Only tensors are shown: DCP's byte items (non-tensor values such as ``epoch``, optimizer
+hyper-parameters) are torch.save pickles, and ckptfs never unpickles; ``dcp-parts.json`` lists
+them with the parts. Where a part is in another node's region, no tensor is shown and
+``dcp-parts.json`` says which parts are where.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+import json
+import math
+import zlib
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+from ckptfs.checksum import crc32_combine
+from ckptfs.dist.codec import decode_metadata
+from ckptfs.dist.storage import METADATA_FILE, _item_records, _open_part
+from ckptfs.errors import CorruptionError
+from ckptfs.manifest import DTYPES, Manifest, TensorRecord
+
+PARTS_FILE = "dcp-parts.json"
+
+
+class Piece(NamedTuple):
+    """``nbytes`` of a whole tensor from byte ``at`` of it, stored at data ``offset`` of part ``part``."""
+
+    at: int
+    part: int
+    offset: int
+    nbytes: int
+
+
+class _Chunk(NamedTuple):
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    part: int  # index into WholeLayout.parts
+    record: TensorRecord  # the chunk as stored in its part
+
+
+@dataclass
+class WholeLayout:
+    """What ``plan_whole`` made of a global version: the whole-tensor manifest, the parts it
+    reads (rank, counter) in this region, and each tensor's chunks (its pieces made on first
+    read). Shared by every open of the version's files."""
+
+    model: str
+    parts: tuple[tuple[int, int], ...]
+    manifest: Manifest | None = None
+    chunks: list[list[_Chunk]] = field(default_factory=list)
+    itemsizes: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)  # virtual offset of each tensor
+    checked: dict[int, set[int]] = field(default_factory=dict)  # part -> its tensors found intact
+    _pieces: dict[int, tuple[list[int], list[Piece]]] = field(default_factory=dict)
+
+    def pieces(self, index: int) -> tuple[list[int], list[Piece]]:
+        """(each piece's ``at``, the pieces) of whole tensor ``index``, in order."""
+        made = self._pieces.get(index)
+        if made is None:
+            rec = self.manifest.tensors[index]
+            pieces = _pieces(rec.shape, self.itemsizes[index], self.chunks[index])
+            made = self._pieces[index] = ([p.at for p in pieces], pieces)
+        return made
+
+
+def plan_whole(store, version) -> WholeLayout | None:
+    """The whole-tensor layout of ``version`` (pinned) if it is a DCP global version, else None.
+    Opens (and closes) its parts in ``store``'s region; CorruptionError if one is gone or does
+    not hold what the metadata says."""
+    text = dict(version.manifest.files).get(METADATA_FILE)
+    if text is None:
+        return None
+    meta = decode_metadata(text)
+    here = store.region.superblock.uuid.hex()
+    places = sorted({(w["rank"], w["region"], w["counter"]) for w in meta.storage_data.values()})
+    remote = [rank for rank, region, _ in places if region != here]
+    m = version.manifest
+    layout = WholeLayout(m.model, tuple((rank, counter) for rank, region, counter in places if region == here))
+    summary = {"ranks": [{"rank": rank, "region": region, "counter": counter, "in_this_region": region == here}
+                         for rank, region, counter in places],
+               "not_shown": sorted(fqn for fqn, md in meta.state_dict_metadata.items()
+                                   if not isinstance(md, TensorStorageMetadata))}
+    records, skeleton, data_bytes = (), {"dict": []}, 0
+    if remote:  # some parts are out of reach: no whole tensor can be shown
+        summary["whole_tensors"] = (f"absent: the parts of rank(s) {', '.join(map(str, remote))} are in another "
+                                    "node's region")
+    else:
+        records, skeleton, data_bytes = _plan_tensors(store, layout, meta)
+    files = tuple(m.files) + ((PARTS_FILE, json.dumps(summary, indent=2) + "\n"),)
+    layout.manifest = Manifest(m.model, m.step, m.counter, m.time_ns, records, skeleton, data_bytes, files)
+    layout.manifest.validate()
+    return layout
+
+
+def _plan_tensors(store, layout: WholeLayout, meta) -> tuple[tuple[TensorRecord, ...], dict, int]:
+    """(the whole tensors' records, their skeleton, the virtual data area's size); fills in the
+    layout's chunks, item sizes and starts."""
+    opened = [_open_part(store, layout.model, rank, counter) for rank, counter in layout.parts]
+    try:
+        stored = [_item_records(p) for p in opened]
+        part_of = {key: i for i, key in enumerate(layout.parts)}
+        records, paths, offset = [], [], 0
+        for fqn, md in meta.state_dict_metadata.items():
+            if not isinstance(md, TensorStorageMetadata):
+                continue
+            dtype = str(md.properties.dtype).removeprefix("torch.")
+            chunks = []
+            for c in md.chunks:
+                where = meta.storage_data[MetadataIndex(fqn, c.offsets)]
+                i = part_of[(where["rank"], where["counter"])]
+                rec = opened[i].manifest.tensors[stored[i][where["pos"]]]
+                if rec.dtype != dtype or rec.shape != tuple(c.sizes):
+                    raise CorruptionError(f"{fqn}: the chunk at {list(c.offsets)} of rank {where['rank']} is "
+                                          f"{rec.dtype} {list(rec.shape)}, the metadata says {dtype} {list(c.sizes)}")
+                chunks.append(_Chunk(tuple(c.offsets), tuple(c.sizes), i, rec))
+            shape, itemsize = tuple(md.size), DTYPES[dtype].itemsize
+            nbytes = math.prod(shape) * itemsize
+            crc = _whole_crc(_pieces(shape, itemsize, chunks), chunks, opened)
+            records.append(TensorRecord(fqn, dtype, shape, offset, nbytes, crc))
+            layout.chunks.append(chunks)
+            layout.itemsizes.append(itemsize)
+            layout.starts.append(offset)
+            path = meta.planner_data.get(fqn) if isinstance(meta.planner_data, dict) else None
+            paths.append(tuple(path) if path else (fqn,))
+            offset += nbytes
+        return tuple(records), _skeleton(paths), offset
+    finally:
+        for p in opened:
+            p.close()
+
+
+def _pieces(shape: tuple[int, ...], itemsize: int, chunks: list[_Chunk]) -> list[Piece]:
+    """The runs of a whole tensor of ``shape`` in its chunks, in order; CorruptionError unless
+    the chunks tile it exactly. Dims past the last one some chunk splits are whole in every
+    chunk, so a row of them is contiguous in the chunk and in the whole tensor alike."""
+    live = [c for c in chunks if math.prod(c.sizes)]
+    ndim = len(shape)
+    split = max((d for c in live for d in range(ndim) if c.sizes[d] != shape[d]), default=-1)
+    if split < 0:
+        live = live[:1]  # one chunk holds it all (a replicated tensor is written once)
+        split = 0
+    row = math.prod(shape[split + 1:]) * itemsize
+    out: list[Piece] = []
+    end = 0
+    for outer in itertools.product(*(range(s) for s in shape[:split])):
+        covering = sorted((c for c in live if all(o <= x < o + z for x, o, z in zip(outer, c.offsets, c.sizes))),
+                          key=lambda c: c.offsets[split] if ndim else 0)
+        base = _ravel(outer, shape[:split]) * (shape[split] if ndim else 1) * row
+        for c in covering:
+            local = _ravel([x - o for x, o in zip(outer, c.offsets)], c.sizes[:split])
+            length = (c.sizes[split] if ndim else 1) * row
+            at = base + (c.offsets[split] if ndim else 0) * row
+            if at != end:
+                raise CorruptionError(f"the chunks of a tensor of shape {list(shape)} leave a gap or overlap at byte {end}")
+            piece = Piece(at, c.part, c.record.offset + local * length, length)
+            last = out[-1] if out else None
+            if last is not None and last.part == piece.part and last.offset + last.nbytes == piece.offset:
+                out[-1] = last._replace(nbytes=last.nbytes + length)
+            else:
+                out.append(piece)
+            end = at + length
+    if end != math.prod(shape) * itemsize:
+        raise CorruptionError(f"the chunks of a tensor of shape {list(shape)} cover {end} of its "
+                              f"{math.prod(shape) * itemsize} bytes")
+    return out
+
+
+def _ravel(index, sizes) -> int:
+    flat = 0
+    for x, s in zip(index, sizes):
+        flat = flat * s + x
+    return flat
+
+
+def _whole_crc(pieces: list[Piece], chunks: list[_Chunk], opened) -> int:
+    """The CRC32 of the whole tensor: its chunks' stored CRCs combined where every piece is a
+    whole chunk (a dim-0 split), else read from the parts once (checked reads)."""
+    by_place = {(c.part, c.record.offset): c.record for c in chunks}
+    crc = 0
+    for p in pieces:
+        rec = by_place.get((p.part, p.offset))
+        if rec is not None and rec.nbytes == p.nbytes:
+            crc = crc32_combine(crc, rec.crc32, p.nbytes)
+            continue
+        part = opened[p.part]
+        crc = zlib.crc32(part.read(p.offset, p.nbytes), crc)
+        part.confirm()
+    return crc
+
+
+def _skeleton(paths: list[tuple]) -> dict:
+    """The nested state dict of the tensors (tensor i at ``paths[i]``, DCP's planner data: the
+    key path of each flattened entry) as a skeleton; flat by dotted name if the paths clash."""
+    root: dict = {}
+    try:
+        for i, path in enumerate(paths):
+            node = root
+            for key in path[:-1]:
+                node = node.setdefault(key, {})
+                if not isinstance(node, dict):
+                    raise ValueError
+            if path[-1] in node:
+                raise ValueError
+            node[path[-1]] = i
+    except (ValueError, TypeError):
+        root = {".".join(map(str, p)): i for i, p in enumerate(paths)}
+
+    def encode(value):
+        if isinstance(value, int):
+            return {"tensor": value}
+        return {"dict": [[{"int" if isinstance(k, int) else "str": k}, encode(v)] for k, v in value.items()]}
+    return encode(root)
+
+
+def as_whole(store, version, layout: WholeLayout | bool | None = None):
+    """(what to read ``version`` (pinned) through, its layout): ``version`` itself and False
+    unless it is a multi-rank DCP version; then its ``WholeVersion``. ``layout``: one made
+    earlier for the same version (False: known not to be multi-rank), else it is made here.
+    ``version`` is closed if this fails."""
+    try:
+        if layout is None:
+            layout = plan_whole(store, version) or False
+        return (WholeVersion(store, version, layout) if layout else version), layout
+    except BaseException:
+        version.close()
+        raise
+
+
+class WholeVersion:
+    """A pinned DCP global version read as its whole tensors: ``manifest`` (the layout's),
+    ``read`` / ``confirm`` / ``close`` as a Version's, and ``data`` (itself: the reads are
+    checked) for the consumers of a Version's data (export). The parts stay pinned until
+    ``close``."""
+
+    def __init__(self, store, version, layout: WholeLayout):
+        self.version = version  # the global version itself (its own index: version.manifest)
+        self.info = version.info
+        self.layout = layout
+        self.manifest = layout.manifest
+        self._parts = []
+        try:
+            for i, (rank, counter) in enumerate(layout.parts):
+                self._parts.append(_open_part(store, layout.model, rank, counter,
+                                              checked=layout.checked.setdefault(i, set())))
+        except BaseException:
+            self.close()
+            raise
+
+    def read(self, offset: int, length: int) -> bytes:
+        """Bytes ``[offset, offset + length)`` of the virtual data area (each tensor at its
+        record's offset), from the parts' checked reads."""
+        out = []
+        starts, tensors = self.layout.starts, self.manifest.tensors
+        end = offset + length
+        i = max(bisect.bisect_right(starts, offset) - 1, 0)
+        while offset < end and i < len(tensors):
+            rec = tensors[i]
+            lo, hi = offset - rec.offset, min(end, rec.offset + rec.nbytes) - rec.offset
+            if hi > lo:
+                ats, pieces = self.layout.pieces(i)
+                j = bisect.bisect_right(ats, lo) - 1
+                while lo < hi:
+                    p = pieces[j]
+                    n = min(hi, p.at + p.nbytes) - lo
+                    out.append(self._parts[p.part].read(p.offset + lo - p.at, n))
+                    lo += n
+                    j += 1
+                offset = rec.offset + hi
+            i += 1
+        if offset < end:
+            raise ValueError(f"read past the end of the whole tensors ({end} > {self.manifest.data_bytes})")
+        return b"".join(out)
+
+    def confirm(self) -> None:
+        for p in self._parts:
+            p.confirm()
+
+    @property
+    def data(self) -> "WholeVersion":
+        return self
+
+    def sequential_reader(self):
+        """A read callable for a pass over the files in order (each part read is checked)."""
+        return self.read
+
+    def close(self) -> None:
+        for p in self._parts:
+            p.close()
+        self._parts = []
+        self.version.close()
+
+    def __enter__(self) -> "WholeVersion":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
