@@ -333,14 +333,14 @@ def _size(store, v) -> str:
 @click.argument("model")
 def info(region, as_json, step, model):
     """Show one version of MODEL: step, time, tensors (dtype, shape, size, CRC32), files."""
-    from ckptfs.dist.whole import as_whole
+    from ckptfs.dist.whole import as_whole, version_files
     from ckptfs.views import files_for
 
     with _open_store(region) as store:
         v, _ = as_whole(store, store.open_version(model, _version_step(store, model, step).step))
         with v:
             m = v.manifest  # a multi-rank version's whole tensors
-            files = {name: view.size for name, view in files_for(m).items()}
+            files = {name: view.size for name, view in version_files(v, files_for).items()}
             doc = dict(_info_dict(v.info), data_bytes=m.data_bytes, files=files, tensors=[
                 {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes,
                  "crc32": f"{t.crc32:08x}"} for t in m.tensors])
@@ -411,7 +411,7 @@ def export(region, step, file_name, key, force, model, output):
     Every tensor is checked as it streams: a damaged version fails with the tensor's name and
     leaves no file behind (on standard output, the stream stops short). Existing files are
     replaced only with --force."""
-    from ckptfs.dist.whole import as_whole
+    from ckptfs.dist.whole import as_whole, version_files
     from ckptfs.views import files_for
 
     if key is not None:
@@ -429,7 +429,7 @@ def export(region, step, file_name, key, force, model, output):
     with _open_store(region) as store:
         v, _ = as_whole(store, store.open_version(model, _version_step(store, model, step).step))
         with v:
-            views = files_for(v.manifest)
+            views = version_files(v, files_for)
             if file_name is not None and file_name not in views:
                 raise CkptfsError(f"{model} step {v.info.step} has no {file_name}; it has: {', '.join(views)}")
             names = [file_name] if file_name is not None else list(views)

@@ -378,6 +378,18 @@ def _check_whole_files(region, mnt, model, full, ranks=2):
         meta = json.load(open(os.path.join(version, "metadata.json")))
         parts = json.load(open(os.path.join(version, "dcp-parts.json")))
         test = subprocess.run(["unzip", "-tq", os.path.join(version, "checkpoint.pt")], capture_output=True, text=True)
+        own = [_dotted(torch.load(os.path.join(version, f"parts/rank-{r:05d}/checkpoint.pt"), weights_only=True))
+               for r in range(ranks)]
+    # each rank's own files: its shards, named by FQN and their place in the whole tensor
+    seen = set()
+    for shards in own:
+        for name, shard in shards.items():
+            fqn, _, at = name.partition("@")
+            offsets = [int(x) for x in at.split(",")] if at else [0] * shard.dim()
+            where = tuple(slice(o, o + n) for o, n in zip(offsets, shard.shape))
+            assert torch.equal(full[fqn][where], shard), name
+            seen.add(fqn)
+    assert seen == set(full)
     assert set(pt) == set(st) == set(full)
     for k, v in full.items():
         assert torch.equal(pt[k], v) and torch.equal(st[k], v), k

@@ -38,6 +38,7 @@ from ckptfs.errors import CorruptionError
 from ckptfs.manifest import DTYPES, Manifest, TensorRecord
 
 PARTS_FILE = "dcp-parts.json"
+PARTS_DIR = "parts"
 
 
 class Piece(NamedTuple):
@@ -65,6 +66,10 @@ class WholeLayout:
     model: str
     parts: tuple[tuple[int, int], ...]
     manifest: Manifest | None = None
+    whole_bytes: int = 0  # the whole tensors: [0, whole_bytes) of the virtual data area
+    data_bytes: int = 0  # then each part's data area, from part_bases[i]
+    part_bases: list[int] = field(default_factory=list)
+    part_manifests: list[tuple[str, Manifest]] = field(default_factory=list)  # (directory/, its files' index)
     chunks: list[list[_Chunk]] = field(default_factory=list)
     itemsizes: list[int] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)  # virtual offset of each tensor
@@ -94,57 +99,97 @@ def plan_whole(store, version) -> WholeLayout | None:
     remote = [rank for rank, region, _ in places if region != here]
     m = version.manifest
     layout = WholeLayout(m.model, tuple((rank, counter) for rank, region, counter in places if region == here))
-    summary = {"ranks": [{"rank": rank, "region": region, "counter": counter, "in_this_region": region == here}
+    summary = {"ranks": [{"rank": rank, "region": region, "counter": counter, "in_this_region": region == here,
+                          "files": f"{PARTS_DIR}/{rank_dirname(rank)}/" if region == here else None}
                          for rank, region, counter in places],
                "not_shown": sorted(fqn for fqn, md in meta.state_dict_metadata.items()
                                    if not isinstance(md, TensorStorageMetadata))}
-    records, skeleton, data_bytes = (), {"dict": []}, 0
-    if remote:  # some parts are out of reach: no whole tensor can be shown
-        summary["whole_tensors"] = (f"absent: the parts of rank(s) {', '.join(map(str, remote))} are in another "
-                                    "node's region")
-    else:
-        records, skeleton, data_bytes = _plan_tensors(store, layout, meta)
+    opened = [_open_part(store, layout.model, rank, counter) for rank, counter in layout.parts]
+    try:
+        records, skeleton = (), {"dict": []}
+        if remote:  # some parts are out of reach: no whole tensor can be shown
+            summary["whole_tensors"] = (f"absent: the parts of rank(s) {', '.join(map(str, remote))} are in "
+                                        "another node's region")
+        else:
+            records, skeleton = _plan_tensors(layout, meta, opened)
+        _plan_parts(layout, meta, opened)
+    finally:
+        for p in opened:
+            p.close()
     files = tuple(m.files) + ((PARTS_FILE, json.dumps(summary, indent=2) + "\n"),)
-    layout.manifest = Manifest(m.model, m.step, m.counter, m.time_ns, records, skeleton, data_bytes, files)
+    layout.manifest = Manifest(m.model, m.step, m.counter, m.time_ns, records, skeleton, layout.data_bytes, files)
     layout.manifest.validate()
     return layout
 
 
-def _plan_tensors(store, layout: WholeLayout, meta) -> tuple[tuple[TensorRecord, ...], dict, int]:
-    """(the whole tensors' records, their skeleton, the virtual data area's size); fills in the
-    layout's chunks, item sizes and starts."""
-    opened = [_open_part(store, layout.model, rank, counter) for rank, counter in layout.parts]
-    try:
-        stored = [_item_records(p) for p in opened]
-        part_of = {key: i for i, key in enumerate(layout.parts)}
-        records, paths, offset = [], [], 0
-        for fqn, md in meta.state_dict_metadata.items():
+def rank_dirname(rank: int) -> str:
+    """The directory of rank ``rank``'s own files in a multi-rank version: ``rank-00003``."""
+    return f"rank-{rank:05d}"
+
+
+def _plan_tensors(layout: WholeLayout, meta, opened) -> tuple[tuple[TensorRecord, ...], dict]:
+    """(the whole tensors' records, their skeleton); fills in the layout's chunks, item sizes,
+    starts and the end of the whole tensors in the virtual data area."""
+    stored = [_item_records(p) for p in opened]
+    part_of = {key: i for i, key in enumerate(layout.parts)}
+    records, paths, offset = [], [], 0
+    for fqn, md in meta.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        dtype = str(md.properties.dtype).removeprefix("torch.")
+        chunks = []
+        for c in md.chunks:
+            where = meta.storage_data[MetadataIndex(fqn, c.offsets)]
+            i = part_of[(where["rank"], where["counter"])]
+            rec = opened[i].manifest.tensors[stored[i][where["pos"]]]
+            if rec.dtype != dtype or rec.shape != tuple(c.sizes):
+                raise CorruptionError(f"{fqn}: the chunk at {list(c.offsets)} of rank {where['rank']} is "
+                                      f"{rec.dtype} {list(rec.shape)}, the metadata says {dtype} {list(c.sizes)}")
+            chunks.append(_Chunk(tuple(c.offsets), tuple(c.sizes), i, rec))
+        shape, itemsize = tuple(md.size), DTYPES[dtype].itemsize
+        nbytes = math.prod(shape) * itemsize
+        crc = _whole_crc(_pieces(shape, itemsize, chunks), chunks, opened)
+        records.append(TensorRecord(fqn, dtype, shape, offset, nbytes, crc))
+        layout.chunks.append(chunks)
+        layout.itemsizes.append(itemsize)
+        layout.starts.append(offset)
+        paths.append(_path(meta, fqn))
+        offset += nbytes
+    layout.whole_bytes = offset
+    return tuple(records), _skeleton(paths)
+
+
+def _plan_parts(layout: WholeLayout, meta, opened) -> None:
+    """Each part of this region as a manifest of its rank's own chunks, named by FQN, its data
+    placed after the whole tensors in the virtual area (``parts/rank-NNNNN/``)."""
+    items = {(w["rank"], w["counter"], w["pos"]): index for index, w in meta.storage_data.items()}
+    base = layout.whole_bytes
+    for (rank, counter), part in zip(layout.parts, opened):
+        records, paths = [], []
+        for pos, tensor in sorted(_item_records(part).items()):
+            index = items.get((rank, counter, pos))
+            md = meta.state_dict_metadata.get(index.fqn) if index is not None else None
             if not isinstance(md, TensorStorageMetadata):
-                continue
-            dtype = str(md.properties.dtype).removeprefix("torch.")
-            chunks = []
-            for c in md.chunks:
-                where = meta.storage_data[MetadataIndex(fqn, c.offsets)]
-                i = part_of[(where["rank"], where["counter"])]
-                rec = opened[i].manifest.tensors[stored[i][where["pos"]]]
-                if rec.dtype != dtype or rec.shape != tuple(c.sizes):
-                    raise CorruptionError(f"{fqn}: the chunk at {list(c.offsets)} of rank {where['rank']} is "
-                                          f"{rec.dtype} {list(rec.shape)}, the metadata says {dtype} {list(c.sizes)}")
-                chunks.append(_Chunk(tuple(c.offsets), tuple(c.sizes), i, rec))
-            shape, itemsize = tuple(md.size), DTYPES[dtype].itemsize
-            nbytes = math.prod(shape) * itemsize
-            crc = _whole_crc(_pieces(shape, itemsize, chunks), chunks, opened)
-            records.append(TensorRecord(fqn, dtype, shape, offset, nbytes, crc))
-            layout.chunks.append(chunks)
-            layout.itemsizes.append(itemsize)
-            layout.starts.append(offset)
-            path = meta.planner_data.get(fqn) if isinstance(meta.planner_data, dict) else None
-            paths.append(tuple(path) if path else (fqn,))
-            offset += nbytes
-        return tuple(records), _skeleton(paths), offset
-    finally:
-        for p in opened:
-            p.close()
+                continue  # a byte item (a pickle): not shown
+            rec = part.manifest.tensors[tensor]
+            path = _path(meta, index.fqn)
+            if tuple(index.offset or ()) != (0,) * len(md.size) or rec.shape != tuple(md.size):
+                # a shard: its place in the whole tensor in its name
+                path = path[:-1] + (f"{path[-1]}@{','.join(map(str, index.offset or ()))}",)
+            records.append(rec._replace(name=".".join(map(str, path)), offset=base + rec.offset))
+            paths.append(path)
+        layout.part_bases.append(base)
+        layout.part_manifests.append((f"{PARTS_DIR}/{rank_dirname(rank)}/", Manifest(
+            part.manifest.model, part.manifest.step, part.manifest.counter, part.manifest.time_ns,
+            tuple(records), _skeleton(paths), base + part.manifest.data_bytes, ())))
+        base += part.manifest.data_bytes
+    layout.data_bytes = base
+
+
+def _path(meta, fqn: str) -> tuple:
+    """The key path of ``fqn`` in the saved state dict (DCP's planner data), else ``(fqn,)``."""
+    path = meta.planner_data.get(fqn) if isinstance(meta.planner_data, dict) else None
+    return tuple(path) if path else (fqn,)
 
 
 def _pieces(shape: tuple[int, ...], itemsize: int, chunks: list[_Chunk]) -> list[Piece]:
@@ -230,6 +275,15 @@ def _skeleton(paths: list[tuple]) -> dict:
     return encode(root)
 
 
+def version_files(version, files_for) -> dict:
+    """{path: View} of a pinned version as the mount shows it: ``files_for(version.manifest)``,
+    and for a multi-rank version each rank's own files under ``parts/rank-NNNNN/``."""
+    files = dict(files_for(version.manifest))
+    for directory, manifest in getattr(version, "sub_manifests", ()):
+        files.update((directory + path, view) for path, view in files_for(manifest).items())
+    return files
+
+
 def as_whole(store, version, layout: WholeLayout | bool | None = None):
     """(what to read ``version`` (pinned) through, its layout): ``version`` itself and False
     unless it is a multi-rank DCP version; then its ``WholeVersion``. ``layout``: one made
@@ -247,7 +301,8 @@ def as_whole(store, version, layout: WholeLayout | bool | None = None):
 class WholeVersion:
     """A pinned DCP global version read as its whole tensors: ``manifest`` (the layout's),
     ``read`` / ``confirm`` / ``close`` as a Version's, and ``data`` (itself: the reads are
-    checked) for the consumers of a Version's data (export). The parts stay pinned until
+    checked) for the consumers of a Version's data (export); ``sub_manifests``: (directory,
+    index) of each rank's own files, read through ``read`` too. The parts stay pinned until
     ``close``."""
 
     def __init__(self, store, version, layout: WholeLayout):
@@ -255,6 +310,7 @@ class WholeVersion:
         self.info = version.info
         self.layout = layout
         self.manifest = layout.manifest
+        self.sub_manifests = layout.part_manifests
         self._parts = []
         try:
             for i, (rank, counter) in enumerate(layout.parts):
@@ -265,11 +321,25 @@ class WholeVersion:
             raise
 
     def read(self, offset: int, length: int) -> bytes:
-        """Bytes ``[offset, offset + length)`` of the virtual data area (each tensor at its
-        record's offset), from the parts' checked reads."""
+        """Bytes ``[offset, offset + length)`` of the virtual data area (each whole tensor at its
+        record's offset, then each part's data area), from the parts' checked reads."""
         out = []
-        starts, tensors = self.layout.starts, self.manifest.tensors
         end = offset + length
+        if offset < self.layout.whole_bytes:
+            offset = self._read_whole(offset, min(end, self.layout.whole_bytes), out)
+        bases = self.layout.part_bases
+        while offset < end:
+            i = bisect.bisect_right(bases, offset) - 1
+            stop = bases[i + 1] if i + 1 < len(bases) else self.layout.data_bytes
+            if i < 0 or offset >= stop:
+                raise ValueError(f"read past the end of the data ({end} > {self.layout.data_bytes})")
+            n = min(end, stop) - offset
+            out.append(self._parts[i].read(offset - bases[i], n))
+            offset += n
+        return b"".join(out)
+
+    def _read_whole(self, offset: int, end: int, out: list) -> int:
+        starts, tensors = self.layout.starts, self.manifest.tensors
         i = max(bisect.bisect_right(starts, offset) - 1, 0)
         while offset < end and i < len(tensors):
             rec = tensors[i]
@@ -285,9 +355,7 @@ class WholeVersion:
                     j += 1
                 offset = rec.offset + hi
             i += 1
-        if offset < end:
-            raise ValueError(f"read past the end of the whole tensors ({end} > {self.manifest.data_bytes})")
-        return b"".join(out)
+        return offset
 
     def confirm(self) -> None:
         for p in self._parts:

@@ -342,7 +342,9 @@ class Tree:
         if version.info.counter != info.counter:  # the slot was reused since the snapshot
             self.refresh(force=True)
             raise FileNotFoundError(errno.ENOENT, f"{info.model} step {info.step} was replaced")
-        return dict(self._files_for(version.manifest))
+        from ckptfs.dist.whole import version_files
+
+        return version_files(version, self._files_for)
 
     def _live(self, node: Node) -> None:
         """Raise ENOENT if ``node`` is no longer in the snapshot."""
