@@ -153,8 +153,16 @@ class Store:
         self.close()
 
     # ------------------------------------------------------------------ writing
-    def writer(self, model: str, **options) -> Writer:
-        """A Writer for ``model`` (see Writer for the tunables)."""
+    def writer(self, model: str, *, group=None, **options) -> Writer:
+        """A Writer for ``model`` (see Writer for the tunables). ``group``: the job's process
+        group (``torch.distributed.group.WORLD``): every rank opens the writer and saves its own
+        state dict (shards, DTensors) of each step, which becomes the job's global latest once
+        every rank's part is durable (ckptfs.dist.writer.DistWriter: ``max_inflight``,
+        ``timeout_s``, ``keep_every``)."""
+        if group is not None:
+            from ckptfs.dist.writer import DistWriter
+
+            return DistWriter(self, model, group=group, **options)
         return Writer(self.region, model, **options)
 
     # ------------------------------------------------------------------ listing
@@ -228,7 +236,8 @@ class Store:
             time.sleep(0.001)
         raise BusyError(f"could not pin the latest version of {model!r}: it kept changing; try again")
 
-    def load(self, model: str, step: int | None = None, map_location="cpu", verify: bool = True, into=None):
+    def load(self, model: str, step: int | None = None, map_location="cpu", verify: bool = True, into=None,
+             group=None, peers=()):
         """The saved object of a version (``step`` None: latest), tensors on ``map_location``.
 
         ``into``: the state to resume, of the saved object's structure (e.g. ``{"model":
@@ -241,7 +250,16 @@ class Store:
         unless ``verify`` is False (CorruptionError on a mismatch). With ``step`` None, a latest
         version whose bytes are damaged is skipped for the newest older one that loads intact,
         with a warning; CorruptionError only when none does.
+
+        ``group``: the job's process group: a load of many ranks (every rank calls it, with its
+        own state dict of any sharding and world size as ``into``, loaded in place through DCP's
+        resharding) of the newest step every node records; ``peers``: other nodes' stores whose
+        parts this rank may read (ckptfs.dist.writer.load).
         """
+        if group is not None:
+            from ckptfs.dist.writer import load
+
+            return load(self, model, into, group=group, step=step, peers=peers)
         try:
             with self.open_version(model, step) as version:
                 return version.load(map_location, verify, into)

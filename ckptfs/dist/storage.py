@@ -28,7 +28,6 @@ from __future__ import annotations
 import io
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
 
 import torch
 from torch.distributed.checkpoint import StorageReader as _DCPReader
@@ -39,6 +38,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ckptfs.dist.codec import decode_index, decode_metadata, encode_index, encode_metadata
+from ckptfs.dist.group import Arrival, check_agreement, coordination, exchange, this_rank
 from ckptfs.errors import CkptfsError, CorruptionError, NotFoundError, no_version_yet
 
 METADATA_FILE = "dcp-metadata.json"
@@ -61,15 +61,18 @@ def part_models(store, model: str) -> list[str]:
 class StorageWriter(_DCPWriter):
     """Writes step ``step`` of ``model``: this rank's part into ``store`` (its node's region),
     and, on each node's leader, the global version once every part of every rank is durable.
-    ``timeout_s``: the longest the ranks wait for each other (a dead rank fails the save)."""
+    ``timeout_s``: the longest the ranks wait for each other (a dead or missing rank fails the
+    save, and is named). ``keep`` and ``extra``: as ``Writer.save``'s, for the global version."""
 
     def __init__(self, store, model: str, step: int, *, max_inflight: int = 2, timeout_s: float = 300.0,
-                 group=None):
+                 group=None, keep: bool = False, extra: dict | None = None):
         super().__init__()
         self.group = group  # the gloo group to coordinate through (default: one of ckptfs's own)
         self.store = store
         self.model = model
         self.step = step
+        self.keep = keep  # the global version is a milestone (see Writer.save)
+        self.extra = dict(extra or {})  # small files of the global version (e.g. config.json)
         self.max_inflight = max_inflight
         self.timeout_s = timeout_s
         self.rank = 0
@@ -87,7 +90,7 @@ class StorageWriter(_DCPWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
         # every rank runs this, in the same order: the place to make the coordination group
         self.is_coordinator = is_coordinator
-        self.rank = kwargs.get("rank", _rank())
+        self.rank = kwargs.get("rank", this_rank())
         self._group = self.group if self.group is not None else coordination(self.timeout_s)
 
     def storage_meta(self) -> StorageMeta | None:
@@ -141,8 +144,9 @@ class StorageWriter(_DCPWriter):
         mine = {"rank": self.rank, "region": region, "ok": ok, "error": error, "counter": counter,
                 "model": self.model, "step": self.step, "items": [encode_index(item.index) for item in plan.items],
                 "metadata": None if metadata is None else encode_metadata(metadata)}
-        everyone = _exchange(mine, self._group, f"the exchange of parts of {self.model!r} step {self.step}")
-        _check_agreement(everyone)
+        everyone = exchange(mine, self._group, f"the exchange of parts of {self.model!r} step {self.step}",
+                             Arrival(self._group, f"{self.model}/parts"))
+        check_agreement(everyone)
         failed = [p["error"] for p in everyone if not p["ok"]]
         if failed:
             raise CkptfsError(f"step {self.step} of {self.model!r} was not committed: " + "; ".join(failed))
@@ -151,10 +155,10 @@ class StorageWriter(_DCPWriter):
         recorded, why = True, None
         if leaders[region] == self.rank:
             try:
-                _record_here(self.store, self.model, self.step, record)
+                _record_here(self.store, self.model, self.step, record, self.keep, self.extra)
             except BaseException as e:  # noqa: BLE001 - told to every rank
                 recorded, why = False, f"rank {self.rank} (region {region}): {e}"
-        acks = _exchange({"ok": recorded, "error": why}, self._group,
+        acks = exchange({"ok": recorded, "error": why}, self._group,
                          f"the acknowledgement of {self.model!r} step {self.step}")
         failed = [a["error"] for a in acks if not a["ok"]]
         if failed:
@@ -196,7 +200,7 @@ class StorageReader(_DCPReader):
         if self.step is not None:
             steps &= {self.step}
         group = self.group if self.group is not None else coordination(self.timeout_s)
-        agreed = set.intersection(*[set(s) for s in _exchange(sorted(steps), group,
+        agreed = set.intersection(*[set(s) for s in exchange(sorted(steps), group,
                                                               f"the agreement on a step of {self.model!r} to load")])
         if not agreed:
             if self.step is not None:
@@ -253,52 +257,6 @@ class StorageReader(_DCPReader):
 
 
 # -------------------------------------------------------------------------------- helpers
-_groups: dict[float, object] = {}
-
-
-def coordination(timeout_s: float):
-    """The gloo group the checkpoint's ranks coordinate through (None without torch.distributed):
-    one of its own per process, made collectively at the first save or load of every rank, so
-    that its collectives run from background threads beside the training's own (an async save
-    while FSDP all-gathers on the job's group) and never wait behind its NCCL traffic."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    group = _groups.get(timeout_s)
-    if group is None:
-        group = _groups[timeout_s] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-    return group
-
-
-def _exchange(mine, group, what: str) -> list:
-    """Every rank's ``mine``, in rank order (just ``[mine]`` without torch.distributed). ``what``
-    names the exchange in the error of one that fails (a rank died, or never came before the
-    group's timeout). (Under dcp.save DCP's own gather fails next and reports the dead peer.)"""
-    import torch.distributed as dist
-
-    if group is None:
-        return [mine]
-    out = [None] * dist.get_world_size(group)
-    try:
-        dist.all_gather_object(out, mine, group=group)
-    except RuntimeError as e:
-        raise CkptfsError(f"{what} failed, nothing was committed: {' '.join(str(e).split())[:300]}") from None
-    return out
-
-
-def _check_agreement(everyone: list[dict]) -> None:
-    """CkptfsError (on every rank alike) if the ranks save different steps or models."""
-    for what in ("model", "step"):
-        values = {}
-        for p in everyone:
-            values.setdefault(p[what], []).append(p["rank"])
-        if len(values) > 1:
-            said = "; ".join(f"{what} {v!r} on rank(s) {', '.join(map(str, ranks))}" for v, ranks in values.items())
-            raise CkptfsError(f"the ranks do not save the same {what} ({said}): every rank must pass the same "
-                              f"{what} to StorageWriter; nothing was committed")
-
-
 def _record(everyone: list[dict], step: int) -> str:
     """The global version's ``dcp-metadata.json``: DCP's metadata, with each item's place."""
     (metadata,) = [p["metadata"] for p in everyone if p["metadata"] is not None] or [None]
@@ -312,19 +270,13 @@ def _record(everyone: list[dict], step: int) -> str:
     return encode_metadata(meta)
 
 
-def _record_here(store, model: str, step: int, record: str) -> None:
+def _record_here(store, model: str, step: int, record: str, keep: bool = False, extra: dict | None = None) -> None:
     """Commit the global version of ``step`` in this node's region, unless a newer step is latest."""
     latest = _latest(store, model)
     if latest is not None and latest.step >= step:
         return
     with store.writer(model, max_inflight=1) as w:
-        w.save({"dcp": {"step": step}}, step=step, extra={METADATA_FILE: record}).result()
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        w.save({"dcp": {"step": step}}, step=step, extra={**(extra or {}), METADATA_FILE: record}, keep=keep).result()
 
 
 def _as_tensor(item, data) -> torch.Tensor:

@@ -87,3 +87,33 @@ def train_steps(model: torch.nn.Module, opt, steps: int, seed: int) -> None:
         opt.zero_grad()
         model(torch.randn(4, 16, generator=g)).sum().backward()
         opt.step()
+
+
+def tiny_gpt2(seed: int = 0) -> torch.nn.Module:
+    """A small transformer: GPT-2 of 2 blocks, built from a config (transformers; no download)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=32)
+    return GPT2LMHeadModel(config)
+
+
+def sharded_gpt2(world: int, seed: int = 0) -> torch.nn.Module:
+    """``tiny_gpt2`` under FSDP2 over a CPU mesh of ``world`` ranks: each block a unit of its own."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = tiny_gpt2(seed)
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def train_gpt2(model: torch.nn.Module, opt, steps: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        opt.zero_grad()
+        ids = torch.randint(0, 96, (2, 16), generator=g)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()

@@ -1,0 +1,127 @@
+"""ckptfs's own writer on every rank (issue 14): ``store.writer(model, group=...)`` and
+``store.load(model, group=..., into=...)``, on real gloo process groups (one process per rank),
+with FSDP2 (``fully_shard``) of a small transformer (GPT-2 from a config) + AdamW: saves every
+step with N in flight while training goes on, loads at other world sizes bit-exact against the
+unsharded state, the mount's whole files; a rank that never comes to a save is named, and ranks
+saving different keys commit nothing."""
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                     set_state_dict)
+
+import ckptfs
+from ckptfs.errors import CkptfsError
+from ckptfs.testing.ranks import run_ranks, sharded_gpt2, train_gpt2
+from conftest_mount import mounted, requires_fuse
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+
+def _train_and_save(rank, world, region, out):
+    """Train 4 steps, saving every step with async_snapshot (2 in flight); rank 0 writes the
+    unsharded model and optimizer state of the last step to ``out``."""
+    model = sharded_gpt2(world)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    store = ckptfs.Store(region)
+    futures = []
+    with store.writer("gpt2", group=dist.group.WORLD, max_inflight=2, keep_every=2) as w:
+        for step in range(1, 5):
+            train_gpt2(model, opt, 1, seed=step)
+            msd, osd = get_state_dict(model, opt)
+            futures.append(w.save({"model": msd, "optim": osd, "step": step}, step=step, async_snapshot=True))
+            futures[-1].snapshotted.result()  # before the next optimizer step changes the state
+        results = [f.result() for f in futures]
+    assert [r.step for r in results] == [1, 2, 3, 4] and all(r.durable_s > 0 for r in results)
+    full = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        torch.save(full, out)
+    store.close()
+
+
+def _load_and_compare(rank, world, region, out):
+    model = sharded_gpt2(world, seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    train_gpt2(model, opt, 1, seed=99)  # other values and optimizer state, to be overwritten
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd, "step": 0}
+    with ckptfs.Store(region) as store:
+        assert store.load("gpt2", group=dist.group.WORLD, into=state) is state
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    got_model, got_optim = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True,
+                                                                               cpu_offload=True))
+    if rank == 0:
+        ref_model, ref_optim = torch.load(out, weights_only=False)
+        assert state["step"] == 4 and set(got_model) == set(ref_model)
+        assert all(torch.equal(got_model[k], ref_model[k]) for k in ref_model)
+        for key, entry in ref_optim["state"].items():
+            assert all(torch.equal(got_optim["state"][key][n], v) for n, v in entry.items()), key
+
+
+@requires_fuse
+def test_a_transformer_saved_every_step_at_2_ranks_loads_at_1_and_2_and_mounts_whole(tmp_path):
+    region = str(tmp_path / "r.region")
+    ckptfs.Store.create(region, size_bytes=256 << 20).close()
+    out = str(tmp_path / "full.pt")
+    run_ranks(_train_and_save, 2, region, out)
+    with ckptfs.Store(region) as store:
+        versions = store.versions("gpt2")
+        assert versions[-1].step == 4 and versions[-1].latest
+        assert {v.step for v in versions if v.kept} == {2, 4}  # keep_every=2: the global versions kept
+    run_ranks(_load_and_compare, 1, region, out)
+    run_ranks(_load_and_compare, 2, region, out)
+    ref_model, _ = torch.load(out, weights_only=False)
+    with mounted(region, str(tmp_path / "mnt")) as m:
+        whole = torch.load(m / "gpt2/latest/checkpoint.pt", weights_only=True, mmap=True)["model"]
+        assert set(whole) == set(ref_model) and all(torch.equal(whole[k], ref_model[k]) for k in ref_model)
+
+
+def _one_rank_skips_a_step(rank, world, region):
+    """Both ranks save step 1; rank 1 never comes to step 2: rank 0's save fails after
+    timeout_s naming it, and step 1 stays the global latest."""
+    store = ckptfs.Store(region)
+    w = store.writer("m", group=dist.group.WORLD, timeout_s=4)
+    state = {"w": torch.full((8,), float(rank)), "b": torch.ones(2)}
+    w.save(state, step=1).result()
+    if rank == 0:
+        started = time.monotonic()
+        with pytest.raises(CkptfsError, match=r"rank\(s\) 1 never came"):
+            w.save(state, step=2).result()
+        assert time.monotonic() - started >= 3
+        assert store.latest("m").step == 1
+    else:
+        time.sleep(8)  # alive, but not saving: the others must not wait for it longer than timeout_s
+    w.close()
+    store.close()
+
+
+def test_a_rank_that_never_comes_to_a_save_is_named_and_the_last_step_stays(tmp_path):
+    region = str(tmp_path / "r.region")
+    ckptfs.Store.create(region, size_bytes=64 << 20).close()
+    run_ranks(_one_rank_skips_a_step, 2, region)
+    with ckptfs.Store(region) as store:
+        assert store.latest("m").step == 1
+
+
+def _different_keys(rank, world, region):
+    with ckptfs.Store(region) as store, store.writer("m", group=dist.group.WORLD, timeout_s=30) as w:
+        w.save({"w": torch.ones(4)}, step=1).result()
+        state = {"w": torch.ones(4), **({"extra.bias": torch.zeros(2)} if rank == 1 else {})}
+        with pytest.raises(CkptfsError, match="rank 1 also has 'extra.bias'"):
+            w.save(state, step=2).result()
+        assert store.latest("m").step == 1
+
+
+def test_ranks_saving_different_keys_commit_nothing(tmp_path):
+    region = str(tmp_path / "r.region")
+    ckptfs.Store.create(region, size_bytes=64 << 20).close()
+    run_ranks(_different_keys, 2, region)
+    with ckptfs.Store(region) as store:
+        assert [v.step for v in store.versions("m")] == [1]
+
+
+def test_a_load_of_many_ranks_needs_into(store):
+    with pytest.raises(ValueError, match="into="):
+        store.load("m", group=object())
