@@ -125,3 +125,37 @@ def test_ranks_saving_different_keys_commit_nothing(tmp_path):
 def test_a_load_of_many_ranks_needs_into(store):
     with pytest.raises(ValueError, match="into="):
         store.load("m", group=object())
+
+
+def test_a_job_whose_steps_are_behind_the_models_latest_is_told_not_lost(store, monkeypatch):
+    """Another job's (or a further run's) model in the region: this job's steps would never
+    become latest, so its save fails saying what to do, rather than "succeeding" invisibly."""
+    import torch.distributed.checkpoint as dcp
+
+    from ckptfs.dist import storage
+
+    dcp.save({"w": torch.ones(4)}, storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=1000))
+    monkeypatch.setattr(storage, "_recorded", {})  # a new job: it recorded nothing yet
+    with pytest.raises(BaseException, match=r"already at step 1000 .*`ckptfs rm m STEP\.\.\.`"):
+        dcp.save({"w": torch.zeros(4)}, storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=10))
+    assert [v.step for v in store.versions("m")] == [1000]
+
+
+def _load_across(rank, world, regions):
+    import torch.distributed.checkpoint as dcp
+
+    with ckptfs.Store(regions[rank]) as mine:
+        back = {"w": torch.zeros(4)}
+        with pytest.raises(BaseException, match="belongs to another job"):
+            dcp.load(back, storage_reader=ckptfs.dcp.StorageReader(mine, "m"))
+        assert torch.equal(back["w"], torch.zeros(4))
+
+
+def test_nodes_whose_regions_hold_different_jobs_at_the_same_step_load_nothing(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    regions = [str(tmp_path / "a.region"), str(tmp_path / "b.region")]
+    for value, region in enumerate(regions):  # two single-node jobs, each at step 5
+        with ckptfs.Store.create(region, size_bytes=64 << 20) as store:
+            dcp.save({"w": torch.full((4,), float(value))}, storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=5))
+    run_ranks(_load_across, 2, regions)

@@ -25,6 +25,7 @@ the pieces its load plan asks for from the parts, in whichever given region hold
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -207,8 +208,21 @@ class StorageReader(_DCPReader):
                 raise NotFoundError(f"step {self.step} of {self.model!r} is not a DCP checkpoint that every node "
                                     "records; `ckptfs ls` lists the steps")
             raise no_version_yet(self.model)
-        with _global_version(self.store, self.model, max(agreed)) as v:
-            self.metadata = decode_metadata(dict(v.manifest.files)[METADATA_FILE])
+        step = max(agreed)
+        with _global_version(self.store, self.model, step) as v:
+            text = dict(v.manifest.files)[METADATA_FILE]
+        # every node's record of the step must be the same checkpoint: a node whose region holds
+        # the model of another job at the same step would load a mixture
+        digests = exchange((self.store.path, hashlib.sha256(text.encode()).hexdigest()), group,
+                           f"the comparison of step {step} of {self.model!r} across the nodes")
+        if len({d for _, d in digests}) > 1:
+            kinds: dict[str, list[str]] = {}
+            for path, d in digests:
+                kinds.setdefault(d, []).append(path)
+            raise CorruptionError(f"the nodes' regions hold different checkpoints as step {step} of {self.model!r} "
+                                  f"({' / '.join(', '.join(sorted(set(p))) for p in kinds.values())}): one of them "
+                                  "belongs to another job; load with the regions of this job only")
+        self.metadata = decode_metadata(text)
         return self.metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
@@ -270,13 +284,27 @@ def _record(everyone: list[dict], step: int) -> str:
     return encode_metadata(meta)
 
 
+_recorded: dict[tuple[str, str], set[int]] = {}  # (region, model) -> steps this process recorded there
+
+
 def _record_here(store, model: str, step: int, record: str, keep: bool = False, extra: dict | None = None) -> None:
-    """Commit the global version of ``step`` in this node's region, unless a newer step is latest."""
+    """Commit the global version of ``step`` in this node's region, unless a newer step is latest:
+    one of this job's saves that finished first (an older save never wins), or else one of
+    another job, or of an earlier run that got further than where this one resumed. The step
+    would then never become latest, and this job's saves would all vanish: CkptfsError, saying
+    what to do."""
     latest = _latest(store, model)
+    key = (store.region.superblock.uuid.hex(), model)
+    if latest is not None and latest.step > step and latest.step not in _recorded.get(key, ()):
+        raise CkptfsError(
+            f"{model!r} in region {store.path} is already at step {latest.step} (another job's, or an earlier run "
+            f"that got further), so step {step} would never become its latest: save under another model name, "
+            f"or remove the versions after the step you resumed from (`ckptfs rm {model} STEP...`)")
     if latest is not None and latest.step >= step:
         return
     with store.writer(model, max_inflight=1) as w:
         w.save({"dcp": {"step": step}}, step=step, extra={**(extra or {}), METADATA_FILE: record}, keep=keep).result()
+    _recorded.setdefault(key, set()).add(step)
 
 
 def _as_tensor(item, data) -> torch.Tensor:
