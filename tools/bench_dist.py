@@ -1,14 +1,28 @@
-"""DCP with ckptfs as its storage against DCP's own FileSystemWriter / FileSystemReader, same run.
+"""Many ranks, one checkpoint: ckptfs against DCP's own FileSystemWriter / FileSystemReader and the
+raw device, in the same run, at each world size W.
 
-W CPU ranks (gloo, one process each) hold an FSDP2-sharded model (a stack of Linear layers of
---mib MiB of fp32 parameters in all) and its AdamW state (twice that again); every round each
-method saves the same state once and loads it once (after a page-cache drop), and the ratios are
-taken within the round (median over --rounds, worst round printed too):
+W CPU ranks (gloo, one process each) train a GPT-2 (transformers, from a config: --layers blocks of
+width --width; 12 x 768 is GPT-2 small) under FSDP2 (``fully_shard`` per block) with AdamW; every
+round each method saves the same state (model + optimizer, each rank its shards), and the ratios
+are taken within the round (median over --rounds, worst round printed too):
 
-  dcp.save, ckptfs StorageWriter      vs  dcp.save, FileSystemWriter (+ fsync of its files)
-  dcp.load, ckptfs StorageReader      vs  dcp.load, FileSystemReader
+| row | what is timed (every method bracketed by barriers; times are the slowest rank's) |
+| --- | --- |
+| copy floor | a ``copy_`` of each of the rank's local tensors into tensors made beforehand |
+| ckptfs writer | ``store.writer(group=WORLD).save(state, step)``: stall (until save returns: the copy), durable (until the step is the global latest on every node), global commit (from the last rank's part durable to every node recorded) |
+| dcp.save + ckptfs | ``dcp.save`` with ``ckptfs.dcp.StorageWriter``: durable |
+| dcp.async_save + ckptfs | its stall (until it returns) and durable (its future) |
+| dcp.save + FileSystemWriter | ``sync_files=True`` and an fsync of every file: durable |
+| dcp.async_save + FileSystemWriter | stall and durable |
+| raw O_DIRECT overwrite | each rank writes its state's bytes into a file of its own written once before, fdatasync |
 
-    python tools/bench_dist.py --world 2 --mib 256 --rounds 5     # one untimed warm-up round first
+Then the state saved at the largest W is loaded at W/2 (resharded; after a page-cache drop):
+``dcp.load`` with ckptfs's StorageReader against FileSystemReader. Targets (issue 14): aggregate
+durable throughput >= 0.9 x raw overwrite; >= 3 x dcp.save with FileSystemWriter; stall <= 1.25 x
+the copy floor; global commit <= 50 ms; resharded load >= 2 x DCP's.
+
+    python tools/bench_dist.py --worlds 1,2,4 --rounds 5            # GPT-2 small, 1.5 GB per save
+    python tools/bench_dist.py --worlds 1,2 --layers 2 --rounds 2   # a quick run
 """
 from __future__ import annotations
 
@@ -28,107 +42,229 @@ import torch  # noqa: E402
 
 import _bench_common as bc  # noqa: E402
 
+MODEL = "bench"
 
-def _model(mib: int) -> torch.nn.Module:
-    width = 1024
-    layers = max(1, mib * (1 << 20) // (4 * width * width))
+
+def _model(args, world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import GPT2Config, GPT2LMHeadModel
+
     torch.manual_seed(0)
-    return torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+    model = GPT2LMHeadModel(GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=max(1, args.width // 64)))
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
-def _fsync_tree(path: str) -> None:
-    for root, _, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-
-def _rank(rank: int, world: int, args, workdir: str, out) -> None:
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
+def _state(args, world: int):
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    import ckptfs
-    from ckptfs.testing.ranks import sharded
-
-    model = sharded(_model(args.mib), world)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(rank)
-    opt.zero_grad()
-    model(torch.randn(2, 1024, generator=g)).sum().backward()
-    opt.step()
+    model = _model(args, world)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, 1000, (1, 32), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()  # AdamW makes its state
     msd, osd = get_state_dict(model, opt)
-    state = {"model": msd, "optim": osd}
-    store = ckptfs.Store(os.path.join(workdir, "region"))
+    return {"model": msd, "optim": osd}
+
+
+def _local_tensors(state) -> list[torch.Tensor]:
+    out = []
+    for t in bc.iter_tensors(state):
+        out.append(t.to_local() if hasattr(t, "to_local") else t)
+    return out
+
+
+def _timed(fn, group) -> float:
+    """The slowest rank's time of ``fn`` (barriers before and after)."""
+    import torch.distributed as dist
+
+    dist.barrier(group)
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier(group)
+    return time.perf_counter() - t0
+
+
+def _save_rank(rank, world, args, workdir, out, keep: bool) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import ckptfs
+    from ckptfs.dist.group import coordination
+
+    gloo = coordination(600)
+    state = _state(args, world)
+    local = _local_tensors(state)
+    nbytes = sum(t.numel() * t.element_size() for t in local)
+    floor_dst = [torch.empty_like(t) for t in local]
+    raw_path = os.path.join(workdir, f"raw-{rank}")
+    raw_buf = bc.AlignedBuffer(8 << 20)
+    bc.odirect_write(raw_path, nbytes, raw_buf)  # written once: the rounds overwrite
+    store = ckptfs.Store(os.path.join(workdir, f"region-{world}"))
     samples = []
-    for rnd in range(args.warmup + args.rounds):  # warm-up rounds: the first saves into fresh blocks
-        row = {}
-        dist.barrier()
-        t0 = time.perf_counter()
-        dcp.save(state, storage_writer=ckptfs.dcp.StorageWriter(store, "bench", step=rnd))
-        dist.barrier()
-        row["ckptfs_save"] = time.perf_counter() - t0
-        fsdir = os.path.join(workdir, f"fs-{rnd}")
-        dist.barrier()
-        t0 = time.perf_counter()
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(fsdir, sync_files=True))
-        if rank == 0:
-            _fsync_tree(fsdir)
-        dist.barrier()
-        row["fs_save"] = time.perf_counter() - t0
-        for name, reader in (("ckptfs_load", lambda: ckptfs.dcp.StorageReader(store, "bench")),
-                             ("fs_load", lambda: dcp.FileSystemReader(fsdir))):
+    with store.writer(MODEL, group=dist.group.WORLD, max_inflight=2, timeout_s=600) as w:
+        for rnd in range(args.warmup + args.rounds):
+            row, step = {}, rnd + 1
+            row["floor"] = _timed(lambda: [d.copy_(s) for d, s in zip(floor_dst, local)], gloo)
+            holder = {}
+
+            def writer_save():
+                t0 = time.perf_counter()
+                f = w.save(state, step=step)
+                holder["stall"] = time.perf_counter() - t0
+                holder["result"] = f.result()
+            row["w_durable"] = _timed(writer_save, gloo)
+            row["w_stall"] = _max(holder["stall"], gloo)
+            marks = [None] * world
+            dist.all_gather_object(marks, (holder["result"].part_durable_at, holder["result"].committed_at), group=gloo)
+            row["w_commit"] = max(c for _, c in marks) - max(p for p, _ in marks)
+            row["dcp_ck"] = _timed(lambda: dcp.save(state, storage_writer=ckptfs.dcp.StorageWriter(
+                store, MODEL + "-dcp", step=step), process_group=gloo), gloo)
+
+            def async_save(writer):
+                t0 = time.perf_counter()
+                f = dcp.async_save(state, storage_writer=writer, process_group=gloo)
+                holder["stall"] = time.perf_counter() - t0
+                f.result()
+            row["adcp_ck"] = _timed(lambda: async_save(ckptfs.dcp.StorageWriter(store, MODEL + "-async", step=step)),
+                                    gloo)
+            row["adcp_ck_stall"] = _max(holder["stall"], gloo)
+            fsdir = os.path.join(workdir, f"fs-{world}-{rnd}")
+
+            def fs_save():
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(fsdir, sync_files=True), process_group=gloo)
+                if rank == 0:
+                    bc.fsync_tree(fsdir)
+            row["dcp_fs"] = _timed(fs_save, gloo)
+            afsdir = fsdir + "-async"
+            row["adcp_fs"] = _timed(lambda: async_save(dcp.FileSystemWriter(afsdir, sync_files=True)), gloo)
+            row["adcp_fs_stall"] = _max(holder["stall"], gloo)
+            row["raw"] = _timed(lambda: bc.odirect_write(raw_path, nbytes, raw_buf, overwrite=True), gloo)
+            row["bytes"] = _sum(nbytes, gloo)
+            dist.barrier(gloo)
             if rank == 0:
-                bc.drop_caches()
-            dist.barrier()
-            t0 = time.perf_counter()
-            dcp.load(state, storage_reader=reader())
-            dist.barrier()
-            row[name] = time.perf_counter() - t0
-        if rank == 0:
-            shutil.rmtree(fsdir, ignore_errors=True)
+                shutil.rmtree(afsdir, ignore_errors=True)
+                if not (keep and rnd == args.warmup + args.rounds - 1):
+                    shutil.rmtree(fsdir, ignore_errors=True)
+                else:
+                    os.rename(fsdir, os.path.join(workdir, "fs-kept"))
             if rnd >= args.warmup:
                 samples.append(row)
+    raw_buf.close()
+    os.unlink(raw_path)
     if rank == 0:
         out.put(samples)
     store.close()
 
 
+def _load_rank(rank, world, args, workdir, saved_world, out) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    import ckptfs
+    from ckptfs.dist.group import coordination
+
+    gloo = coordination(600)
+    state = _state(args, world)
+    store = ckptfs.Store(os.path.join(workdir, f"region-{saved_world}"))
+    samples = []
+    for _ in range(args.rounds):
+        row = {}
+        for name, reader in (("ck", lambda: ckptfs.dcp.StorageReader(store, MODEL, group=gloo)),
+                             ("fs", lambda: dcp.FileSystemReader(os.path.join(workdir, "fs-kept")))):
+            if rank == 0:
+                bc.drop_caches()
+            row[name] = _timed(lambda: dcp.load(state, storage_reader=reader(), process_group=gloo), gloo)
+        samples.append(row)
+    if rank == 0:
+        out.put(samples)
+    store.close()
+
+
+def _max(x: float, group) -> float:
+    import torch.distributed as dist
+
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t)
+
+
+def _sum(x: int, group) -> int:
+    import torch.distributed as dist
+
+    t = torch.tensor([x], dtype=torch.int64)
+    dist.all_reduce(t, group=group)
+    return int(t)
+
+
+def _med(rows, f) -> tuple[float, float]:
+    """(median, worst) of f(row) over the rounds; worst = the largest (a time or a time ratio)."""
+    xs = [f(r) for r in rows]
+    return statistics.median(xs), max(xs)
+
+
+def _report(world: int, rows: list[dict]) -> None:
+    gb = rows[0]["bytes"] / 1e9
+    print(f"\nW={world}: {gb:.3f} GB per save (model + AdamW, all ranks), {len(rows)} rounds")
+    print(f"{'figure':58} {'median':>9} {'worst':>9}  target")
+
+    def line(what, f, target="", fmt="{:9.3f}"):
+        m, worst = _med(rows, f)
+        print(f"{what:58} {fmt.format(m)} {fmt.format(worst)}  {target}")
+    line("copy floor, s", lambda r: r["floor"])
+    line("ckptfs writer stall / copy floor", lambda r: r["w_stall"] / r["floor"], "<= 1.25")
+    line("ckptfs writer durable, s", lambda r: r["w_durable"])
+    line("ckptfs writer global commit after the last part, ms", lambda r: 1e3 * r["w_commit"], "<= 50")
+    line("raw O_DIRECT overwrite / ckptfs writer durable (time)", lambda r: r["raw"] / r["w_durable"], ">= 0.9")
+    line("dcp.save FileSystemWriter / ckptfs writer durable", lambda r: r["dcp_fs"] / r["w_durable"], ">= 3")
+    line("dcp.save FileSystemWriter / dcp.save ckptfs", lambda r: r["dcp_fs"] / r["dcp_ck"])
+    line("dcp.async_save FS / dcp.async_save ckptfs (durable)", lambda r: r["adcp_fs"] / r["adcp_ck"])
+    line("dcp.async_save stall, ckptfs storage, s", lambda r: r["adcp_ck_stall"])
+    line("dcp.async_save stall, FileSystemWriter, s", lambda r: r["adcp_fs_stall"])
+    line("aggregate durable GB/s: ckptfs writer", lambda r: r["bytes"] / 1e9 / r["w_durable"])
+    line("aggregate GB/s: raw O_DIRECT overwrite", lambda r: r["bytes"] / 1e9 / r["raw"])
+    print("(ratios of times are peer / ckptfs: higher is better for ckptfs; 'worst' is the largest value)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--mib", type=int, default=128, help="fp32 parameters in all (AdamW adds twice that)")
+    ap.add_argument("--worlds", default="1,2,4", help="world sizes, comma-separated")
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--width", type=int, default=768)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first (each method's first save "
-                    "writes fresh blocks and sets up its writers)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first (fresh blocks, writers set up)")
     ap.add_argument("--dir", default="/tmp/ckptfs-bench")
     args = ap.parse_args()
     import ckptfs
     from ckptfs.testing.load import mp_context
     from ckptfs.testing.ranks import run_ranks
 
+    worlds = [int(w) for w in args.worlds.split(",")]
     os.makedirs(args.dir, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="bench_dist-", dir=args.dir)
+    print(f"bench_dist: GPT-2 {args.layers} x {args.width} under FSDP2 + AdamW, CPU ranks (gloo); "
+          f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f}")
     try:
-        ckptfs.Store.create(os.path.join(workdir, "region"), size_bytes=(args.mib * 3 * 10 + 512) << 20).close()
+        for world in worlds:
+            ckptfs.Store.create(os.path.join(workdir, f"region-{world}"), size_bytes=24 << 30).close()
+            out = mp_context().Queue()
+            run_ranks(_save_rank, world, args, workdir, out, world == max(worlds), timeout_s=3600)
+            _report(world, out.get())
+            if world != max(worlds):  # only the largest W's checkpoints are loaded below
+                os.unlink(os.path.join(workdir, f"region-{world}"))
+        saved, to = max(worlds), max(1, max(worlds) // 2)
         out = mp_context().Queue()
-        run_ranks(_rank, args.world, args, workdir, out, timeout_s=1800)
-        samples = out.get()
+        run_ranks(_load_rank, to, args, workdir, saved, out, timeout_s=3600)
+        rows = out.get()
+        print(f"\nload of the W={saved} checkpoint at W={to} (resharded), cold cache, {len(rows)} rounds")
+        m, worst = _med(rows, lambda r: r["fs"] / r["ck"])
+        print(f"dcp.load FileSystemReader / ckptfs StorageReader: median {m:.2f}, lowest "
+              f"{min(r['fs'] / r['ck'] for r in rows):.2f}  (target >= 2); ckptfs "
+              f"{statistics.median(r['ck'] for r in rows):.3f} s, FS {statistics.median(r['fs'] for r in rows):.3f} s")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    gb = 3 * args.mib * (1 << 20) / 1e9  # parameters + AdamW's two moments (the local shards add up to it)
-    print(f"\nbench_dist: W={args.world} CPU ranks (gloo), FSDP2 model of {args.mib} MiB + AdamW ({gb:.2f} GB), "
-          f"{args.rounds} rounds; load average {os.getloadavg()[0]:.2f}")
-    print(f"{'figure':44} {'ckptfs':>9} {'FileSystem':>11} {'ratio':>6} {'worst':>6}")
-    for what, ck, fs in (("dcp.save (durable), s", "ckptfs_save", "fs_save"),
-                         ("dcp.load (cold cache), s", "ckptfs_load", "fs_load")):
-        ratios = [r[fs] / r[ck] for r in samples]
-        print(f"{what:44} {statistics.median(r[ck] for r in samples):9.3f} "
-              f"{statistics.median(r[fs] for r in samples):11.3f} {statistics.median(ratios):6.2f} {min(ratios):6.2f}")
-    print("ratio = FileSystem time / ckptfs time (higher is better for ckptfs), median and worst round")
 
 
 if __name__ == "__main__":

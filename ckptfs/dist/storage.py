@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import io
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -73,6 +74,7 @@ class StorageWriter(_DCPWriter):
         self.model = model
         self.step = step
         self.keep = keep  # the global version is a milestone (see Writer.save)
+        self.part_durable_at = self.committed_at = None  # set by the commit (see _commit)
         self.extra = dict(extra or {})  # small files of the global version (e.g. config.json)
         self.max_inflight = max_inflight
         self.timeout_s = timeout_s
@@ -141,6 +143,9 @@ class StorageWriter(_DCPWriter):
 
     # ---------------------------------------------------------------- the global commit
     def _commit(self, plan, tensors, counter, ok, error, metadata) -> list[WriteResult]:
+        # (wall clock) this rank's part durable, and the step recorded on every node: the
+        # global-commit latency is the last of the first to the second (tools/bench_dist.py)
+        self.part_durable_at = time.time()
         region = self.store.region.superblock.uuid.hex()
         mine = {"rank": self.rank, "region": region, "ok": ok, "error": error, "counter": counter,
                 "model": self.model, "step": self.step, "items": [encode_index(item.index) for item in plan.items],
@@ -164,6 +169,7 @@ class StorageWriter(_DCPWriter):
         failed = [a["error"] for a in acks if not a["ok"]]
         if failed:
             raise CkptfsError(f"step {self.step} of {self.model!r} is not recorded on every node: " + "; ".join(failed))
+        self.committed_at = time.time()
         if leaders[region] == self.rank:
             node_ranks = [p["rank"] for p in everyone if p["region"] == region]
             _reclaim(self.store, self.model, node_ranks, keep_step=self.step)

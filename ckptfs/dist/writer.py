@@ -42,6 +42,8 @@ class DistSaveResult:
     step: int
     stall_s: float  # the caller's wait: backpressure and (without async_snapshot) the copy
     durable_s: float  # from save() until the step was the global latest on every node
+    part_durable_at: float  # time.time() when this rank's part was durable
+    committed_at: float  # time.time() when every node had recorded the step
 
 
 class DistWriter:
@@ -123,7 +125,8 @@ class DistWriter:
             import torch.distributed.checkpoint as dcp
 
             dcp.save(staged, storage_writer=writer, process_group=self._group)
-            result = DistSaveResult(self.model, step, stall_s, time.perf_counter() - started)
+            result = DistSaveResult(self.model, step, stall_s, time.perf_counter() - started,
+                                    writer.part_durable_at, writer.committed_at)
         except BaseException as e:  # noqa: BLE001 - delivered through the future
             self._done(future, copy)
             future.set_exception(e)
