@@ -68,3 +68,17 @@ def test_train_emulator_runs_and_verifies(tmp_path, mode):
         assert r["own_runs"] == [overhead["ckptfs", r["N"], r["f"]] - overhead["raw", r["N"], r["f"]]]
         assert r["own"] == r["own_runs"][0]
     assert not os.listdir(tmp_path / "e"), "train_emulator left files behind"
+
+
+def test_bench_dist_runs_every_method_at_each_world_size(tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(TOOLS, "bench_dist.py"), "--worlds", "1,2", "--layers", "1",
+                           "--width", "64", "--rounds", "1", "--warmup", "0", "--dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for world in (1, 2):
+        assert f"W={world}:" in proc.stdout
+    for figure in ("ckptfs writer stall / copy floor", "global commit after the last part, ms",
+                   "raw O_DIRECT overwrite / ckptfs writer durable", "dcp.save FileSystemWriter / dcp.save ckptfs",
+                   "dcp.async_save FS / dcp.async_save ckptfs", "load of the W=2 checkpoint at W=1 (resharded)"):
+        assert figure in proc.stdout, figure
+    assert not os.listdir(tmp_path)  # its work directory is gone
