@@ -247,8 +247,8 @@ class StorageReader(_DCPReader):
             where = storage[item.storage_index]
             by_part.setdefault((where["region"], where["rank"], where["counter"]), []).append((item, where["pos"]))
         for (region, rank, counter), items in sorted(by_part.items()):
-            with _open_part(self._store_of(region, rank), self.model, rank, counter) as part:
-                stored = _item_records(part)
+            with open_part(self._store_of(region, rank), self.model, rank, counter) as part:
+                stored = item_records(part)
                 for item, pos in items:
                     # each piece straight from the region into its target: no whole-part copy
                     tensor = part.data.tensor(stored[pos])  # checked against its CRC
@@ -370,15 +370,20 @@ def checkpoint_bytes(store, model: str, step: int) -> tuple[int, int, int] | Non
     if text is None:
         return None
     here = store.region.superblock.uuid.hex()
-    parts = {(p["region"], p["rank"], p["counter"]) for p in decode_metadata(text).storage_data.values()}
+    parts = part_places(decode_metadata(text))
     nbytes = 0
-    for region, rank, counter in parts:
+    for rank, region, counter in parts:
         if region == here:
             nbytes += sum(x.data_bytes for x in store.versions(part_model(model, rank)) if x.counter == counter)
-    return nbytes, len({rank for _, rank, _ in parts}), len({rank for region, rank, _ in parts if region != here})
+    return nbytes, len({rank for rank, _, _ in parts}), len({rank for rank, region, _ in parts if region != here})
 
 
-def _open_part(store, model: str, rank: int, counter: int, checked: set[int] | None = None):
+def part_places(metadata: Metadata) -> list[tuple[int, str, int]]:
+    """(rank, region, counter) of every part a global version's metadata names, by rank."""
+    return sorted({(w["rank"], w["region"], w["counter"]) for w in metadata.storage_data.values()})
+
+
+def open_part(store, model: str, rank: int, counter: int, checked: set[int] | None = None):
     """The pinned part version of ``rank`` with ``counter``; CorruptionError if it is gone.
     ``checked``: as ``Store.open_version``'s."""
     name = part_model(model, rank)
@@ -392,7 +397,7 @@ def _open_part(store, model: str, rank: int, counter: int, checked: set[int] | N
                           "this global version cannot be loaded, use an older one")
 
 
-def _item_records(part) -> dict[int, int]:
+def item_records(part) -> dict[int, int]:
     """{position in the part's item list: its tensor's index in the manifest}."""
     return {int(ref.key_path[1]): ref.tensor_index for ref in part.manifest.refs() if ref.key_path[:1] == ("items",)}
 

@@ -25,17 +25,16 @@ import bisect
 import itertools
 import json
 import math
-import zlib
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-from ckptfs.checksum import crc32_combine
+from ckptfs.checksum import crc32, crc32_combine
 from ckptfs.dist.codec import decode_metadata
-from ckptfs.dist.storage import METADATA_FILE, _item_records, _open_part
+from ckptfs.dist.storage import METADATA_FILE, open_part, item_records, part_places
 from ckptfs.errors import CorruptionError
-from ckptfs.manifest import DTYPES, Manifest, TensorRecord
+from ckptfs.manifest import DTYPE_NAMES, DTYPES, Manifest, TensorRecord, expected_nbytes
 
 PARTS_FILE = "dcp-parts.json"
 PARTS_DIR = "parts"
@@ -60,8 +59,8 @@ class _Chunk(NamedTuple):
 @dataclass
 class WholeLayout:
     """What ``plan_whole`` made of a global version: the whole-tensor manifest, the parts it
-    reads (rank, counter) in this region, and each tensor's chunks (its pieces made on first
-    read). Shared by every open of the version's files."""
+    reads (rank, counter) in this region, each whole tensor's pieces, and each part's data area
+    after them. Shared by every open of the version's files."""
 
     model: str
     parts: tuple[tuple[int, int], ...]
@@ -70,20 +69,9 @@ class WholeLayout:
     data_bytes: int = 0  # then each part's data area, from part_bases[i]
     part_bases: list[int] = field(default_factory=list)
     part_manifests: list[tuple[str, Manifest]] = field(default_factory=list)  # (directory/, its files' index)
-    chunks: list[list[_Chunk]] = field(default_factory=list)
-    itemsizes: list[int] = field(default_factory=list)
-    starts: list[int] = field(default_factory=list)  # virtual offset of each tensor
+    starts: list[int] = field(default_factory=list)  # virtual offset of each whole tensor
+    pieces: list[tuple[list[int], list[Piece]]] = field(default_factory=list)  # per tensor: (each at, pieces)
     checked: dict[int, set[int]] = field(default_factory=dict)  # part -> its tensors found intact
-    _pieces: dict[int, tuple[list[int], list[Piece]]] = field(default_factory=dict)
-
-    def pieces(self, index: int) -> tuple[list[int], list[Piece]]:
-        """(each piece's ``at``, the pieces) of whole tensor ``index``, in order."""
-        made = self._pieces.get(index)
-        if made is None:
-            rec = self.manifest.tensors[index]
-            pieces = _pieces(rec.shape, self.itemsizes[index], self.chunks[index])
-            made = self._pieces[index] = ([p.at for p in pieces], pieces)
-        return made
 
 
 def plan_whole(store, version) -> WholeLayout | None:
@@ -95,7 +83,7 @@ def plan_whole(store, version) -> WholeLayout | None:
         return None
     meta = decode_metadata(text)
     here = store.region.superblock.uuid.hex()
-    places = sorted({(w["rank"], w["region"], w["counter"]) for w in meta.storage_data.values()})
+    places = part_places(meta)
     remote = [rank for rank, region, _ in places if region != here]
     m = version.manifest
     layout = WholeLayout(m.model, tuple((rank, counter) for rank, region, counter in places if region == here))
@@ -104,15 +92,18 @@ def plan_whole(store, version) -> WholeLayout | None:
                          for rank, region, counter in places],
                "not_shown": sorted(fqn for fqn, md in meta.state_dict_metadata.items()
                                    if not isinstance(md, TensorStorageMetadata))}
-    opened = [_open_part(store, layout.model, rank, counter) for rank, counter in layout.parts]
+    opened = []
     try:
+        for i, (rank, counter) in enumerate(layout.parts):  # the checks made here count for the reads
+            opened.append(open_part(store, layout.model, rank, counter, checked=layout.checked.setdefault(i, set())))
+        items = [item_records(p) for p in opened]
         records, skeleton = (), {"dict": []}
         if remote:  # some parts are out of reach: no whole tensor can be shown
             summary["whole_tensors"] = (f"absent: the parts of rank(s) {', '.join(map(str, remote))} are in "
                                         "another node's region")
         else:
-            records, skeleton = _plan_tensors(layout, meta, opened)
-        _plan_parts(layout, meta, opened)
+            records, skeleton = _plan_tensors(layout, meta, opened, items)
+        _plan_parts(layout, meta, opened, items)
     finally:
         for p in opened:
             p.close()
@@ -127,31 +118,29 @@ def rank_dirname(rank: int) -> str:
     return f"rank-{rank:05d}"
 
 
-def _plan_tensors(layout: WholeLayout, meta, opened) -> tuple[tuple[TensorRecord, ...], dict]:
-    """(the whole tensors' records, their skeleton); fills in the layout's chunks, item sizes,
-    starts and the end of the whole tensors in the virtual data area."""
-    stored = [_item_records(p) for p in opened]
+def _plan_tensors(layout: WholeLayout, meta, opened, items) -> tuple[tuple[TensorRecord, ...], dict]:
+    """(the whole tensors' records, their skeleton); fills in the layout's starts, pieces and
+    the end of the whole tensors in the virtual data area. ``items``: each part's item_records."""
     part_of = {key: i for i, key in enumerate(layout.parts)}
     records, paths, offset = [], [], 0
     for fqn, md in meta.state_dict_metadata.items():
         if not isinstance(md, TensorStorageMetadata):
             continue
-        dtype = str(md.properties.dtype).removeprefix("torch.")
+        dtype = DTYPE_NAMES[md.properties.dtype]
         chunks = []
         for c in md.chunks:
             where = meta.storage_data[MetadataIndex(fqn, c.offsets)]
             i = part_of[(where["rank"], where["counter"])]
-            rec = opened[i].manifest.tensors[stored[i][where["pos"]]]
+            rec = opened[i].manifest.tensors[items[i][where["pos"]]]
             if rec.dtype != dtype or rec.shape != tuple(c.sizes):
                 raise CorruptionError(f"{fqn}: the chunk at {list(c.offsets)} of rank {where['rank']} is "
                                       f"{rec.dtype} {list(rec.shape)}, the metadata says {dtype} {list(c.sizes)}")
             chunks.append(_Chunk(tuple(c.offsets), tuple(c.sizes), i, rec))
-        shape, itemsize = tuple(md.size), DTYPES[dtype].itemsize
-        nbytes = math.prod(shape) * itemsize
-        crc = _whole_crc(_pieces(shape, itemsize, chunks), chunks, opened)
-        records.append(TensorRecord(fqn, dtype, shape, offset, nbytes, crc))
-        layout.chunks.append(chunks)
-        layout.itemsizes.append(itemsize)
+        shape = tuple(md.size)
+        nbytes = expected_nbytes(dtype, shape)
+        pieces = _pieces(shape, DTYPES[dtype].itemsize, chunks)
+        records.append(TensorRecord(fqn, dtype, shape, offset, nbytes, _whole_crc(pieces, chunks, opened)))
+        layout.pieces.append(([p.at for p in pieces], pieces))
         layout.starts.append(offset)
         paths.append(_path(meta, fqn))
         offset += nbytes
@@ -159,15 +148,15 @@ def _plan_tensors(layout: WholeLayout, meta, opened) -> tuple[tuple[TensorRecord
     return tuple(records), _skeleton(paths)
 
 
-def _plan_parts(layout: WholeLayout, meta, opened) -> None:
+def _plan_parts(layout: WholeLayout, meta, opened, items) -> None:
     """Each part of this region as a manifest of its rank's own chunks, named by FQN, its data
     placed after the whole tensors in the virtual area (``parts/rank-NNNNN/``)."""
-    items = {(w["rank"], w["counter"], w["pos"]): index for index, w in meta.storage_data.items()}
+    index_at = {(w["rank"], w["counter"], w["pos"]): index for index, w in meta.storage_data.items()}
     base = layout.whole_bytes
-    for (rank, counter), part in zip(layout.parts, opened):
+    for (rank, counter), part, stored in zip(layout.parts, opened, items):
         records, paths = [], []
-        for pos, tensor in sorted(_item_records(part).items()):
-            index = items.get((rank, counter, pos))
+        for pos, tensor in sorted(stored.items()):
+            index = index_at.get((rank, counter, pos))
             md = meta.state_dict_metadata.get(index.fqn) if index is not None else None
             if not isinstance(md, TensorStorageMetadata):
                 continue  # a byte item (a pickle): not shown
@@ -246,7 +235,7 @@ def _whole_crc(pieces: list[Piece], chunks: list[_Chunk], opened) -> int:
             crc = crc32_combine(crc, rec.crc32, p.nbytes)
             continue
         part = opened[p.part]
-        crc = zlib.crc32(part.read(p.offset, p.nbytes), crc)
+        crc = crc32(part.read(p.offset, p.nbytes), crc)
         part.confirm()
     return crc
 
@@ -314,7 +303,7 @@ class WholeVersion:
         self._parts = []
         try:
             for i, (rank, counter) in enumerate(layout.parts):
-                self._parts.append(_open_part(store, layout.model, rank, counter,
+                self._parts.append(open_part(store, layout.model, rank, counter,
                                               checked=layout.checked.setdefault(i, set())))
         except BaseException:
             self.close()
@@ -345,7 +334,7 @@ class WholeVersion:
             rec = tensors[i]
             lo, hi = offset - rec.offset, min(end, rec.offset + rec.nbytes) - rec.offset
             if hi > lo:
-                ats, pieces = self.layout.pieces(i)
+                ats, pieces = self.layout.pieces[i]
                 j = bisect.bisect_right(ats, lo) - 1
                 while lo < hi:
                     p = pieces[j]

@@ -32,6 +32,7 @@ import torch
 from ckptfs.dist.group import Arrival, check_agreement, coordination, exchange, this_rank
 from ckptfs.dist.storage import StorageReader, StorageWriter
 from ckptfs.errors import BusyError, CkptfsError
+from ckptfs.writer.job import check_positive, is_kept
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,9 @@ class DistWriter:
 
     def __init__(self, store, model: str, *, group=None, max_inflight: int = 2, timeout_s: float = 300.0,
                  keep_every: int | None = None):
-        if max_inflight < 1:
-            raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
+        check_positive("max_inflight", max_inflight)
+        if keep_every is not None:
+            check_positive("keep_every", keep_every)
         self.store = store
         self.model = model
         self.max_inflight = max_inflight
@@ -61,8 +63,7 @@ class DistWriter:
         self.keep_every = keep_every
         self._group = _gloo_group(group, timeout_s)
         self._slots = threading.BoundedSemaphore(max_inflight)
-        self._copies = [_StagedCopy() for _ in range(max_inflight)]  # one per save in flight
-        self._free = list(self._copies)
+        self._free = [_StagedCopy() for _ in range(max_inflight)]  # one per save in flight
         self._lock = threading.Lock()
         self._snapshots = ThreadPoolExecutor(1, thread_name_prefix=f"ckptfs-dist-snapshot-{model}")
         self._saves = ThreadPoolExecutor(1, thread_name_prefix=f"ckptfs-dist-save-{model}")
@@ -78,19 +79,16 @@ class DistWriter:
         ``Writer.save``'s, for the global version."""
         if self._closed:
             raise CkptfsError("this writer is closed; open a new one with store.writer(..., group=...)")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
-        if keep is None:
-            keep = self.keep_every is not None and step % self.keep_every == 0
+        keep = is_kept(step, keep, self.keep_every)
         started = time.perf_counter()
         if not self._slots.acquire(timeout=self.timeout_s):
             raise BusyError(f"{self.max_inflight} saves of {self.model!r} still in flight after timeout_s="
                             f"{self.timeout_s:g}; raise max_inflight or save less often")
-        with self._lock:
-            copy = self._free.pop()
         future: Future = Future()
         future.snapshotted = Future()
-        self._pending.add(future)
+        with self._lock:
+            copy = self._free.pop()
+            self._pending.add(future)
 
         def snapshot():
             try:
@@ -112,7 +110,7 @@ class DistWriter:
                 future.set_exception(e)
                 raise
         stall_s = time.perf_counter() - started
-        self._saves.submit(self._save, future, copy, staged_future, step, bool(keep), extra, started,
+        self._saves.submit(self._save, future, copy, staged_future, step, keep, extra, started,
                            0.0 if async_snapshot else stall_s)
         return future
 
@@ -161,7 +159,9 @@ class DistWriter:
 
     def wait(self) -> None:
         """Wait for every save in flight (errors are in their futures)."""
-        for f in list(self._pending):
+        with self._lock:
+            pending = list(self._pending)
+        for f in pending:
             try:
                 f.result()
             except BaseException:  # noqa: BLE001 - the caller has the future

@@ -9,6 +9,22 @@ from ckptfs.region.ring import Claim
 from ckptfs.writer.plan import SavePlan
 
 
+def check_positive(name: str, value) -> None:
+    """ValueError unless ``value`` (the argument ``name``) is a positive int."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def is_kept(step, keep: bool | None, keep_every: int | None) -> bool:
+    """Check a save's ``step`` (ValueError) and say whether the version is kept: ``keep``, or
+    by default a step that is a multiple of ``keep_every`` (the writers' ``keep_every=``)."""
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 1 << 62:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    if keep is None:
+        return keep_every is not None and step % keep_every == 0
+    return bool(keep)
+
+
 class SaveFuture(Future):
     """The future of one save; ``snapshotted`` completes (with the stall in seconds) once the
     tensors have been copied out and may be modified."""

@@ -31,7 +31,7 @@ from ckptfs.region.format import SLOTS_MAX
 from ckptfs.region.region import Region, validate_model_name
 from ckptfs.region.ring import Ring
 from ckptfs.writer.cuda import CallerMark, caller_mark
-from ckptfs.writer.job import Job, SaveFuture, SaveResult
+from ckptfs.writer.job import Job, SaveFuture, SaveResult, check_positive, is_kept
 from ckptfs.writer.persist import PersistPipeline
 from ckptfs.writer.plan import Planner, SavePlan
 from ckptfs.writer.progress import ProgressBoard
@@ -78,16 +78,16 @@ class Writer:
                  staging_budget_bytes: int | None = None, slots: int | None = None,
                  slot_bytes: int | None = None, keep_every: int | None = None, timeout_s: float = 120.0):
         validate_model_name(model)
-        _positive("max_inflight", max_inflight)
-        _positive("persist_threads", persist_threads)
-        _positive("chunk_bytes", chunk_bytes)
+        check_positive("max_inflight", max_inflight)
+        check_positive("persist_threads", persist_threads)
+        check_positive("chunk_bytes", chunk_bytes)
         if chunk_bytes % 4096:
             raise ValueError(f"chunk_bytes must be a multiple of 4096, got {chunk_bytes}")
         if slots is not None and not max_inflight + 1 <= slots <= SLOTS_MAX:
             raise ValueError(f"slots={slots} must be between max_inflight+1={max_inflight + 1} and {SLOTS_MAX}: "
                              "N checkpoints in flight need N+1 slots so the latest is never overwritten")
         if keep_every is not None:
-            _positive("keep_every", keep_every)
+            check_positive("keep_every", keep_every)
         if staging_budget_bytes is not None and staging_budget_bytes < chunk_bytes:
             raise ValueError(f"staging_budget_bytes={staging_budget_bytes} is smaller than one chunk ({chunk_bytes})")
         if not region.writable:
@@ -152,11 +152,8 @@ class Writer:
         """
         if self._closed:
             raise CkptfsError("this writer is closed; open a new one with store.writer(...)")
-        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 1 << 62:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        keep = is_kept(step, keep, self.keep_every)
         files = encode_files(extra)
-        if keep is None:
-            keep = self.keep_every is not None and step % self.keep_every == 0
         started = time.perf_counter()
         future = SaveFuture()
         if not async_snapshot:
@@ -373,6 +370,3 @@ class Writer:
             return self._pools[cuda]
 
 
-def _positive(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
