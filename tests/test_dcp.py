@@ -154,7 +154,7 @@ def test_a_step_whose_commit_failed_is_never_visible_and_its_parts_are_reclaimed
 
 
 def test_dcp_metadata_codec_roundtrips_and_refuses_what_is_not_its_own(store):
-    from ckptfs.dist.codec import decode_metadata, encode_metadata
+    from ckptfs.dist.codec import decode_metadata, encode_index, encode_metadata, with_storage_data
 
     state = {"w": torch.randn(3, 4, dtype=torch.bfloat16), "n": {"k": (1, "x")}, "t": torch.tensor(5)}
     dcp.save(state, storage_writer=ckptfs.dcp.StorageWriter(store, "c", step=1))
@@ -168,6 +168,26 @@ def test_dcp_metadata_codec_roundtrips_and_refuses_what_is_not_its_own(store):
     with store.open_version("c") as v:
         raw = dict(v.manifest.files)["dcp-metadata.json"].encode()
     assert b"\x80" not in raw and raw.startswith(b"{")  # a JSON document, not a pickle
+    # each commit's places go into the encoded document as it is: the same text as a round trip
+    places = [(encode_index(i), {"pos": n}) for n, i in enumerate(meta.storage_data)]
+    again = decode_metadata(text)
+    again.storage_data = {i: {"pos": n} for n, i in enumerate(meta.storage_data)}
+    assert with_storage_data(text, places) == encode_metadata(again)
+    with pytest.raises(MalformedInputError):
+        with_storage_data(text.replace('"codec":1', '"codec":9'), places)
+
+
+def test_a_store_closed_and_opened_again_in_one_process_saves_and_loads(store):
+    """The writers kept across steps belong to the store that made them: a store opened again
+    (a job's next phase, a notebook) writes through its own."""
+    path = store.path
+    dcp.save({"w": torch.ones(4)}, storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=1))
+    store.close()
+    with ckptfs.Store(path) as again:
+        dcp.save({"w": torch.full((4,), 2.0)}, storage_writer=ckptfs.dcp.StorageWriter(again, "m", step=2))
+        back = {"w": torch.zeros(4)}
+        dcp.load(back, storage_reader=ckptfs.dcp.StorageReader(again, "m"))
+        assert torch.equal(back["w"], torch.full((4,), 2.0))
 
 
 def test_reading_a_plain_version_through_dcp_says_what_it_is(store):

@@ -78,6 +78,47 @@ def test_a_transformer_saved_every_step_at_2_ranks_loads_at_1_and_2_and_mounts_w
         assert set(whole) == set(ref_model) and all(torch.equal(whole[k], ref_model[k]) for k in ref_model)
 
 
+def _plans_once_per_structure(rank, world, region):
+    """Saves of one structure plan through dcp.save once; a new structure plans again; every
+    step loads back as saved (through the reused plan too)."""
+    import torch.distributed.checkpoint as dcp
+
+    planned, real_save = [], dcp.save
+
+    def counting_save(*args, **kwargs):
+        planned.append(1)
+        return real_save(*args, **kwargs)
+
+    dcp.save = counting_save
+
+    def state(step):
+        out = {"w": torch.full((8,), float(step)), "step": step}
+        if step >= 4:  # a new key and a new shape: a new structure
+            out.update(w=torch.full((6,), float(step)), b=torch.arange(3.0) + step)
+        return out
+
+    with ckptfs.Store(region) as store:
+        with store.writer("m", group=dist.group.WORLD, max_inflight=2) as w:
+            futures = [w.save(state(step), step=step) for step in (1, 2, 3)]
+            assert len(planned) == 1
+            futures += [w.save(state(step), step=step, async_snapshot=step == 5) for step in (4, 5)]
+            assert [f.result().step for f in futures] == [1, 2, 3, 4, 5]
+            assert len(planned) == 2
+        for step in (3, 4, 5):  # the ring still holds these: a reused plan, a new one, it reused
+            back = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0) for k, v in state(step).items()}
+            dcp.load(back, storage_reader=ckptfs.dcp.StorageReader(store, "m", step=step))
+            want = state(step)
+            assert back["step"] == step and all(torch.equal(back[k], want[k]) for k in want if k != "step")
+
+
+def test_a_plan_is_made_once_per_structure_and_reused_exactly(tmp_path):
+    region = str(tmp_path / "r.region")
+    ckptfs.Store.create(region, size_bytes=64 << 20).close()
+    run_ranks(_plans_once_per_structure, 2, region)
+    with ckptfs.Store(region) as store:
+        assert store.latest("m").step == 5
+
+
 def _one_rank_skips_a_step(rank, world, region):
     """Both ranks save step 1; rank 1 never comes to step 2: rank 0's save fails after
     timeout_s naming it, and step 1 stays the global latest."""

@@ -81,6 +81,26 @@ def decode_metadata(text: str) -> Metadata:
         raise MalformedInputError(f"the DCP metadata of this checkpoint is damaged or not ckptfs's: {e}") from None
 
 
+def with_storage_data(text: str, pairs) -> str:
+    """``encode_metadata``'s document ``text`` with its storage data replaced by ``pairs``
+    ((an ``encode_index`` index, a JSON-able value); of pairs with the same index the last wins),
+    the rest taken as it is, undecoded: every global commit records its places this way, and a
+    Metadata decoded and encoded again per commit is thousands of objects (and the gen-2 garbage
+    collections they bring on) for the same text."""
+    try:
+        doc = json.loads(text)
+    except ValueError as e:
+        raise MalformedInputError(f"the DCP metadata is not JSON: {e}") from None
+    if not isinstance(doc, dict) or doc.get("codec") != CODEC_VERSION:
+        raise MalformedInputError("the DCP metadata is not ckptfs's encoding")
+    places = {}
+    for index, value in pairs:
+        fqn, offset, n = index
+        places[(fqn, None if offset is None else tuple(offset), n)] = [index, value]
+    doc["storage_data"] = list(places.values())
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
 def encode_index(i: MetadataIndex) -> list:
     """A MetadataIndex as JSON data."""
     return [i.fqn, None if i.offset is None else list(i.offset), i.index]

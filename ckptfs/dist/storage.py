@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -39,11 +40,12 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ckptfs.dist.codec import decode_index, decode_metadata, encode_index, encode_metadata
+from ckptfs.dist.codec import decode_metadata, encode_index, encode_metadata, with_storage_data
 from ckptfs.dist.group import Arrival, check_agreement, coordination, exchange, this_rank
 from ckptfs.errors import CkptfsError, CorruptionError, NotFoundError, no_version_yet
 
 METADATA_FILE = "dcp-metadata.json"
+log = logging.getLogger("ckptfs")
 _writers: dict[tuple[str, str], object] = {}  # (region, part model) -> its Writer, kept across steps
 _writers_lock = threading.Lock()
 _pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckptfs-dcp")
@@ -81,6 +83,7 @@ class StorageWriter(_DCPWriter):
         self.rank = 0
         self.is_coordinator = True
         self._group = None
+        self._node_ranks: list[int] = []  # on a node's leader after the commit: whose parts to reclaim
 
     # ---------------------------------------------------------------- DCP's StorageWriter
     def reset(self, checkpoint_id=None) -> None:
@@ -108,7 +111,25 @@ class StorageWriter(_DCPWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         """This rank's part, then the global commit (see the module's docstring); the future
         completes when the step is the global latest on every node, or fails on every rank."""
-        tensors = [_as_tensor(item, planner.resolve_data(item)) for item in plan.items]
+        tensors, save = self.write_part(plan.items, planner)
+        metadata = getattr(planner, "metadata", None) if self.is_coordinator else None
+        done: Future = Future()
+
+        def commit() -> None:
+            try:
+                done.set_result(self.commit(plan.items, tensors, save, metadata))
+            except BaseException as e:  # noqa: BLE001 - delivered to DCP through the future
+                done.set_exception(e)
+
+        _pool.submit(commit)
+        return done
+
+    def write_part(self, items: list, planner: SavePlanner):
+        """Start this rank's part of the step: ``items`` (this rank's final save plan) resolved
+        through ``planner`` (set up with the state) and saved as a kept version of the part
+        model. Returns (the items' tensors, the part's SaveFuture) once its snapshot is taken:
+        the state may change from then on."""
+        tensors = [_as_tensor(item, planner.resolve_data(item)) for item in items]
         name = part_model(self.model, self.rank)
         _release_abandoned(self.store, self.model, name, self.step)
         writer = _part_writer(self.store, name, self.max_inflight)
@@ -117,39 +138,48 @@ class StorageWriter(_DCPWriter):
         try:
             save = writer.save({"items": tensors}, step=self.step, keep=True)
         except BaseException:
-            _done_with(self.store, name, self.step)
+            self.release_part()
             raise
-        save.add_done_callback(lambda _: _done_with(self.store, name, self.step))
-        metadata = getattr(planner, "metadata", None) if self.is_coordinator else None
-        done: Future = Future()
+        return tensors, save
 
-        def commit() -> None:
+    def release_part(self) -> None:
+        """This rank's part of the step is no longer in flight (committed, or given up): from now
+        on a later step's ``_release_abandoned`` may unkeep it unless a global version names it."""
+        _done_with(self.store, part_model(self.model, self.rank), self.step)
+
+    def commit(self, items: list, tensors: list, save, metadata: Metadata | None, *,
+               reclaim: bool = True) -> list[WriteResult]:
+        """Once the part (``save``, from ``write_part``) is durable, or failed: the global commit
+        (see the module's docstring), on every rank in the same order of steps; returns DCP's
+        write results. ``metadata``: DCP's global metadata on the coordinator (or its
+        ``encode_metadata`` text), else None.
+        ``reclaim``: then reclaim the older parts (else the caller calls ``reclaim`` later,
+        once it has told its own caller that the step is committed)."""
+        try:
             try:
                 counter = save.result().counter
                 ok, error = True, None
-            except BaseException as e:  # noqa: BLE001 - told to every rank, raised below
+            except BaseException as e:  # noqa: BLE001 - told to every rank, raised by _commit
                 counter, ok, error = None, False, f"rank {self.rank}: {e}"
-            try:
-                results = self._commit(plan, tensors, counter, ok, error, metadata)
-                done.set_result(results)
-            except BaseException as e:  # noqa: BLE001 - delivered to DCP through the future
-                done.set_exception(e)
-
-        _pool.submit(commit)
-        return done
+            results = self._commit(items, tensors, counter, ok, error, metadata)
+        finally:
+            self.release_part()  # only now: a part durable but not yet committed stays kept
+        if reclaim:
+            self.reclaim()
+        return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Nothing is left: every node committed the global version in ``write_data``."""
 
     # ---------------------------------------------------------------- the global commit
-    def _commit(self, plan, tensors, counter, ok, error, metadata) -> list[WriteResult]:
+    def _commit(self, items, tensors, counter, ok, error, metadata) -> list[WriteResult]:
         # (wall clock) this rank's part durable, and the step recorded on every node: the
         # global-commit latency is the last of the first to the second (tools/bench_dist.py)
         self.part_durable_at = time.time()
         region = self.store.region.superblock.uuid.hex()
         mine = {"rank": self.rank, "region": region, "ok": ok, "error": error, "counter": counter,
-                "model": self.model, "step": self.step, "items": [encode_index(item.index) for item in plan.items],
-                "metadata": None if metadata is None else encode_metadata(metadata)}
+                "model": self.model, "step": self.step, "items": [encode_index(item.index) for item in items],
+                "metadata": metadata if metadata is None or isinstance(metadata, str) else encode_metadata(metadata)}
         everyone = exchange(mine, self._group, f"the exchange of parts of {self.model!r} step {self.step}",
                              Arrival(self._group, f"{self.model}/parts"))
         check_agreement(everyone)
@@ -171,11 +201,13 @@ class StorageWriter(_DCPWriter):
             raise CkptfsError(f"step {self.step} of {self.model!r} is not recorded on every node: " + "; ".join(failed))
         self.committed_at = time.time()
         if leaders[region] == self.rank:
-            node_ranks = [p["rank"] for p in everyone if p["region"] == region]
-            _reclaim(self.store, self.model, node_ranks, keep_step=self.step)
-        return [WriteResult(index=item.index, size_in_bytes=_nbytes(t),
-                            storage_data={"rank": self.rank, "counter": counter, "pos": pos})
-                for pos, (item, t) in enumerate(zip(plan.items, tensors))]
+            self._node_ranks = [p["rank"] for p in everyone if p["region"] == region]
+        return write_results(items, tensors, self.rank, counter)
+
+    def reclaim(self) -> None:
+        """After the commit, on each node's leader: unkeep the node's parts older than the step."""
+        if self._node_ranks:
+            _reclaim(self.store, self.model, self._node_ranks, keep_step=self.step)
 
 
 class StorageReader(_DCPReader):
@@ -283,11 +315,9 @@ def _record(everyone: list[dict], step: int) -> str:
     if metadata is None:
         raise CkptfsError("the coordinator's planner has no global metadata (ckptfs needs DCP's DefaultSavePlanner "
                           "or one that keeps .metadata)")
-    meta = decode_metadata(metadata)
-    meta.storage_data = {decode_index(index): {"region": p["region"], "rank": p["rank"], "counter": p["counter"],
-                                               "pos": pos}
-                         for p in everyone for pos, index in enumerate(p["items"])}
-    return encode_metadata(meta)
+    return with_storage_data(metadata, [(index, {"region": p["region"], "rank": p["rank"], "counter": p["counter"],
+                                                 "pos": pos})
+                                        for p in everyone for pos, index in enumerate(p["items"])])
 
 
 _recorded: dict[tuple[str, str], set[int]] = {}  # (region, model) -> steps this process recorded there
@@ -308,9 +338,17 @@ def _record_here(store, model: str, step: int, record: str, keep: bool = False, 
             f"or remove the versions after the step you resumed from (`ckptfs rm {model} STEP...`)")
     if latest is not None and latest.step >= step:
         return
-    with store.writer(model, max_inflight=1) as w:
-        w.save({"dcp": {"step": step}}, step=step, extra={**(extra or {}), METADATA_FILE: record}, keep=keep).result()
+    w = _part_writer(store, model, 1)
+    w.save({"dcp": {"step": step}}, step=step, extra={**(extra or {}), METADATA_FILE: record}, keep=keep).result()
     _recorded.setdefault(key, set()).add(step)
+
+
+def write_results(items: list, tensors: list, rank: int, counter: int | None) -> list[WriteResult]:
+    """DCP's write results of a rank's part (ckptfs's own record of the places is the global
+    version's metadata, ``_record``; these are what DCP's finish step expects)."""
+    return [WriteResult(index=item.index, size_in_bytes=_nbytes(t),
+                        storage_data={"rank": rank, "counter": counter, "pos": pos})
+            for pos, (item, t) in enumerate(zip(items, tensors))]
 
 
 def _as_tensor(item, data) -> torch.Tensor:
@@ -325,15 +363,25 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _part_writer(store, model: str, max_inflight: int):
-    """One writer per part model and region in this process, reused by every step (its staging
-    pool and ring stay warm)."""
+    """One writer per part model (or global model) and open region in this process, reused by
+    every step (its staging pool and ring stay warm); a store opened again gets a new one."""
     key = (store.path, model)
     with _writers_lock:
         w = _writers.get(key)
-        if w is None or w._closed:
+        if w is None or w._closed or w.region is not store.region:
+            if w is not None and not w._closed:
+                _close_stale(w)
             w = store.writer(model, max_inflight=max_inflight)
             _writers[key] = w
         return w
+
+
+def _close_stale(writer) -> None:
+    """Close the cached writer of a store that was closed (its saves ended with it)."""
+    try:
+        writer.close()
+    except Exception as e:  # noqa: BLE001 - its region is gone; nothing of it is needed
+        log.debug("ckptfs: closing the writer of a closed store: %s", e)
 
 
 def _latest(store, model: str):
@@ -402,7 +450,7 @@ def item_records(part) -> dict[int, int]:
     return {int(ref.key_path[1]): ref.tensor_index for ref in part.manifest.refs() if ref.key_path[:1] == ("items",)}
 
 
-_in_flight: set[tuple[str, str, int]] = set()  # (region, part model, step) of this process's saves
+_in_flight: set[tuple[str, str, int]] = set()  # (region, part model, step) of this process's saves not yet committed
 
 
 def _done_with(store, name: str, step: int) -> None:

@@ -9,19 +9,25 @@ The engine is torch.distributed.checkpoint: its planners decide which rank write
 under it (``StorageWriter`` / ``StorageReader``, docs/DISTRIBUTED.md). What this adds is the
 writer's contract of a single process, for many:
 
-* the snapshot: each save copies the rank's state (its shards, on any device) into a CPU copy
-  made once per structure and reused while the structure is unchanged (DCP's state-dict copy
-  helpers; pinned for CUDA), on the caller's thread or, with ``async_snapshot``, on a thread of
-  its own; the caller may change the state once ``future.snapshotted`` completes;
-* N in flight: up to ``max_inflight`` snapshots wait for, or are in, their save; one more save
-  waits (backpressure, ``BusyError`` after ``timeout_s``) and nothing else blocks the caller;
-* the saves run one after another on a thread of their own: DCP's collectives of two saves
-  must not interleave, and they run on ckptfs's gloo group, never behind the job's NCCL traffic;
+* one copy, pipelined with the writes: a save hands the rank's items (its shards, on any
+  device) to its part's writer, whose snapshot copies them chunk by chunk into its staging
+  buffers while the chunks already copied are written; the caller may change the state once
+  ``future.snapshotted`` completes (on the caller's thread, or with ``async_snapshot`` on a
+  thread of the writer's own);
+* the plan of a structure is made once: the first save of a structure goes through
+  ``dcp.save`` (DCP's planners); while every rank's structure (keys, shapes, dtypes,
+  placements) stays the same, the later saves reuse that plan and skip DCP's planning;
+* N in flight: up to ``max_inflight`` saves are in their snapshot or their commit; one more
+  save waits (backpressure, ``BusyError`` after ``timeout_s``) and nothing else blocks the
+  caller. The snapshots, and the global commits, run in call order on a thread each, over a
+  gloo group each (a group's collectives must come in one order on every rank), never behind
+  the job's NCCL traffic;
 * a rank that never comes to a save fails every other rank's save after ``timeout_s``, naming it.
 """
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,10 +35,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ckptfs.dist.codec import encode_metadata
 from ckptfs.dist.group import Arrival, check_agreement, coordination, exchange, this_rank
-from ckptfs.dist.storage import StorageReader, StorageWriter
+from ckptfs.dist.storage import StorageReader, StorageWriter, write_results
 from ckptfs.errors import BusyError, CkptfsError
 from ckptfs.writer.job import check_positive, is_kept
+
+log = logging.getLogger("ckptfs")
 
 
 @dataclass(frozen=True)
@@ -41,10 +50,31 @@ class DistSaveResult:
 
     model: str
     step: int
-    stall_s: float  # the caller's wait: backpressure and (without async_snapshot) the copy
+    stall_s: float  # the caller's wait: backpressure and (without async_snapshot) the snapshot
     durable_s: float  # from save() until the step was the global latest on every node
     part_durable_at: float  # time.time() when this rank's part was durable
     committed_at: float  # time.time() when every node had recorded the step
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """This rank's final DCP save plan of one structure, kept for the saves that follow."""
+
+    signature: tuple  # the structure it was made for (_signature)
+    made_at: int  # the step whose dcp.save made it: the same on every rank that has it
+    items: list  # this rank's WriteItems
+    metadata: str | None  # DCP's global metadata, encoded (on the coordinator; else None)
+
+
+@dataclass
+class _Written:
+    """One save past its snapshot: what its global commit needs."""
+
+    storage: StorageWriter
+    items: list
+    tensors: list
+    part: Future  # the part's SaveFuture (or a failed future: the commit tells every rank)
+    metadata: object  # as StorageWriter.commit's
 
 
 class DistWriter:
@@ -61,13 +91,14 @@ class DistWriter:
         self.max_inflight = max_inflight
         self.timeout_s = timeout_s
         self.keep_every = keep_every
-        self._group = _gloo_group(group, timeout_s)
+        self._group = _gloo_group(group, timeout_s)  # the snapshots' agreement and DCP's planning
+        self._commit_group = _gloo_group(group, timeout_s, "commit")
         self._slots = threading.BoundedSemaphore(max_inflight)
-        self._free = [_StagedCopy() for _ in range(max_inflight)]  # one per save in flight
         self._lock = threading.Lock()
         self._snapshots = ThreadPoolExecutor(1, thread_name_prefix=f"ckptfs-dist-snapshot-{model}")
-        self._saves = ThreadPoolExecutor(1, thread_name_prefix=f"ckptfs-dist-save-{model}")
+        self._commits = ThreadPoolExecutor(1, thread_name_prefix=f"ckptfs-dist-commit-{model}")
         self._pending: set[Future] = set()
+        self._plan: _Plan | None = None
         self._closed = False
 
     def save(self, state: dict, step: int, *, async_snapshot: bool = False, keep: bool | None = None,
@@ -75,8 +106,10 @@ class DistWriter:
         """Save ``state`` (this rank's state dict: tensors, DTensors, sharded tensors, plain
         values) as step ``step`` of the job; returns a future (with ``snapshotted``, as
         ``Writer.save``'s) that completes with a DistSaveResult once the step is the job's
-        global latest on every node, or fails on every rank. ``keep`` and ``extra``: as
-        ``Writer.save``'s, for the global version."""
+        global latest on every node, or fails on every rank. Without ``async_snapshot`` the
+        snapshot's errors (ranks that disagree or never came, a refused state) raise here, as
+        ``Writer.save``'s do. ``keep`` and ``extra``: as ``Writer.save``'s, for the global
+        version."""
         if self._closed:
             raise CkptfsError("this writer is closed; open a new one with store.writer(..., group=...)")
         keep = is_kept(step, keep, self.keep_every)
@@ -87,57 +120,94 @@ class DistWriter:
         future: Future = Future()
         future.snapshotted = Future()
         with self._lock:
-            copy = self._free.pop()
             self._pending.add(future)
 
-        def snapshot():
+        def snapshot() -> None:
             try:
-                staged = copy.stage(state)
+                written = self._snapshot(state, step, keep, extra)
             except BaseException as e:  # noqa: BLE001 - delivered through both futures
                 future.snapshotted.set_exception(e)
-                raise
-            future.snapshotted.set_result(time.perf_counter() - started)
-            return staged
-
-        if async_snapshot:
-            staged_future = self._snapshots.submit(snapshot)
-        else:
-            staged_future = Future()
-            try:
-                staged_future.set_result(snapshot())
-            except BaseException as e:  # noqa: BLE001 - raised below, after the slot is returned
-                self._done(future, copy)
+                self._done(future)
                 future.set_exception(e)
                 raise
-        stall_s = time.perf_counter() - started
-        self._saves.submit(self._save, future, copy, staged_future, step, keep, extra, started,
-                           0.0 if async_snapshot else stall_s)
+            stall_s = 0.0 if async_snapshot else time.perf_counter() - started
+            future.snapshotted.set_result(time.perf_counter() - started)
+            # in snapshot order, so in the same order of steps on every rank
+            self._commits.submit(self._commit, future, written, step, started, stall_s)
+
+        task = self._snapshots.submit(snapshot)
+        if not async_snapshot:
+            task.result()
         return future
 
-    def _save(self, future, copy, staged_future, step, keep, extra, started, stall_s) -> None:
-        try:
-            staged = staged_future.result()
-            self._agree(staged, step)
-            writer = StorageWriter(self.store, self.model, step, max_inflight=self.max_inflight,
-                                   timeout_s=self.timeout_s, group=self._group, keep=keep, extra=extra)
-            import torch.distributed.checkpoint as dcp
+    def _snapshot(self, state: dict, step: int, keep: bool, extra: dict | None) -> _Written:
+        """Agree with the other ranks, then start this rank's part: through the plan made for
+        this structure, or through dcp.save (which plans) when any rank has none."""
+        from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dict
 
-            dcp.save(staged, storage_writer=writer, process_group=self._group)
+        state = _stateful_to_state_dict(state)
+        signature = _signature(state)
+        plan = self._plan if self._plan is not None and self._plan.signature == signature else None
+        everyone = self._agree(state, step, None if plan is None else plan.made_at)
+        storage = StorageWriter(self.store, self.model, step, max_inflight=self.max_inflight,
+                                timeout_s=self.timeout_s, group=self._commit_group, keep=keep, extra=extra)
+        if plan is None or len({p["plan"] for p in everyone}) > 1:
+            return self._plan_and_write(state, step, signature, storage)
+        rank = this_rank()
+        storage.set_up_storage_writer(rank == 0, rank=rank)
+        try:
+            from torch.distributed.checkpoint import DefaultSavePlanner
+
+            planner = DefaultSavePlanner()
+            planner.set_up_planner(state, None, rank == 0)
+            tensors, part = storage.write_part(plan.items, planner)
+        except BaseException as e:  # noqa: BLE001 - the commit tells every rank, which then all fail
+            tensors, part = [], Future()
+            part.set_exception(e)
+        return _Written(storage, plan.items, tensors, part, plan.metadata)
+
+    def _plan_and_write(self, state: dict, step: int, signature: tuple, storage: StorageWriter) -> _Written:
+        """dcp.save over ``storage`` whose write step only starts the part (see _PartOnly); the
+        plan it made is kept for the saves of the same structure."""
+        import torch.distributed.checkpoint as dcp
+
+        capture = _PartOnly(storage)
+        try:
+            dcp.save(state, storage_writer=capture, process_group=self._group)
+        except BaseException:
+            if capture.written is not None:
+                storage.release_part()  # no commit follows: a later save may reclaim the part
+            raise
+        written = capture.written
+        if written.metadata is not None:  # encoded once per plan, not at every commit
+            written.metadata = encode_metadata(written.metadata)
+        self._plan = _Plan(signature, step, written.items, written.metadata)
+        return written
+
+    def _commit(self, future: Future, written: _Written, step: int, started: float, stall_s: float) -> None:
+        storage = written.storage
+        try:
+            storage.commit(written.items, written.tensors, written.part, written.metadata, reclaim=False)
             result = DistSaveResult(self.model, step, stall_s, time.perf_counter() - started,
-                                    writer.part_durable_at, writer.committed_at)
+                                    storage.part_durable_at, storage.committed_at)
         except BaseException as e:  # noqa: BLE001 - delivered through the future
-            self._done(future, copy)
+            self._done(future)
             future.set_exception(e)
             return
-        self._done(future, copy)
+        self._done(future)
         future.set_result(result)
+        try:
+            storage.reclaim()  # after the caller is told: before the next commit, on this thread
+        except BaseException as e:  # noqa: BLE001 - the step is committed; a later commit reclaims again
+            log.warning("ckptfs: reclaiming the parts older than step %d of %s failed: %s", step, self.model, e)
 
-    def _agree(self, state: dict, step: int) -> None:
+    def _agree(self, state: dict, step: int, plan_made_at: int | None) -> list[dict]:
         """Before anything is written: every rank came to this save (CkptfsError naming those
-        that did not, after ``timeout_s``) with the same model, step and keys."""
+        that did not, after ``timeout_s``) with the same model, step and keys. Returns every
+        rank's answer, with the step whose plan it would reuse (``plan``; None: it has none)."""
         paths = sorted(_key_paths(state))
         digest = hashlib.sha256("\n".join(paths).encode("utf-8", "surrogatepass")).hexdigest()
-        mine = {"rank": this_rank(), "model": self.model, "step": step, "keys": digest}
+        mine = {"rank": this_rank(), "model": self.model, "step": step, "keys": digest, "plan": plan_made_at}
         everyone = exchange(mine, self._group, f"the start of step {step} of {self.model!r}",
                              Arrival(self._group, f"{self.model}/save"))
         check_agreement(everyone)
@@ -150,10 +220,10 @@ class DistWriter:
             said = said or "some ranks lack keys the others have"
             raise CkptfsError(f"the ranks do not save the same keys in step {step} of {self.model!r} ({said}): "
                               "every rank must save the same state dict keys; nothing was committed")
+        return everyone
 
-    def _done(self, future, copy) -> None:
+    def _done(self, future) -> None:
         with self._lock:
-            self._free.append(copy)
             self._pending.discard(future)
         self._slots.release()
 
@@ -172,9 +242,9 @@ class DistWriter:
         if self._closed:
             return
         self._closed = True
-        self.wait()
         self._snapshots.shutdown(wait=True)
-        self._saves.shutdown(wait=True)
+        self.wait()
+        self._commits.shutdown(wait=True)
 
     def __enter__(self) -> "DistWriter":
         return self
@@ -183,22 +253,30 @@ class DistWriter:
         self.close()
 
 
-class _StagedCopy:
-    """A CPU copy of a state dict, made once per structure (keys, shapes, dtypes, devices,
-    placements) and refilled in place while the structure is unchanged."""
+class _PartOnly(StorageWriter):
+    """The storage of a DistWriter's dcp.save: DCP plans; the write step starts this rank's part
+    and returns once its snapshot is taken; the global commit is left to the DistWriter's commit
+    thread (``written``), so that dcp.save returns while the part is still being written."""
 
-    def __init__(self):
-        self._signature = None
-        self._copy = None
+    def __init__(self, storage: StorageWriter):
+        super().__init__(storage.store, storage.model, storage.step, max_inflight=storage.max_inflight,
+                         timeout_s=storage.timeout_s, group=storage.group, keep=storage.keep, extra=storage.extra)
+        self.storage = storage
+        self.written: _Written | None = None
 
-    def stage(self, state: dict) -> dict:
-        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+    def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        self.storage.set_up_storage_writer(is_coordinator, *args, **kwargs)
 
-        signature = _signature(state)
-        if signature != self._signature:
-            self._copy = _create_cpu_state_dict(state, pin_memory=torch.cuda.is_available())
-            self._signature = signature
-        return _copy_state_dict(state, self._copy)
+    def write_data(self, plan, planner):
+        from torch.futures import Future as TorchFuture
+
+        tensors, part = self.storage.write_part(plan.items, planner)
+        metadata = getattr(planner, "metadata", None) if self.is_coordinator else None
+        self.written = _Written(self.storage, plan.items, tensors, part, metadata)
+        done: TorchFuture = TorchFuture()
+        done.set_result(write_results(plan.items, tensors, self.rank, None))
+        return done
 
 
 def _signature(obj):
@@ -238,9 +316,10 @@ def load(store, model: str, into: dict, *, group=None, step: int | None = None, 
     return into
 
 
-def _gloo_group(group, timeout_s: float):
-    """The gloo group the ranks of ``group`` coordinate through: ckptfs's own over every rank
-    (``group`` None or the world), None without torch.distributed."""
+def _gloo_group(group, timeout_s: float, purpose: str = "save"):
+    """The gloo group the ranks of ``group`` coordinate through (for ``purpose``, see
+    ``coordination``): ckptfs's own over every rank (``group`` None or the world), None without
+    torch.distributed."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -249,4 +328,4 @@ def _gloo_group(group, timeout_s: float):
             dist.get_process_group_ranks(group) != list(range(dist.get_world_size())):
         raise ValueError("group= must be the whole job (dist.group.WORLD): every rank saves its part of a "
                          "checkpoint")
-    return coordination(timeout_s)
+    return coordination(timeout_s, purpose)
