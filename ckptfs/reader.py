@@ -196,13 +196,18 @@ class VersionData:
 
     # ------------------------------------------------------------------ streaming
     def scan(self, on_chunk: Callable[[StagingBuffer, Chunk], None] | None = None,
-             progress: Callable[[int], None] | None = None) -> list[tuple[TensorRecord, int]]:
+             progress: Callable[[int], None] | None = None,
+             only: set[int] | None = None) -> list[tuple[TensorRecord, int]]:
         """Read the whole data area chunk by chunk, calling ``on_chunk(buffer, chunk)`` for each;
         return (record, CRC as read) of every tensor whose bytes fail their checksum (the intact
-        ones are remembered as checked)."""
-        crcs = _scan(self._region, self._data_base, self.manifest, on_chunk, progress)
+        ones are remembered as checked). ``only``: the indices of the tensors wanted; just the
+        chunks that hold their bytes are read (``on_chunk`` may see other tensors' pieces in
+        them), and only they are checked."""
+        crcs = _scan(self._region, self._data_base, self.manifest, on_chunk, progress, only)
         bad = []
         for index, (record, crc) in enumerate(zip(self.manifest.tensors, crcs, strict=True)):
+            if only is not None and index not in only:
+                continue
             if crc == record.crc32:
                 self._checked.add(index)
             else:
@@ -270,9 +275,12 @@ def matching_tensors(manifest: Manifest, into) -> list[torch.Tensor]:
     return list(flat.tensors)
 
 
-def _scan(region, data_base: int, manifest: Manifest, on_chunk, progress) -> list[int]:
-    """The CRC32 of every tensor as read, chunk by chunk through bounce buffers."""
+def _scan(region, data_base: int, manifest: Manifest, on_chunk, progress, only: set[int] | None = None) -> list[int]:
+    """The CRC32 of every tensor (of those in ``only``; the others' are meaningless) as read,
+    chunk by chunk through bounce buffers."""
     chunks = plan_chunks(manifest.tensors, manifest.data_bytes, READ_CHUNK_BYTES)
+    if only is not None:
+        chunks = [c for c in chunks if any(p.tensor in only for p in c.pieces)]
     buffer_bytes = max((c.length for c in chunks), default=0)
     piece_crcs: list[list[tuple[int, int, int]]] = [[] for _ in manifest.tensors]
     mutex = threading.Lock()
@@ -290,7 +298,7 @@ def _scan(region, data_base: int, manifest: Manifest, on_chunk, progress) -> lis
             on_chunk(buf, chunk)
         with memoryview(buf.mapping) as view:
             crcs = [(p.tensor, p.tensor_start, p.length, crc32(view[p.buffer_start:p.buffer_start + p.length]))
-                    for p in chunk.pieces]
+                    for p in chunk.pieces if only is None or p.tensor in only]
         with mutex:
             for tensor, start, n, crc in crcs:
                 piece_crcs[tensor].append((start, n, crc))

@@ -489,3 +489,7 @@ def test_info_export_and_verify_of_a_multi_rank_version(store, capsys, tmp_path)
     code, _, err = run(capsys, "export", "--region", store.path, "m", str(tmp_path / "bad") + "/")
     assert code != 0 and "items.0" in err and "checksum" in err
     assert not os.path.exists(tmp_path / "bad") or not os.listdir(tmp_path / "bad")
+    with ckptfs.Store(store.path) as again:  # a load reads through the same checks
+        back = {"w": torch.zeros(64, 32), "b": torch.zeros(10)}
+        with pytest.raises(BaseException, match="'items.0' of .m.rank0 step 7 fails its checksum"):
+            dcp.load(back, storage_reader=ckptfs.dcp.StorageReader(again, "m"))

@@ -36,12 +36,13 @@ import torch
 from torch.distributed.checkpoint import StorageReader as _DCPReader
 from torch.distributed.checkpoint import StorageWriter as _DCPWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ckptfs.dist.codec import decode_metadata, encode_index, encode_metadata, with_storage_data
 from ckptfs.dist.group import Arrival, check_agreement, coordination, exchange, this_rank
+from ckptfs.dist.load import read_into_plan
 from ckptfs.errors import CkptfsError, CorruptionError, NotFoundError, no_version_yet
 
 METADATA_FILE = "dcp-metadata.json"
@@ -281,20 +282,7 @@ class StorageReader(_DCPReader):
         for (region, rank, counter), items in sorted(by_part.items()):
             with open_part(self._store_of(region, rank), self.model, rank, counter) as part:
                 stored = item_records(part)
-                for item, pos in items:
-                    # each piece straight from the region into its target: no whole-part copy
-                    tensor = part.data.tensor(stored[pos])  # checked against its CRC
-                    if item.type == LoadItemType.BYTE_IO:
-                        raw = tensor.numpy().tobytes()
-                        part.data.confirm()
-                        planner.load_bytes(item, io.BytesIO(raw))
-                        continue
-                    for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
-                        tensor = tensor.narrow(dim, offset, length)
-                    target = planner.resolve_tensor(item).detach()
-                    target.copy_(tensor)
-                    part.data.confirm()  # the copy read a live mapping, not zeros of a faulted one
-                    planner.commit_tensor(item, target)
+                read_into_plan(part.data, [(item, stored[pos]) for item, pos in items], planner)
         done: Future = Future()
         done.set_result(None)
         return done
