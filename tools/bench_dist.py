@@ -16,8 +16,10 @@ are taken within the round (median over --rounds, worst round printed too):
 | dcp.async_save + FileSystemWriter | stall and durable |
 | raw O_DIRECT overwrite | each rank writes its state's bytes into a file of its own written once before, fdatasync |
 
-Then the state saved at the largest W is loaded at W/2 (resharded; after a page-cache drop):
-``dcp.load`` with ckptfs's StorageReader against FileSystemReader. Targets (issue 14): aggregate
+Then the state saved at the largest W is loaded at W/2 (resharded; after a page-cache drop, and
+ckptfs's store opened in the round, as drop_caches leaves the pages a process has mapped):
+``dcp.load`` with ckptfs's StorageReader against FileSystemReader, and the floor: each rank an
+O_DIRECT read of an equal share of the same bytes (DCP's files). Targets (issue 14): aggregate
 durable throughput >= 0.9 x raw overwrite; >= 3 x dcp.save with FileSystemWriter; stall <= 1.25 x
 the copy floor; global commit <= 50 ms; resharded load >= 2 x DCP's.
 
@@ -161,6 +163,7 @@ def _save_rank(rank, world, args, workdir, out, keep: bool) -> None:
 
 
 def _load_rank(rank, world, args, workdir, saved_world, out) -> None:
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     import ckptfs
@@ -168,19 +171,37 @@ def _load_rank(rank, world, args, workdir, saved_world, out) -> None:
 
     gloo = coordination(600)
     state = _state(args, world)
-    store = ckptfs.Store(os.path.join(workdir, f"region-{saved_world}"))
+    region = os.path.join(workdir, f"region-{saved_world}")
     samples = []
+
+    def ckptfs_load():
+        # a store of its own per round, as a restarted job opens it: a store kept open keeps
+        # the region's pages it mapped in the page cache, and drop_caches leaves mapped pages
+        with ckptfs.Store(region) as store:
+            dcp.load(state, storage_reader=ckptfs.dcp.StorageReader(store, MODEL, group=gloo), process_group=gloo)
+
+    fs_dir = os.path.join(workdir, "fs-kept")
+    files = sorted(os.path.join(fs_dir, f) for f in os.listdir(fs_dir) if f.endswith(".distcp"))
+    mine = files[rank::world]  # the floor: the same bytes, each rank an equal share, O_DIRECT
+    raw_buf = bc.AlignedBuffer(8 << 20)
+
+    def raw_read():
+        for f in mine:
+            bc.odirect_read(f, os.path.getsize(f) // 4096 * 4096, raw_buf)
+
     for _ in range(args.rounds):
         row = {}
-        for name, reader in (("ck", lambda: ckptfs.dcp.StorageReader(store, MODEL, group=gloo)),
-                             ("fs", lambda: dcp.FileSystemReader(os.path.join(workdir, "fs-kept")))):
+        for name, load in (("raw", raw_read), ("ck", ckptfs_load),
+                           ("fs", lambda: dcp.load(state, storage_reader=dcp.FileSystemReader(
+                               os.path.join(workdir, "fs-kept")), process_group=gloo))):
+            dist.barrier(gloo)
             if rank == 0:
                 bc.drop_caches()
-            row[name] = _timed(lambda: dcp.load(state, storage_reader=reader(), process_group=gloo), gloo)
+            row[name] = _timed(load, gloo)
         samples.append(row)
+    raw_buf.close()
     if rank == 0:
         out.put(samples)
-    store.close()
 
 
 def _max(x: float, group) -> float:
@@ -263,6 +284,9 @@ def main() -> None:
         print(f"dcp.load FileSystemReader / ckptfs StorageReader: median {m:.2f}, lowest "
               f"{min(r['fs'] / r['ck'] for r in rows):.2f}  (target >= 2); ckptfs "
               f"{statistics.median(r['ck'] for r in rows):.3f} s, FS {statistics.median(r['fs'] for r in rows):.3f} s")
+        m, _ = _med(rows, lambda r: r["raw"] / r["ck"])
+        print(f"raw O_DIRECT read of the same bytes (the disk's floor) / ckptfs StorageReader: median {m:.2f} "
+              f"(raw {statistics.median(r['raw'] for r in rows):.3f} s)")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 

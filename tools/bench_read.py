@@ -12,7 +12,7 @@ sides read the same bytes from the same disk.
 
 Each round times, alternating which side goes first:
 
-| row | what is timed (every measurement starts with ``sync; echo 3 > drop_caches``) |
+| row | what is timed (every measurement starts with ``sync; echo 3 > drop_caches``, and on the mount's side from a fresh mount, as drop_caches leaves the pages the daemon has mapped) |
 | --- | --- |
 | cp cold | ``cp FILE /dev/null`` (mount: state.safetensors) |
 | cp 2nd read | the same after one untimed ``cp`` (info: the read that promotes the cached pages) |
@@ -135,12 +135,15 @@ ROWS = [("cp cold", "cp", None), ("cp 2nd read", "cp", 1), ("cp warm", "cp", 2),
         ("torch.load cold", "load", None), ("torch.load warm", "load", 2)]
 
 
-def measure(pairs: dict[str, tuple[str, str]], rounds: int, kinds: set[str]) -> dict:
+def measure(pairs: dict[str, tuple[str, str]], rounds: int, kinds: set[str], remount) -> dict:
     """{row: {"mount": [s...], "plain": [s...]}} for every row of ``kinds`` (cp, load), ``rounds`` times.
 
     Every measurement starts from dropped caches, so no row depends on what ran before it:
     cold rows time the first read; "2nd read" times the read right after the one that filled
-    the cache; warm rows time a read of a file already read twice (resident, steady state)."""
+    the cache; warm rows time a read of a file already read twice (resident, steady state).
+    A mount side starts from a fresh mount (``remount()``): the daemon reads the region through
+    its mapping, and drop_caches leaves the pages a process has mapped, so a daemon kept from
+    the last measurement would serve a "cold" read from memory."""
     samples: dict[str, dict[str, list[float]]] = {}
     rows = [row for row in ROWS if row[1] in kinds]
     for r in range(rounds):
@@ -150,6 +153,8 @@ def measure(pairs: dict[str, tuple[str, str]], rounds: int, kinds: set[str]) -> 
             for side in order:
                 path = paths[0] if side == "mount" else paths[1]
                 fn = timed_cp if kind == "cp" else timed_load
+                if side == "mount":
+                    remount()
                 drop_caches()
                 for _ in range(untimed or 0):
                     fn(path)
@@ -218,7 +223,12 @@ def main() -> None:
         if not cold_ok:
             print("bench_read: cannot drop the page cache (not root?): cold rows are warm", file=sys.stderr)
         kinds = {args.only} if args.only else {"cp", "load", "listing"}
-        samples = measure(pairs, rounds, kinds - {"listing"})
+        def remount():
+            nonlocal proc
+            unmount(proc, mnt)
+            proc = mount(region, mnt)
+
+        samples = measure(pairs, rounds, kinds - {"listing"}, remount)
         result = report(samples, nbytes, cold_ok)
         if "listing" in kinds:
             plain_dir = os.path.join(workdir, "plain-version")
