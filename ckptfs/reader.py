@@ -32,6 +32,18 @@ READ_CHUNK_BYTES = 32 << 20
 READ_THREADS = 3
 CHECK_BLOCK_BYTES = 8 << 20  # a tensor checked through the mapping is read in blocks this size,
 PREFETCH_AHEAD_BYTES = 16 << 20  # with this much asked for ahead of the block being checksummed
+CHECK_AHEAD_BYTES = 64 << 20  # the tensors this far past a read are checked in the background
+CHECK_AHEAD_THREADS = 2
+_check_ahead_pool: ThreadPoolExecutor | None = None
+_check_ahead_lock = threading.Lock()
+
+
+def _ahead_pool() -> ThreadPoolExecutor:
+    global _check_ahead_pool
+    with _check_ahead_lock:
+        if _check_ahead_pool is None:
+            _check_ahead_pool = ThreadPoolExecutor(CHECK_AHEAD_THREADS, thread_name_prefix="ckptfs-check-ahead")
+        return _check_ahead_pool
 
 
 @dataclass(frozen=True)
@@ -65,6 +77,8 @@ class VersionData:
         self.manifest = manifest
         self._checked: set[int] = set() if checked is None else checked
         self._placed: tuple[list[int], list[int]] | None = None  # see _placement
+        self._ahead: dict[int, object] = {}  # tensor index -> the Future of its check ahead
+        self._ahead_end = 0  # the data offset up to which checks ahead were started
 
     def _placement(self) -> tuple[list[int], list[int]]:
         """(data offsets in ascending order, the index of the tensor at each), sorted on the first
@@ -83,6 +97,8 @@ class VersionData:
             raise ValueError(f"read of {length} bytes at data offset {offset} is outside the "
                              f"{self.manifest.data_bytes} bytes of {self.manifest.model} step {self.manifest.step}")
         self._check_range(offset, length)
+        if offset + length + CHECK_AHEAD_BYTES // 2 > self._ahead_end:
+            self._check_ahead(offset + length)
         return self._region.backend.view(self._data_base + offset, length)
 
     def tensor(self, index: int) -> torch.Tensor:
@@ -151,7 +167,36 @@ class VersionData:
 
     def _check_range(self, offset: int, length: int) -> None:
         for index, record in self._unchecked_in(offset, offset + length):
-            self._expect(index, self._crc_of(record))
+            ahead = self._ahead.get(index)
+            crc = ahead.result() if ahead is not None else None
+            self._expect(index, self._crc_of(record) if crc is None else crc)
+
+    def _check_ahead(self, offset: int) -> None:
+        """Start checking, on background threads, the tensors of the data area from ``offset`` to
+        ``CHECK_AHEAD_BYTES`` past it: a reader going front to back (``cp``, a load through the
+        mount) then finds them checked, their bytes in memory, while the device was busy with
+        them during its reads of the ones before, instead of waiting for each tensor's check at
+        its first touch. A check ahead only computes: a tensor whose CRC it finds matching is
+        marked checked; any other outcome is left to the reader's own check, which reports it."""
+        start = max(offset, self._ahead_end)
+        end = min(offset + CHECK_AHEAD_BYTES, self.manifest.data_bytes)
+        if start >= end:
+            return
+        self._ahead_end = end
+        pool = _ahead_pool()
+        for index, record in self._unchecked_in(start, end):
+            if index not in self._ahead:
+                self._ahead[index] = pool.submit(self._check_quietly, index, record)
+
+    def _check_quietly(self, index: int, record: TensorRecord) -> int | None:
+        """A check ahead (see _check_ahead): the tensor's CRC, or None if it could not be read."""
+        try:
+            crc = self._crc_of(record)
+        except Exception:  # noqa: BLE001 - the reader's own check reads it again and says why
+            return None
+        if crc == record.crc32:
+            self._checked.add(index)
+        return crc
 
     def _unchecked_in(self, start: int, end: int) -> Iterator[tuple[int, TensorRecord]]:
         """(index, record) of each tensor not yet found intact that holds bytes of data range
@@ -167,13 +212,10 @@ class VersionData:
             i += 1
 
     def _crc_of(self, record: TensorRecord) -> int:
-        """CRC32 of a tensor's stored bytes, through the mapping, block by block with the next
-        blocks prefetched."""
-        crc, end = 0, record.offset + record.nbytes
-        for start in range(record.offset, end, CHECK_BLOCK_BYTES):
-            length = min(CHECK_BLOCK_BYTES, end - start)
-            crc = crc32(self._view_ahead(start, length), crc)
-        return crc
+        """CRC32 of a tensor's stored bytes, block by block with the next blocks read ahead; the
+        bytes are then in memory for the reads of the mapping that follow (Backend.checksum)."""
+        return self._region.backend.checksum(self._data_base + record.offset, record.nbytes, CHECK_BLOCK_BYTES,
+                                             PREFETCH_AHEAD_BYTES)
 
     def _view_ahead(self, offset: int, length: int) -> memoryview:
         """The region view of a data range, with the bytes after it asked for in the background."""

@@ -173,3 +173,38 @@ def test_load_into_overwrites_the_live_tensors_in_place(tmp_path):
         assert torch.equal(wrong["model"]["0.weight"], untouched)
         with pytest.raises(ValueError, match="tensors"):
             s.load("m", into={"model": {}})
+
+
+def _wait_ahead(data) -> None:
+    for future in list(data._ahead.values()):
+        future.result(timeout=30)
+
+
+def test_a_read_checks_the_tensors_after_it_in_the_background(tmp_path, monkeypatch):
+    """A front-to-back reader (cp, torch.load through the mount) finds the tensors ahead of its
+    reads already checked: their checks ran while it read the ones before."""
+    state = {k: torch.full((MIB // 4,), float(i)) for i, k in enumerate("abc")}
+    with ckptfs.Store.create(str(tmp_path / "r.region"), size_bytes=64 << 20) as s:
+        with s.writer("m") as w:
+            w.save(state, step=1).result()
+        with s.open_version("m") as v:
+            a, b, c = v.manifest.tensors
+            assert bytes(v.read(a.offset, 16)) == state["a"].numpy().tobytes()[:16]
+            _wait_ahead(v.data)
+
+            def no_more_reads(*args):
+                raise AssertionError("a tensor checked ahead was read again")
+
+            monkeypatch.setattr(s.region.backend, "checksum", no_more_reads)
+            assert bytes(v.read(b.offset, b.nbytes)) == state["b"].numpy().tobytes()
+            assert bytes(v.read(c.offset, c.nbytes)) == state["c"].numpy().tobytes()
+
+
+def test_a_damaged_tensor_checked_ahead_is_still_refused_at_its_read(damaged):
+    store, _ = damaged
+    with store.open_version("m") as v:
+        a, b = v.manifest.tensors
+        v.read(a.offset, 16)
+        _wait_ahead(v.data)
+        with pytest.raises(CorruptionError, match="tensor 'b' of m step 1"):
+            v.read(b.offset + 100, 1)
