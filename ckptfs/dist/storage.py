@@ -85,6 +85,10 @@ class StorageWriter(_DCPWriter):
         self.is_coordinator = True
         self._group = None
         self._node_ranks: list[int] = []  # on a node's leader after the commit: whose parts to reclaim
+        # Set by a writer whose saves reuse one DCP plan (the same on every rank): every rank's
+        # items and the coordinator's metadata, kept from the first commit of the plan, so that
+        # the later commits exchange only their counters (at W=4, 2 MB less per rank per step).
+        self.plan_places: dict | None = None
 
     # ---------------------------------------------------------------- DCP's StorageWriter
     def reset(self, checkpoint_id=None) -> None:
@@ -178,12 +182,16 @@ class StorageWriter(_DCPWriter):
         # global-commit latency is the last of the first to the second (tools/bench_dist.py)
         self.part_durable_at = time.time()
         region = self.store.region.superblock.uuid.hex()
+        known = self.plan_places
         mine = {"rank": self.rank, "region": region, "ok": ok, "error": error, "counter": counter,
-                "model": self.model, "step": self.step, "items": [encode_index(item.index) for item in items],
-                "metadata": metadata if metadata is None or isinstance(metadata, str) else encode_metadata(metadata)}
+                "model": self.model, "step": self.step, "items": None, "metadata": None}
+        if not known:
+            mine.update(items=[encode_index(item.index) for item in items],
+                        metadata=metadata if metadata is None or isinstance(metadata, str) else encode_metadata(metadata))
         everyone = exchange(mine, self._group, f"the exchange of parts of {self.model!r} step {self.step}",
                              Arrival(self._group, f"{self.model}/parts"))
         check_agreement(everyone)
+        _with_plan_places(everyone, known, self.plan_places)
         failed = [p["error"] for p in everyone if not p["ok"]]
         if failed:
             raise CkptfsError(f"step {self.step} of {self.model!r} was not committed: " + "; ".join(failed))
@@ -297,6 +305,20 @@ class StorageReader(_DCPReader):
 
 
 # -------------------------------------------------------------------------------- helpers
+def _with_plan_places(everyone: list[dict], known: bool, places: dict | None) -> None:
+    """Fill in the items and metadata that ranks reusing a plan did not send (``known``), from
+    ``places``; or keep what they sent in ``places`` (a plan's first commit)."""
+    if places is None:
+        return
+    if known:
+        for p, items in zip(everyone, places["items"], strict=True):
+            p["items"] = items
+        everyone[0]["metadata"] = places["metadata"]
+    elif all(p["items"] is not None for p in everyone):
+        places.update(items=[p["items"] for p in everyone],
+                      metadata=next((p["metadata"] for p in everyone if p["metadata"] is not None), None))
+
+
 def _record(everyone: list[dict], step: int) -> str:
     """The global version's ``dcp-metadata.json``: DCP's metadata, with each item's place."""
     (metadata,) = [p["metadata"] for p in everyone if p["metadata"] is not None] or [None]

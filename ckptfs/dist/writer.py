@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -64,6 +64,7 @@ class _Plan:
     made_at: int  # the step whose dcp.save made it: the same on every rank that has it
     items: list  # this rank's WriteItems
     metadata: str | None  # DCP's global metadata, encoded (on the coordinator; else None)
+    places: dict = field(default_factory=dict)  # StorageWriter.plan_places of the saves reusing it
 
 
 @dataclass
@@ -155,6 +156,7 @@ class DistWriter:
             return self._plan_and_write(state, step, signature, storage)
         rank = this_rank()
         storage.set_up_storage_writer(rank == 0, rank=rank)
+        storage.plan_places = plan.places
         try:
             from torch.distributed.checkpoint import DefaultSavePlanner
 
@@ -182,6 +184,7 @@ class DistWriter:
         if written.metadata is not None:  # encoded once per plan, not at every commit
             written.metadata = encode_metadata(written.metadata)
         self._plan = _Plan(signature, step, written.items, written.metadata)
+        written.storage.plan_places = self._plan.places  # its first commit keeps them
         return written
 
     def _commit(self, future: Future, written: _Written, step: int, started: float, stall_s: float) -> None:
