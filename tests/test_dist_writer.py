@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
 
 import ckptfs
 from ckptfs.errors import CkptfsError
-from ckptfs.testing.ranks import run_ranks, sharded_gpt2, train_gpt2
+from ckptfs.testing.ranks import run_ranks, sharded_gpt2, tiny_gpt2, train_gpt2
 from conftest_mount import mounted, requires_fuse
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -76,6 +76,14 @@ def test_a_transformer_saved_every_step_at_2_ranks_loads_at_1_and_2_and_mounts_w
     with mounted(region, str(tmp_path / "mnt")) as m:
         whole = torch.load(m / "gpt2/latest/checkpoint.pt", weights_only=True, mmap=True)["model"]
         assert set(whole) == set(ref_model) and all(torch.equal(whole[k], ref_model[k]) for k in ref_model)
+        # tied weights (GPT-2's embedding and head): stored once, shared in checkpoint.pt, and
+        # model.safetensors loads strict-clean, as a single process's save does
+        assert whole["lm_head.weight"].data_ptr() == whole["transformer.wte.weight"].data_ptr()
+        from safetensors.torch import load_model
+
+        plain = tiny_gpt2(seed=5)
+        assert load_model(plain, m / "gpt2/latest/model.safetensors") == (set(), [])
+        assert all(torch.equal(v, ref_model[k]) for k, v in plain.state_dict().items())
 
 
 def _plans_once_per_structure(rank, world, region):

@@ -123,26 +123,36 @@ def _plan_tensors(layout: WholeLayout, meta, opened, items) -> tuple[tuple[Tenso
     the end of the whole tensors in the virtual data area. ``items``: each part's item_records."""
     part_of = {key: i for i, key in enumerate(layout.parts)}
     records, paths, offset = [], [], 0
+    stored_as: dict[tuple, int] = {}  # the chunks' stored tensors -> the record that holds them
     for fqn, md in meta.state_dict_metadata.items():
         if not isinstance(md, TensorStorageMetadata):
             continue
         dtype = DTYPE_NAMES[md.properties.dtype]
-        chunks = []
+        chunks, stored = [], []
         for c in md.chunks:
             where = meta.storage_data[MetadataIndex(fqn, c.offsets)]
             i = part_of[(where["rank"], where["counter"])]
-            rec = opened[i].manifest.tensors[items[i][where["pos"]]]
+            stored.append((i, items[i][where["pos"]], tuple(c.offsets)))
+            rec = opened[i].manifest.tensors[stored[-1][1]]
             if rec.dtype != dtype or rec.shape != tuple(c.sizes):
                 raise CorruptionError(f"{fqn}: the chunk at {list(c.offsets)} of rank {where['rank']} is "
                                       f"{rec.dtype} {list(rec.shape)}, the metadata says {dtype} {list(c.sizes)}")
             chunks.append(_Chunk(tuple(c.offsets), tuple(c.sizes), i, rec))
         shape = tuple(md.size)
+        # tied weights (one parameter under two names): every rank's part stored their chunks
+        # once (the part writer keeps ties), so both names' chunks are the same stored tensors;
+        # the whole tensor is then one record under both paths, as ties of a single process are
+        same = (dtype, shape, tuple(stored))
+        if chunks and same in stored_as:
+            paths.append((_path(meta, fqn), stored_as[same]))
+            continue
+        stored_as[same] = len(records)
         nbytes = expected_nbytes(dtype, shape)
         pieces = _pieces(shape, DTYPES[dtype].itemsize, chunks)
         records.append(TensorRecord(fqn, dtype, shape, offset, nbytes, _whole_crc(pieces, chunks, opened)))
         layout.pieces.append(([p.at for p in pieces], pieces))
         layout.starts.append(offset)
-        paths.append(_path(meta, fqn))
+        paths.append((_path(meta, fqn), len(records) - 1))
         offset += nbytes
     layout.whole_bytes = offset
     return tuple(records), _skeleton(paths)
@@ -154,7 +164,7 @@ def _plan_parts(layout: WholeLayout, meta, opened, items) -> None:
     index_at = {(w["rank"], w["counter"], w["pos"]): index for index, w in meta.storage_data.items()}
     base = layout.whole_bytes
     for (rank, counter), part, stored in zip(layout.parts, opened, items):
-        records, paths = [], []
+        records, paths, record_of = [], [], {}
         for pos, tensor in sorted(stored.items()):
             index = index_at.get((rank, counter, pos))
             md = meta.state_dict_metadata.get(index.fqn) if index is not None else None
@@ -165,8 +175,12 @@ def _plan_parts(layout: WholeLayout, meta, opened, items) -> None:
             if tuple(index.offset or ()) != (0,) * len(md.size) or rec.shape != tuple(md.size):
                 # a shard: its place in the whole tensor in its name
                 path = path[:-1] + (f"{path[-1]}@{','.join(map(str, index.offset or ()))}",)
+            if tensor in record_of:  # tied: the part stored it once
+                paths.append((path, record_of[tensor]))
+                continue
+            record_of[tensor] = len(records)
             records.append(rec._replace(name=".".join(map(str, path)), offset=base + rec.offset))
-            paths.append(path)
+            paths.append((path, record_of[tensor]))
         layout.part_bases.append(base)
         layout.part_manifests.append((f"{PARTS_DIR}/{rank_dirname(rank)}/", Manifest(
             part.manifest.model, part.manifest.step, part.manifest.counter, part.manifest.time_ns,
@@ -240,12 +254,13 @@ def _whole_crc(pieces: list[Piece], chunks: list[_Chunk], opened) -> int:
     return crc
 
 
-def _skeleton(paths: list[tuple]) -> dict:
-    """The nested state dict of the tensors (tensor i at ``paths[i]``, DCP's planner data: the
-    key path of each flattened entry) as a skeleton; flat by dotted name if the paths clash."""
+def _skeleton(paths: list[tuple[tuple, int]]) -> dict:
+    """The nested state dict of the tensors ((key path, tensor index) of each entry: DCP's
+    planner data gives the key paths; a tensor under two paths is tied) as a skeleton; flat by
+    dotted name if the paths clash."""
     root: dict = {}
     try:
-        for i, path in enumerate(paths):
+        for path, i in paths:
             node = root
             for key in path[:-1]:
                 node = node.setdefault(key, {})
@@ -255,7 +270,7 @@ def _skeleton(paths: list[tuple]) -> dict:
                 raise ValueError
             node[path[-1]] = i
     except (ValueError, TypeError):
-        root = {".".join(map(str, p)): i for i, p in enumerate(paths)}
+        root = {".".join(map(str, p)): i for p, i in paths}
 
     def encode(value):
         if isinstance(value, int):
