@@ -166,37 +166,72 @@ class VersionData:
         return pieces
 
     def _check_range(self, offset: int, length: int) -> None:
+        todo = []
         for index, record in self._unchecked_in(offset, offset + length):
             ahead = self._ahead.get(index)
-            crc = ahead.result() if ahead is not None else None
-            self._expect(index, self._crc_of(record) if crc is None else crc)
+            crc = ahead.result().get(index) if ahead is not None and not ahead.cancelled() else None
+            if crc is None:
+                todo.append((index, record))
+            else:
+                self._expect(index, crc)
+        if todo:
+            for (index, _), crc in zip(todo, self._crcs([r for _, r in todo])):
+                self._expect(index, crc)
 
     def _check_ahead(self, offset: int) -> None:
         """Start checking, on background threads, the tensors of the data area from ``offset`` to
         ``CHECK_AHEAD_BYTES`` past it: a reader going front to back (``cp``, a load through the
         mount) then finds them checked, their bytes in memory, while the device was busy with
         them during its reads of the ones before, instead of waiting for each tensor's check at
-        its first touch. A check ahead only computes: a tensor whose CRC it finds matching is
-        marked checked; any other outcome is left to the reader's own check, which reports it."""
+        its first touch. Small tensors go in batches of about ``CHECK_BLOCK_BYTES``, one read
+        each. A check ahead only computes: a tensor whose CRC it finds matching is marked
+        checked; any other outcome is left to the reader's own check, which reports it."""
         start = max(offset, self._ahead_end)
         end = min(offset + CHECK_AHEAD_BYTES, self.manifest.data_bytes)
         if start >= end:
             return
         self._ahead_end = end
         pool = _ahead_pool()
-        for index, record in self._unchecked_in(start, end):
-            if index not in self._ahead:
-                self._ahead[index] = pool.submit(self._check_quietly, index, record)
+        batch: list[tuple[int, TensorRecord]] = []
 
-    def _check_quietly(self, index: int, record: TensorRecord) -> int | None:
-        """A check ahead (see _check_ahead): the tensor's CRC, or None if it could not be read."""
+        def submit() -> None:
+            future = pool.submit(self._check_quietly, list(batch))
+            for index, _ in batch:
+                self._ahead[index] = future
+            batch.clear()
+
+        for index, record in self._unchecked_in(start, end):
+            if index in self._ahead:
+                continue
+            if batch and record.offset + record.nbytes - batch[0][1].offset > CHECK_BLOCK_BYTES:
+                submit()
+            batch.append((index, record))
+        if batch:
+            submit()
+
+    def close(self) -> None:
+        """Stop the checks ahead (those not started are dropped, the running ones waited for):
+        called before the version is unpinned, so that none reads a slot being reused, or the
+        region after its store closed."""
+        self._ahead_end = self.manifest.data_bytes  # no more
+        for future in set(self._ahead.values()):
+            if not future.cancel():
+                try:
+                    future.result()
+                except Exception:  # noqa: BLE001 - a check ahead never raises; nothing to report
+                    pass
+
+    def _check_quietly(self, batch: list[tuple[int, TensorRecord]]) -> dict[int, int]:
+        """A check ahead (see _check_ahead): {index: CRC} of the batch's tensors ({} if they
+        could not be read)."""
         try:
-            crc = self._crc_of(record)
-        except Exception:  # noqa: BLE001 - the reader's own check reads it again and says why
-            return None
-        if crc == record.crc32:
-            self._checked.add(index)
-        return crc
+            crcs = self._crcs([record for _, record in batch])
+        except Exception:  # noqa: BLE001 - the reader's own check reads them again and says why
+            return {}
+        for (index, record), crc in zip(batch, crcs):
+            if crc == record.crc32:
+                self._checked.add(index)
+        return {index: crc for (index, _), crc in zip(batch, crcs)}
 
     def _unchecked_in(self, start: int, end: int) -> Iterator[tuple[int, TensorRecord]]:
         """(index, record) of each tensor not yet found intact that holds bytes of data range
@@ -211,11 +246,12 @@ class VersionData:
                 yield index, record
             i += 1
 
-    def _crc_of(self, record: TensorRecord) -> int:
-        """CRC32 of a tensor's stored bytes, block by block with the next blocks read ahead; the
-        bytes are then in memory for the reads of the mapping that follow (Backend.checksum)."""
-        return self._region.backend.checksum(self._data_base + record.offset, record.nbytes, CHECK_BLOCK_BYTES,
-                                             PREFETCH_AHEAD_BYTES)
+    def _crcs(self, records: list[TensorRecord]) -> list[int]:
+        """CRC32 of the stored bytes of ``records`` (in data order, near each other), in one pass
+        with the next blocks read ahead; the bytes are then in memory for the reads of the
+        mapping that follow (Backend.checksums)."""
+        return self._region.backend.checksums([(self._data_base + r.offset, r.nbytes) for r in records],
+                                              CHECK_BLOCK_BYTES, PREFETCH_AHEAD_BYTES)
 
     def _view_ahead(self, offset: int, length: int) -> memoryview:
         """The region view of a data range, with the bytes after it asked for in the background."""

@@ -81,6 +81,7 @@ class Version:
     def close(self) -> None:
         if self._open:
             self._open = False
+            self.data.close()  # its checks ahead end before the slot may be reused
             self._store.region.unpin(self._slot_version)
 
     def __enter__(self) -> "Version":

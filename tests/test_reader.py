@@ -90,8 +90,8 @@ def test_a_pass_over_many_small_tensors_streams_blocks_that_span_them(tmp_path, 
             view = safetensors_view(v.manifest)
             assert len(view.segments) < 10  # a header and a few long extents, not 300
             checked_first = []
-            original = type(v.data)._crc_of
-            monkeypatch.setattr(type(v.data), "_crc_of", lambda self, r: checked_first.append(r) or original(self, r))
+            original = type(v.data)._crcs
+            monkeypatch.setattr(type(v.data), "_crcs", lambda self, rs: checked_first.extend(rs) or original(self, rs))
             streamed = b"".join(bytes(b) for b in view.iter_blocks(v.data.sequential_reader(), block_bytes=10_000))
             assert checked_first == []
             assert streamed == view.read(0, view.size, v.read)
@@ -195,9 +195,36 @@ def test_a_read_checks_the_tensors_after_it_in_the_background(tmp_path, monkeypa
             def no_more_reads(*args):
                 raise AssertionError("a tensor checked ahead was read again")
 
-            monkeypatch.setattr(s.region.backend, "checksum", no_more_reads)
+            monkeypatch.setattr(s.region.backend, "checksums", no_more_reads)
             assert bytes(v.read(b.offset, b.nbytes)) == state["b"].numpy().tobytes()
             assert bytes(v.read(c.offset, c.nbytes)) == state["c"].numpy().tobytes()
+
+
+def test_many_small_tensors_are_checked_in_one_pass_each_alike(tmp_path):
+    """A read over many small tensors checks them in one pass (Backend.checksums), each against
+    its own CRC: one damaged among them is named, its neighbours are served."""
+    state = {f"t{i}": torch.full((100 + i,), float(i)) for i in range(200)}
+    path = str(tmp_path / "r.region")
+    with ckptfs.Store.create(path, size_bytes=64 << 20) as s:
+        with s.writer("m") as w:
+            w.save(state, step=1).result()
+        version = s.region.latest(s.region.get("m"))
+        rec = next(r for r in s.region.read_manifest(version).tensors if r.name == "t77")
+        where = version.data_base + rec.offset + 5
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.pwrite(fd, bytes([os.pread(fd, 1, where)[0] ^ 4]), where)
+    finally:
+        os.close(fd)
+    with ckptfs.Store(path) as s, s.open_version("m") as v:
+        records = {r.name: r for r in v.manifest.tensors}
+        crcs = s.region.backend.checksums([(v.data._data_base + records[f"t{i}"].offset, records[f"t{i}"].nbytes)
+                                           for i in range(200)], 4096, 0)
+        assert [i for i in range(200) if crcs[i] != records[f"t{i}"].crc32] == [77]
+        with pytest.raises(CorruptionError, match="tensor 't77'"):
+            v.read(0, v.manifest.data_bytes)
+        t78 = records["t78"]
+        assert bytes(v.read(t78.offset, t78.nbytes)) == state["t78"].numpy().tobytes()
 
 
 def test_a_damaged_tensor_checked_ahead_is_still_refused_at_its_read(damaged):
