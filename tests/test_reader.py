@@ -11,22 +11,28 @@ from ckptfs.views import safetensors_view
 MIB = 1 << 20
 
 
+def _saved_with_a_flipped_bit(path: str, state: dict, tensor: str, at: int, bit: int = 1) -> None:
+    """Save ``state`` as step 1 of ``m`` in a new region at ``path``, then flip ``bit`` of the
+    byte ``at`` bytes into ``tensor``, behind ckptfs's back."""
+    with ckptfs.Store.create(path, size_bytes=64 << 20) as s:
+        with s.writer("m") as w:
+            w.save(state, step=1).result()
+        version = s.region.latest(s.region.get("m"))
+        rec = next(r for r in s.region.read_manifest(version).tensors if r.name == tensor)
+        where = version.data_base + rec.offset + at
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.pwrite(fd, bytes([os.pread(fd, 1, where)[0] ^ bit]), where)
+    finally:
+        os.close(fd)
+
+
 @pytest.fixture
 def damaged(tmp_path):
     """A version whose 3 MiB tensor ``b`` has one byte flipped near its start; ``a`` is intact."""
     path = str(tmp_path / "r.region")
     state = {"a": torch.arange(MIB // 4, dtype=torch.float32), "b": torch.ones(3 * MIB // 4)}
-    with ckptfs.Store.create(path, size_bytes=64 << 20) as s:
-        with s.writer("m") as w:
-            w.save(state, step=1).result()
-        version = s.region.latest(s.region.get("m"))
-        rec = next(r for r in s.region.read_manifest(version).tensors if r.name == "b")
-        where = version.data_base + rec.offset + 10
-    fd = os.open(path, os.O_RDWR)
-    try:
-        os.pwrite(fd, bytes([os.pread(fd, 1, where)[0] ^ 1]), where)
-    finally:
-        os.close(fd)
+    _saved_with_a_flipped_bit(path, state, "b", 10)
     with ckptfs.Store(path) as s:
         yield s, state
 
@@ -205,17 +211,7 @@ def test_many_small_tensors_are_checked_in_one_pass_each_alike(tmp_path):
     its own CRC: one damaged among them is named, its neighbours are served."""
     state = {f"t{i}": torch.full((100 + i,), float(i)) for i in range(200)}
     path = str(tmp_path / "r.region")
-    with ckptfs.Store.create(path, size_bytes=64 << 20) as s:
-        with s.writer("m") as w:
-            w.save(state, step=1).result()
-        version = s.region.latest(s.region.get("m"))
-        rec = next(r for r in s.region.read_manifest(version).tensors if r.name == "t77")
-        where = version.data_base + rec.offset + 5
-    fd = os.open(path, os.O_RDWR)
-    try:
-        os.pwrite(fd, bytes([os.pread(fd, 1, where)[0] ^ 4]), where)
-    finally:
-        os.close(fd)
+    _saved_with_a_flipped_bit(path, state, "t77", 5, bit=4)
     with ckptfs.Store(path) as s, s.open_version("m") as v:
         records = {r.name: r for r in v.manifest.tensors}
         crcs = s.region.backend.checksums([(v.data._data_base + records[f"t{i}"].offset, records[f"t{i}"].nbytes)
