@@ -4,6 +4,7 @@
 window in which the file is truncated after the check; the bus guard (native/busguard.c) does:
 each test here makes the truncation land after the check, where it used to kill the process."""
 import errno
+import gc
 import os
 import subprocess
 import sys
@@ -44,6 +45,26 @@ def test_a_read_through_the_mapping_after_the_file_was_cut(tmp_path):
             version.data.confirm()  # ... because every consumer confirms before it keeps a copy
     with pytest.raises(RegionFormatError, match=r"is 8\.0 KiB but its superblock says 64\.0 MiB"):
         ckptfs.Store(path)
+
+
+def test_a_mapping_closed_under_a_reader_takes_its_guard_with_it(tmp_path):
+    """A store closed while a reader holds a view of its mapping: the mapping goes when the view
+    does, and its guard with it, so the next region mapped at those addresses has its own faults
+    seen (a guard left behind took them: a truncation went unreported)."""
+    first = _region_with_a_version(str(tmp_path / "a.region"))
+    with first.open_version("m") as version:
+        held = version.read(0, 16)
+    first.close()  # cannot unmap: `held` is a view of the mapping
+    del held
+    gc.collect()
+    path = str(tmp_path / "b.region")
+    with _region_with_a_version(path) as store, store.open_version("m") as version:
+        record = version.manifest.tensors[0]
+        version.data.read(record.offset, record.nbytes)
+        os.truncate(path, CUT_BYTES)
+        bytes(version.data.read(record.offset, record.nbytes))
+        with pytest.raises(RegionIOError, match="truncated"):
+            version.data.confirm()
 
 
 def test_a_first_touch_after_the_cut_is_a_region_error_not_damage(tmp_path):

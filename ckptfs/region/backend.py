@@ -29,6 +29,7 @@ import os
 import re
 import stat
 import threading
+import weakref
 
 from ckptfs import _native
 from ckptfs.checksum import crc32
@@ -88,6 +89,11 @@ class Backend:
         self._map = mmap.mmap(fd, self.size_bytes, flags=mmap.MAP_SHARED, prot=prot)
         self._view = memoryview(self._map)
         self._guard = _native.guard_mapping(self._map)
+        # The guard goes with the mapping itself: where close() cannot unmap it (a reader still
+        # holds a view), the mapping is unmapped when the last view goes, and a guard left on
+        # its addresses would take the faults of the next mapping placed there (the new
+        # region's guard would never see them: found by tests run in another order).
+        self._unguard = weakref.finalize(self._map, _native.unguard_mapping, self._guard)
 
     def check_mapping(self, operation: str = "mapped access") -> None:
         """RegionIOError naming ``operation`` (the step that found it) if an access to this
@@ -222,10 +228,11 @@ class Backend:
             self._view.release()
             try:
                 self._map.close()
-                _native.unguard_mapping(self._guard)
+                self._unguard()
             except BufferError:
                 # A reader still holds a view (e.g. a tensor loaded with zero copy); the
-                # mapping goes when the last view does, and stays guarded until then.
+                # mapping goes when the last view does, and stays guarded until then
+                # (self._unguard runs then).
                 pass
             self._map = None
         if self._fd >= 0:
