@@ -47,7 +47,7 @@ from ckptfs.errors import CkptfsError, CorruptionError, NotFoundError, no_versio
 
 METADATA_FILE = "dcp-metadata.json"
 log = logging.getLogger("ckptfs")
-_writers: dict[tuple[str, str], object] = {}  # (region, part model) -> its Writer, kept across steps
+_writers: dict[tuple[str, str], object] = {}  # (region, model) -> its Writer, kept across steps (_kept_writer)
 _writers_lock = threading.Lock()
 _pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckptfs-dcp")
 
@@ -138,7 +138,7 @@ class StorageWriter(_DCPWriter):
         tensors = [_as_tensor(item, planner.resolve_data(item)) for item in items]
         name = part_model(self.model, self.rank)
         _release_abandoned(self.store, self.model, name, self.step)
-        writer = _part_writer(self.store, name, self.max_inflight)
+        writer = _kept_writer(self.store, name, self.max_inflight)
         with _writers_lock:
             _in_flight.add((self.store.path, name, self.step))
         try:
@@ -349,7 +349,7 @@ def _record_here(store, model: str, step: int, record: str, keep: bool = False, 
             f"or remove the versions after the step you resumed from (`ckptfs rm {model} STEP...`)")
     if latest is not None and latest.step >= step:
         return
-    w = _part_writer(store, model, 1)
+    w = _kept_writer(store, model, 1)
     w.save({"dcp": {"step": step}}, step=step, extra={**(extra or {}), METADATA_FILE: record}, keep=keep).result()
     _recorded.setdefault(key, set()).add(step)
 
@@ -373,7 +373,7 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _part_writer(store, model: str, max_inflight: int):
+def _kept_writer(store, model: str, max_inflight: int):
     """One writer per part model (or global model) and open region in this process, reused by
     every step (its staging pool and ring stay warm); a store opened again gets a new one."""
     key = (store.path, model)

@@ -54,6 +54,7 @@ class _Chunk(NamedTuple):
     sizes: tuple[int, ...]
     part: int  # index into WholeLayout.parts
     record: TensorRecord  # the chunk as stored in its part
+    tensor: int = -1  # its index in that part's manifest
 
 
 @dataclass
@@ -128,21 +129,21 @@ def _plan_tensors(layout: WholeLayout, meta, opened, items) -> tuple[tuple[Tenso
         if not isinstance(md, TensorStorageMetadata):
             continue
         dtype = DTYPE_NAMES[md.properties.dtype]
-        chunks, stored = [], []
+        chunks = []
         for c in md.chunks:
             where = meta.storage_data[MetadataIndex(fqn, c.offsets)]
             i = part_of[(where["rank"], where["counter"])]
-            stored.append((i, items[i][where["pos"]], tuple(c.offsets)))
-            rec = opened[i].manifest.tensors[stored[-1][1]]
+            tensor = items[i][where["pos"]]
+            rec = opened[i].manifest.tensors[tensor]
             if rec.dtype != dtype or rec.shape != tuple(c.sizes):
                 raise CorruptionError(f"{fqn}: the chunk at {list(c.offsets)} of rank {where['rank']} is "
                                       f"{rec.dtype} {list(rec.shape)}, the metadata says {dtype} {list(c.sizes)}")
-            chunks.append(_Chunk(tuple(c.offsets), tuple(c.sizes), i, rec))
+            chunks.append(_Chunk(tuple(c.offsets), tuple(c.sizes), i, rec, tensor))
         shape = tuple(md.size)
         # tied weights (one parameter under two names): every rank's part stored their chunks
         # once (the part writer keeps ties), so both names' chunks are the same stored tensors;
         # the whole tensor is then one record under both paths, as ties of a single process are
-        same = (dtype, shape, tuple(stored))
+        same = (dtype, shape, tuple((c.part, c.tensor, c.offsets) for c in chunks))
         if chunks and same in stored_as:
             paths.append((_path(meta, fqn), stored_as[same]))
             continue

@@ -150,9 +150,11 @@ class DistWriter:
         signature = _signature(state)
         plan = self._plan if self._plan is not None and self._plan.signature == signature else None
         everyone = self._agree(state, step, None if plan is None else plan.made_at)
-        storage = StorageWriter(self.store, self.model, step, max_inflight=self.max_inflight,
-                                timeout_s=self.timeout_s, group=self._commit_group, keep=keep, extra=extra)
-        if plan is None or len({p["plan"] for p in everyone}) > 1:
+        replan = plan is None or len({p["plan"] for p in everyone}) > 1
+        storage = (_PartOnly if replan else StorageWriter)(
+            self.store, self.model, step, max_inflight=self.max_inflight, timeout_s=self.timeout_s,
+            group=self._commit_group, keep=keep, extra=extra)
+        if replan:
             return self._plan_and_write(state, step, signature, storage)
         rank = this_rank()
         storage.set_up_storage_writer(rank == 0, rank=rank)
@@ -168,19 +170,18 @@ class DistWriter:
             part.set_exception(e)
         return _Written(storage, plan.items, tensors, part, plan.metadata)
 
-    def _plan_and_write(self, state: dict, step: int, signature: tuple, storage: StorageWriter) -> _Written:
-        """dcp.save over ``storage`` whose write step only starts the part (see _PartOnly); the
-        plan it made is kept for the saves of the same structure."""
+    def _plan_and_write(self, state: dict, step: int, signature: tuple, storage: "_PartOnly") -> _Written:
+        """dcp.save over ``storage``, whose write step only starts the part; the plan it made is
+        kept for the saves of the same structure."""
         import torch.distributed.checkpoint as dcp
 
-        capture = _PartOnly(storage)
         try:
-            dcp.save(state, storage_writer=capture, process_group=self._group)
+            dcp.save(state, storage_writer=storage, process_group=self._group)
         except BaseException:
-            if capture.written is not None:
+            if storage.written is not None:
                 storage.release_part()  # no commit follows: a later save may reclaim the part
             raise
-        written = capture.written
+        written = storage.written
         if written.metadata is not None:  # encoded once per plan, not at every commit
             written.metadata = encode_metadata(written.metadata)
         self._plan = _Plan(signature, step, written.items, written.metadata)
@@ -261,22 +262,14 @@ class _PartOnly(StorageWriter):
     and returns once its snapshot is taken; the global commit is left to the DistWriter's commit
     thread (``written``), so that dcp.save returns while the part is still being written."""
 
-    def __init__(self, storage: StorageWriter):
-        super().__init__(storage.store, storage.model, storage.step, max_inflight=storage.max_inflight,
-                         timeout_s=storage.timeout_s, group=storage.group, keep=storage.keep, extra=storage.extra)
-        self.storage = storage
-        self.written: _Written | None = None
-
-    def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
-        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
-        self.storage.set_up_storage_writer(is_coordinator, *args, **kwargs)
+    written: _Written | None = None
 
     def write_data(self, plan, planner):
         from torch.futures import Future as TorchFuture
 
-        tensors, part = self.storage.write_part(plan.items, planner)
+        tensors, part = self.write_part(plan.items, planner)
         metadata = getattr(planner, "metadata", None) if self.is_coordinator else None
-        self.written = _Written(self.storage, plan.items, tensors, part, metadata)
+        self.written = _Written(self, plan.items, tensors, part, metadata)
         done: TorchFuture = TorchFuture()
         done.set_result(write_results(plan.items, tensors, self.rank, None))
         return done
