@@ -154,7 +154,8 @@ def test_a_step_whose_commit_failed_is_never_visible_and_its_parts_are_reclaimed
 
 
 def test_dcp_metadata_codec_roundtrips_and_refuses_what_is_not_its_own(store):
-    from ckptfs.dist.codec import decode_metadata, encode_index, encode_metadata, with_storage_data
+    from ckptfs.dist.codec import (PlacedMetadata, decode_metadata, encode_index, encode_metadata,
+                                   with_storage_data)
 
     state = {"w": torch.randn(3, 4, dtype=torch.bfloat16), "n": {"k": (1, "x")}, "t": torch.tensor(5)}
     dcp.save(state, storage_writer=ckptfs.dcp.StorageWriter(store, "c", step=1))
@@ -173,6 +174,12 @@ def test_dcp_metadata_codec_roundtrips_and_refuses_what_is_not_its_own(store):
     again = decode_metadata(text)
     again.storage_data = {i: {"pos": n} for n, i in enumerate(meta.storage_data)}
     assert with_storage_data(text, places) == encode_metadata(again)
+    # a plan's later commits splice their counters into the document parsed once: the same text
+    ranked = [(encode_index(i), {"rank": n % 2, "pos": n}) for n, i in enumerate(meta.storage_data)]
+    placed = PlacedMetadata(text, ranked)
+    for counters in ({0: 7, 1: 12}, {0: 123456789, 1: 0}):
+        expected = [(index, {**place, "counter": counters[place["rank"]]}) for index, place in ranked]
+        assert placed.render(counters) == with_storage_data(text, expected)
     with pytest.raises(MalformedInputError):
         with_storage_data(text.replace('"codec":1', '"codec":9'), places)
 

@@ -115,3 +115,30 @@ def test_a_refusal_after_a_cached_plan_still_names_its_path(store):
             w.save(bad, step=2)
         w.save(training_state(), step=3).result()
     assert [v.step for v in store.versions("m")] == [1, 3]
+
+
+def test_a_snapshot_remakes_the_spans_of_replaced_tensors_only_and_copies_transposed_ones_each_time(store):
+    """The copy spans of a tensor updated in place are reused; a replaced tensor's chunk and a
+    transposed view's (copied contiguous for each snapshot) are made again; every save holds the
+    bytes of its moment."""
+    base = torch.zeros(64, 32)
+    state = {"a": torch.zeros(1 << 16), "t": base.t(), "b": torch.zeros(1 << 16)}
+    with store.writer("m", max_inflight=1, chunk_bytes=1 << 18, slots=8) as w:
+        for step in range(1, 5):
+            state["a"].fill_(step)
+            base.fill_(10 * step)
+            if step == 3:
+                state["b"] = torch.full((1 << 16,), -3.0)  # another tensor, at another address
+            w.save(state, step=step).result()
+            spans = w._snapshotter._host_spans
+            if step == 2:
+                kept = list(spans.spans)
+            if step == 3:
+                assert spans.spans[0] is kept[0]  # "a"'s chunk: the same tensor, the same spans
+                assert spans.spans[-1] is not kept[-1]  # "b" was replaced
+            assert not spans._copies  # the transposed view's copy was let go after the snapshot
+    for step in range(1, 5):
+        back = store.load("m", step)
+        assert torch.equal(back["a"], torch.full((1 << 16,), float(step)))
+        assert torch.equal(back["t"], torch.full((32, 64), 10.0 * step))
+        assert torch.equal(back["b"], torch.full((1 << 16,), -3.0 if step >= 3 else 0.0))

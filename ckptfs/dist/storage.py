@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ckptfs.dist.codec import decode_metadata, encode_index, encode_metadata, with_storage_data
+from ckptfs.dist.codec import PlacedMetadata, decode_metadata, encode_index, encode_metadata
 from ckptfs.dist.group import Arrival, check_agreement, coordination, exchange, this_rank
 from ckptfs.dist.load import read_into_plan
 from ckptfs.errors import CkptfsError, CorruptionError, NotFoundError, no_version_yet
@@ -154,11 +154,11 @@ class StorageWriter(_DCPWriter):
         _done_with(self.store, part_model(self.model, self.rank), self.step)
 
     def commit(self, items: list, tensors: list, save, metadata: Metadata | None, *,
-               reclaim: bool = True) -> list[WriteResult]:
+               reclaim: bool = True, results: bool = True) -> list[WriteResult] | None:
         """Once the part (``save``, from ``write_part``) is durable, or failed: the global commit
         (see the module's docstring), on every rank in the same order of steps; returns DCP's
-        write results. ``metadata``: DCP's global metadata on the coordinator (or its
-        ``encode_metadata`` text), else None.
+        write results (with ``results``; else None). ``metadata``: DCP's global metadata on the
+        coordinator (or its ``encode_metadata`` text), else None.
         ``reclaim``: then reclaim the older parts (else the caller calls ``reclaim`` later,
         once it has told its own caller that the step is committed)."""
         try:
@@ -167,18 +167,18 @@ class StorageWriter(_DCPWriter):
                 ok, error = True, None
             except BaseException as e:  # noqa: BLE001 - told to every rank, raised by _commit
                 counter, ok, error = None, False, f"rank {self.rank}: {e}"
-            results = self._commit(items, tensors, counter, ok, error, metadata)
+            self._commit(items, counter, ok, error, metadata)
         finally:
             self.release_part()  # only now: a part durable but not yet committed stays kept
         if reclaim:
             self.reclaim()
-        return results
+        return write_results(items, tensors, self.rank, counter) if results else None
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Nothing is left: every node committed the global version in ``write_data``."""
 
     # ---------------------------------------------------------------- the global commit
-    def _commit(self, items, tensors, counter, ok, error, metadata) -> list[WriteResult]:
+    def _commit(self, items, counter, ok, error, metadata) -> None:
         # (wall clock) this rank's part durable, and the step recorded on every node: the
         # global-commit latency is the last of the first to the second (tools/bench_dist.py)
         self.part_durable_at = time.time()
@@ -196,11 +196,11 @@ class StorageWriter(_DCPWriter):
         failed = [p["error"] for p in everyone if not p["ok"]]
         if failed:
             raise CkptfsError(f"step {self.step} of {self.model!r} was not committed: " + "; ".join(failed))
-        record = _record(everyone, self.step)
         leaders = {p["region"]: p["rank"] for p in sorted(everyone, key=lambda p: -p["rank"])}
         recorded, why = True, None
         if leaders[region] == self.rank:
             try:
+                record = _record(everyone, self.plan_places)
                 _record_here(self.store, self.model, self.step, record, self.keep, self.extra)
             except BaseException as e:  # noqa: BLE001 - told to every rank
                 recorded, why = False, f"rank {self.rank} (region {region}): {e}"
@@ -212,7 +212,6 @@ class StorageWriter(_DCPWriter):
         self.committed_at = time.time()
         if leaders[region] == self.rank:
             self._node_ranks = [p["rank"] for p in everyone if p["region"] == region]
-        return write_results(items, tensors, self.rank, counter)
 
     def reclaim(self) -> None:
         """After the commit, on each node's leader: unkeep the node's parts older than the step."""
@@ -320,15 +319,20 @@ def _with_plan_places(everyone: list[dict], known: bool, places: dict | None) ->
                       metadata=next((p["metadata"] for p in everyone if p["metadata"] is not None), None))
 
 
-def _record(everyone: list[dict], step: int) -> str:
-    """The global version's ``dcp-metadata.json``: DCP's metadata, with each item's place."""
-    (metadata,) = [p["metadata"] for p in everyone if p["metadata"] is not None] or [None]
-    if metadata is None:
-        raise CkptfsError("the coordinator's planner has no global metadata (ckptfs needs DCP's DefaultSavePlanner "
-                          "or one that keeps .metadata)")
-    return with_storage_data(metadata, [(index, {"region": p["region"], "rank": p["rank"], "counter": p["counter"],
-                                                 "pos": pos})
-                                        for p in everyone for pos, index in enumerate(p["items"])])
+def _record(everyone: list[dict], places: dict | None) -> str:
+    """The global version's ``dcp-metadata.json``: DCP's metadata, with each item's place (the
+    plan's ``PlacedMetadata``, kept in ``places`` for the commits that reuse the plan)."""
+    placed = None if places is None else places.get("placed")
+    if placed is None:
+        (metadata,) = [p["metadata"] for p in everyone if p["metadata"] is not None] or [None]
+        if metadata is None:
+            raise CkptfsError("the coordinator's planner has no global metadata (ckptfs needs DCP's DefaultSavePlanner "
+                              "or one that keeps .metadata)")
+        placed = PlacedMetadata(metadata, [(index, {"region": p["region"], "rank": p["rank"], "pos": pos})
+                                           for p in everyone for pos, index in enumerate(p["items"])])
+        if places is not None:
+            places["placed"] = placed
+    return placed.render({p["rank"]: p["counter"] for p in everyone})
 
 
 _recorded: dict[tuple[str, str], set[int]] = {}  # (region, model) -> steps this process recorded there

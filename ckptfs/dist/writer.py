@@ -60,7 +60,7 @@ class DistSaveResult:
 class _Plan:
     """This rank's final DCP save plan of one structure, kept for the saves that follow."""
 
-    signature: tuple  # the structure it was made for (_signature)
+    signature: str  # the structure it was made for (_signature)
     made_at: int  # the step whose dcp.save made it: the same on every rank that has it
     items: list  # this rank's WriteItems
     metadata: str | None  # DCP's global metadata, encoded (on the coordinator; else None)
@@ -191,7 +191,8 @@ class DistWriter:
     def _commit(self, future: Future, written: _Written, step: int, started: float, stall_s: float) -> None:
         storage = written.storage
         try:
-            storage.commit(written.items, written.tensors, written.part, written.metadata, reclaim=False)
+            storage.commit(written.items, written.tensors, written.part, written.metadata, reclaim=False,
+                           results=False)
             result = DistSaveResult(self.model, step, stall_s, time.perf_counter() - started,
                                     storage.part_durable_at, storage.committed_at)
         except BaseException as e:  # noqa: BLE001 - delivered through the future
@@ -275,25 +276,40 @@ class _PartOnly(StorageWriter):
         return done
 
 
-def _signature(obj):
-    """What a staged copy's layout depends on; plain values by their type only (their values
-    are copied at each save)."""
+def _signature(obj) -> str:
+    """What a save plan depends on (keys, shapes, dtypes, devices, placements; plain values by
+    their type only), as one string: made at every save, so it makes strings, which the garbage
+    collector does not track (a tree of tuples per save, thousands of them, brought on gen-2
+    collections that paused every thread of the job)."""
+    out: list[str] = []
+    _describe(obj, out)
+    return "\n".join(out)
+
+
+def _describe(obj, out: list[str]) -> None:
     if isinstance(obj, dict):
-        return tuple((k, _signature(v)) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)):
-        return (type(obj).__name__, tuple(_signature(v) for v in obj))
-    if isinstance(obj, torch.Tensor):
-        placements = getattr(obj, "placements", None)
-        return (tuple(obj.shape), obj.dtype, str(obj.device), type(obj).__name__,
-                None if placements is None else tuple(map(str, placements)))
-    return type(obj).__name__
+        out.append(f"dict {len(obj)}")
+        for k, v in obj.items():
+            out.append(repr(k))
+            _describe(v, out)
+    elif isinstance(obj, (list, tuple)):
+        out.append(f"{type(obj).__name__} {len(obj)}")
+        for v in obj:
+            _describe(v, out)
+    elif isinstance(obj, torch.Tensor):
+        out.append(f"{type(obj).__name__} {list(obj.shape)} {obj.dtype} {obj.device} "
+                   f"{getattr(obj, 'placements', None)}")
+    else:
+        out.append(type(obj).__name__)
 
 
-def _key_paths(obj, prefix: str = "") -> list[str]:
+def _key_paths(obj, prefix: str = ""):
     """The dotted key path of every leaf of a state dict (nested dicts; other values are leaves)."""
     if isinstance(obj, dict):
-        return [p for k, v in obj.items() for p in _key_paths(v, f"{prefix}{k}.")]
-    return [prefix[:-1]]
+        for k, v in obj.items():
+            yield from _key_paths(v, f"{prefix}{k}.")
+    else:
+        yield prefix[:-1]
 
 
 def load(store, model: str, into: dict, *, group=None, step: int | None = None, peers=(),

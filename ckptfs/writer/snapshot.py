@@ -46,11 +46,12 @@ class Snapshotter:
         self._copy_threads = copy_threads
         self._timeout_s = timeout_s
         self._side_streams = SideStreams()
-        # (layout, data pointers, spans of each chunk) of the last host snapshot whose tensors
-        # were all copied from their own memory: a save of the same tensors reuses the spans
-        # (building a buffer over each of 40,000 tensors is most of such a save's stall). It
-        # holds those tensors' memory until the next host snapshot or the writer's end.
-        self._host_spans: tuple | None = None
+        # The spans of the last host snapshot's layout, kept per tensor: a save of the same
+        # tensors reuses those of each tensor copied from its own memory at the same address
+        # (building a buffer over each of 40,000 tensors is most of such a save's stall, and the
+        # spans' objects are most of the garbage collector's work of a save); it holds those
+        # tensors' memory until the next host snapshot or the writer's end.
+        self._host_spans: _HostSpans | None = None
 
     def take(self, job: Job, pool: StagingPool, mark: CallerMark | None) -> None:
         """Copy every chunk of ``job`` out of its tensors; ``mark``: where its CUDA copies start."""
@@ -58,28 +59,25 @@ class Snapshotter:
         if devices:
             self._take_cuda(job, pool, devices, mark)
         else:
-            self._take_host(job, self.host_spans(job.plan), pool)
+            try:
+                self._take_host(job, self.host_spans(job.plan), pool)
+            finally:
+                if self._host_spans is not None:
+                    self._host_spans.drop_copies()
 
     def host_spans(self, plan) -> list[list[tuple]]:
         """Per chunk of a plan of CPU tensors, the (buffer offset, source, source offset,
         length) spans of its copy (Writer.prepare makes them ahead of the first save).
 
-        Reused from the last snapshot when it had the same layout and its tensors started at the
-        same addresses (the same parameters, updated in place): those buffers are over exactly
-        the bytes these tensors hold now, as the memory they cover stays allocated while held."""
-        tensors = plan.flat.tensors
-        ptrs = [t.data_ptr() for t in tensors]
+        A tensor's spans are reused from the last snapshot of the same layout when it started at
+        the same address and was copied from its own memory (the same parameter, updated in
+        place): they are over exactly the bytes it holds now, as the memory they cover stays
+        allocated while held. The others' (new tensors, contiguous copies) are made again."""
         cached = self._host_spans
-        if cached is not None and cached[0] is plan.layout and cached[1] == ptrs:
-            return cached[2]
-        sources = [byte_source(t) for t in tensors]
-        host = [host_bytes(s) for s in sources]
-        spans = [[(p.buffer_start, host[p.tensor], p.tensor_start, p.length) for p in chunk.pieces]
-                 for chunk in plan.layout.chunks]
-        # only where every source is the tensor's own memory (not a contiguous or resolved copy)
-        own = all(s.data_ptr() == p for s, p in zip(sources, ptrs) if s.numel())
-        self._host_spans = (plan.layout, ptrs, spans) if own else None
-        return spans
+        if cached is None or cached.layout is not plan.layout:
+            cached = self._host_spans = _HostSpans(plan.layout)
+        cached.update(plan.flat.tensors)
+        return cached.spans
 
     def _take_host(self, job: Job, spans: list[list[tuple]], pool: StagingPool) -> None:
         """CPU tensors: the native multi-threaded copy, chunk by chunk."""
@@ -116,3 +114,46 @@ class Snapshotter:
                 self._enqueue(job, chunk, buf, pool, events, None)
             for event in pending:
                 event.synchronize()
+
+
+class _HostSpans:
+    """The copy spans of one layout's chunks, with what each tensor's come from."""
+
+    def __init__(self, layout) -> None:
+        self.layout = layout
+        n = len(layout.records)
+        self.ptrs: list[int | None] = [None] * n  # the address each tensor's spans are over; None: make again
+        self.hosts: list = [None] * n
+        self.chunks_of: list[list[int]] = [[] for _ in range(n)]
+        for c, chunk in enumerate(layout.chunks):
+            for p in chunk.pieces:
+                if not self.chunks_of[p.tensor] or self.chunks_of[p.tensor][-1] != c:
+                    self.chunks_of[p.tensor].append(c)
+        self.spans: list[list[tuple] | None] = [None] * len(layout.chunks)
+        self._copies: list[int] = []
+
+    def update(self, tensors) -> None:
+        """Make the spans of every tensor not at its cached address, and of their chunks."""
+        stale = set()
+        for i, t in enumerate(tensors):
+            ptr = t.data_ptr()
+            if self.ptrs[i] != ptr or self.hosts[i] is None:
+                source = byte_source(t)
+                self.hosts[i] = host_bytes(source)
+                own = not source.numel() or source.data_ptr() == ptr
+                self.ptrs[i] = ptr if own else None
+                if not own:
+                    self._copies.append(i)
+                stale.update(self.chunks_of[i])
+        for c in stale:
+            self.spans[c] = [(p.buffer_start, self.hosts[p.tensor], p.tensor_start, p.length)
+                             for p in self.layout.chunks[c].pieces]
+
+    def drop_copies(self) -> None:
+        """After a snapshot: let go of the copies made for it (a non-contiguous tensor's), which
+        are not over the tensor's memory; the next snapshot makes them again."""
+        for i in self._copies:
+            self.hosts[i] = None
+            for c in self.chunks_of[i]:
+                self.spans[c] = None
+        self._copies.clear()
