@@ -208,3 +208,39 @@ def test_nodes_whose_regions_hold_different_jobs_at_the_same_step_load_nothing(t
         with ckptfs.Store.create(region, size_bytes=64 << 20) as store:
             dcp.save({"w": torch.full((4,), float(value))}, storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=5))
     run_ranks(_load_across, 2, regions)
+
+
+def _save_sharded(rank, world, region):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    with ckptfs.Store(region) as store:
+        with store.writer("m", group=dist.group.WORLD) as w:
+            w.save({"w": distribute_tensor(torch.arange(4096.0), mesh, [Shard(0)])}, step=1).result()
+
+
+def _load_damaged(rank, world, region):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from ckptfs.errors import CorruptionError
+
+    mesh = init_device_mesh("cpu", (world,))
+    state = {"w": distribute_tensor(torch.zeros(4096), mesh, [Shard(0)])}
+    with ckptfs.Store(region) as store:
+        # each rank reads its own part; rank 1's is damaged: it fails there, and rank 0, whose
+        # own reads were fine, fails too, naming rank 1
+        expected = (CkptfsError, "failed on rank 1 .*checksum") if rank == 0 else (CorruptionError, "checksum")
+        with pytest.raises(expected[0], match=expected[1]):
+            store.load("m", group=dist.group.WORLD, into=state)
+
+
+def test_a_load_that_fails_on_one_rank_fails_on_every_rank(tmp_path):
+    from test_cli import flip_a_tensor_byte
+
+    region = str(tmp_path / "r.region")
+    ckptfs.Store.create(region, size_bytes=64 << 20).close()
+    run_ranks(_save_sharded, 2, region)
+    flip_a_tensor_byte(region, ".m.rank1", 1, "items.0")
+    run_ranks(_load_damaged, 2, region)
