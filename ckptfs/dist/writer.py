@@ -325,26 +325,16 @@ def load(store, model: str, into: dict, *, group=None, step: int | None = None, 
                          "{'model': model.state_dict(), 'optim': optimizer.state_dict()})")
     gloo = _gloo_group(group, timeout_s)
     reader = StorageReader(store, model, step, peers=peers, timeout_s=timeout_s, group=gloo)
-    # Every rank plans its own reads (DCP's planner, no_dist): a load's global plan is every
-    # local plan as it is, so DCP's gather and scatter of the plans (pickled read items of every
-    # rank through the coordinator) buy nothing. The ranks agree on the step in read_metadata
-    # and on the outcome below, so that a load fails on every rank or on none.
-    error = None
     try:
-        dcp.load(into, storage_reader=reader, no_dist=True)
-    except CheckpointException as e:  # DCP's wrapping of this rank's own error: raise that one
-        error = next(iter(e.failures.values()))[0]
-    except Exception as e:  # noqa: BLE001 - told to every rank, then raised
-        error = e
-    said = exchange(None if error is None else f"{type(error).__name__}: {error}", gloo,
-                    f"the end of the load of {model!r}")
-    if error is not None:
-        raise error
-    failed = [(rank, what) for rank, what in enumerate(said) if what is not None]
-    if failed:
-        rank, what = failed[0]
-        raise CkptfsError(f"the load of {model!r} failed on rank {rank} ({what}); this rank's state is "
-                          "partly loaded: load again once that is mended")
+        dcp.load(into, storage_reader=reader, process_group=gloo)
+    except CheckpointException as e:  # DCP's wrapping of every failed rank's error: say it as ckptfs's
+        failures = {rank: error for rank, (error, _) in e.failures.items()}
+        rank = this_rank()
+        if rank in failures:
+            raise failures[rank] from None
+        other, error = min(failures.items())
+        raise CkptfsError(f"the load of {model!r} failed on rank {other} ({type(error).__name__}: {error}); this "
+                          "rank's state is partly loaded: load again once that is mended") from None
     return into
 
 
