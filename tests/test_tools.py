@@ -78,7 +78,7 @@ def test_bench_dist_runs_every_method_at_each_world_size(tmp_path):
     for world in (1, 2):
         assert f"W={world}:" in proc.stdout
     for figure in ("ckptfs writer stall / copy floor", "global commit after the last part, ms",
-                   "raw O_DIRECT overwrite / ckptfs writer durable", "dcp.save FileSystemWriter / dcp.save ckptfs",
+                   "raw O_DIRECT overwrite (the faster) / ckptfs writer durable", "dcp.save FileSystemWriter / dcp.save ckptfs",
                    "dcp.async_save FS / dcp.async_save ckptfs", "load of the W=2 checkpoint at W=1 (resharded)",
                    "(the disk's floor) / ckptfs StorageReader"):
         assert figure in proc.stdout, figure

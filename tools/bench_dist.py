@@ -14,7 +14,7 @@ are taken within the round (median over --rounds, worst round printed too):
 | dcp.async_save + ckptfs | its stall (until it returns) and durable (its future) |
 | dcp.save + FileSystemWriter | ``sync_files=True`` and an fsync of every file: durable |
 | dcp.async_save + FileSystemWriter | stall and durable |
-| raw O_DIRECT overwrite | each rank writes its state's bytes into a file of its own written once before, fdatasync |
+| raw O_DIRECT overwrite | each rank writes its state's bytes into a file of its own written once before, fdatasync; with 1 and with 2 writes in flight per rank (the writer's persist threads); the target takes the faster |
 
 Then the state saved at the largest W is loaded at W/2 (resharded; after a page-cache drop, and
 ckptfs's store opened in the round, as drop_caches leaves the pages a process has mapped):
@@ -45,6 +45,7 @@ import torch  # noqa: E402
 import _bench_common as bc  # noqa: E402
 
 MODEL = "bench"
+RAW_THREADS = 2  # the writer's persist threads (DEFAULT_PERSIST_THREADS)
 
 
 def _model(args, world: int):
@@ -152,7 +153,12 @@ def _save_rank(rank, world, args, workdir, out, keep: bool) -> None:
             afsdir = fsdir + "-async"
             row["adcp_fs"] = _timed(lambda: async_save(dcp.FileSystemWriter(afsdir, sync_files=True)), gloo)
             row["adcp_fs_stall"] = _max(holder["stall"], gloo)
-            row["raw"] = _timed(lambda: bc.odirect_write(raw_path, nbytes, raw_buf, overwrite=True), gloo)
+            row["raw1"] = _timed(lambda: bc.odirect_write(raw_path, nbytes, raw_buf, overwrite=True), gloo)
+            # as many writes in flight per rank as the writer's persist threads: the device's
+            # ceiling is the faster of the two (a virtual disk may need the queue depth)
+            row["raw2"] = _timed(lambda: bc.odirect_write(raw_path, nbytes, raw_buf, threads=RAW_THREADS,
+                                                          overwrite=True), gloo)
+            row["raw"] = min(row["raw1"], row["raw2"])
             row["bytes"] = _sum(nbytes, gloo)
             dist.barrier(gloo)
             if rank == 0:
@@ -246,14 +252,16 @@ def _report(world: int, rows: list[dict]) -> None:
     line("ckptfs writer stall / copy floor", lambda r: r["w_stall"] / r["floor"], "<= 1.25")
     line("ckptfs writer durable, s", lambda r: r["w_durable"])
     line("ckptfs writer global commit after the last part, ms", lambda r: 1e3 * r["w_commit"], "<= 50")
-    line("raw O_DIRECT overwrite / ckptfs writer durable (time)", lambda r: r["raw"] / r["w_durable"], ">= 0.9")
+    line("raw O_DIRECT overwrite (the faster) / ckptfs writer durable", lambda r: r["raw"] / r["w_durable"], ">= 0.9")
     line("dcp.save FileSystemWriter / ckptfs writer durable", lambda r: r["dcp_fs"] / r["w_durable"], ">= 3")
     line("dcp.save FileSystemWriter / dcp.save ckptfs", lambda r: r["dcp_fs"] / r["dcp_ck"])
     line("dcp.async_save FS / dcp.async_save ckptfs (durable)", lambda r: r["adcp_fs"] / r["adcp_ck"])
     line("dcp.async_save stall, ckptfs storage, s", lambda r: r["adcp_ck_stall"])
     line("dcp.async_save stall, FileSystemWriter, s", lambda r: r["adcp_fs_stall"])
     line("aggregate durable GB/s: ckptfs writer", lambda r: r["bytes"] / 1e9 / r["w_durable"])
-    line("aggregate GB/s: raw O_DIRECT overwrite", lambda r: r["bytes"] / 1e9 / r["raw"])
+    line("aggregate GB/s: raw overwrite, 1 write in flight per rank", lambda r: r["bytes"] / 1e9 / r["raw1"])
+    line(f"aggregate GB/s: raw overwrite, {RAW_THREADS} writes in flight per rank",
+         lambda r: r["bytes"] / 1e9 / r["raw2"])
     print("(ratios of times are peer / ckptfs: higher is better for ckptfs; 'worst' is the largest value)")
 
 
