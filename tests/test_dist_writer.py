@@ -20,6 +20,13 @@ from conftest_mount import mounted, requires_fuse
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
 
+def _new_region(tmp_path, size_bytes: int = 64 << 20) -> str:
+    """The path of a new region in ``tmp_path`` (closed: the ranks open it)."""
+    region = str(tmp_path / "r.region")
+    ckptfs.Store.create(region, size_bytes=size_bytes).close()
+    return region
+
+
 def _train_and_save(rank, world, region, out):
     """Train 4 steps, saving every step with async_snapshot (2 in flight); rank 0 writes the
     unsharded model and optimizer state of the last step to ``out``."""
@@ -62,8 +69,7 @@ def _load_and_compare(rank, world, region, out):
 
 @requires_fuse
 def test_a_transformer_saved_every_step_at_2_ranks_loads_at_1_and_2_and_mounts_whole(tmp_path):
-    region = str(tmp_path / "r.region")
-    ckptfs.Store.create(region, size_bytes=256 << 20).close()
+    region = _new_region(tmp_path, 256 << 20)
     out = str(tmp_path / "full.pt")
     run_ranks(_train_and_save, 2, region, out)
     with ckptfs.Store(region) as store:
@@ -120,8 +126,7 @@ def _plans_once_per_structure(rank, world, region):
 
 
 def test_a_plan_is_made_once_per_structure_and_reused_exactly(tmp_path):
-    region = str(tmp_path / "r.region")
-    ckptfs.Store.create(region, size_bytes=64 << 20).close()
+    region = _new_region(tmp_path)
     run_ranks(_plans_once_per_structure, 2, region)
     with ckptfs.Store(region) as store:
         assert store.latest("m").step == 5
@@ -147,8 +152,7 @@ def _one_rank_skips_a_step(rank, world, region):
 
 
 def test_a_rank_that_never_comes_to_a_save_is_named_and_the_last_step_stays(tmp_path):
-    region = str(tmp_path / "r.region")
-    ckptfs.Store.create(region, size_bytes=64 << 20).close()
+    region = _new_region(tmp_path)
     run_ranks(_one_rank_skips_a_step, 2, region)
     with ckptfs.Store(region) as store:
         assert store.latest("m").step == 1
@@ -164,8 +168,7 @@ def _different_keys(rank, world, region):
 
 
 def test_ranks_saving_different_keys_commit_nothing(tmp_path):
-    region = str(tmp_path / "r.region")
-    ckptfs.Store.create(region, size_bytes=64 << 20).close()
+    region = _new_region(tmp_path)
     run_ranks(_different_keys, 2, region)
     with ckptfs.Store(region) as store:
         assert [v.step for v in store.versions("m")] == [1]
@@ -239,8 +242,7 @@ def _load_damaged(rank, world, region):
 def test_a_load_that_fails_on_one_rank_fails_on_every_rank(tmp_path):
     from test_cli import flip_a_tensor_byte
 
-    region = str(tmp_path / "r.region")
-    ckptfs.Store.create(region, size_bytes=64 << 20).close()
+    region = _new_region(tmp_path)
     run_ranks(_save_sharded, 2, region)
     flip_a_tensor_byte(region, ".m.rank1", 1, "items.0")
     run_ranks(_load_damaged, 2, region)
