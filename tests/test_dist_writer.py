@@ -246,3 +246,35 @@ def test_a_load_that_fails_on_one_rank_fails_on_every_rank(tmp_path):
     run_ranks(_save_sharded, 2, region)
     flip_a_tensor_byte(region, ".m.rank1", 1, "items.0")
     run_ranks(_load_damaged, 2, region)
+
+
+def _two_nodes_reuse_a_plan(rank, world, regions):
+    """4 ranks on 2 simulated nodes save steps 1-3 through one writer (the plan made at step 1,
+    reused by 2 and 3: each node's leader splices the counters into the metadata it kept), then
+    every rank loads step 3 back (parts from both regions)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    mine = ckptfs.Store(regions[rank * len(regions) // world])
+    with mine.writer("m", group=dist.group.WORLD, max_inflight=2) as w:
+        futures = [w.save({"w": distribute_tensor(torch.arange(64.0) + step, mesh, [Shard(0)]),
+                           "b": torch.full((3,), float(step))}, step=step) for step in (1, 2, 3)]
+        assert [f.result().step for f in futures] == [1, 2, 3]
+    assert mine.latest("m").step == 3
+    peers = [ckptfs.Store(r) for r in regions if r != mine.path]
+    state = {"w": distribute_tensor(torch.zeros(64), mesh, [Shard(0)]), "b": torch.zeros(3)}
+    mine.load("m", group=dist.group.WORLD, into=state, peers=peers)
+    assert torch.equal(state["w"].full_tensor(), torch.arange(64.0) + 3) and torch.equal(state["b"], torch.full((3,), 3.0))
+    for store in (mine, *peers):
+        store.close()
+
+
+def test_two_nodes_reusing_a_plan_record_every_step_on_both(tmp_path):
+    regions = [str(tmp_path / f"node{i}.region") for i in range(2)]
+    for r in regions:
+        ckptfs.Store.create(r, size_bytes=64 << 20).close()
+    run_ranks(_two_nodes_reuse_a_plan, 4, regions)
+    for r in regions:
+        with ckptfs.Store(r) as store:
+            assert [v.step for v in store.versions("m")][-1] == 3

@@ -86,9 +86,7 @@ def decode_metadata(text: str) -> Metadata:
 def with_storage_data(text: str, pairs) -> str:
     """``encode_metadata``'s document ``text`` with its storage data replaced by ``pairs``
     ((an ``encode_index`` index, a JSON-able value); of pairs with the same index the last wins),
-    the rest taken as it is, undecoded: every global commit records its places this way, and a
-    Metadata decoded and encoded again per commit is thousands of objects (and the gen-2 garbage
-    collections they bring on) for the same text."""
+    the rest taken as it is, undecoded (``PlacedMetadata`` makes each commit's text from it)."""
     try:
         doc = json.loads(text)
     except ValueError as e:
@@ -101,7 +99,6 @@ def with_storage_data(text: str, pairs) -> str:
         places[(fqn, None if offset is None else tuple(offset), n)] = [index, value]
     doc["storage_data"] = list(places.values())
     return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-
 
 
 class PlacedMetadata:
@@ -127,6 +124,7 @@ class PlacedMetadata:
             out.append(str(int(counters[rank])))
             out.append(piece)
         return "".join(out)
+
 
 def encode_index(i: MetadataIndex) -> list:
     """A MetadataIndex as JSON data."""

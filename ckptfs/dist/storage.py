@@ -85,10 +85,11 @@ class StorageWriter(_DCPWriter):
         self.is_coordinator = True
         self._group = None
         self._node_ranks: list[int] = []  # on a node's leader after the commit: whose parts to reclaim
-        # Set by a writer whose saves reuse one DCP plan (the same on every rank): every rank's
-        # items and the coordinator's metadata, kept from the first commit of the plan, so that
-        # the later commits exchange only their counters (GPT-2 small at W=4: the metadata is
-        # ~0.5 MB of JSON, sent to every rank at every step otherwise).
+        # Set by a writer whose saves reuse one DCP plan (the same on every rank): filled at the
+        # plan's first commit (on a node's leader with the global metadata and every item's
+        # place, PlacedMetadata; elsewhere with nothing), so that the later commits exchange only
+        # their counters (GPT-2 small at W=4: the metadata is ~0.5 MB of JSON, sent to every rank
+        # at every step otherwise).
         self.plan_places: dict | None = None
 
     # ---------------------------------------------------------------- DCP's StorageWriter
@@ -183,25 +184,28 @@ class StorageWriter(_DCPWriter):
         # global-commit latency is the last of the first to the second (tools/bench_dist.py)
         self.part_durable_at = time.time()
         region = self.store.region.superblock.uuid.hex()
-        known = self.plan_places
+        places = self.plan_places
         mine = {"rank": self.rank, "region": region, "ok": ok, "error": error, "counter": counter,
                 "model": self.model, "step": self.step, "items": None, "metadata": None}
-        if not known:
+        if not places:
             mine.update(items=[encode_index(item.index) for item in items],
                         metadata=metadata if metadata is None or isinstance(metadata, str) else encode_metadata(metadata))
         everyone = exchange(mine, self._group, f"the exchange of parts of {self.model!r} step {self.step}",
                              Arrival(self._group, f"{self.model}/parts"))
         check_agreement(everyone)
-        _with_plan_places(everyone, known, self.plan_places)
         failed = [p["error"] for p in everyone if not p["ok"]]
         if failed:
             raise CkptfsError(f"step {self.step} of {self.model!r} was not committed: " + "; ".join(failed))
         leaders = {p["region"]: p["rank"] for p in sorted(everyone, key=lambda p: -p["rank"])}
+        leader = leaders[region] == self.rank
         recorded, why = True, None
-        if leaders[region] == self.rank:
+        if leader:
             try:
-                record = _record(everyone, self.plan_places)
-                _record_here(self.store, self.model, self.step, record, self.keep, self.extra)
+                placed = places["placed"] if places else _placed(everyone)
+                if places is not None:
+                    places["placed"] = placed  # the later commits of the plan send no items
+                _record_here(self.store, self.model, self.step, placed.render({p["rank"]: p["counter"] for p in everyone}),
+                             self.keep, self.extra)
             except BaseException as e:  # noqa: BLE001 - told to every rank
                 recorded, why = False, f"rank {self.rank} (region {region}): {e}"
         acks = exchange({"ok": recorded, "error": why}, self._group,
@@ -209,8 +213,10 @@ class StorageWriter(_DCPWriter):
         failed = [a["error"] for a in acks if not a["ok"]]
         if failed:
             raise CkptfsError(f"step {self.step} of {self.model!r} is not recorded on every node: " + "; ".join(failed))
+        if places is not None and not places:
+            places["placed"] = None  # not a leader: nothing of the plan's places to keep
         self.committed_at = time.time()
-        if leaders[region] == self.rank:
+        if leader:
             self._node_ranks = [p["rank"] for p in everyone if p["region"] == region]
 
     def reclaim(self) -> None:
@@ -305,34 +311,15 @@ class StorageReader(_DCPReader):
 
 
 # -------------------------------------------------------------------------------- helpers
-def _with_plan_places(everyone: list[dict], known: bool, places: dict | None) -> None:
-    """Fill in the items and metadata that ranks reusing a plan did not send (``known``), from
-    ``places``; or keep what they sent in ``places`` (a plan's first commit)."""
-    if places is None:
-        return
-    if known:
-        for p, items in zip(everyone, places["items"], strict=True):
-            p["items"] = items
-        everyone[0]["metadata"] = places["metadata"]
-    elif all(p["items"] is not None for p in everyone):
-        places.update(items=[p["items"] for p in everyone],
-                      metadata=next((p["metadata"] for p in everyone if p["metadata"] is not None), None))
-
-
-def _record(everyone: list[dict], places: dict | None) -> str:
-    """The global version's ``dcp-metadata.json``: DCP's metadata, with each item's place (the
-    plan's ``PlacedMetadata``, kept in ``places`` for the commits that reuse the plan)."""
-    placed = None if places is None else places.get("placed")
-    if placed is None:
-        (metadata,) = [p["metadata"] for p in everyone if p["metadata"] is not None] or [None]
-        if metadata is None:
-            raise CkptfsError("the coordinator's planner has no global metadata (ckptfs needs DCP's DefaultSavePlanner "
-                              "or one that keeps .metadata)")
-        placed = PlacedMetadata(metadata, [(index, {"region": p["region"], "rank": p["rank"], "pos": pos})
-                                           for p in everyone for pos, index in enumerate(p["items"])])
-        if places is not None:
-            places["placed"] = placed
-    return placed.render({p["rank"]: p["counter"] for p in everyone})
+def _placed(everyone: list[dict]) -> PlacedMetadata:
+    """The global version's ``dcp-metadata.json`` to be: DCP's metadata (the coordinator's), with
+    each item's place, from every rank's part of the exchange."""
+    (metadata,) = [p["metadata"] for p in everyone if p["metadata"] is not None] or [None]
+    if metadata is None:
+        raise CkptfsError("the coordinator's planner has no global metadata (ckptfs needs DCP's DefaultSavePlanner "
+                          "or one that keeps .metadata)")
+    return PlacedMetadata(metadata, [(index, {"region": p["region"], "rank": p["rank"], "pos": pos})
+                                     for p in everyone for pos, index in enumerate(p["items"])])
 
 
 _recorded: dict[tuple[str, str], set[int]] = {}  # (region, model) -> steps this process recorded there
@@ -360,7 +347,7 @@ def _record_here(store, model: str, step: int, record: str, keep: bool = False, 
 
 def write_results(items: list, tensors: list, rank: int, counter: int | None) -> list[WriteResult]:
     """DCP's write results of a rank's part (ckptfs's own record of the places is the global
-    version's metadata, ``_record``; these are what DCP's finish step expects)."""
+    version's metadata, ``_placed``; these are what DCP's finish step expects)."""
     return [WriteResult(index=item.index, size_in_bytes=_nbytes(t),
                         storage_data={"rank": rank, "counter": counter, "pos": pos})
             for pos, (item, t) in enumerate(zip(items, tensors))]

@@ -170,7 +170,7 @@ class DistWriter:
             part.set_exception(e)
         return _Written(storage, plan.items, tensors, part, plan.metadata)
 
-    def _plan_and_write(self, state: dict, step: int, signature: tuple, storage: "_PartOnly") -> _Written:
+    def _plan_and_write(self, state: dict, step: int, signature: str, storage: "_PartOnly") -> _Written:
         """dcp.save over ``storage``, whose write step only starts the part; the plan it made is
         kept for the saves of the same structure."""
         import torch.distributed.checkpoint as dcp
