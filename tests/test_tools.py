@@ -37,6 +37,7 @@ def test_bench_save_runs_every_method_and_ratio(tmp_path):
                             "durable throughput / raw write of a new file", "durable throughput / torch.save+fsync",
                             "stall / memcpy beside it", "stall / warm memcpy (best case)",
                             "Store.load / raw O_DIRECT read", "Store.load(into=) / raw O_DIRECT read",
+                            "Store.load / raw O_DIRECT read into fresh memory",
                             "first save's stall (after prepare) / steady", "first save's stall without prepare / steady"}
     for figure, t in figures.items():
         once = figure.startswith("first save")  # one first save per writer, against the rounds' median

@@ -370,6 +370,31 @@ def odirect_read(path: str, nbytes: int, buf: AlignedBuffer, threads: int = 1) -
     return dt
 
 
+def odirect_read_fresh(path: str, nbytes: int, block: int = 64 << 20) -> float:
+    """Sequential O_DIRECT read of the first ``nbytes`` (rounded up to 4 KiB) of ``path`` into
+    memory allocated for it (anonymous, freed after), on one thread: what a load that returns
+    new tensors pays for their fresh pages (the kernel zeroes each one at its first touch), which
+    ``odirect_read`` into one reused buffer does not. Returns seconds, the allocation included."""
+    total = _round_up(nbytes)
+    t0 = time.perf_counter()
+    m = mmap.mmap(-1, total)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        with memoryview(m) as mv:
+            for off in range(0, total, block):
+                n = min(block, total - off)
+                done = 0
+                while done < n:
+                    r = os.preadv(fd, [mv[off + done:off + n]], off + done)
+                    if r <= 0:
+                        raise IOError(f"short O_DIRECT read of {path} at {off + done}")
+                    done += r
+        return time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        m.close()
+
+
 def buffered_write_fsync(path: str, nbytes: int, buf: AlignedBuffer) -> float:
     t0 = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
