@@ -2,6 +2,7 @@
 known (a writer opened on a model that has a version, i.e. a job resumed after a restart, or
 told the state by Writer.prepare)."""
 import threading
+import time
 
 import pytest
 import torch
@@ -86,3 +87,47 @@ def test_prepare_makes_the_plan_and_the_pool_so_the_first_save_makes_neither(sto
         w.save(changed, step=2).result()
         loaded = store.load("m")
         assert torch.equal(loaded["model"]["w7"], changed["model"]["w7"]) and loaded["model"]["extra"].tolist() == [1, 1]
+
+
+def test_a_snapshot_larger_than_the_budget_gets_back_the_buffers_of_parked_crcs(store):
+    """The chunks written while a snapshot runs park their CRCs (and so their buffers) until it
+    is taken; a snapshot that needs one of those buffers lets them go instead of waiting."""
+    state = {"w": torch.randn(1 << 19)}  # 2 MiB: 32 chunks through a pool of 2 buffers
+    with store.writer("m", chunk_bytes=64 << 10, staging_budget_bytes=128 << 10, timeout_s=10) as w:
+        for step in (1, 2):
+            result = w.save(state, step=step).result(timeout=60)
+            assert result.step == step
+        (pool,) = w._pools.values()
+        assert pool.max_buffers == 2 and len(pool._free) == 2
+    loaded = store.load("m")  # every chunk's CRC checked on the way
+    assert torch.equal(loaded["w"], state["w"])
+    assert store.verify("m") == []
+
+
+def test_a_snapshot_that_fails_gives_back_every_buffer(store, monkeypatch):
+    """Those of its parked CRCs, and the one it was copying into."""
+    from ckptfs.writer import snapshot
+
+    state = {"w": torch.randn(1 << 19)}
+    copies = []
+    real_copy = snapshot.copy_spans
+
+    def failing_copy(*args):
+        copies.append(1)
+        if len(copies) == 20:
+            raise RuntimeError("the tensor went away")
+        return real_copy(*args)
+
+    with store.writer("m", chunk_bytes=64 << 10, staging_budget_bytes=8 * (64 << 10), timeout_s=10) as w:
+        w.save(state, step=1).result(timeout=60)
+        monkeypatch.setattr(snapshot, "copy_spans", failing_copy)
+        with pytest.raises(RuntimeError, match="went away"):
+            w.save(state, step=2)
+        (pool,) = w._pools.values()
+        deadline = time.monotonic() + 10
+        while len(pool._free) != len(pool._all) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(pool._free) == len(pool._all) == pool.max_buffers
+        monkeypatch.setattr(snapshot, "copy_spans", real_copy)
+        w.save(state, step=3).result(timeout=60)
+    assert [v.step for v in store.versions("m")] == [1, 3]

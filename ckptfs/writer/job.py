@@ -60,7 +60,8 @@ class Job:
     keep: bool = False  # commit the version kept (a milestone the ring never reuses)
     chunks_left: int = 0
     ready: threading.Event = field(default_factory=threading.Event)  # the slot may be written
-    snapshot_taken: threading.Event = field(default_factory=threading.Event)
+    parking: bool = True  # chunks written during the snapshot park their CRCs (see persist.py)
+    parked: list = field(default_factory=list)  # (job, chunk, buffer, pool, None) of each
     piece_crcs: dict = field(default_factory=dict)  # tensor -> [(start, length, crc)] of its pieces
     error: BaseException | None = None
     stall_s: float = 0.0

@@ -1,9 +1,11 @@
 """Persist phase of a save: worker threads write the staged chunks into the claimed slot, take the
 CRCs, and commit through the region's slot lifecycle (ckptfs.region.ring) after the last chunk.
-``WriteGate`` paces the chunk writes against a snapshot copy the caller is waiting for.
+``WriteGate`` paces the chunk writes against a snapshot copy the caller is waiting for; the CRCs of
+chunks written while it runs are parked until it is taken (``PersistPipeline.unpark``).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import queue
@@ -21,7 +23,6 @@ from ckptfs.writer.staging import StagingBuffer, StagingPool
 log = logging.getLogger("ckptfs")
 
 GATE_POLL_S = 0.005
-CRC_YIELD_POLL_S = 0.002
 
 
 class WriteGate:
@@ -76,6 +77,9 @@ class PersistPipeline:
         self._progress = progress
         self._finish = finish
         self._queue: queue.Queue = queue.Queue()
+        # parked CRCs let go by a taken snapshot: taken before the queued chunks, as they hold
+        # staging buffers the next snapshot may need (one queue token per item wakes a worker)
+        self._unparked: collections.deque = collections.deque()
         self._workers = [threading.Thread(target=self._loop, name=f"ckptfs-persist-{i}", daemon=True)
                          for i in range(threads)]
         for w in self._workers:
@@ -90,6 +94,17 @@ class PersistPipeline:
         """Queue a filled staging buffer (see snapshot.Enqueue)."""
         self._queue.put(("chunk", job, chunk, buf, pool, events, crcs))
 
+    def unpark(self, job: Job) -> None:
+        """The snapshot of ``job`` is taken, failed, or waits for a staging buffer: its parked
+        CRCs are queued ahead of the chunks, and its later chunks are checksummed as they are
+        written. Idempotent."""
+        with job.mutex:
+            job.parking = False
+            parked, job.parked = job.parked, []
+        for item in parked:
+            self._unparked.append(item)
+            self._queue.put(("unparked", job))
+
     def close(self) -> None:
         for _ in self._workers:
             self._queue.put(None)
@@ -103,9 +118,17 @@ class PersistPipeline:
             if item is None:
                 return
             kind, job = item[0], item[1]
+            if kind == "unparked":
+                try:
+                    item = self._unparked.popleft()
+                except IndexError:
+                    continue  # another worker took it first
+                job = item[0]
             try:
                 if kind == "begin":
                     self._begin(job)
+                elif kind == "unparked":
+                    self._checksum(*item)
                 else:
                     self._persist_chunk(job, *item[2:])
             except BaseException as e:  # noqa: BLE001 - delivered through the future
@@ -117,26 +140,39 @@ class PersistPipeline:
         if not job.chunks:
             self._commit(job)
 
-    @staticmethod
-    def _yield_to_snapshot(job: Job, pool: StagingPool) -> None:
-        """Hold the chunk's CRC until the snapshot is taken: on a CPU-only host the checksums
-        would otherwise take cores from the copy the caller is waiting for. The writes already
-        issued keep the device busy meanwhile, so durability is not delayed. Never waits while
-        the snapshot itself waits for a staging buffer (this one must then be freed)."""
-        while not job.future.snapshotted.done() and not pool.starved:
-            job.snapshot_taken.wait(CRC_YIELD_POLL_S)
-
     def _persist_chunk(self, job: Job, chunk: Chunk, buf: StagingBuffer, pool: StagingPool, events, crcs) -> None:
         try:
             for event in events:
                 event.synchronize()
             job.ready.wait()
+            if job.error is None:
+                with self.gate.write(pool), memoryview(buf.mapping) as view:
+                    job.claim.write(chunk.start, view[:chunk.length])
+        except BaseException:
+            pool.release(buf)
+            raise
+        if crcs is None and self._park(job, chunk, buf, pool):
+            return
+        self._checksum(job, chunk, buf, pool, crcs)
+
+    @staticmethod
+    def _park(job: Job, chunk: Chunk, buf: StagingBuffer, pool: StagingPool) -> bool:
+        """Hold a written chunk's CRC (and its buffer) while the snapshot runs: on a CPU-only
+        host the checksums would take cores from the copy the caller is waiting for. The worker
+        goes on to write the next chunk meanwhile, so the device stays busy."""
+        with job.mutex:
+            if job.parking and job.error is None:
+                job.parked.append((job, chunk, buf, pool, None))
+                return True
+        return False
+
+    def _checksum(self, job: Job, chunk: Chunk, buf: StagingBuffer, pool: StagingPool, crcs) -> None:
+        """Take a written chunk's CRCs (unless the snapshot did), give its buffer back, count it;
+        the last chunk commits."""
+        try:
             if job.error is not None:
                 return
-            with self.gate.write(pool), memoryview(buf.mapping) as view:
-                job.claim.write(chunk.start, view[:chunk.length])
             if crcs is None:
-                self._yield_to_snapshot(job, pool)
                 crcs = piece_crcs(buf, chunk)
         finally:
             pool.release(buf)
@@ -170,6 +206,7 @@ class PersistPipeline:
                 return
             job.error = error
         job.ready.set()
+        self.unpark(job)  # the parked buffers go back to the pool
         job.claim.abort()
         log.error("save of %s step %d failed: %s", job.claim.model, job.step, error)
         self._finish(job, None, error)

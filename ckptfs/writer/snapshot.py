@@ -17,6 +17,8 @@ from ckptfs.writer.staging import StagingBuffer, StagingPool
 
 # enqueue(job, chunk, filled buffer, its pool, CUDA events to wait for, piece CRCs or None)
 Enqueue = Callable[[Job, Chunk, StagingBuffer, StagingPool, tuple, list | None], None]
+# unpark(job): let go of the buffers held for the job's parked CRCs (PersistPipeline.unpark)
+Unpark = Callable[[Job], None]
 
 
 def byte_source(t: torch.Tensor) -> torch.Tensor:
@@ -41,8 +43,9 @@ def piece_crcs(buf: StagingBuffer, chunk: Chunk) -> list[tuple[int, int, int, in
 class Snapshotter:
     """Takes the snapshots of one writer; returns once the tensors may change."""
 
-    def __init__(self, enqueue: Enqueue, copy_threads: int, timeout_s: float):
+    def __init__(self, enqueue: Enqueue, unpark: Unpark, copy_threads: int, timeout_s: float):
         self._enqueue = enqueue
+        self._unpark = unpark
         self._copy_threads = copy_threads
         self._timeout_s = timeout_s
         self._side_streams = SideStreams()
@@ -79,15 +82,28 @@ class Snapshotter:
         cached.update(plan.flat.tensors)
         return cached.spans
 
+    def _buffer(self, job: Job, pool: StagingPool) -> StagingBuffer:
+        """A staging buffer for the next chunk. Before waiting for one, the buffers the job's
+        parked CRCs hold are let go: they may be the ones it waits for."""
+        buf = pool.try_acquire()
+        if buf is None:
+            self._unpark(job)
+            buf = pool.acquire(self._timeout_s)
+        return buf
+
     def _take_host(self, job: Job, spans: list[list[tuple]], pool: StagingPool) -> None:
         """CPU tensors: the native multi-threaded copy, chunk by chunk."""
         for chunk, chunk_spans in zip(job.chunks, spans, strict=True):
-            buf = pool.acquire(self._timeout_s)
-            copy_spans(buf.mapping, chunk_spans, self._copy_threads)
-            # A background snapshot runs while the caller computes: checksumming here keeps that
-            # memory traffic out of the caller's next optimizer step, which the persist workers'
-            # checksums would otherwise overlap.
-            crcs = piece_crcs(buf, chunk) if job.crc_in_snapshot else None
+            buf = self._buffer(job, pool)
+            try:
+                copy_spans(buf.mapping, chunk_spans, self._copy_threads)
+                # A background snapshot runs while the caller computes: checksumming here keeps
+                # that memory traffic out of the caller's next optimizer step, which the persist
+                # workers' checksums would otherwise overlap.
+                crcs = piece_crcs(buf, chunk) if job.crc_in_snapshot else None
+            except BaseException:
+                pool.release(buf)
+                raise
             self._enqueue(job, chunk, buf, pool, (), crcs)
 
     def _take_cuda(self, job: Job, pool: StagingPool, devices: set[int], mark: CallerMark | None) -> None:
@@ -108,12 +124,26 @@ class Snapshotter:
                     sources.append(byte_source(t))
             pending = []
             for chunk in job.chunks:
-                buf = pool.acquire(self._timeout_s)
-                events = copy_chunk_pieces(buf.tensor, chunk.pieces, sources, streams)
+                buf = self._buffer(job, pool)
+                try:
+                    events = copy_chunk_pieces(buf.tensor, chunk.pieces, sources, streams)
+                except BaseException:
+                    _release_after_copies(pool, buf)
+                    raise
                 pending.extend(events)
                 self._enqueue(job, chunk, buf, pool, events, None)
             for event in pending:
                 event.synchronize()
+
+
+def _release_after_copies(pool: StagingPool, buf: StagingBuffer) -> None:
+    """Give back a pinned buffer whose chunk failed to queue: once the copies already queued
+    into it are done. A device in error keeps it out of the pool (a copy may still land)."""
+    try:
+        torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001 - the save's own error is the one to report
+        return
+    pool.release(buf)
 
 
 class _HostSpans:

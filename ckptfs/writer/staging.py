@@ -115,11 +115,8 @@ class StagingPool:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
             while True:
-                if self._free:
-                    return self._free.pop()
-                if len(self._all) + self._creating < self.max_buffers:
-                    buf = _new_buffer(self.chunk_bytes, self.pinned)
-                    self._all.append(buf)
+                buf = self._take()
+                if buf is not None:
                     return buf
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -130,6 +127,20 @@ class StagingPool:
                     self._cond.wait(remaining)
                 finally:
                     self._waiting -= 1
+
+    def try_acquire(self) -> StagingBuffer | None:
+        """A free buffer, or a new one while under budget; None rather than a wait."""
+        with self._cond:
+            return self._take()
+
+    def _take(self) -> StagingBuffer | None:
+        if self._free:
+            return self._free.pop()
+        if len(self._all) + self._creating < self.max_buffers:
+            buf = _new_buffer(self.chunk_bytes, self.pinned)
+            self._all.append(buf)
+            return buf
+        return None
 
     def prefill(self) -> int:
         """Make and fault in buffers up to the budget (on the calling thread; run it on one of

@@ -117,7 +117,7 @@ class Writer:
         self._outstanding_lock = threading.Lock()
         self._closed = False
         self._persist = PersistPipeline(persist_threads, self._progress, self._finish)
-        self._snapshotter = Snapshotter(self._persist.enqueue, default_copy_threads(), timeout_s)
+        self._snapshotter = Snapshotter(self._persist.enqueue, self._persist.unpark, default_copy_threads(), timeout_s)
         # Background snapshots (async_snapshot) run in call order on one thread of their own.
         self._snapshot_queue: queue.SimpleQueue = queue.SimpleQueue()
         self._snapshot_thread: threading.Thread | None = None
@@ -305,7 +305,7 @@ class Writer:
             future.snapshotted.set_result(job.stall_s)
         except InvalidStateError:
             pass  # the save failed while it was being snapshotted: snapshotted holds that error
-        job.snapshot_taken.set()
+        self._persist.unpark(job)
 
     def _drop(self, future: SaveFuture, error: BaseException) -> None:
         """Fail a save that never got a slot."""
