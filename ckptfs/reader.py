@@ -85,8 +85,13 @@ class VersionData:
         range read: an open that only lists a version's files (the mount's first stat) reads none."""
         placed = self._placed
         if placed is None:
-            order = sorted((r.offset, i) for i, r in enumerate(self.manifest.tensors) if r.nbytes)
-            placed = self._placed = ([offset for offset, _ in order], [i for _, i in order])
+            # ints and a sort by key, no (offset, index) pairs: 40,000 tuples would start the
+            # cyclic GC over every object of the process
+            tensors = self.manifest.tensors
+            indices = [i for i, r in enumerate(tensors) if r.nbytes]
+            offsets = [tensors[i].offset for i in indices]
+            order = sorted(range(len(indices)), key=offsets.__getitem__)  # stable: ties by index
+            placed = self._placed = ([offsets[j] for j in order], [indices[j] for j in order])
         return placed
 
     # ------------------------------------------------------------------ ranges

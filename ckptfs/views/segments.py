@@ -11,6 +11,8 @@ from bisect import bisect_right
 from itertools import accumulate
 from typing import Callable, Iterable, Iterator, Union
 
+from ckptfs.gcpause import paused_gc
+
 ReadRegion = Callable[[int, int], "bytes | bytearray | memoryview"]
 
 
@@ -132,7 +134,8 @@ class LazyView(View):
         # only for the slots not set yet: the segments and their starts
         if name not in ("segments", "_starts"):
             raise AttributeError(name)
-        built = View(self._build())
+        with paused_gc():  # tens of thousands of segments: see ckptfs.gcpause
+            built = View(self._build())
         if built.size != self.size:
             raise AssertionError(f"a view's segments hold {built.size} bytes, its size says {self.size}")
         self.segments, self._starts = built.segments, built._starts
