@@ -13,6 +13,7 @@ import torch
 
 import ckptfs
 from ckptfs.errors import OldFormatError
+from ckptfs.region.extents import GIVE_BACK_AFTER_COMMITS
 from ckptfs.testing.crashsim import same
 from conftest import fill_region
 
@@ -53,9 +54,32 @@ def test_readers_pinning_every_slot_never_stall_the_writer(store):
         for p in pins:
             p.close()
         reader.close()
-        for step in range(7, 12):
+        last = 7 + GIVE_BACK_AFTER_COMMITS + 2  # the slot goes back once spare at that many commits
+        for step in range(7, last):
             w.save(state(step), step).result()
-    assert store.region.get("m").nslots == 3 and [v.step for v in store.versions("m")] == [9, 10, 11]
+    assert store.region.get("m").nslots == 3 and [v.step for v in store.versions("m")] == list(range(last - 3, last))
+
+
+@pytest.mark.parametrize("unkept_by", ["this store", "another process's store"])
+def test_a_ring_whose_kept_versions_come_and_go_settles(tmp_path, unkept_by):
+    """A multi-rank job's parts: each save kept, the one before unkept once the next is saved
+    (its step went global), by the job's leader: another process. The ring grows by what its
+    kept versions take, and no more: a claim that finds it short looks at the headers again
+    before growing (the leader unkept one meanwhile), and a slot spare at one commit is not
+    given back to be taken again at the next claim. It grew by one slot per save, to 11."""
+    path = str(tmp_path / "parts.region")
+    with ckptfs.Store.create(path, size_bytes=256 << 20) as store:
+        leader = store if unkept_by == "this store" else ckptfs.Store(path)
+        sizes = []
+        with store.writer("part", max_inflight=2) as w:
+            for step in range(1, 40):
+                w.save(state(step, n=1 << 16), step, keep=True).result()
+                if step > 1:
+                    leader.unkeep("part", step - 1)
+                sizes.append(store.region.get("part").nslots)
+        assert len(set(sizes[8:])) == 1 and sizes[-1] <= 4 + 2, sizes  # the ring's 4, 2 kept at a claim
+        assert [v.step for v in store.versions("part") if v.kept] == [39]
+        assert torch.equal(store.load("part", 39)["w"], state(39, n=1 << 16)["w"])
 
 
 def test_kept_versions_are_never_reused(store):

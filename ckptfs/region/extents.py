@@ -12,8 +12,11 @@ for more here:
     more slot of the model's size, placed right after an extent of that size where the bytes are
     free (the extent grows, so the entry does not run out of extents). Readers never stall
     training while the region has room.
-After every commit ``give_back`` returns the slots at the end of each extent that hold nothing
-the model keeps and that the ring does not need to keep ``ring_slots`` versions of its size.
+After a commit ``give_back`` returns the slots at the end of each extent that hold nothing the
+model keeps and that the ring does not need to keep ``ring_slots`` versions of its size, once the
+model has had slots to spare at GIVE_BACK_AFTER_COMMITS commits in a row: a ring whose kept or
+pinned versions come and go (a multi-rank job's parts stay kept until their step is global) would
+otherwise give back at one commit the slot it must take again at the next claim.
 Every change is written with the table lock held, new slots' headers wiped before the entry that
 names them is written (a stale header there must not look like a version), and slots given back
 are locked exclusively first (no reader or writer is in them).
@@ -31,6 +34,7 @@ KEPT = 1 << 62  # Ring._slot_ages' value of a slot holding a kept version: never
 log = logging.getLogger("ckptfs")
 
 GROWTH_HEADROOM = 1.25  # an outgrown model's new slots leave room for it to grow a little more
+GIVE_BACK_AFTER_COMMITS = 8  # spare slots go back once they were spare at this many commits in a row
 
 
 class Extents:
@@ -39,6 +43,7 @@ class Extents:
     def __init__(self, ring):
         self.ring = ring
         self.region = ring.region
+        self._spare_commits = 0  # commits in a row (of this process) after which slots were spare
 
     # ------------------------------------------------------------------ taking
     def reshape(self, ring_slots: int | None, slot_bytes: int | None) -> None:
@@ -55,7 +60,7 @@ class Extents:
                 if ring_slots > usable:
                     self._add(self.ring.refresh(), entry.slot_bytes, ring_slots - usable)
                 self.ring.refresh()
-            self.give_back()
+            self.give_back(now=True)
         if slot_bytes is not None and slot_bytes > self.ring.entry.slot_bytes:
             self.add(slot_bytes, outgrown=True, headroom=1.0)
 
@@ -115,21 +120,30 @@ class Extents:
         return grown
 
     # ------------------------------------------------------------------ giving back
-    def give_back(self) -> bool:
-        """After a commit: return the slots the model does not need (see the module's docstring).
-        Cheap when there is nothing to return: the table lock is taken only then. Never raises:
-        the commit it follows is complete; slots not given back now go at a later commit."""
+    def give_back(self, *, now: bool = False) -> bool:
+        """After a commit: return the slots the model does not need (see the module's docstring):
+        smaller slots of an outgrown model at once (no save can take them again), spare slots of
+        its size once it has had some at GIVE_BACK_AFTER_COMMITS commits in a row (``now``: at
+        once). Cheap when there is nothing to return: the table lock is taken only then. Never
+        raises: the commit it follows is complete; slots not given back now go at a later one."""
         entry = self.ring.entry
-        if len(entry.extents) == 1:
-            kept = sum(1 for age in self.ring._slot_ages(entry).values() if age == KEPT)
-            if entry.nslots - kept <= entry.ring_slots:
-                return False  # nothing spare (the usual case: no scan, no lock)
+        outgrown = any(x.slot_bytes < entry.slot_bytes for x in entry.extents)
+        kept = sum(1 for age in self.ring._slot_ages(entry).values() if age == KEPT)
+        if entry.nslots - kept > entry.ring_slots:  # from the cached ages: no header read, no lock
+            self._spare_commits += 1
+        else:
+            self._spare_commits = 0
+        if not (now or outgrown or self._spare_commits >= GIVE_BACK_AFTER_COMMITS):
+            return False  # the usual case: no scan, no lock
         try:
             with self.region.meta_locked():
-                return self._give_back_locked(self.ring.refresh())
+                given = self._give_back_locked(self.ring.refresh())
         except (CkptfsError, OSError) as e:
             log.warning("model %r: spare slots not given back this time: %s", entry.name, e)
             return False
+        if given:
+            self._spare_commits = 0
+        return given
 
     def _give_back_locked(self, entry: ModelEntry) -> bool:
         """Trim the tails of the extents of ``entry`` (the table lock is held). Kept: latest, kept

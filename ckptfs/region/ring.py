@@ -145,6 +145,13 @@ class Ring:
             now = time.monotonic()
             # kept versions left the ring: it takes slots in their place to keep ring_slots versions
             short = self.usable_slots(entry, need) < entry.ring_slots
+            if short and now >= full_until:
+                # before growing, the headers as they are: another process may have unkept a
+                # version since this ring read them (a multi-rank job's leader unkeeps every
+                # rank's older parts), and a growth costs a reservation and barriers
+                with self._ages_lock:
+                    self._ages = None
+                short = self.usable_slots(entry, need) < entry.ring_slots
             found = None if short and now >= full_until else self._try_claim(entry, need)
             if found is not None:
                 return found
