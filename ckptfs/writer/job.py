@@ -61,7 +61,7 @@ class Job:
     chunks_left: int = 0
     ready: threading.Event = field(default_factory=threading.Event)  # the slot may be written
     parking: bool = True  # chunks written during the snapshot park their CRCs (see persist.py)
-    parked: list = field(default_factory=list)  # (job, chunk, buffer, pool, None) of each
+    parked: list = field(default_factory=list)  # (chunk, buffer, pool) of each
     piece_crcs: dict = field(default_factory=dict)  # tensor -> [(start, length, crc)] of its pieces
     error: BaseException | None = None
     stall_s: float = 0.0

@@ -101,8 +101,8 @@ class PersistPipeline:
         with job.mutex:
             job.parking = False
             parked, job.parked = job.parked, []
-        for item in parked:
-            self._unparked.append(item)
+        for chunk, buf, pool in parked:
+            self._unparked.append((job, chunk, buf, pool, None))
             self._queue.put(("unparked", job))
 
     def close(self) -> None:
@@ -162,7 +162,7 @@ class PersistPipeline:
         goes on to write the next chunk meanwhile, so the device stays busy."""
         with job.mutex:
             if job.parking and job.error is None:
-                job.parked.append((job, chunk, buf, pool, None))
+                job.parked.append((chunk, buf, pool))
                 return True
         return False
 
