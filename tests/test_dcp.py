@@ -306,7 +306,7 @@ def test_a_rank_killed_during_saves_leaves_the_newest_complete_step(tmp_path):
             assert torch.equal(back["w0"], _kill_state(0, complete)["w0"])
             assert torch.equal(back["w1"], _kill_state(1, complete)["w1"])
             assert store.verify() == []
-            # failed attempts' parts do not pile up: each rank releases them before its next part
+            # failed attempts' parts do not pile up: each rank releases them at its next commit
             assert len([v for v in store.versions(".k.rank0") if v.kept]) <= 3
     run_ranks(_save_with_a_kill, 2, region, 100, None)
     with ckptfs.Store(region) as store:

@@ -138,7 +138,6 @@ class StorageWriter(_DCPWriter):
         the state may change from then on."""
         tensors = [_as_tensor(item, planner.resolve_data(item)) for item in items]
         name = part_model(self.model, self.rank)
-        _release_abandoned(self.store, self.model, name, self.step)
         writer = _kept_writer(self.store, name, self.max_inflight)
         with _writers_lock:
             _in_flight.add((self.store.path, name, self.step))
@@ -160,8 +159,8 @@ class StorageWriter(_DCPWriter):
         (see the module's docstring), on every rank in the same order of steps; returns DCP's
         write results (with ``results``; else None). ``metadata``: DCP's global metadata on the
         coordinator (or its ``encode_metadata`` text), else None.
-        ``reclaim``: then reclaim the older parts (else the caller calls ``reclaim`` later,
-        once it has told its own caller that the step is committed)."""
+        ``reclaim``: then reclaim the older parts, whether the commit succeeded or failed (else
+        the caller calls ``reclaim`` later, once it has told its own caller how the step went)."""
         try:
             try:
                 counter = save.result().counter
@@ -169,8 +168,12 @@ class StorageWriter(_DCPWriter):
             except BaseException as e:  # noqa: BLE001 - told to every rank, raised by _commit
                 counter, ok, error = None, False, f"rank {self.rank}: {e}"
             self._commit(items, counter, ok, error, metadata)
-        finally:
-            self.release_part()  # only now: a part durable but not yet committed stays kept
+        except BaseException:
+            self.release_part()
+            if reclaim:
+                self.reclaim_quietly()
+            raise
+        self.release_part()  # only now: a part durable but not yet committed stays kept
         if reclaim:
             self.reclaim()
         return write_results(items, tensors, self.rank, counter) if results else None
@@ -220,9 +223,21 @@ class StorageWriter(_DCPWriter):
             self._node_ranks = [p["rank"] for p in everyone if p["region"] == region]
 
     def reclaim(self) -> None:
-        """After the commit, on each node's leader: unkeep the node's parts older than the step."""
+        """After the commit, or its failure (off the caller's stall: a save's snapshot never waits
+        for it): unkeep this rank's older parts that no global version names (see
+        ``_release_abandoned``), and, on each node's leader after a commit, the node's parts
+        older than the step."""
+        _release_abandoned(self.store, self.model, part_model(self.model, self.rank), self.step)
         if self._node_ranks:
             _reclaim(self.store, self.model, self._node_ranks, keep_step=self.step)
+
+    def reclaim_quietly(self) -> None:
+        """``reclaim``, its failure only logged: the commit's outcome is what the caller is told,
+        and a later commit reclaims again."""
+        try:
+            self.reclaim()
+        except Exception as e:  # noqa: BLE001 - a later commit reclaims again
+            log.warning("ckptfs: reclaiming the parts of %s older than step %d failed: %s", self.model, self.step, e)
 
 
 class StorageReader(_DCPReader):
@@ -461,9 +476,10 @@ def _done_with(store, name: str, step: int) -> None:
 
 
 def _release_abandoned(store, model: str, name: str, step: int) -> None:
-    """Before a rank writes its part of ``step``: unkeep its older parts that no global version
-    of this region names (saves that failed or whose process died; this process's own saves
-    still in flight excepted), so that a job whose saves keep failing does not fill the region."""
+    """After a rank's commit of ``step``, or its failure: unkeep its parts older than ``step`` that
+    no global version of this region names (saves that failed or whose process died; this
+    process's own saves still in flight excepted), so that a job whose saves keep failing does not
+    fill the region (the part of a failed step goes at the next step's commit)."""
     latest = _latest(store, model)
     try:
         parts = store.versions(name)

@@ -198,13 +198,12 @@ class DistWriter:
         except BaseException as e:  # noqa: BLE001 - delivered through the future
             self._done(future)
             future.set_exception(e)
+            storage.reclaim_quietly()  # a job whose saves keep failing must not fill the region
             return
         self._done(future)
         future.set_result(result)
-        try:
-            storage.reclaim()  # after the caller is told: before the next commit, on this thread
-        except BaseException as e:  # noqa: BLE001 - the step is committed; a later commit reclaims again
-            log.warning("ckptfs: reclaiming the parts older than step %d of %s failed: %s", step, self.model, e)
+        # after the caller is told: before the next commit, on this thread
+        storage.reclaim_quietly()
 
     def _agree(self, state: dict, step: int, plan_made_at: int | None) -> list[dict]:
         """Before anything is written: every rank came to this save (CkptfsError naming those
