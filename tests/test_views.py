@@ -210,6 +210,31 @@ def test_view_drops_empty_segments_and_reads_across_them():
     assert type(view.read(2, 2, read)) is bytes
 
 
+def test_view_reads_extents_stored_within_the_alignment_as_one_span():
+    """A read over many small tensors asks the data area once per run of extents less than the
+    tensors' alignment (64 bytes) apart, literals between them included; a farther extent, one
+    stored before the last, or bytes of a tensor outside the file are never in a span (a
+    damaged neighbour must not fail a read of this file)."""
+    region = bytes(range(256)) * 8
+    calls = []
+
+    def read(o, n):
+        calls.append((o, n))
+        assert not (o < 700 < o + n), "a span reached the bytes between 600 and 800"
+        return memoryview(region)[o:o + n]
+
+    segments = [Extent(0, 10), Extent(64, 10), Literal(b"hdr"), Extent(128, 60),  # gaps 54, 54, 4
+                Extent(600, 5), Extent(800, 8),  # 412 and 195 bytes apart: new spans
+                Extent(700 - 200, 8)]  # before the last one: a new span
+    view = View(segments)
+    expected = b"".join(s.data if type(s) is Literal else region[s.offset:s.offset + s.length] for s in segments)
+    assert view.read(0, view.size, read) == expected
+    assert calls == [(0, 188), (600, 5), (800, 8), (500, 8)]
+    calls.clear()
+    assert view.read(5, 12, read) == expected[5:17]  # from inside the first extent into the second
+    assert calls == [(5, 66)]
+
+
 def test_view_builder_coalesces_literals_and_tracks_position():
     b = ViewBuilder()
     b.literal(b"ab")
