@@ -119,6 +119,32 @@ def test_a_pass_over_many_small_tensors_streams_blocks_that_span_them(tmp_path, 
         assert handed_out < header + rec.offset + rec.nbytes  # t150's last byte was never handed out
 
 
+def test_a_pass_asks_for_the_bytes_ahead_once_per_half_window_not_per_read(tmp_path, monkeypatch):
+    """An export of many small tensors stored apart (not 64-byte multiples): the reads ask the
+    kernel to read ahead once per half of the window, not at each read (each advice walks the
+    window's pages: 40,000 tensors took 4 s of advice)."""
+    from ckptfs.reader import PREFETCH_AHEAD_BYTES
+
+    path = str(tmp_path / "r.region")
+    state = {f"t{i}": torch.full((1000 + i,), float(i)) for i in range(500)}
+    with ckptfs.Store.create(path, size_bytes=64 << 20) as s:
+        with s.writer("m") as w:
+            w.save(state, step=1).result()
+        with s.open_version("m") as v:
+            view = safetensors_view(v.manifest)
+            advised = []
+            backend = s.region.backend
+            original = backend.prefetch
+            monkeypatch.setattr(backend, "prefetch", lambda o, n: advised.append(n) or original(o, n))
+            reads = []
+            reader = v.data.sequential_reader()
+            streamed = b"".join(bytes(b) for b in view.iter_blocks(lambda o, n: reads.append(n) or reader(o, n),
+                                                                    block_bytes=4096))
+            assert streamed == view.read(0, view.size, v.read)
+            assert len(reads) > 400
+            assert 1 <= len(advised) <= v.manifest.data_bytes // (PREFETCH_AHEAD_BYTES // 2) + 1
+
+
 def test_open_version_reuses_an_index_only_for_the_same_save(tmp_path, monkeypatch):
     """The mount hands the index it decoded to every later open of the version's files; the
     store uses it only while the pinned slot holds that very save."""

@@ -233,6 +233,9 @@ def test_view_reads_extents_stored_within_the_alignment_as_one_span():
     calls.clear()
     assert view.read(5, 12, read) == expected[5:17]  # from inside the first extent into the second
     assert calls == [(5, 66)]
+    calls.clear()  # a pass over the whole file (export): the same spans, at most block_bytes each
+    assert b"".join(view.iter_blocks(read, block_bytes=100)) == expected
+    assert calls == [(0, 74), (128, 60), (600, 5), (800, 8), (500, 8)]
 
 
 def test_view_builder_coalesces_literals_and_tracks_position():

@@ -104,29 +104,41 @@ class View:
             else:
                 at = seg.offset + lo
                 if last_end >= 0 and not 0 <= at - last_end < TENSOR_ALIGN_BYTES:
-                    _read_run(run, read_region, pieces)
+                    pieces.extend(_read_run(run, read_region))
                 run.append((at, hi - lo))
                 last_end = at + hi - lo
             pos = seg_start + hi
             i += 1
-        _read_run(run, read_region, pieces)
+        pieces.extend(_read_run(run, read_region))
         return pieces[0] if len(pieces) == 1 and type(pieces[0]) is bytes else b"".join(pieces)
 
     def iter_blocks(self, read_region: ReadRegion, block_bytes: int = 8 << 20) -> Iterator:
-        """The whole file, in order, as bytes-like blocks of at most ``block_bytes`` per extent.
-
-        Literals come out whole; extent blocks are whatever ``read_region`` returns (zero-copy
-        where it returns memoryviews), so a consumer must use each block before asking for the next
-        if ``read_region`` reuses buffers.
+        """The whole file, in order, as bytes-like blocks: literals whole, extents in pieces of at
+        most ``block_bytes``, extents stored close together (as ``read``) from one
+        ``read_region`` of at most ``block_bytes`` (zero-copy where it returns memoryviews), so a
+        consumer must use each block before asking for the next if ``read_region`` reuses
+        buffers.
         """
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be > 0, got {block_bytes}")
+        run: list = []  # as in read: literals and close extents, their bytes read as one span
+        first = last_end = -1  # where the run's first extent starts and its last ends
         for seg in self.segments:
-            if isinstance(seg, Literal):
-                yield seg.data
+            if type(seg) is Literal:
+                if run:
+                    run.append(seg.data)
+                else:
+                    yield seg.data
                 continue
             for lo in range(0, seg.length, block_bytes):
-                yield read_region(seg.offset + lo, min(block_bytes, seg.length - lo))
+                at, n = seg.offset + lo, min(block_bytes, seg.length - lo)
+                if run and not (0 <= at - last_end < TENSOR_ALIGN_BYTES and at + n - first <= block_bytes):
+                    yield from _read_run(run, read_region)
+                if not run:
+                    first = at
+                run.append((at, n))
+                last_end = at + n
+        yield from _read_run(run, read_region)
 
 
 class LazyView(View):
@@ -153,8 +165,8 @@ class LazyView(View):
         return getattr(self, name)
 
 
-def _read_run(run: list, read_region: ReadRegion, pieces: list) -> None:
-    """Append the bytes of ``run`` to ``pieces`` and empty it. ``run``: literal bytes and
+def _read_run(run: list, read_region: ReadRegion) -> list:
+    """The bytes of ``run``, in order, and ``run`` emptied. ``run``: literal bytes and
     (data offset, length) extents, the extents in ascending order, each starting less than
     ``TENSOR_ALIGN_BYTES`` after the one before it ends; their bytes come from one ``read_region``
     of their span. A read of 1 MiB of a file of 40,000 small tensors is then one read of the data
@@ -162,15 +174,15 @@ def _read_run(run: list, read_region: ReadRegion, pieces: list) -> None:
     holds no byte of a tensor that is not in the file (whose damage would fail this read)."""
     extents = [item for item in run if type(item) is tuple]
     if len(extents) == 1 and len(run) == 1:
-        pieces.append(read_region(*extents[0]))
+        out = [read_region(*extents[0])]
     elif extents:
         base = extents[0][0]
         span = memoryview(read_region(base, extents[-1][0] + extents[-1][1] - base))
-        pieces.extend(span[item[0] - base:item[0] - base + item[1]] if type(item) is tuple else item
-                      for item in run)
+        out = [span[item[0] - base:item[0] - base + item[1]] if type(item) is tuple else item for item in run]
     else:
-        pieces.extend(run)
+        out = list(run)
     run.clear()
+    return out
 
 
 class ViewBuilder:
