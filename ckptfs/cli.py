@@ -38,7 +38,7 @@ def _json_option(f):
 
 
 def _part_models(store, model: str) -> list[str]:
-    from ckptfs.dist.storage import part_models
+    from ckptfs.dist.names import part_models
 
     return part_models(store, model)
 

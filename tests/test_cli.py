@@ -266,6 +266,31 @@ def test_steps_as_the_mount_names_them(capsys, toy_region):
     assert code == 1 and "has no step 12345" in one_error_line(err) and f"ckptfs ls {TOY_MODEL}" in err
 
 
+def test_commands_on_single_process_versions_do_not_import_torch_distributed_checkpoint(toy_region, tmp_path):
+    """info, verify, export and a mount's tree of a single-process version leave DCP unimported
+    (half a second of every command otherwise); a multi-rank version imports it where met."""
+    code = (
+        "import sys, ckptfs\n"
+        "from ckptfs.cli import main\n"
+        "from ckptfs.fs.tree import Tree\n"
+        f"region, out = {toy_region!r}, {str(tmp_path / 'x.safetensors')!r}\n"
+        "for argv in (['info', '--region', region, 'toy'], ['verify', '--region', region],\n"
+        "             ['export', '--region', region, 'toy', out]):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit as e:\n"
+        "        assert not e.code, (argv, e.code)\n"
+        "with ckptfs.Store(region) as store:\n"
+        "    tree = Tree(store)\n"
+        "    model = tree.lookup(1, 'toy').ino\n"
+        "    step = max(name for name, _ in tree.children(model) if name.startswith('step-'))\n"
+        "    print(sorted(name for name, _ in tree.children(tree.lookup(model, step).ino)))\n"
+        "print('dcp imported:', 'torch.distributed.checkpoint' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "checkpoint.pt" in out.stdout and out.stdout.rstrip().endswith("dcp imported: False"), out.stdout
+
+
 def test_export_of_a_whole_version_to_a_directory_or_stdout(capfd, toy_region, tmp_path):
     out_dir = tmp_path / "v200"
     with pytest.raises(SystemExit) as e:

@@ -43,24 +43,13 @@ from torch.futures import Future
 from ckptfs.dist.codec import PlacedMetadata, decode_metadata, encode_index, encode_metadata
 from ckptfs.dist.group import Arrival, check_agreement, coordination, exchange, this_rank
 from ckptfs.dist.load import read_into_plan
+from ckptfs.dist.names import METADATA_FILE, is_global_version, part_model
 from ckptfs.errors import CkptfsError, CorruptionError, NotFoundError, no_version_yet
 
-METADATA_FILE = "dcp-metadata.json"
 log = logging.getLogger("ckptfs")
 _writers: dict[tuple[str, str], object] = {}  # (region, model) -> its Writer, kept across steps (_kept_writer)
 _writers_lock = threading.Lock()
 _pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckptfs-dcp")
-
-
-def part_model(model: str, rank: int) -> str:
-    """The model holding rank ``rank``'s parts of ``model``'s DCP checkpoints."""
-    return f".{model}.rank{rank}"
-
-
-def part_models(store, model: str) -> list[str]:
-    """The part models of ``model`` in ``store``'s region (those ``part_model`` names)."""
-    prefix = part_model(model, 0)[:-1]
-    return [m for m in store.models() if m.startswith(prefix) and m[len(prefix):].isdigit()]
 
 
 class StorageWriter(_DCPWriter):
@@ -420,7 +409,7 @@ def _global_version(store, model: str, step: int | None):
     if step is None and _latest(store, model) is None:
         raise no_version_yet(model)
     v = store.open_version(model, step)
-    if METADATA_FILE not in dict(v.manifest.files):
+    if not is_global_version(v.manifest):
         v.close()
         raise NotFoundError(f"step {v.info.step} of {model!r} is not a DCP checkpoint (it has no {METADATA_FILE}); "
                             "load it with Store.load")

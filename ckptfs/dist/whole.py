@@ -18,6 +18,10 @@ Only tensors are shown: DCP's byte items (non-tensor values such as ``epoch``, o
 hyper-parameters) are torch.save pickles, and ckptfs never unpickles; ``dcp-parts.json`` lists
 them with the parts. Where a part is in another node's region, no tensor is shown and
 ``dcp-parts.json`` says which parts are where.
+
+torch.distributed.checkpoint (its metadata types) and ``ckptfs.dist.storage`` are imported where
+a global version is met, not with this module: the mount and the CLI import it for every
+version, and those imports take half a second.
 """
 from __future__ import annotations
 
@@ -28,11 +32,8 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
-
 from ckptfs.checksum import crc32, crc32_combine
-from ckptfs.dist.codec import decode_metadata
-from ckptfs.dist.storage import METADATA_FILE, open_part, item_records, part_places
+from ckptfs.dist.names import METADATA_FILE, is_global_version
 from ckptfs.errors import CorruptionError
 from ckptfs.manifest import DTYPE_NAMES, DTYPES, Manifest, TensorRecord, expected_nbytes
 
@@ -79,10 +80,14 @@ def plan_whole(store, version) -> WholeLayout | None:
     """The whole-tensor layout of ``version`` (pinned) if it is a DCP global version, else None.
     Opens (and closes) its parts in ``store``'s region; CorruptionError if one is gone or does
     not hold what the metadata says."""
-    text = dict(version.manifest.files).get(METADATA_FILE)
-    if text is None:
+    if not is_global_version(version.manifest):
         return None
-    meta = decode_metadata(text)
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from ckptfs.dist.codec import decode_metadata
+    from ckptfs.dist.storage import item_records, open_part, part_places
+
+    meta = decode_metadata(dict(version.manifest.files)[METADATA_FILE])
     here = store.region.superblock.uuid.hex()
     places = part_places(meta)
     remote = [rank for rank, region, _ in places if region != here]
@@ -122,6 +127,8 @@ def rank_dirname(rank: int) -> str:
 def _plan_tensors(layout: WholeLayout, meta, opened, items) -> tuple[tuple[TensorRecord, ...], dict]:
     """(the whole tensors' records, their skeleton); fills in the layout's starts, pieces and
     the end of the whole tensors in the virtual data area. ``items``: each part's item_records."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
     part_of = {key: i for i, key in enumerate(layout.parts)}
     records, paths, offset = [], [], 0
     stored_as: dict[tuple, int] = {}  # the chunks' stored tensors -> the record that holds them
@@ -162,6 +169,8 @@ def _plan_tensors(layout: WholeLayout, meta, opened, items) -> tuple[tuple[Tenso
 def _plan_parts(layout: WholeLayout, meta, opened, items) -> None:
     """Each part of this region as a manifest of its rank's own chunks, named by FQN, its data
     placed after the whole tensors in the virtual area (``parts/rank-NNNNN/``)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     index_at = {(w["rank"], w["counter"], w["pos"]): index for index, w in meta.storage_data.items()}
     base = layout.whole_bytes
     for (rank, counter), part, stored in zip(layout.parts, opened, items):
@@ -316,6 +325,8 @@ class WholeVersion:
         self.layout = layout
         self.manifest = layout.manifest
         self.sub_manifests = layout.part_manifests
+        from ckptfs.dist.storage import open_part
+
         self._parts = []
         try:
             for i, (rank, counter) in enumerate(layout.parts):

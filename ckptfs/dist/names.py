@@ -1,0 +1,23 @@
+"""How a multi-rank checkpoint is named in a region, without torch.distributed: the part models
+of the ranks and the file that marks a global version. The CLI and the mount recognize such
+versions through this module, and import the DCP machinery (``ckptfs.dist.storage``,
+``ckptfs.dist.whole``: half a second of imports) only when they meet one."""
+from __future__ import annotations
+
+METADATA_FILE = "dcp-metadata.json"  # a global version's file: DCP's metadata, each item's place
+
+
+def part_model(model: str, rank: int) -> str:
+    """The model holding rank ``rank``'s parts of ``model``'s DCP checkpoints."""
+    return f".{model}.rank{rank}"
+
+
+def part_models(store, model: str) -> list[str]:
+    """The part models of ``model`` in ``store``'s region (those ``part_model`` names)."""
+    prefix = part_model(model, 0)[:-1]
+    return [m for m in store.models() if m.startswith(prefix) and m[len(prefix):].isdigit()]
+
+
+def is_global_version(manifest) -> bool:
+    """Whether a version (its manifest) is the global version of a multi-rank DCP checkpoint."""
+    return any(name == METADATA_FILE for name, _ in manifest.files)
