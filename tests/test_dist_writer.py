@@ -5,10 +5,12 @@ step with N in flight while training goes on, loads at other world sizes bit-exa
 unsharded state, the mount's whole files; a rank that never comes to a save is named, and ranks
 saving different keys commit nothing."""
 import time
+from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 
@@ -156,6 +158,35 @@ def test_a_rank_that_never_comes_to_a_save_is_named_and_the_last_step_stays(tmp_
     run_ranks(_one_rank_skips_a_step, 2, region)
     with ckptfs.Store(region) as store:
         assert store.latest("m").step == 1
+
+
+def _one_rank_never_calls_dcp_save(rank, world, region):
+    """Rank 1 never calls dcp.save: DCP's planning gather waits for its group's timeout and its
+    error names no one; ckptfs's StorageWriter logs the missing rank after half of timeout_s."""
+    import logging
+
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=8))
+    if rank == 0:
+        records = []
+        handler = logging.Handler()
+        handler.emit = records.append
+        logging.getLogger("ckptfs").addHandler(handler)
+        with ckptfs.Store(region) as store:
+            started = time.monotonic()
+            with pytest.raises(BaseException):  # DCP's own error, at the group's timeout
+                dcp.save({"w": torch.ones(4)}, process_group=group,
+                         storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=1, group=group, timeout_s=4))
+            assert time.monotonic() - started >= 7
+            assert store.models() == []  # nothing committed, nothing half-visible
+        warned = [r.getMessage() for r in records]
+        assert any("rank(s) 1 have not come" in m and "step 1 of 'm'" in m for m in warned), warned
+    else:
+        time.sleep(12)  # alive, but not saving
+
+
+def test_a_rank_that_never_calls_dcp_save_is_named_in_a_warning(tmp_path):
+    region = _new_region(tmp_path)
+    run_ranks(_one_rank_never_calls_dcp_save, 2, region)
 
 
 def _different_keys(rank, world, region):

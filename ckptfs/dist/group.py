@@ -4,10 +4,13 @@ outcome, the agreement on model and step, and the marks in the job's key-value s
 the ranks that never came to a round (a collective that times out does not say who)."""
 from __future__ import annotations
 
+import logging
 import threading
 from datetime import timedelta
 
 from ckptfs.errors import CkptfsError
+
+log = logging.getLogger("ckptfs")
 
 _groups: dict[tuple[float, str], object] = {}
 
@@ -65,6 +68,23 @@ class Arrival:
             for r in self.ranks:
                 self.kv.delete_key(f"{self.key}/{r}")
             self.kv.delete_key(f"{self.key}/passed")
+
+    def warn_after(self, after_s: float, what: str) -> threading.Timer:
+        """A timer (started; ``cancel`` it once the round's collective is passed) that, if the
+        round is still waited for after ``after_s``, logs a warning naming the ranks that have
+        not come to it: for a collective that is not ckptfs's own (DCP's planning gather), whose
+        own error, at its group's timeout, will not say who."""
+        def warn() -> None:
+            missing = self.missing()
+            if missing:
+                log.warning("ckptfs: %s: rank(s) %s have not come after %.0f s (stopped, or not saving this "
+                            "step); the others wait until their process group's timeout", what,
+                            ", ".join(map(str, missing)), after_s)
+
+        timer = threading.Timer(after_s, warn)
+        timer.daemon = True
+        timer.start()
+        return timer
 
     def naming(self, what: str, error: BaseException) -> BaseException:
         """``error``, or a CkptfsError ``what`` naming the ranks that never came."""

@@ -80,6 +80,7 @@ class StorageWriter(_DCPWriter):
         # their counters (GPT-2 small at W=4: the metadata is ~0.5 MB of JSON, sent to every rank
         # at every step otherwise).
         self.plan_places: dict | None = None
+        self._planning = self._planning_watch = None  # while DCP plans: this rank's Arrival, its watch
 
     # ---------------------------------------------------------------- DCP's StorageWriter
     def reset(self, checkpoint_id=None) -> None:
@@ -99,6 +100,13 @@ class StorageWriter(_DCPWriter):
         return StorageMeta(checkpoint_id=f"ckptfs:{self.model}@{self.step}")
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        # DCP gathers every rank's plan next and, if a rank never calls dcp.save, waits there
+        # until its process group's timeout with an error that names no one: this rank's
+        # arrival is marked, and the ranks still missing after half of timeout_s are logged
+        if self._group is not None:
+            self._planning = Arrival(self._group, f"{self.model}/dcp-plan")
+            self._planning_watch = self._planning.warn_after(
+                self.timeout_s / 2, f"dcp.save of step {self.step} of {self.model!r}")
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -125,6 +133,7 @@ class StorageWriter(_DCPWriter):
         through ``planner`` (set up with the state) and saved as a kept version of the part
         model. Returns (the items' tensors, the part's SaveFuture) once its snapshot is taken:
         the state may change from then on."""
+        self._planned()
         tensors = [_as_tensor(item, planner.resolve_data(item)) for item in items]
         name = part_model(self.model, self.rank)
         writer = _kept_writer(self.store, name, self.max_inflight)
@@ -136,6 +145,13 @@ class StorageWriter(_DCPWriter):
             self.release_part()
             raise
         return tensors, save
+
+    def _planned(self) -> None:
+        """DCP's planning is passed (every rank came): its watch ends."""
+        if self._planning_watch is not None:
+            self._planning_watch.cancel()
+            self._planning.passed()
+            self._planning = self._planning_watch = None
 
     def release_part(self) -> None:
         """This rank's part of the step is no longer in flight (committed, or given up): from now
