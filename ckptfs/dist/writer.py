@@ -27,7 +27,6 @@ writer's contract of a single process, for many:
 from __future__ import annotations
 
 import hashlib
-import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,8 +39,6 @@ from ckptfs.dist.group import Arrival, check_agreement, coordination, exchange, 
 from ckptfs.dist.storage import StorageReader, StorageWriter, write_results
 from ckptfs.errors import BusyError, CkptfsError
 from ckptfs.writer.job import check_positive, is_kept
-
-log = logging.getLogger("ckptfs")
 
 
 @dataclass(frozen=True)

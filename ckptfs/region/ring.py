@@ -149,8 +149,7 @@ class Ring:
                 # before growing, the headers as they are: another process may have unkept a
                 # version since this ring read them (a multi-rank job's leader unkeeps every
                 # rank's older parts), and a growth costs a reservation and barriers
-                with self._ages_lock:
-                    self._ages = None
+                self._forget_ages()
                 short = self.usable_slots(entry, need) < entry.ring_slots
             found = None if short and now >= full_until else self._try_claim(entry, need)
             if found is not None:
@@ -172,8 +171,7 @@ class Ring:
                 raise BusyError(f"every slot of {entry.name!r} is latest, kept, pinned by a reader or being written "
                                 f"after waiting {self.timeout_s} s, and {full}; close readers (open files in the "
                                 "mount, loads) or make room")
-            with self._ages_lock:
-                self._ages = None  # another process may have moved things: look again
+            self._forget_ages()  # another process may have moved things: look again
             time.sleep(CLAIM_POLL_S)
 
     def _try_claim(self, entry: ModelEntry, need: int) -> tuple[ModelEntry, int, SlotHeader | None] | None:
@@ -224,6 +222,11 @@ class Ring:
                     ages[slot] = (KEPT if header.kept else header.counter) if committed else -1
                 self._ages = ages
             return dict(self._ages)
+
+    def _forget_ages(self) -> None:
+        """Read the slot headers again at the next ``_slot_ages``."""
+        with self._ages_lock:
+            self._ages = None
 
     def _note_age(self, slot: int, counter: int) -> None:
         with self._ages_lock:
