@@ -10,6 +10,7 @@ writing the previous chunks at the same time.
 from __future__ import annotations
 
 import os
+from array import array
 
 import torch
 
@@ -32,6 +33,30 @@ def host_bytes(t: torch.Tensor):
     if t.device.type != "cpu" or t.dtype != torch.uint8 or not t.is_contiguous():
         raise ValueError(f"expected a contiguous CPU uint8 tensor, got {t.dtype} on {t.device}")
     return t.detach().numpy()
+
+
+class HostTargets:
+    """Contiguous CPU tensors that a read's bounce buffers are scattered into by address: one
+    native call per chunk, GIL released (a buffer object of each of 40,000 tensors, or one torch
+    copy_ per piece, cost more than the bytes). The tensors are held for the object's life, so
+    their addresses stay valid; a None target takes no bytes."""
+
+    def __init__(self, tensors: list[torch.Tensor | None]):
+        for t in tensors:
+            if t is not None and (t.device.type != "cpu" or not t.is_contiguous()):
+                raise ValueError(f"expected contiguous CPU tensors, got one on {t.device}")
+        self._tensors = tensors
+        self._addresses = array("Q", [0 if t is None else t.data_ptr() for t in tensors])
+        self._sizes = array("Q", [0 if t is None else t.nbytes for t in tensors])
+
+    def scatter(self, src, spans, threads: int = 1) -> None:
+        """Copy ``src[src_offset:src_offset + length]`` to byte ``dst_offset`` of tensor
+        ``target`` for each ``(target, dst_offset, length, src_offset)`` (a chunk's pieces, in
+        the order of ckptfs.chunks.Piece): the reverse of ``copy_spans``. ValueError on a target
+        or range outside the tensors, before any byte is copied."""
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be a positive int, got {threads!r}")
+        _native.scatter_spans(src, self._addresses, self._sizes, spans, threads)
 
 
 def copy_spans(dst, spans: list[tuple[int, object, int, int]], threads: int) -> None:

@@ -25,7 +25,9 @@ import torch
 from ckptfs.checksum import crc32
 from ckptfs.chunks import Chunk, combine_piece_crcs, plan_chunks
 from ckptfs.errors import CorruptionError, UnsupportedObjectError
+from ckptfs.gcpause import paused_gc
 from ckptfs.manifest import Manifest, TensorRecord, flatten, unflatten
+from ckptfs.memcopy import HostTargets
 from ckptfs.writer.staging import StagingBuffer
 
 READ_CHUNK_BYTES = 32 << 20
@@ -308,15 +310,18 @@ class VersionData:
         state dicts of the model and optimizer being resumed) whose tensors are overwritten in
         place instead (on their own devices; no new tensor memory); the result is the saved
         object over those tensors."""
+        # tens of thousands of tensors, pieces and CRCs are made here: see ckptfs.gcpause
+        with paused_gc():
+            return self._restore(map_location, verify, into)
+
+    def _restore(self, map_location, verify: bool, into):
         m = self.manifest
         if into is not None:
             tensors = matching_tensors(m, into)
-            # detached views: a parameter that requires grad is written like any tensor
-            targets = [t.detach().view(-1).view(torch.uint8) if t.numel() else None for t in tensors]
         else:
             tensors = [torch.empty(r.shape, dtype=r.torch_dtype) for r in m.tensors]
-            targets = [t.view(-1).view(torch.uint8) if t.numel() else None for t in tensors]
-        bad = self.scan(_copy_out(targets))
+        bad = self.scan(copy_out({i: [(0, r.nbytes, t)] for i, (r, t) in enumerate(zip(m.tensors, tensors))},
+                                 m.tensors))
         if verify and bad:
             raise CorruptionError(self.damage_message(bad[0][0]))
         device = torch.device(map_location) if map_location is not None else torch.device("cpu")
@@ -334,13 +339,50 @@ class VersionData:
                 for r, crc in self.scan(None, progress)]
 
 
-def _copy_out(targets: list) -> Callable[[StagingBuffer, Chunk], None]:
-    """A scan's ``on_chunk`` that copies each tensor piece into ``targets`` (flat uint8 views)."""
-    def copy_out(buf: StagingBuffer, chunk: Chunk) -> None:
+Sinks = dict[int, list[tuple[int, int, torch.Tensor]]]
+
+
+def copy_out(sinks: Sinks, records) -> Callable[[StagingBuffer, Chunk], None]:
+    """A scan's ``on_chunk`` that copies, as the chunks come in, the bytes [lo, hi) of stored
+    tensor i (``records[i]``) into each ``(lo, hi, dest)`` of ``sinks[i]`` (``dest``: a
+    contiguous tensor of hi - lo bytes, on any device).
+
+    Host destinations are written by one native call per chunk with the GIL released, so the
+    reader threads copy in parallel (a torch copy_ per piece held the GIL for most of a load of
+    many small tensors); a chunk whose every piece goes whole into a host tensor is passed as it
+    is. Other devices' destinations take a copy_ per piece."""
+    host: list[torch.Tensor | None] = [None] * len(records)  # [i]: all of stored tensor i
+    partial: dict[int, list[tuple[int, int, int | torch.Tensor]]] = {}
+    for index, dests in sinks.items():
+        for lo, hi, dest in dests:
+            if dest.device.type != "cpu":
+                # a detached view: a parameter that requires grad is written like any tensor
+                partial.setdefault(index, []).append((lo, hi, dest.detach().view(-1).view(torch.uint8)))
+            elif host[index] is None and lo == 0 and hi == records[index].nbytes:
+                host[index] = dest
+            else:
+                partial.setdefault(index, []).append((lo, hi, len(host)))
+                host.append(dest)
+    every_whole = not partial and all(t is not None or r.nbytes == 0 for t, r in zip(host, records))
+    targets = HostTargets(host)
+
+    def on_chunk(buf: StagingBuffer, chunk: Chunk) -> None:
+        if every_whole:
+            targets.scatter(buf.mapping, chunk.pieces)
+            return
+        spans = [p for p in chunk.pieces if host[p.tensor] is not None]
         for p in chunk.pieces:
-            targets[p.tensor][p.tensor_start:p.tensor_start + p.length].copy_(
-                buf.tensor[p.buffer_start:p.buffer_start + p.length])
-    return copy_out
+            for lo, hi, dest in partial.get(p.tensor, ()):
+                a, b = max(lo, p.tensor_start), min(hi, p.tensor_start + p.length)
+                if a < b:
+                    start = p.buffer_start + a - p.tensor_start
+                    if isinstance(dest, int):
+                        spans.append((dest, a - lo, b - a, start))
+                    else:
+                        dest[a - lo:b - lo].copy_(buf.tensor[start:start + b - a])
+        if spans:
+            targets.scatter(buf.mapping, spans)
+    return on_chunk
 
 
 def matching_tensors(manifest: Manifest, into) -> list[torch.Tensor]:

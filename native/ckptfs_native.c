@@ -392,6 +392,23 @@ copy_spans_parallel(const span_t *spans, Py_ssize_t nspans, size_t total, int th
     }
 }
 
+/* Copies the checked spans over up to ``threads`` threads with the GIL released; returns None. */
+static PyObject *
+run_spans(const span_t *spans, Py_ssize_t n, size_t total, int threads)
+{
+    if (threads < 1)
+        threads = 1;
+    if (threads > COPY_THREADS_MAX)
+        threads = COPY_THREADS_MAX;
+    /* a thread costs tens of microseconds to start: not worth it below a few MiB */
+    if (total < ((size_t)threads << 21))
+        threads = total < (4u << 20) ? 1 : (int)(total >> 21);
+    Py_BEGIN_ALLOW_THREADS
+    copy_spans_parallel(spans, n, total, threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 /* copy_spans(dst, spans, threads): spans is a sequence of (dst_offset, src, src_offset, length);
  * every src is a bytes-like object. Ranges are checked; overlapping destinations are the
  * caller's business (ckptfs never makes them). */
@@ -431,18 +448,7 @@ copy_spans_py(PyObject *self, PyObject *args)
         spans[i].len = (size_t)length;
         total += (size_t)length;
     }
-    if (threads < 1)
-        threads = 1;
-    if (threads > COPY_THREADS_MAX)
-        threads = COPY_THREADS_MAX;
-    /* a thread costs tens of microseconds to start: not worth it below a few MiB */
-    if (total < ((size_t)threads << 21))
-        threads = total < (4u << 20) ? 1 : (int)(total >> 21);
-    Py_BEGIN_ALLOW_THREADS
-    copy_spans_parallel(spans, n, total, threads);
-    Py_END_ALLOW_THREADS
-    result = Py_None;
-    Py_INCREF(result);
+    result = run_spans(spans, n, total, threads);
 done:
     for (Py_ssize_t i = 0; i < held; i++)
         PyBuffer_Release(&views[i]);
@@ -450,6 +456,70 @@ done:
     PyMem_Free(spans);
     Py_DECREF(seq);
     PyBuffer_Release(&dst);
+    return result;
+}
+
+/* scatter_spans(src, addresses, sizes, spans, threads): the reverse of copy_spans, into memory
+ * given by address: addresses and sizes are buffers of uint64 (the data pointers and byte
+ * sizes of targets the caller keeps alive, e.g. contiguous CPU tensors: making a buffer object
+ * of each of 40,000 tensors costs more than their copy); each span is (target, dst_offset,
+ * length, src_offset): the order of a chunk's pieces (ckptfs.chunks.Piece), which a read of whole
+ * tensors passes as they are. Every index and range is checked before any byte is copied. */
+static PyObject *
+scatter_spans_py(PyObject *self, PyObject *args)
+{
+    Py_buffer src, addresses, sizes;
+    PyObject *seq_in;
+    int threads;
+    if (!PyArg_ParseTuple(args, "y*y*y*Oi", &src, &addresses, &sizes, &seq_in, &threads))
+        return NULL;
+    PyObject *result = NULL, *seq = NULL;
+    span_t *spans = NULL;
+    Py_ssize_t targets = addresses.len / 8;
+    if (addresses.len % 8 || sizes.len != addresses.len) {
+        PyErr_SetString(PyExc_ValueError, "addresses and sizes must be uint64 buffers of the same length");
+        goto done;
+    }
+    seq = PySequence_Fast(seq_in, "spans must be a sequence of (target, dst_offset, length, src_offset)");
+    if (seq == NULL)
+        goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    spans = PyMem_Calloc(n ? n : 1, sizeof(span_t));
+    if (spans == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    size_t total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t target, dst_offset, src_offset, length;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "nnnn", &target, &dst_offset, &length, &src_offset))
+            goto done;
+        if (target < 0 || target >= targets) {
+            PyErr_Format(PyExc_ValueError, "target %zd of %zd", target, targets);
+            goto done;
+        }
+        uint64_t address, size;
+        memcpy(&address, (const char *)addresses.buf + 8 * target, 8);
+        memcpy(&size, (const char *)sizes.buf + 8 * target, 8);
+        if (dst_offset < 0 || length < 0 || (uint64_t)dst_offset + (uint64_t)length > size) {
+            PyErr_Format(PyExc_ValueError, "range [%zd, %zd) is outside target %zd's %llu bytes",
+                         dst_offset, dst_offset + length, target, (unsigned long long)size);
+            goto done;
+        }
+        if (range_in(&src, src_offset, length) < 0)
+            goto done;
+        spans[i].dst = (char *)(uintptr_t)address + dst_offset;
+        spans[i].src = (const char *)src.buf + src_offset;
+        spans[i].len = (size_t)length;
+        total += (size_t)length;
+    }
+    result = run_spans(spans, n, total, threads);
+done:
+    PyMem_Free(spans);
+    Py_XDECREF(seq);
+    PyBuffer_Release(&sizes);
+    PyBuffer_Release(&addresses);
+    PyBuffer_Release(&src);
     return result;
 }
 
@@ -472,6 +542,8 @@ static PyMethodDef methods[] = {
     {"pmem_is_pmem", pmem_is_pmem_py, METH_VARARGS, "pmem_is_pmem(buf) -> bool"},
     {"copy_spans", copy_spans_py, METH_VARARGS,
      "copy_spans(dst, [(dst_offset, src, src_offset, length), ...], threads)"},
+    {"scatter_spans", scatter_spans_py, METH_VARARGS,
+     "scatter_spans(src, addresses, sizes, [(target, dst_offset, length, src_offset)], threads)"},
     {"safetensors_entries", safetensors_entries_py, METH_VARARGS,
      "safetensors_entries(pairs, heads, head_of) -> (entries bytes, merged extents, data bytes): jsonviews.c"},
     {"metadata_tensor_list", metadata_tensor_list_py, METH_VARARGS,

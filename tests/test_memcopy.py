@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckptfs.memcopy import copy_spans, default_copy_threads, host_bytes
+from ckptfs.memcopy import HostTargets, copy_spans, default_copy_threads, host_bytes
 
 
 def _random_bytes(n: int, seed: int) -> np.ndarray:
@@ -75,3 +75,72 @@ def test_chunk_pieces_of_cpu_sources_land_at_their_offsets():
         buf = torch.zeros(4096, dtype=torch.uint8)
         assert copy_chunk_pieces(buf, chunk.pieces, sources, {}) == ()
         assert torch.equal(buf[:chunk.length], expected[chunk.start:chunk.start + chunk.length])
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_scatter_lands_each_piece_in_its_tensor(threads):
+    """HostTargets.scatter, the reverse of copy_spans: spans in a chunk piece's order (target,
+    dst_offset, length, src_offset), sizes across the streaming-store threshold, tensors of
+    other dtypes and shapes (written by address), a None target never touched."""
+    src = _random_bytes(12 << 20, 7)
+    targets = [torch.zeros(300, dtype=torch.float32), None, torch.zeros(3 << 20, dtype=torch.uint8),
+               torch.zeros((1 << 20, 2), dtype=torch.float32)]
+    spans = [(0, 8, 1000, 5), (2, 1, (256 << 10) + 3, 4099), (3, 0, 8 << 20, 4 << 20), (0, 0, 8, 2000)]
+    HostTargets(targets).scatter(src, spans, threads)
+    for target, dst_offset, length, src_offset in spans:
+        got = targets[target].view(-1).view(torch.uint8)[dst_offset:dst_offset + length]
+        assert torch.equal(got, torch.from_numpy(src[src_offset:src_offset + length].copy()))
+    assert targets[2][:1].item() == 0 and targets[2][(256 << 10) + 4 + 4099:].count_nonzero() == 0
+
+
+@pytest.mark.parametrize("span", [(1, 0, 1, 0), (0, 0, 9, 0), (0, 5, 4, 0), (0, -1, 1, 0), (0, 0, 2, 7),
+                                  (0, 0, -1, 0), (2, 0, 1, 0), (-1, 0, 1, 0)])
+def test_scatter_refuses_a_span_outside_its_target_or_source_before_any_copy(span):
+    t = torch.zeros(8, dtype=torch.uint8)
+    with pytest.raises(ValueError):
+        HostTargets([t, None]).scatter(b"abcdefgh", [(0, 0, 2, 0), span])
+    assert t.count_nonzero() == 0  # the valid first span was not copied either
+
+
+def test_scatter_targets_must_be_contiguous_host_tensors():
+    with pytest.raises(ValueError, match="contiguous CPU"):
+        HostTargets([torch.zeros((4, 4)).t()])
+    with pytest.raises(ValueError, match="threads"):
+        HostTargets([torch.zeros(4)]).scatter(b"abcd", [], 0)
+
+
+def test_copy_out_fills_whole_and_partial_sinks_across_chunks():
+    """The scan's copy-out (reader.copy_out), as Store.load and a DCP load use it: whole
+    tensors, row ranges of a tensor (two sinks of one), a tensor nobody asked for, a zero-byte
+    one; the chunks cut tensors in pieces."""
+    from ckptfs.chunks import plan_chunks
+    from ckptfs.manifest import TensorRecord
+    from ckptfs.reader import copy_out
+
+    class Buf:  # a read's bounce buffer, as the scan hands it over
+        def __init__(self, data: bytes):
+            self.mapping = bytearray(data)
+            self.tensor = torch.frombuffer(self.mapping, dtype=torch.uint8)
+
+    sizes = [5000, 0, 9000, 3000]
+    records, offset = [], 0
+    for i, n in enumerate(sizes):
+        records.append(TensorRecord(f"t{i}", "uint8", (n,), offset, n))
+        offset += (n + 63) // 64 * 64
+    area = _random_bytes(offset + 4096, 3)
+    whole0, rows_a, rows_b = torch.zeros(5000, dtype=torch.uint8), torch.zeros(4000, dtype=torch.uint8), \
+        torch.zeros(2500, dtype=torch.uint8)
+    empty = torch.zeros(0, dtype=torch.uint8)
+    sinks = {0: [(0, 5000, whole0)], 1: [(0, 0, empty)], 2: [(1000, 5000, rows_a), (6500, 9000, rows_b)]}
+    on_chunk = copy_out(sinks, records)
+    for chunk in plan_chunks(records, offset, 4096):
+        on_chunk(Buf(area[chunk.start:chunk.start + chunk.length].tobytes()), chunk)
+    stored = [torch.from_numpy(area[r.offset:r.offset + r.nbytes].copy()) for r in records]
+    assert torch.equal(whole0, stored[0])
+    assert torch.equal(rows_a, stored[2][1000:5000]) and torch.equal(rows_b, stored[2][6500:9000])
+
+    everything = [torch.zeros(n, dtype=torch.uint8) for n in sizes]  # every tensor whole: the fast path
+    on_chunk = copy_out({i: [(0, n, t)] for i, (n, t) in enumerate(zip(sizes, everything))}, records)
+    for chunk in plan_chunks(records, offset, 4096):
+        on_chunk(Buf(area[chunk.start:chunk.start + chunk.length].tobytes()), chunk)
+    assert all(torch.equal(t, s) for t, s in zip(everything, stored))

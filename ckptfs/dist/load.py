@@ -18,6 +18,7 @@ import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner
 
 from ckptfs.errors import CorruptionError
+from ckptfs.reader import copy_out
 
 
 @dataclass
@@ -45,21 +46,13 @@ def read_into_plan(data, items: list[tuple[object, int]], planner: LoadPlanner) 
                       and tensor.numel() * tensor.element_size() == span[1] - span[0])
             targets.append(_Target(item, index, tensor, direct))
             if direct and span[1] > span[0]:
-                sinks.setdefault(index, []).append((span[0], span[1], tensor.view(-1).view(torch.uint8)))
+                sinks.setdefault(index, []).append((span[0], span[1], tensor))
         if not targets[-1].direct and index not in wholes:
             wholes[index] = torch.empty(record.nbytes, dtype=torch.uint8)
             sinks.setdefault(index, []).append((0, record.nbytes, wholes[index]))
 
-    def copy_out(buf, chunk) -> None:
-        for p in chunk.pieces:
-            for lo, hi, dest in sinks.get(p.tensor, ()):
-                a, b = max(lo, p.tensor_start), min(hi, p.tensor_start + p.length)
-                if a < b:
-                    start = p.buffer_start + a - p.tensor_start
-                    dest[a - lo:b - lo].copy_(buf.tensor[start:start + b - a])
-
     wanted = {index for index in sinks if records[index].nbytes}
-    bad = data.scan(copy_out, only=wanted) if wanted else []
+    bad = data.scan(copy_out(sinks, records), only=wanted) if wanted else []
     if bad:
         raise CorruptionError(data.damage_message(bad[0][0]))
     for t in targets:
