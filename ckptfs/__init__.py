@@ -6,21 +6,30 @@
     state = store.load("gpt2")                   # newest committed checkpoint
 """
 from ckptfs import errors
-from ckptfs.reader import VerifyProblem
 from ckptfs.region.upgrade import upgrade
 from ckptfs.store import Store, Version, VersionInfo, default_region_path
-from ckptfs.writer.writer import SaveResult, Writer
 
 __all__ = ["Store", "Writer", "Version", "VersionInfo", "SaveResult", "VerifyProblem",
            "default_region_path", "errors", "upgrade"]
 __version__ = "0.1.0"
 
 
+_LAZY = {"Writer": "ckptfs.writer.writer", "SaveResult": "ckptfs.writer.writer", "VerifyProblem": "ckptfs.reader"}
+
+
 def __getattr__(name: str):
-    """``ckptfs.dcp``: the torch.distributed.checkpoint storage (ckptfs.dist), imported on first
-    use (torch.distributed.checkpoint is slow to import)."""
+    """The names that need torch, imported on first use: listing a region (`ckptfs ls`, `status`)
+    needs no torch, whose import is most of such a command's second. ``ckptfs.dcp``: the
+    torch.distributed.checkpoint storage (ckptfs.dist; torch.distributed.checkpoint is slow to
+    import)."""
     if name == "dcp":
         import ckptfs.dcp as dcp
 
         return dcp
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'ckptfs' has no attribute {name!r}")

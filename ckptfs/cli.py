@@ -57,7 +57,7 @@ class _Step(click.ParamType):
     name = "STEP"
 
     def convert(self, value, param, ctx):
-        from ckptfs.fs.tree import step_of
+        from ckptfs.fs.names import step_of
 
         step = value if isinstance(value, int) else step_of(str(value).strip())
         if step is None:

@@ -1,6 +1,6 @@
 """The exceptions ckptfs raises. Every message says what went wrong and what to do about it.
 
-The FUSE layer maps these to errno in one place (``ckptfs.fs.errno_for``); the CLI prints the
+The FUSE layer maps these to errno in one place (``ckptfs.fs.errors.errno_for``); the CLI prints the
 message on one line and exits non-zero.
 
 Advice names what the user can do in the words of the interface they used: ``in_words(python=

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 from ckptfs.errors import CkptfsError, MalformedInputError, UnsupportedObjectError
-from ckptfs.manifest import DTYPES, check_skeleton, map_tensor_refs, unflatten
+from ckptfs.flatten import DTYPES
+from ckptfs.manifest import ITEMSIZE, check_skeleton, map_tensor_refs, unflatten
 from ckptfs.views.safetensors import SAFETENSORS_DTYPES, SKELETON_KEY
 
 log = logging.getLogger(__name__)
@@ -119,7 +120,7 @@ def parse_safetensors_header(head: bytes, file_size: int, path: str = "<input>")
         numel = 1
         for s in torch_shape:
             numel *= s
-        expected = numel * DTYPES[dtype].itemsize
+        expected = numel * ITEMSIZE[dtype]
         if offsets[1] - offsets[0] != expected:
             raise _reject(path, f"tensor {name!r}: shape {shape} of {code} needs {expected} bytes, "
                                 f"data_offsets {offsets} hold {offsets[1] - offsets[0]}")

@@ -21,29 +21,30 @@ import json
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from ckptfs import _native
 from ckptfs.errors import MalformedInputError, UnsupportedObjectError
 from ckptfs.gcpause import paused_gc
 from ckptfs.units import human_bytes
 
+if TYPE_CHECKING:
+    import torch
+
 MANIFEST_FORMAT = 1
 TENSOR_ALIGN_BYTES = 64
 
-# Every dtype torch has that is plain bytes in memory. Quantized and bit-packed placeholder dtypes
-# (qint8, bits8, ...) carry out-of-band state and are rejected with a clear error.
-_DTYPE_NAMES = [
-    "float64", "float32", "float16", "bfloat16", "complex128", "complex64", "complex32",
-    "int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64", "bool",
-    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
-    "float4_e2m1fn_x2",
-]
-DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in _DTYPE_NAMES if hasattr(torch, n)}
-DTYPE_NAMES: dict[torch.dtype, str] = {d: n for n, d in DTYPES.items()}
-_ITEMSIZE: dict[str, int] = {n: d.itemsize for n, d in DTYPES.items()}
+# Every dtype torch has that is plain bytes in memory, and its bytes per element (the tables of
+# torch's dtype objects are ckptfs.flatten's: reading an index needs no torch, so neither do
+# `ckptfs ls`, `status` and the rest of the CLI's listing). Quantized and bit-packed placeholder
+# dtypes (qint8, bits8, ...) carry out-of-band state and are rejected with a clear error.
+ITEMSIZE: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex128": 16, "complex64": 8, "complex32": 4,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1,
+    "float8_e4m3fn": 1, "float8_e4m3fnuz": 1, "float8_e5m2": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
+    "float4_e2m1fn_x2": 1,
+}
+_torch_dtypes: dict | None = None  # ckptfs.flatten.DTYPES, once a record's torch dtype is asked for
 
 
 class TensorRecord(NamedTuple):
@@ -51,7 +52,7 @@ class TensorRecord(NamedTuple):
     (A named tuple: an index holds tens of thousands, decoded on every open of a version.)"""
 
     name: str  # dotted path of its first reference in the object, unique within the version
-    dtype: str  # torch dtype name, e.g. "bfloat16" (a key of DTYPES)
+    dtype: str  # torch dtype name, e.g. "bfloat16" (a key of ITEMSIZE)
     shape: tuple[int, ...]
     offset: int
     nbytes: int
@@ -59,7 +60,16 @@ class TensorRecord(NamedTuple):
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        global _torch_dtypes
+        if _torch_dtypes is None:
+            from ckptfs.flatten import DTYPES
+
+            _torch_dtypes = DTYPES
+        try:
+            return _torch_dtypes[self.dtype]
+        except KeyError:
+            raise UnsupportedObjectError(f"tensor {self.name!r} is {self.dtype}, which this torch "
+                                         f"({_torch_version()}) does not have: load it with a newer torch") from None
 
     @property
     def numel(self) -> int:
@@ -198,7 +208,7 @@ class Manifest:
             raise MalformedInputError("two tensor records have the same name")
         _check_skeleton(self.skeleton, len(self.tensors), 0)
         for t in self.tensors:
-            if t.dtype not in _ITEMSIZE:
+            if t.dtype not in ITEMSIZE:
                 raise MalformedInputError(f"tensor {t.name!r} has unknown dtype {t.dtype!r}")
             if t.offset < 0 or (t.shape and min(t.shape) < 0):
                 raise MalformedInputError(f"tensor {t.name!r} has a negative shape or offset")
@@ -405,9 +415,15 @@ def _check_skeleton(node, ntensors: int, depth: int) -> None:
         raise MalformedInputError(f"unknown skeleton node kind {kind!r:.40}")
 
 
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
 def expected_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
-    """The bytes of a contiguous tensor of ``dtype`` (a DTYPES name) and ``shape``."""
-    return math.prod(shape) * _ITEMSIZE[dtype]
+    """The bytes of a contiguous tensor of ``dtype`` (an ITEMSIZE name) and ``shape``."""
+    return math.prod(shape) * ITEMSIZE[dtype]
 
 
 def align_up(value: int, alignment: int) -> int:
@@ -415,182 +431,7 @@ def align_up(value: int, alignment: int) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# flatten / unflatten
-
-
-@dataclass
-class Flattened:
-    """A saved object split into its skeleton and the distinct tensors it references."""
-
-    skeleton: dict
-    tensors: list[torch.Tensor] = field(default_factory=list)
-    names: list[str] = field(default_factory=list)
-    # (name, dtype name, shape) of each tensor: all that a layout of the tensor bytes depends on
-    signature: tuple[tuple[str, str, tuple[int, ...]], ...] = ()
-    devices: frozenset[torch.device] = frozenset()
-    skeleton_json: str | None = None  # dumps_compact(skeleton), where already known (a cached plan)
-
-
-def plain_node(value: Any) -> dict:
-    """The skeleton node of a plain value (str, int, float, bool, None)."""
-    return _Walk().node(value)
-
-
-def flatten(obj: Any) -> Flattened:
-    """Split ``obj`` into skeleton + tensors.
-
-    Tensors that are the same view of the same storage (tied weights) are stored once and come
-    back shared. Raises UnsupportedObjectError naming the path of the first leaf it cannot store.
-    """
-    walk = _Walk()
-    with paused_gc():
-        skeleton = walk.node(obj)
-    return Flattened(skeleton, walk.tensors, walk.names, tuple(walk.signature), frozenset(walk.devices))
-
-
-_KEY_TYPES = (str, int, float, bool, type(None))
-
-
-class _Walk:
-    """One walk over a saved object, building its skeleton.
-
-    It runs on every save (a synchronous one on the caller's thread, right after the caller's
-    own work, when the interpreter's caches are cold: a 32-tensor dict costs 5x its warm time
-    then), so it does each thing once: exact types are dispatched on first (isinstance against
-    torch.Tensor goes through its metaclass), the path is a stack joined only for a tensor's name
-    or a message, and each tensor's attributes are read once for the checks, the tied-weight key,
-    the signature and the devices.
-    """
-
-    __slots__ = ("tensors", "names", "signature", "devices", "_taken", "_seen", "_active", "_path")
-
-    def __init__(self):
-        self.tensors: list[torch.Tensor] = []
-        self.names: list[str] = []
-        self.signature: list[tuple[str, str, tuple[int, ...]]] = []
-        self.devices: set[torch.device] = set()
-        self._taken: set[str] = set()
-        self._seen: dict[tuple, int] = {}
-        self._active: set[int] = set()
-        self._path: list = []  # keys (str) and list indexes / int keys (int), root first
-
-    def node(self, obj: Any) -> dict:
-        kind = type(obj)
-        if kind is float:
-            return {"float": obj.hex()}
-        if kind is int:
-            return {"int": obj}
-        if kind is str:
-            return {"str": obj}
-        if kind is bool:
-            return {"bool": obj}
-        if obj is None:
-            return {"none": None}
-        if kind is dict:
-            return self._mapping(obj, "dict")
-        if kind is list:
-            return self._sequence(obj, "list")
-        if kind is OrderedDict:
-            return self._mapping(obj, "odict")
-        if kind is tuple:
-            return self._sequence(obj, "tuple")
-        if isinstance(obj, torch.Tensor):
-            return {"tensor": self._tensor(obj)}
-        return self._other(obj)
-
-    def _enter(self, obj) -> None:
-        if id(obj) in self._active:
-            raise UnsupportedObjectError(f"{self._where()}: the object contains itself; ckptfs stores trees only")
-        if obj and len(self._path) >= MAX_DEPTH:
-            raise UnsupportedObjectError(f"{self._where()[:200]}...: the object nests deeper than {MAX_DEPTH} "
-                                         "levels; flatten it (e.g. into a dict of tensors)")
-        self._active.add(id(obj))
-
-    def _mapping(self, obj: dict, kind: str) -> dict:
-        self._enter(obj)
-        path = self._path
-        items = []
-        for k, v in obj.items():
-            key_kind = type(k)
-            if key_kind is str:
-                key, text = {"str": k}, k
-            elif key_kind is int:
-                key, text = {"int": k}, k
-            elif isinstance(k, _KEY_TYPES):
-                path.append("<key>")
-                key = self.node(k)  # a subclass of a plain type is stored as its base value
-                path.pop()
-                text = k if isinstance(k, str) else repr(k)
-            else:
-                raise UnsupportedObjectError(
-                    f"{self._where()}: dict key {k!r} of type {type(k).__name__} is not supported; "
-                    "use str, int, float, bool or None keys")
-            path.append(text)
-            items.append([key, self.node(v)])
-            path.pop()
-        self._active.discard(id(obj))
-        return {kind: items}
-
-    def _sequence(self, obj, kind: str) -> dict:
-        self._enter(obj)
-        path = self._path
-        items = []
-        for i, v in enumerate(obj):
-            path.append(i)
-            items.append(self.node(v))
-            path.pop()
-        self._active.discard(id(obj))
-        return {kind: items}
-
-    def _tensor(self, t: torch.Tensor) -> int:
-        if t.layout != torch.strided:
-            raise UnsupportedObjectError(f"{self._where()}: {t.layout} tensors are not supported; use .to_dense()")
-        dtype = t.dtype
-        dtype_name = DTYPE_NAMES.get(dtype)
-        if dtype_name is None:
-            raise UnsupportedObjectError(f"{self._where()}: dtype {dtype} is not supported; dequantize or convert it")
-        if t.is_meta:
-            raise UnsupportedObjectError(f"{self._where()}: meta tensors have no data to save")
-        device, shape = t.device, t.shape
-        key = None
-        if 0 not in shape:  # not empty
-            # The same first byte, shape, strides and dtype on the same device: the same view, stored once.
-            key = (device, t.data_ptr(), shape, t.stride(), dtype)
-            index = self._seen.get(key)
-            if index is not None:
-                return index
-            self._seen[key] = len(self.tensors)
-        name = unique_name(self._dotted() or "tensor", self._taken)
-        self._taken.add(name)
-        self.tensors.append(t)  # detached where its bytes are taken (writer._byte_source)
-        self.names.append(name)
-        self.signature.append((name, dtype_name, tuple(shape)))
-        self.devices.add(device)
-        return len(self.tensors) - 1
-
-    def _other(self, obj) -> dict:
-        """Subclasses of the plain types (IntEnum, str enums...) as their base value; else an error."""
-        if isinstance(obj, int):
-            return {"int": int(obj)}
-        if isinstance(obj, float):
-            return {"float": float(obj).hex()}
-        if isinstance(obj, str):
-            return {"str": str(obj)}
-        if isinstance(obj, dict):
-            raise UnsupportedObjectError(f"{self._where()}: {type(obj).__name__} is not supported; convert it to a dict")
-        if isinstance(obj, (list, tuple)):
-            raise UnsupportedObjectError(
-                f"{self._where()}: {type(obj).__name__} is not supported; convert it to a list or tuple")
-        raise UnsupportedObjectError(
-            f"{self._where()}: {type(obj).__module__}.{type(obj).__qualname__} cannot be stored; ckptfs stores "
-            "tensors, dicts, lists, tuples, str, int, float, bool and None (convert it, e.g. to a "
-            "tensor or a plain value)")
-
-    def _dotted(self) -> str:
-        return ".".join([p if isinstance(p, str) else str(p) for p in self._path])
-
-    def _where(self) -> str:
-        return self._dotted() or "<root>"
+# names and unflatten (flatten, the torch side, is ckptfs.flatten)
 
 
 def _key_text(key: Any) -> str:

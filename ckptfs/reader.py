@@ -26,7 +26,8 @@ from ckptfs.checksum import crc32
 from ckptfs.chunks import Chunk, combine_piece_crcs, plan_chunks
 from ckptfs.errors import CorruptionError, UnsupportedObjectError
 from ckptfs.gcpause import paused_gc
-from ckptfs.manifest import Manifest, TensorRecord, flatten, unflatten
+from ckptfs.flatten import flatten
+from ckptfs.manifest import Manifest, TensorRecord, unflatten
 from ckptfs.memcopy import HostTargets
 from ckptfs.writer.staging import StagingBuffer
 

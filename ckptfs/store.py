@@ -7,19 +7,21 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ckptfs.errors import (BusyError, CorruptionError, NotFoundError, RegionFormatError, in_words, no_step,
                            no_version_yet)
 from ckptfs.manifest import Manifest
-from ckptfs.reader import VerifyProblem, VersionData
 from ckptfs.region.format import COUNTER_MAX, SUPERBLOCK_BYTES, Superblock
 from ckptfs.region.holders import lock_holders
 from ckptfs.region.locks import slot_lock_offset
 from ckptfs.region.region import Region, SlotVersion
 from ckptfs.region.ring import mark_kept
 from ckptfs.writer.progress import read_progress
-from ckptfs.writer.writer import Writer
+
+if TYPE_CHECKING:  # the reader and the writer need torch, which listing a region does not
+    from ckptfs.reader import VerifyProblem
+    from ckptfs.writer.writer import Writer
 
 log = logging.getLogger("ckptfs")
 
@@ -58,6 +60,8 @@ class Version:
         self._store = store
         self._slot_version = slot_version
         self.manifest = manifest
+        from ckptfs.reader import VersionData
+
         self.data = VersionData(store.region, slot_version.data_base, manifest, checked)
         h = slot_version.header
         self.info = VersionInfo(slot_version.entry.name, h.step, h.counter, slot_version.slot, h.time_ns,
@@ -164,6 +168,8 @@ class Store:
             from ckptfs.dist.writer import DistWriter
 
             return DistWriter(self, model, group=group, **options)
+        from ckptfs.writer.writer import Writer
+
         return Writer(self.region, model, **options)
 
     # ------------------------------------------------------------------ listing
@@ -287,6 +293,8 @@ class Store:
     def verify(self, model: str | None = None, step: int | None = None,
                progress: Callable[[int], None] | None = None) -> list[VerifyProblem]:
         """Check every tensor of the selected versions against its CRC; [] means all good."""
+        from ckptfs.reader import VerifyProblem, VersionData
+
         problems: list[VerifyProblem] = []
         models = [model] if model is not None else self.models()
         if model is None:
@@ -312,6 +320,8 @@ class Store:
 
     def _region_problems(self) -> list[VerifyProblem]:
         """Damage outside the versions: superblock and its backup, model table entries."""
+        from ckptfs.reader import VerifyProblem
+
         out = []
         region = self.region
         try:
@@ -334,6 +344,8 @@ class Store:
 
     def _model_problems(self, entry) -> list[VerifyProblem]:
         """Damage of a model outside its intact versions: the latest pointer, unreadable headers."""
+        from ckptfs.reader import VerifyProblem
+
         out = []
         counter = self.region.counter_word(entry)
         if counter > COUNTER_MAX:

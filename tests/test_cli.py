@@ -291,6 +291,27 @@ def test_commands_on_single_process_versions_do_not_import_torch_distributed_che
     assert "checkpoint.pt" in out.stdout and out.stdout.rstrip().endswith("dcp imported: False"), out.stdout
 
 
+def test_listing_a_region_imports_neither_torch_nor_pyfuse3(toy_region):
+    """ls, status, keep and unkeep, and --help, read the region without torch (most of a
+    second of each) or pyfuse3; their output is the same as ever."""
+    code = (
+        "import sys\n"
+        "from ckptfs.cli import main\n"
+        f"region = {toy_region!r}\n"
+        "for argv in (['ls', '--region', region], ['ls', '--region', region, 'toy'], ['status', '--region', region],\n"
+        "             ['keep', '--region', region, 'toy', '200'], ['unkeep', '--region', region, 'toy', '200'],\n"
+        "             ['--help']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit as e:\n"
+        "        assert not e.code, (argv, e.code)\n"
+        "print('imported:', sorted(m for m in ('torch', 'pyfuse3', 'trio') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "kept toy step 200" in out.stdout and "unkept toy step 200" in out.stdout and "MODEL" in out.stdout
+    assert out.stdout.rstrip().endswith("imported: []"), out.stdout
+
+
 def test_export_of_a_whole_version_to_a_directory_or_stdout(capfd, toy_region, tmp_path):
     out_dir = tmp_path / "v200"
     with pytest.raises(SystemExit) as e:

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from ckptfs.errors import UnsupportedObjectError
-from ckptfs.manifest import MAX_DEPTH, flatten, unflatten
+from ckptfs.flatten import flatten
+from ckptfs.manifest import MAX_DEPTH, unflatten
 
 
 def nested(depth: int, leaf):
@@ -92,3 +93,13 @@ def test_nesting_limit():
     for obj in (nested(MAX_DEPTH + 1, torch.ones(1)), nested(MAX_DEPTH + 1, 5), nested(MAX_DEPTH, [[1]])):
         with pytest.raises(UnsupportedObjectError, match=f"deeper than {MAX_DEPTH} levels"):
             flatten(obj)
+
+
+def test_the_index_dtype_sizes_are_torchs():
+    """ckptfs.manifest reads an index without torch, from its own table of bytes per element:
+    that table must be torch's, dtype for dtype, and flatten's tables cover every name in it."""
+    from ckptfs.flatten import DTYPE_NAMES, DTYPES
+    from ckptfs.manifest import ITEMSIZE
+
+    assert {name: getattr(torch, name).itemsize for name in ITEMSIZE} == ITEMSIZE
+    assert set(DTYPES) == set(ITEMSIZE) and all(DTYPE_NAMES[d] == n for n, d in DTYPES.items())

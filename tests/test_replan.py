@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import ckptfs
-from ckptfs.manifest import dumps_compact, flatten
+from ckptfs.flatten import flatten
+from ckptfs.manifest import dumps_compact
 from ckptfs.writer.replan import Structure
 from conftest import assert_same
 

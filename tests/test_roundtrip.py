@@ -8,7 +8,7 @@ import torch
 import ckptfs
 from ckptfs.errors import (CheckpointTooLargeError, InvalidNameError, NotFoundError, RegionFullError,
                            UnsupportedObjectError)
-from ckptfs.manifest import DTYPES
+from ckptfs.flatten import DTYPES
 from conftest import assert_same
 
 

@@ -28,7 +28,8 @@ import safetensors.torch
 from safetensors.torch import load_file
 
 from ckptfs.checksum import crc32, crc32_combine
-from ckptfs.manifest import DTYPE_NAMES, DTYPES, Manifest, TensorRecord, align_up, flatten, unflatten
+from ckptfs.flatten import DTYPE_NAMES, DTYPES, flatten
+from ckptfs.manifest import Manifest, TensorRecord, align_up, unflatten
 from ckptfs.views import (Extent, Literal, View, ViewBuilder, files_for, key_file_name,
                           metadata_json_view, safetensors_view, torch_zip_view)
 from ckptfs.views.safetensors import SAFETENSORS_DTYPES, encode_header

@@ -35,7 +35,8 @@ from typing import NamedTuple
 from ckptfs.checksum import crc32, crc32_combine
 from ckptfs.dist.names import METADATA_FILE, is_global_version
 from ckptfs.errors import CorruptionError
-from ckptfs.manifest import DTYPE_NAMES, DTYPES, Manifest, TensorRecord, expected_nbytes
+from ckptfs.flatten import DTYPE_NAMES
+from ckptfs.manifest import ITEMSIZE, Manifest, TensorRecord, expected_nbytes
 
 PARTS_FILE = "dcp-parts.json"
 PARTS_DIR = "parts"
@@ -156,7 +157,7 @@ def _plan_tensors(layout: WholeLayout, meta, opened, items) -> tuple[tuple[Tenso
             continue
         stored_as[same] = len(records)
         nbytes = expected_nbytes(dtype, shape)
-        pieces = _pieces(shape, DTYPES[dtype].itemsize, chunks)
+        pieces = _pieces(shape, ITEMSIZE[dtype], chunks)
         records.append(TensorRecord(fqn, dtype, shape, offset, nbytes, _whole_crc(pieces, chunks, opened)))
         layout.pieces.append(([p.at for p in pieces], pieces))
         layout.starts.append(offset)

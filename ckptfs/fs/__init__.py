@@ -4,7 +4,7 @@
 * :mod:`ckptfs.fs.ops`    -- the pyfuse3 handlers, a thin layer over the tree;
 * :mod:`ckptfs.fs.errors` -- ``errno_for(exc)``, the one place exceptions become errno values;
 * :mod:`ckptfs.fs.daemon` -- mounting, background start with a ready handshake, unmounting.
-"""
-from ckptfs.fs.errors import errno_for
 
-__all__ = ["errno_for"]
+Nothing is imported here: the CLI takes the daemon's settings and the tree's step names without
+loading pyfuse3 and trio (a tenth of a second of every command).
+"""

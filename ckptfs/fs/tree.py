@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ckptfs.fs.errors import read_only
+from ckptfs.fs.names import version_dirname
 from ckptfs.gcpause import paused_gc
 
 log = logging.getLogger("ckptfs.fs")
@@ -59,18 +60,6 @@ log = logging.getLogger("ckptfs.fs")
 ROOT_INODE = 1  # == pyfuse3.ROOT_INODE
 REFRESH_INTERVAL = 0.5  # seconds between two snapshots of the Store's listing
 LATEST = "latest"
-
-
-def version_dirname(step: int) -> str:
-    """``step-00001200``: zero-padded to at least 8 digits so that ``ls`` sorts versions."""
-    return f"step-{step:08d}"
-
-
-def step_of(text: str) -> int | None:
-    """The step a user names: ``1200``, or a version directory's name ``step-00001200``; None
-    for anything else."""
-    digits = text[len("step-"):] if text.startswith("step-") else text
-    return int(digits) if digits.isascii() and digits.isdigit() else None
 
 
 class Kind(enum.Enum):

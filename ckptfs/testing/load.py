@@ -250,7 +250,7 @@ def _writer(region_path: str, model: str, inflight: int, iter_s: float, stop_pat
 
 def _reader(region_path: str, mountpoint: str | None, model: str, seed: int, stop_path: str,
             report_path: str, n: int) -> None:
-    from ckptfs.fs.tree import version_dirname
+    from ckptfs.fs.names import version_dirname
 
     rng = random.Random(seed)
     out = {"store_reads": 0, "mount_reads": 0, "gone": 0, "mismatches": [], "errors": []}

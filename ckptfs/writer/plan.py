@@ -11,8 +11,8 @@ import torch
 
 from ckptfs.chunks import Chunk, plan_chunks
 from ckptfs.errors import CkptfsError
-from ckptfs.manifest import (DTYPE_NAMES, TENSOR_ALIGN_BYTES, EncodedTensors, Flattened, Manifest, TensorRecord,
-                             align_up, dumps_compact, flatten)
+from ckptfs.flatten import DTYPE_NAMES, Flattened, flatten
+from ckptfs.manifest import TENSOR_ALIGN_BYTES, EncodedTensors, Manifest, TensorRecord, align_up, dumps_compact
 from ckptfs.region.format import COUNTER_MAX
 from ckptfs.region.ring import SlotLayout
 from ckptfs.writer.replan import Structure

@@ -1,6 +1,6 @@
 """The cached save plan: a training loop saves the same structure every time, so a save of an
 object whose structure was seen before re-reads only what can change (the tensors and the plain
-values) instead of flattening it again (``ckptfs.manifest.flatten``: ~12 µs a tensor, the stall
+values) instead of flattening it again (``ckptfs.flatten.flatten``: ~12 µs a tensor, the stall
 at 40,000 tensors).
 
 ``Structure.of(flat)`` compiles a flattened object into a program that ``match(obj)`` runs on a
@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from ckptfs.manifest import Flattened, dumps_compact, plain_node, unflatten
+from ckptfs.flatten import Flattened, plain_node
+from ckptfs.manifest import dumps_compact, unflatten
 
 _TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 _PLAIN_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "none": type(None)}
