@@ -84,8 +84,8 @@ def _when(time_ns: int) -> str:
 def _table(rows: list[list[Any]], header: list[str]) -> None:
     cells = [header] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    for r in cells:
-        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    # one write: an echo per row was a third of `info` of a version of 40,000 tensors
+    click.echo("\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells))
 
 
 def _info_dict(v) -> dict:
