@@ -144,3 +144,33 @@ def test_copy_out_fills_whole_and_partial_sinks_across_chunks():
     for chunk in plan_chunks(records, offset, 4096):
         on_chunk(Buf(area[chunk.start:chunk.start + chunk.length].tobytes()), chunk)
     assert all(torch.equal(t, s) for t, s in zip(everything, stored))
+
+
+def test_prefaulted_maps_fresh_tensors_pages_ahead_and_leaves_their_bytes():
+    """prefaulted (a fresh load's tensors): the pages of big fresh tensors are mapped on its
+    thread, so the copy that fills them takes almost no faults; bytes already there stay."""
+    import resource
+
+    from ckptfs.memcopy import PREFAULT_MIN_BYTES, prefaulted
+
+    def faults_to_fill(tensors) -> int:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for t in tensors:
+            t.fill_(1)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    def fresh_tensors():  # fresh mappings (malloc may hand out memory already touched)
+        maps = [mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) for _ in range(4)]
+        return maps, [torch.frombuffer(m, dtype=torch.uint8) for m in maps]
+
+    pages = 4 * (8 << 20) // 4096
+    _, control = fresh_tensors()
+    assert faults_to_fill(control) > pages // 2
+    _, fresh = fresh_tensors()
+    with prefaulted(fresh):
+        pass  # its thread has ended when the block does
+    assert faults_to_fill(fresh) < pages // 20
+    kept = torch.arange(PREFAULT_MIN_BYTES, dtype=torch.int32)
+    with prefaulted([kept]):
+        pass
+    assert torch.equal(kept, torch.arange(PREFAULT_MIN_BYTES, dtype=torch.int32))
