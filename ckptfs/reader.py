@@ -25,10 +25,10 @@ import torch
 from ckptfs.checksum import crc32
 from ckptfs.chunks import Chunk, combine_piece_crcs, plan_chunks
 from ckptfs.errors import CorruptionError, UnsupportedObjectError
-from ckptfs.gcpause import paused_gc
 from ckptfs.flatten import flatten
+from ckptfs.gcpause import paused_gc
 from ckptfs.manifest import Manifest, TensorRecord, unflatten
-from ckptfs.memcopy import PREFAULT_MIN_BYTES, HostTargets, prefaulted
+from ckptfs.memcopy import HostTargets, prefaulted
 from ckptfs.writer.staging import StagingBuffer
 
 READ_CHUNK_BYTES = 32 << 20
@@ -319,12 +319,10 @@ class VersionData:
         m = self.manifest
         if into is not None:
             tensors = matching_tensors(m, into)
-            fresh = []
         else:
             tensors = [torch.empty(r.shape, dtype=r.torch_dtype) for r in m.tensors]
-            fresh = [t for r, t in zip(m.tensors, tensors) if r.nbytes >= PREFAULT_MIN_BYTES]
         on_chunk = copy_out({i: [(0, r.nbytes, t)] for i, (r, t) in enumerate(zip(m.tensors, tensors))}, m.tensors)
-        with prefaulted(fresh):
+        with prefaulted(tensors if into is None else []):
             bad = self.scan(on_chunk)
         if verify and bad:
             raise CorruptionError(self.damage_message(bad[0][0]))
