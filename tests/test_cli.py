@@ -266,50 +266,51 @@ def test_steps_as_the_mount_names_them(capsys, toy_region):
     assert code == 1 and "has no step 12345" in one_error_line(err) and f"ckptfs ls {TOY_MODEL}" in err
 
 
-def test_commands_on_single_process_versions_do_not_import_torch_distributed_checkpoint(toy_region, tmp_path):
-    """info, verify, export and a mount's tree of a single-process version leave DCP unimported
-    (half a second of every command otherwise); a multi-rank version imports it where met."""
+def _in_a_fresh_interpreter(commands: list[list[str]], then: str = "", report: str = "") -> str:
+    """Run CLI ``commands`` (each must succeed), then the code ``then``, then print ``report``
+    (an expression) in a new Python; returns what it printed."""
     code = (
-        "import sys, ckptfs\n"
+        "import sys\n"
         "from ckptfs.cli import main\n"
-        "from ckptfs.fs.tree import Tree\n"
-        f"region, out = {toy_region!r}, {str(tmp_path / 'x.safetensors')!r}\n"
-        "for argv in (['info', '--region', region, 'toy'], ['verify', '--region', region],\n"
-        "             ['export', '--region', region, 'toy', out]):\n"
+        f"for argv in {commands!r}:\n"
         "    try:\n"
         "        main(argv)\n"
         "    except SystemExit as e:\n"
         "        assert not e.code, (argv, e.code)\n"
-        "with ckptfs.Store(region) as store:\n"
-        "    tree = Tree(store)\n"
-        "    model = tree.lookup(1, 'toy').ino\n"
-        "    step = max(name for name, _ in tree.children(model) if name.startswith('step-'))\n"
-        "    print(sorted(name for name, _ in tree.children(tree.lookup(model, step).ino)))\n"
-        "print('dcp imported:', 'torch.distributed.checkpoint' in sys.modules)\n")
+        f"{then}"
+        f"print('report:', {report})\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert "checkpoint.pt" in out.stdout and out.stdout.rstrip().endswith("dcp imported: False"), out.stdout
+    return out.stdout
+
+
+def test_commands_on_single_process_versions_do_not_import_torch_distributed_checkpoint(toy_region, tmp_path):
+    """info, verify, export and a mount's tree of a single-process version leave DCP unimported
+    (half a second of every command otherwise); a multi-rank version imports it where met."""
+    out = _in_a_fresh_interpreter(
+        [["info", "--region", toy_region, "toy"], ["verify", "--region", toy_region],
+         ["export", "--region", toy_region, "toy", str(tmp_path / "x.safetensors")]],
+        then=("import ckptfs\n"
+              "from ckptfs.fs.tree import Tree\n"
+              f"with ckptfs.Store({toy_region!r}) as store:\n"
+              "    tree = Tree(store)\n"
+              "    model = tree.lookup(1, 'toy').ino\n"
+              "    step = max(name for name, _ in tree.children(model) if name.startswith('step-'))\n"
+              "    print(sorted(name for name, _ in tree.children(tree.lookup(model, step).ino)))\n"),
+        report="'torch.distributed.checkpoint' in sys.modules")
+    assert "checkpoint.pt" in out and out.rstrip().endswith("report: False"), out
 
 
 def test_listing_a_region_imports_neither_torch_nor_pyfuse3(toy_region):
     """ls, status, keep and unkeep, and --help, read the region without torch (most of a
     second of each) or pyfuse3; their output is the same as ever."""
-    code = (
-        "import sys\n"
-        "from ckptfs.cli import main\n"
-        f"region = {toy_region!r}\n"
-        "for argv in (['ls', '--region', region], ['ls', '--region', region, 'toy'], ['status', '--region', region],\n"
-        "             ['keep', '--region', region, 'toy', '200'], ['unkeep', '--region', region, 'toy', '200'],\n"
-        "             ['--help']):\n"
-        "    try:\n"
-        "        main(argv)\n"
-        "    except SystemExit as e:\n"
-        "        assert not e.code, (argv, e.code)\n"
-        "print('imported:', sorted(m for m in ('torch', 'pyfuse3', 'trio') if m in sys.modules))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert "kept toy step 200" in out.stdout and "unkept toy step 200" in out.stdout and "MODEL" in out.stdout
-    assert out.stdout.rstrip().endswith("imported: []"), out.stdout
+    region = ["--region", toy_region]
+    out = _in_a_fresh_interpreter(
+        [["ls", *region], ["ls", *region, "toy"], ["status", *region], ["keep", *region, "toy", "200"],
+         ["unkeep", *region, "toy", "200"], ["--help"]],
+        report="sorted(m for m in ('torch', 'pyfuse3', 'trio') if m in sys.modules)")
+    assert "kept toy step 200" in out and "unkept toy step 200" in out and "MODEL" in out
+    assert out.rstrip().endswith("report: []"), out
 
 
 def test_export_of_a_whole_version_to_a_directory_or_stdout(capfd, toy_region, tmp_path):
