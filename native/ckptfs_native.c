@@ -171,9 +171,9 @@ pmem_available(PyObject *self, PyObject *noargs)
 static int
 range_in(Py_buffer *view, Py_ssize_t offset, Py_ssize_t length)
 {
-    if (offset < 0 || length < 0 || offset + length > view->len) {
-        PyErr_Format(PyExc_ValueError, "range [%zd, %zd) is outside a %zd-byte buffer",
-                     offset, offset + length, view->len);
+    if (offset < 0 || length < 0 || offset > view->len || length > view->len - offset) { /* no overflow */
+        PyErr_Format(PyExc_ValueError, "%zd bytes at offset %zd are outside a %zd-byte buffer",
+                     length, offset, view->len);
         return -1;
     }
     return 0;
@@ -528,9 +528,9 @@ scatter_spans_py(PyObject *self, PyObject *args)
         uint64_t address, size;
         memcpy(&address, (const char *)addresses.buf + 8 * target, 8);
         memcpy(&size, (const char *)sizes.buf + 8 * target, 8);
-        if (dst_offset < 0 || length < 0 || (uint64_t)dst_offset + (uint64_t)length > size) {
-            PyErr_Format(PyExc_ValueError, "range [%zd, %zd) is outside target %zd's %llu bytes",
-                         dst_offset, dst_offset + length, target, (unsigned long long)size);
+        if (dst_offset < 0 || length < 0 || (uint64_t)dst_offset > size || (uint64_t)length > size - (uint64_t)dst_offset) {
+            PyErr_Format(PyExc_ValueError, "%zd bytes at offset %zd are outside target %zd's %llu bytes",
+                         length, dst_offset, target, (unsigned long long)size);
             goto done;
         }
         if (range_in(&src, src_offset, length) < 0)

@@ -40,7 +40,8 @@ def test_copies_into_a_staging_mapping_from_tensor_bytes():
 
 
 @pytest.mark.parametrize("span", [(0, b"abc", 0, 4), (0, b"abc", 2, 2), (6, b"abc", 0, 3), (-1, b"abc", 0, 1),
-                                  (0, b"abc", -1, 1), (0, b"abc", 0, -1)])
+                                  (0, b"abc", -1, 1), (0, b"abc", 0, -1),
+                                  (1 << 62, b"abc", 0, 1 << 62), (0, b"abc", 1 << 62, 1 << 62)])  # no overflow
 def test_out_of_range_spans_are_refused_before_any_copy(span):
     dst = bytearray(8)
     with pytest.raises(ValueError):
@@ -94,7 +95,8 @@ def test_scatter_lands_each_piece_in_its_tensor(threads):
 
 
 @pytest.mark.parametrize("span", [(1, 0, 1, 0), (0, 0, 9, 0), (0, 5, 4, 0), (0, -1, 1, 0), (0, 0, 2, 7),
-                                  (0, 0, -1, 0), (2, 0, 1, 0), (-1, 0, 1, 0)])
+                                  (0, 0, -1, 0), (2, 0, 1, 0), (-1, 0, 1, 0),
+                                  (0, 1 << 62, 1 << 62, 0), (0, 0, 1, 1 << 62), (0, 0, 1 << 62, 1 << 62)])
 def test_scatter_refuses_a_span_outside_its_target_or_source_before_any_copy(span):
     t = torch.zeros(8, dtype=torch.uint8)
     with pytest.raises(ValueError):
