@@ -535,7 +535,7 @@ class ReferencePickler(pickle.Pickler):
         legacy = LEGACY_STORAGE.get(record.dtype)
         if legacy is None:
             return ("storage", torch.UntypedStorage, key, "cpu", record.nbytes)
-        return ("storage", legacy, key, "cpu", record.numel)
+        return ("storage", getattr(torch, legacy[1]), key, "cpu", record.numel)
 
     def reducer_override(self, obj):
         if type(obj) is not _TensorStub:
@@ -545,6 +545,27 @@ class ReferencePickler(pickle.Pickler):
         if record.dtype in LEGACY_STORAGE:
             return torch._utils._rebuild_tensor_v2, args
         return torch._utils._rebuild_tensor_v3, (*args, record.torch_dtype)
+
+
+def test_the_globals_data_pkl_names_are_what_pickle_writes_for_torchs_objects():
+    """torchpickle names torch's classes, functions and dtypes without importing torch: each
+    GLOBAL it writes is the one pickle writes for the object itself."""
+    import torch._utils
+    from ckptfs.views.torchpickle import (ORDERED_DICT, REBUILD_TENSOR_V2, REBUILD_TENSOR_V3, UNTYPED_STORAGE,
+                                          dtype_global, global_opcode)
+
+    def pickled(obj) -> bytes:
+        raw = pickle.dumps(obj, protocol=2)
+        assert raw[2:3] == b"c" and raw[-3:] == b"q\x00.", raw  # PROTO, GLOBAL..., BINPUT 0, STOP
+        return raw[2:-3]
+
+    named = {ORDERED_DICT: OrderedDict, UNTYPED_STORAGE: torch.UntypedStorage,
+             REBUILD_TENSOR_V2: torch._utils._rebuild_tensor_v2, REBUILD_TENSOR_V3: torch._utils._rebuild_tensor_v3}
+    named.update({dtype_global(name): dtype for name, dtype in DTYPES.items()})
+    named.update({name: getattr(torch, name[1]) for name in LEGACY_STORAGE.values()})
+    for name, obj in named.items():
+        assert global_opcode(name) == pickled(obj), name
+    assert set(LEGACY_STORAGE) == {n for n, d in DTYPES.items() if d in torch.storage._dtype_to_storage_type_map()}
 
 
 def reference_pickle(manifest):

@@ -27,30 +27,36 @@ from __future__ import annotations
 import functools
 import pickle
 import struct
-from collections import OrderedDict
-
-import torch
-import torch._utils
 
 from ckptfs import _native
 from ckptfs.manifest import Manifest, tensor_leaf
 
 PICKLE_PROTOCOL = 2
 
-# torch pickles these dtypes through their legacy typed-storage class and _rebuild_tensor_v2
-# (torch.storage._dtype_to_storage_type_map, frozen: "we should no longer add dtypes to this
-# map"); every other dtype goes through UntypedStorage, _rebuild_tensor_v3 and an explicit dtype.
-LEGACY_STORAGE: dict[str, type] = {
-    "float64": torch.DoubleStorage, "float32": torch.FloatStorage, "float16": torch.HalfStorage,
-    "bfloat16": torch.BFloat16Storage, "complex128": torch.ComplexDoubleStorage,
-    "complex64": torch.ComplexFloatStorage, "int64": torch.LongStorage, "int32": torch.IntStorage,
-    "int16": torch.ShortStorage, "int8": torch.CharStorage, "uint8": torch.ByteStorage,
-    "bool": torch.BoolStorage,
-}
+# The globals data.pkl names, as (module, name): what pickle writes for torch's objects
+# (tests/test_views.py holds each to pickle of the object itself), so that the mount and the CLI
+# write checkpoint.pt without importing torch. torch pickles these dtypes through their legacy
+# typed-storage class (in module torch) and _rebuild_tensor_v2 (torch.storage.
+# _dtype_to_storage_type_map, frozen: "we should no longer add dtypes to this map"); every other
+# dtype goes through UntypedStorage, _rebuild_tensor_v3 and an explicit dtype (torch.<name>).
+LEGACY_STORAGE: dict[str, tuple[str, str]] = {dtype: ("torch", name) for dtype, name in {
+    "float64": "DoubleStorage", "float32": "FloatStorage", "float16": "HalfStorage",
+    "bfloat16": "BFloat16Storage", "complex128": "ComplexDoubleStorage", "complex64": "ComplexFloatStorage",
+    "int64": "LongStorage", "int32": "IntStorage", "int16": "ShortStorage", "int8": "CharStorage",
+    "uint8": "ByteStorage", "bool": "BoolStorage"}.items()}
+UNTYPED_STORAGE = ("torch.storage", "UntypedStorage")
+REBUILD_TENSOR_V2 = ("torch._utils", "_rebuild_tensor_v2")
+REBUILD_TENSOR_V3 = ("torch._utils", "_rebuild_tensor_v3")
+ORDERED_DICT = ("collections", "OrderedDict")
+
+
+def dtype_global(dtype: str) -> tuple[str, str]:
+    """The global a torch dtype of this name pickles as."""
+    return "torch", dtype
+
 
 _BATCH = 1000  # pickle's BATCHSIZE
 _TUPLE_N = {1: b"\x85", 2: b"\x86", 3: b"\x87"}  # TUPLE1..3
-_GLOBAL_OPCODES: dict[object, bytes] = {}  # a class, function or dtype -> its GLOBAL opcode
 
 
 def pickle_skeleton(manifest: Manifest) -> tuple[bytes, list[int]]:
@@ -108,15 +114,11 @@ def _int_tuple_op(values: tuple[int, ...]) -> bytes:
     return b"(" + body + b"t" if len(values) > 3 else body + _TUPLE_N[len(values)]
 
 
-def _global_opcode(obj) -> bytes:
-    """GLOBAL "module\\nname\\n" for ``obj``, as the Pickler finds its module (taken from the
-    Pickler itself once per object: a dtype's module is found by search)."""
-    op = _GLOBAL_OPCODES.get(obj)
-    if op is None:
-        raw = pickle.dumps(obj, protocol=PICKLE_PROTOCOL)
-        assert raw[2:3] == b"c" and raw[-3:] == b"q\x00.", raw  # PROTO, GLOBAL..., BINPUT 0, STOP
-        op = _GLOBAL_OPCODES[obj] = raw[2:-3]
-    return op
+@functools.lru_cache(maxsize=None)
+def global_opcode(name: tuple[str, str]) -> bytes:
+    """GLOBAL "module\\nname\\n" of a (module, name)."""
+    module, qualname = name
+    return b"c" + module.encode() + b"\n" + qualname.encode() + b"\n"
 
 
 class _Writer:
@@ -150,7 +152,7 @@ class _Writer:
         if n is not None:
             self.get(n)
             return
-        self.out += _global_opcode(obj)
+        self.out += global_opcode(obj)
         self.named_memo[obj] = self.put()
 
     # -- atoms
@@ -202,7 +204,7 @@ class _Writer:
             self.put()
             self.save_dict_items(value)
         elif kind == "odict":
-            self.save_global(OrderedDict)
+            self.save_global(ORDERED_DICT)
             self.out += b")R"  # OrderedDict()
             self.put()
             self.save_odict_items(value)
@@ -327,11 +329,11 @@ class _Writer:
         """A tensor op by op; then the template of its dtype (for ``save_tensor``)."""
         record = self.tensors[index]
         legacy = LEGACY_STORAGE.get(record.dtype)
-        rebuild = torch._utils._rebuild_tensor_v2 if legacy else torch._utils._rebuild_tensor_v3
+        rebuild = REBUILD_TENSOR_V2 if legacy else REBUILD_TENSOR_V3
         self.save_global(rebuild)
         self.out += b"(("  # MARK of the arguments, MARK of the persistent id
         self.save_str("storage")  # one interned object, as in torch's hook: memoized once
-        self.save_global(legacy or torch.UntypedStorage)
+        self.save_global(legacy or UNTYPED_STORAGE)
         self.save_new_str(str(len(self.storage_order)))  # storage key, in order of first use
         self.storage_order.append(index)
         self.save_str("cpu")
@@ -342,19 +344,19 @@ class _Writer:
         self.save_int_tuple(tuple(record.shape))
         self.save_int_tuple(contiguous_strides(record.shape))
         self.out += b"\x89"  # requires_grad False
-        self.save_global(OrderedDict)
+        self.save_global(ORDERED_DICT)
         self.out += b")R"  # backward hooks: OrderedDict()
         self.put()
         if not legacy:
-            self.save_global(record.torch_dtype)
+            self.save_global(dtype_global(record.dtype))
         self.out += b"t"
         self.put()
         self.out += b"R"
         self.tensor_memo[index] = self.put()
         get, memo = self.named_memo.__getitem__, self.memo
         self.templates[record.dtype] = (
-            _get_op(get(rebuild)) + b"((" + _get_op(memo[id("storage")]) + _get_op(get(legacy or torch.UntypedStorage)),
+            _get_op(get(rebuild)) + b"((" + _get_op(memo[id("storage")]) + _get_op(get(legacy or UNTYPED_STORAGE)),
             _get_op(memo[id("cpu")]),
-            b"\x89" + _get_op(get(OrderedDict)) + b")R",
-            (b"" if legacy else _get_op(get(record.torch_dtype))) + b"t",
+            b"\x89" + _get_op(get(ORDERED_DICT)) + b")R",
+            (b"" if legacy else _get_op(get(dtype_global(record.dtype)))) + b"t",
             legacy)
