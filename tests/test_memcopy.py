@@ -112,12 +112,12 @@ def test_scatter_targets_must_be_contiguous_host_tensors():
 
 
 def test_copy_out_fills_whole_and_partial_sinks_across_chunks():
-    """The scan's copy-out (reader.copy_out), as Store.load and a DCP load use it: whole
+    """The scan's copy-out (restore.copy_out), as Store.load and a DCP load use it: whole
     tensors, row ranges of a tensor (two sinks of one), a tensor nobody asked for, a zero-byte
     one; the chunks cut tensors in pieces."""
     from ckptfs.chunks import plan_chunks
     from ckptfs.manifest import TensorRecord
-    from ckptfs.reader import copy_out
+    from ckptfs.restore import copy_out
 
     class Buf:  # a read's bounce buffer, as the scan hands it over
         def __init__(self, data: bytes):

@@ -18,7 +18,7 @@ import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner
 
 from ckptfs.errors import CorruptionError
-from ckptfs.reader import copy_out
+from ckptfs.restore import copy_out
 
 
 @dataclass

@@ -35,7 +35,6 @@ from typing import NamedTuple
 from ckptfs.checksum import crc32, crc32_combine
 from ckptfs.dist.names import METADATA_FILE, is_global_version
 from ckptfs.errors import CorruptionError
-from ckptfs.flatten import DTYPE_NAMES
 from ckptfs.manifest import ITEMSIZE, Manifest, TensorRecord, expected_nbytes
 
 PARTS_FILE = "dcp-parts.json"
@@ -129,6 +128,8 @@ def _plan_tensors(layout: WholeLayout, meta, opened, items) -> tuple[tuple[Tenso
     """(the whole tensors' records, their skeleton); fills in the layout's starts, pieces and
     the end of the whole tensors in the virtual data area. ``items``: each part's item_records."""
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    from ckptfs.flatten import DTYPE_NAMES
 
     part_of = {key: i for i, key in enumerate(layout.parts)}
     records, paths, offset = [], [], 0

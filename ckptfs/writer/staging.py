@@ -13,33 +13,46 @@ from __future__ import annotations
 import mmap
 import threading
 import time
-
-import torch
+from typing import TYPE_CHECKING
 
 from ckptfs import _native
 from ckptfs.errors import BusyError, StagingMemoryError
 from ckptfs.units import human_bytes
+
+if TYPE_CHECKING:
+    import torch
 
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14; not exported by Python 3.11's mmap module
 
 
 class StagingBuffer:
-    """One chunk-sized buffer and a uint8 tensor over it."""
+    """One chunk-sized buffer and a uint8 tensor over it (made on first use: a verify, an export
+    or the mount reads through these buffers without torch)."""
 
     def __init__(self, nbytes: int, pinned: bool):
         self.mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         _prefault_huge(self.mapping)
-        self.tensor = torch.frombuffer(self.mapping, dtype=torch.uint8)
+        self._tensor: torch.Tensor | None = None
         self.pinned = False
         if pinned:
             _cuda_host_register(self.tensor)
             self.pinned = True
 
+    @property
+    def tensor(self) -> torch.Tensor:
+        if self._tensor is None:
+            import torch
+
+            self._tensor = torch.frombuffer(self.mapping, dtype=torch.uint8)
+        return self._tensor
+
     def close(self) -> None:
         if self.pinned:
+            import torch
+
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
-        del self.tensor
+        self._tensor = None
         try:
             self.mapping.close()
         except BufferError:
@@ -80,6 +93,8 @@ def _new_buffer(nbytes: int, pinned: bool) -> StagingBuffer:
 
 
 def _cuda_host_register(t: torch.Tensor) -> None:
+    import torch
+
     err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
     if int(err) != 0:
         raise RuntimeError(f"cudaHostRegister of a {t.numel()}-byte staging buffer failed ({err})")

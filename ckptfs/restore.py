@@ -1,0 +1,115 @@
+"""Loading a version into tensors (``Store.load``; the DCP load's copies): the chunks that
+``VersionData.scan`` reads are copied into fresh tensors or into the caller's, as they come in.
+Apart from ckptfs.reader, which needs no torch.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ckptfs.chunks import Chunk
+from ckptfs.errors import CorruptionError, UnsupportedObjectError
+from ckptfs.flatten import flatten
+from ckptfs.gcpause import paused_gc
+from ckptfs.manifest import Manifest, unflatten
+from ckptfs.memcopy import HostTargets, prefaulted
+from ckptfs.reader import VersionData
+from ckptfs.writer.staging import StagingBuffer
+
+
+def restore(data: VersionData, map_location="cpu", verify: bool = True, into=None):
+    """The saved object, with every tensor on ``map_location``; CorruptionError naming the
+    first damaged tensor (when ``verify``). ``into``: an object of the same structure (the
+    state dicts of the model and optimizer being resumed) whose tensors are overwritten in
+    place instead (on their own devices; no new tensor memory); the result is the saved
+    object over those tensors."""
+    # tens of thousands of tensors, pieces and CRCs are made here: see ckptfs.gcpause
+    with paused_gc():
+        return _restore(data, map_location, verify, into)
+
+
+def _restore(data: VersionData, map_location, verify: bool, into):
+    m = data.manifest
+    if into is not None:
+        tensors = matching_tensors(m, into)
+    else:
+        tensors = [torch.empty(r.shape, dtype=r.torch_dtype) for r in m.tensors]
+    on_chunk = copy_out({i: [(0, r.nbytes, t)] for i, (r, t) in enumerate(zip(m.tensors, tensors))}, m.tensors)
+    with prefaulted(tensors if into is None else []):
+        bad = data.scan(on_chunk)
+    if verify and bad:
+        raise CorruptionError(data.damage_message(bad[0][0]))
+    device = torch.device(map_location) if map_location is not None else torch.device("cpu")
+    if into is None and device.type != "cpu":
+        moved = [t.pin_memory().to(device, non_blocking=True) for t in tensors]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        tensors = moved
+    return unflatten(m.skeleton, tensors)
+
+
+Sinks = dict[int, list[tuple[int, int, torch.Tensor]]]
+
+
+def copy_out(sinks: Sinks, records) -> Callable[[StagingBuffer, Chunk], None]:
+    """A scan's ``on_chunk`` that copies, as the chunks come in, the bytes [lo, hi) of stored
+    tensor i (``records[i]``) into each ``(lo, hi, dest)`` of ``sinks[i]`` (``dest``: a
+    contiguous tensor of hi - lo bytes, on any device).
+
+    Host destinations are written by one native call per chunk with the GIL released, so the
+    reader threads copy in parallel (a torch copy_ per piece held the GIL for most of a load of
+    many small tensors); a chunk whose every piece goes whole into a host tensor is passed as it
+    is. Other devices' destinations take a copy_ per piece."""
+    host: list[torch.Tensor | None] = [None] * len(records)  # [i]: all of stored tensor i
+    partial: dict[int, list[tuple[int, int, int | torch.Tensor]]] = {}
+    for index, dests in sinks.items():
+        for lo, hi, dest in dests:
+            if dest.device.type != "cpu":
+                # a detached view: a parameter that requires grad is written like any tensor
+                partial.setdefault(index, []).append((lo, hi, dest.detach().view(-1).view(torch.uint8)))
+            elif host[index] is None and lo == 0 and hi == records[index].nbytes:
+                host[index] = dest
+            else:
+                partial.setdefault(index, []).append((lo, hi, len(host)))
+                host.append(dest)
+    every_whole = not partial and all(t is not None or r.nbytes == 0 for t, r in zip(host, records))
+    targets = HostTargets(host)
+
+    def on_chunk(buf: StagingBuffer, chunk: Chunk) -> None:
+        if every_whole:
+            targets.scatter(buf.mapping, chunk.pieces)
+            return
+        spans = [p for p in chunk.pieces if host[p.tensor] is not None]
+        for p in chunk.pieces:
+            for lo, hi, dest in partial.get(p.tensor, ()):
+                a, b = max(lo, p.tensor_start), min(hi, p.tensor_start + p.length)
+                if a < b:
+                    start = p.buffer_start + a - p.tensor_start
+                    if isinstance(dest, int):
+                        spans.append((dest, a - lo, b - a, start))
+                    else:
+                        dest[a - lo:b - lo].copy_(buf.tensor[start:start + b - a])
+        if spans:
+            targets.scatter(buf.mapping, spans)
+    return on_chunk
+
+
+def matching_tensors(manifest: Manifest, into) -> list[torch.Tensor]:
+    """The tensors of ``into``, one per stored tensor in the manifest's order, once each is
+    found to be where and what the saved one was (same path, dtype and shape, contiguous);
+    ValueError naming the first difference, before anything is written into them."""
+    try:
+        flat = flatten(into)
+    except UnsupportedObjectError as e:
+        raise ValueError(f"into= holds something that is not a state: {e}") from None
+    if len(flat.tensors) != len(manifest.tensors):
+        raise ValueError(f"into= holds {len(flat.tensors)} tensors, {manifest.model} step {manifest.step} "
+                         f"{len(manifest.tensors)}: pass the state dicts the checkpoint was saved from")
+    for (name, dtype, shape), t, record in zip(flat.signature, flat.tensors, manifest.tensors):
+        if (name, dtype, shape) != (record.name, record.dtype, record.shape):
+            raise ValueError(f"into= differs from {manifest.model} step {manifest.step} at {record.name!r}: saved "
+                             f"{record.dtype}{list(record.shape)}, into= has {name!r} {dtype}{list(shape)}")
+        if not t.is_contiguous():
+            raise ValueError(f"into= tensor {name!r} is not contiguous: it cannot be loaded in place")
+    return list(flat.tensors)
