@@ -182,9 +182,10 @@ def serve(store, mountpoint: str, *, allow_other: bool = False, auto_unmount: bo
 
     check_mountpoint(mountpoint)
     ops = CkptfsOperations(store, views=views)
-    # What the daemon has made so far (its modules, torch's among them: ~175,000 objects) lives as
-    # long as it does: frozen out of the cyclic GC's sight, a full collection stops traversing it
-    # (~0.1 s each, and the first listing of a version of 40,000 tensors starts several)
+    # What the daemon has made so far (its modules; torch's too, ~175,000 objects, where a
+    # multi-rank version has loaded DCP) lives as long as it does: frozen out of the cyclic GC's
+    # sight, a full collection stops traversing it (~0.1 s each with torch, and the first listing
+    # of a version of 40,000 tensors starts several)
     gc.freeze()
     options = fuse_options(os.path.abspath(store.path), allow_other=allow_other, auto_unmount=auto_unmount,
                            extra=extra_options)
