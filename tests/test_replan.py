@@ -143,3 +143,26 @@ def test_a_snapshot_remakes_the_spans_of_replaced_tensors_only_and_copies_transp
         assert torch.equal(back["a"], torch.full((1 << 16,), float(step)))
         assert torch.equal(back["t"], torch.full((32, 64), 10.0 * step))
         assert torch.equal(back["b"], torch.full((1 << 16,), -3.0 if step >= 3 else 0.0))
+
+
+def test_a_match_of_many_tensors_starts_no_collection():
+    """The cached plan's checks make a shape object per tensor, alive together: with the cyclic
+    GC on, 20,000 of them start collections on the caller's stall (full ones of its heap, every
+    other save at 40,000 tensors). The match runs with the GC paused; it still matches."""
+    import gc
+
+    state = {f"layer{i // 100}.w{i % 100}": torch.zeros(4) for i in range(20000)}
+    structure = Structure.of(flatten(state))
+    collections = []
+
+    def count(phase, info):
+        if phase == "start":
+            collections.append(info["generation"])
+
+    gc.callbacks.append(count)
+    try:
+        flat = structure.match(state)
+    finally:
+        gc.callbacks.remove(count)
+    assert flat is not None and len(flat.tensors) == 20000
+    assert collections == []

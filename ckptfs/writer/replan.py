@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ckptfs.flatten import Flattened, plain_node
+from ckptfs.gcpause import paused_gc
 from ckptfs.manifest import dumps_compact, unflatten
 
 _TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
@@ -105,6 +106,13 @@ class Structure:
 
     def match(self, obj: Any) -> Flattened | None:
         """``obj`` flattened through the cached structure, or None if its structure differs."""
+        # The checks make a shape object per tensor, alive together in a list: with the cyclic
+        # GC on, 40,000 of them started collections that promoted them, then full collections
+        # of the caller's heap (0.15 s of every other save's stall at 40,000 tensors).
+        with paused_gc():
+            return self._match(obj)
+
+    def _match(self, obj: Any) -> Flattened | None:
         leaves: list = []
         plain: list = []
         try:
