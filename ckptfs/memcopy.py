@@ -46,7 +46,7 @@ class HostTargets:
 
     def __init__(self, tensors: list[torch.Tensor | None]):
         for t in tensors:
-            if t is not None and (t.device.type != "cpu" or not t.is_contiguous()):
+            if t is not None and (not t.is_cpu or not t.is_contiguous()):
                 raise ValueError(f"expected contiguous CPU tensors, got one on {t.device}")
         self._tensors = tensors
         self._addresses = array("Q", [0 if t is None else t.data_ptr() for t in tensors])

@@ -65,7 +65,7 @@ def copy_out(sinks: Sinks, records) -> Callable[[StagingBuffer, Chunk], None]:
     partial: dict[int, list[tuple[int, int, int | torch.Tensor]]] = {}
     for index, dests in sinks.items():
         for lo, hi, dest in dests:
-            if dest.device.type != "cpu":
+            if not dest.is_cpu:
                 # a detached view: a parameter that requires grad is written like any tensor
                 partial.setdefault(index, []).append((lo, hi, dest.detach().view(-1).view(torch.uint8)))
             elif host[index] is None and lo == 0 and hi == records[index].nbytes:
