@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from torch.autograd.graph import increment_version
 
 from ckptfs.chunks import Chunk
 from ckptfs.errors import CorruptionError, UnsupportedObjectError
@@ -75,6 +76,9 @@ def copy_out(sinks: Sinks, records) -> Callable[[StagingBuffer, Chunk], None]:
                 host.append(dest)
     every_whole = not partial and all(t is not None or r.nbytes == 0 for t, r in zip(host, records))
     targets = HostTargets(host)
+    # written by address, not by a torch op: tell autograd, as copy_ would, so that a graph that
+    # saved one of these tensors refuses to run backward through the old values
+    increment_version([t for t in host if t is not None])
 
     def on_chunk(buf: StagingBuffer, chunk: Chunk) -> None:
         if every_whole:

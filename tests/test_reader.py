@@ -207,6 +207,22 @@ def test_load_into_overwrites_the_live_tensors_in_place(tmp_path):
             s.load("m", into={"model": {}})
 
 
+def test_load_into_tells_autograd_the_tensors_changed(tmp_path):
+    """load(into=) writes host tensors by address, not by a torch op: autograd still learns of
+    it (as of copy_), so a graph that saved a parameter refuses to backpropagate through the
+    values the load replaced."""
+    p = torch.nn.Parameter(torch.ones(4))
+    with ckptfs.Store.create(str(tmp_path / "r.region"), size_bytes=64 << 20) as s:
+        with s.writer("m") as w:
+            w.save({"p": p}, step=1).result()
+        loss = (p * p).sum()  # saves p for its backward
+        before = p._version
+        s.load("m", into={"p": p})
+        assert p._version > before
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+
+
 def _wait_ahead(data) -> None:
     for future in list(data._ahead.values()):
         future.result(timeout=30)
