@@ -30,7 +30,7 @@ import torch
 
 from ckptfs.errors import CkptfsError, MalformedInputError, UnsupportedObjectError
 from ckptfs.flatten import DTYPES
-from ckptfs.manifest import ITEMSIZE, check_skeleton, map_tensor_refs, unflatten
+from ckptfs.manifest import check_skeleton, expected_nbytes, map_tensor_refs, unflatten
 from ckptfs.views.safetensors import SAFETENSORS_DTYPES, SKELETON_KEY
 
 log = logging.getLogger(__name__)
@@ -117,10 +117,7 @@ def parse_safetensors_header(head: bytes, file_size: int, path: str = "<input>")
         if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets)
                 or not 0 <= offsets[0] <= offsets[1]):
             raise _reject(path, f"tensor {name!r} has invalid data_offsets {offsets!r}")
-        numel = 1
-        for s in torch_shape:
-            numel *= s
-        expected = numel * ITEMSIZE[dtype]
+        expected = expected_nbytes(dtype, torch_shape)
         if offsets[1] - offsets[0] != expected:
             raise _reject(path, f"tensor {name!r}: shape {shape} of {code} needs {expected} bytes, "
                                 f"data_offsets {offsets} hold {offsets[1] - offsets[0]}")

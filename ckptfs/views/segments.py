@@ -103,7 +103,7 @@ class View:
                 run.append(seg.data[lo:hi])
             else:
                 at = seg.offset + lo
-                if last_end >= 0 and not 0 <= at - last_end < TENSOR_ALIGN_BYTES:
+                if last_end >= 0 and not _close_after(last_end, at):
                     pieces.extend(_read_run(run, read_region))
                 run.append((at, hi - lo))
                 last_end = at + hi - lo
@@ -132,7 +132,7 @@ class View:
                 continue
             for lo in range(0, seg.length, block_bytes):
                 at, n = seg.offset + lo, min(block_bytes, seg.length - lo)
-                if run and not (0 <= at - last_end < TENSOR_ALIGN_BYTES and at + n - first <= block_bytes):
+                if run and not (_close_after(last_end, at) and at + n - first <= block_bytes):
                     yield from _read_run(run, read_region)
                 if not run:
                     first = at
@@ -163,6 +163,13 @@ class LazyView(View):
             raise AssertionError(f"a view's segments hold {built.size} bytes, its size says {self.size}")
         self.segments, self._starts = built.segments, built._starts
         return getattr(self, name)
+
+
+def _close_after(end: int, at: int) -> bool:
+    """Whether an extent stored at ``at`` may join a run whose last extent ends at ``end``: it
+    starts less than ``TENSOR_ALIGN_BYTES`` after, so no other tensor lies between (see
+    ``_read_run``)."""
+    return 0 <= at - end < TENSOR_ALIGN_BYTES
 
 
 def _read_run(run: list, read_region: ReadRegion) -> list:
