@@ -161,30 +161,33 @@ def test_a_rank_that_never_comes_to_a_save_is_named_and_the_last_step_stays(tmp_
 
 
 def _one_rank_never_calls_dcp_save(rank, world, region):
-    """Rank 1 never calls dcp.save: DCP's planning gather waits for its group's timeout and its
-    error names no one; ckptfs's StorageWriter logs the missing rank after half of timeout_s."""
-    import logging
-
+    """Rank 1 never calls dcp.save (nor async_save): rank 0's save fails after timeout_s with an
+    error naming it, before DCP's own planning gather (which would wait for its group's timeout,
+    8 s here, and name no one); an async_save returns at once all the same, and its upload fails
+    the same way. Nothing is committed or half-visible."""
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=8))
     if rank == 0:
-        records = []
-        handler = logging.Handler()
-        handler.emit = records.append
-        logging.getLogger("ckptfs").addHandler(handler)
         with ckptfs.Store(region) as store:
             started = time.monotonic()
-            with pytest.raises(BaseException):  # DCP's own error, at the group's timeout
+            with pytest.raises(CkptfsError, match=r"dcp.save of step 1 of 'm': rank\(s\) 1 did not come within "
+                                                  r"timeout_s=3"):
                 dcp.save({"w": torch.ones(4)}, process_group=group,
-                         storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=1, group=group, timeout_s=4))
-            assert time.monotonic() - started >= 7
+                         storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=1, group=group, timeout_s=3))
+            assert 3 <= time.monotonic() - started < 6
+            started = time.monotonic()
+            response = dcp.async_save({"w": torch.ones(4)}, process_group=group,
+                                      storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=2, group=group,
+                                                                              timeout_s=3))
+            assert time.monotonic() - started < 1.5  # the calling thread does not wait for the others
+            upload = getattr(response, "upload_completion", response)
+            with pytest.raises(CkptfsError, match=r"step 2 of 'm': rank\(s\) 1 did not come"):
+                upload.result()
             assert store.models() == []  # nothing committed, nothing half-visible
-        warned = [r.getMessage() for r in records]
-        assert any("rank(s) 1 have not come" in m and "step 1 of 'm'" in m for m in warned), warned
     else:
-        time.sleep(12)  # alive, but not saving
+        time.sleep(10)  # alive, but not saving
 
 
-def test_a_rank_that_never_calls_dcp_save_is_named_in_a_warning(tmp_path):
+def test_a_rank_that_never_calls_dcp_save_fails_the_others_naming_it(tmp_path):
     region = _new_region(tmp_path)
     run_ranks(_one_rank_never_calls_dcp_save, 2, region)
 

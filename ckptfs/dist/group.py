@@ -1,16 +1,16 @@
 """How the ranks of a job coordinate a checkpoint: a gloo group of ckptfs's own (its collectives
 run from background threads, never behind the job's NCCL traffic), the exchange of every rank's
 outcome, the agreement on model and step, and the marks in the job's key-value store that name
-the ranks that never came to a round (a collective that times out does not say who)."""
+the ranks that never came to a round (a collective that times out does not say who), through
+which the ranks also meet before a collective that is not ckptfs's own (DCP's planning gather)."""
 from __future__ import annotations
 
-import logging
+import json
 import threading
+import time
 from datetime import timedelta
 
 from ckptfs.errors import CkptfsError
-
-log = logging.getLogger("ckptfs")
 
 _groups: dict[tuple[float, str], object] = {}
 
@@ -51,7 +51,8 @@ class Arrival:
             seq = _arrivals[name] = _arrivals.get(name, 0) + 1
         self.key = f"ckptfs/arrivals/{name}/{seq}"
         self.ranks = dist.get_process_group_ranks(group)
-        self.kv.set(f"{self.key}/{dist.get_rank()}", "1")
+        self.rank = dist.get_rank()
+        self.kv.set(f"{self.key}/{self.rank}", "1")
 
     def missing(self) -> list[int]:
         """The ranks that have not reached this round (after a failed collective)."""
@@ -69,23 +70,6 @@ class Arrival:
                 self.kv.delete_key(f"{self.key}/{r}")
             self.kv.delete_key(f"{self.key}/passed")
 
-    def warn_after(self, after_s: float, what: str) -> threading.Timer:
-        """A timer (started; ``cancel`` it once the round's collective is passed) that, if the
-        round is still waited for after ``after_s``, logs a warning naming the ranks that have
-        not come to it: for a collective that is not ckptfs's own (DCP's planning gather), whose
-        own error, at its group's timeout, will not say who."""
-        def warn() -> None:
-            missing = self.missing()
-            if missing:
-                log.warning("ckptfs: %s: rank(s) %s have not come after %.0f s (stopped, or not saving this "
-                            "step); the others wait until their process group's timeout", what,
-                            ", ".join(map(str, missing)), after_s)
-
-        timer = threading.Timer(after_s, warn)
-        timer.daemon = True
-        timer.start()
-        return timer
-
     def naming(self, what: str, error: BaseException) -> BaseException:
         """``error``, or a CkptfsError ``what`` naming the ranks that never came."""
         missing = self.missing()
@@ -93,6 +77,61 @@ class Arrival:
             return error
         return CkptfsError(f"{what}: rank(s) {', '.join(map(str, missing))} never came (stopped, or not saving "
                            "this step); nothing was committed")
+
+
+MEET_POLL_S = (0.001, 0.05)  # a meeting looks for the others' marks this often: at first, at most
+MEET_LOOK_S = 0.1  # and this often, which of them are missing, and whether they wait elsewhere
+MEET_LINGER_S = 0.25  # a rank that finds another at a different save stays visible this long
+
+
+def meet(group, agree: dict, timeout_s: float, what: str) -> None:
+    """Wait until every rank of ``group`` has come to the same save, named by ``agree`` (e.g.
+    {"model": m, "step": s}), at most ``timeout_s``: marks in the job's key-value store, no
+    collective, for a collective that is not ckptfs's own (DCP's planning gather, whose wait
+    ends only at its group's timeout, with an error that names no one).
+
+    Raises CkptfsError (check_agreement's) at once when another rank waits at a different save,
+    and one naming the ranks that have not come when ``timeout_s`` has passed. Either way this
+    rank's marks are taken back first, so that a rank that comes later finds it gone and fails
+    in turn, rather than going on alone. One meeting at a time per rank and group (as DCP's
+    collectives on a group). Without torch.distributed, or without a store, returns at once."""
+    arrival = Arrival(group, "meet/" + "/".join(str(agree[k]) for k in sorted(agree)))
+    kv = arrival.kv
+    if kv is None:
+        return
+    mine = {"rank": arrival.rank, **agree}
+    waiting = f"ckptfs/meeting/{group.group_name}/"  # + rank: the save that rank waits at now
+    kv.set(waiting + str(arrival.rank), json.dumps(mine))
+    marks = [f"{arrival.key}/{r}" for r in arrival.ranks]
+    deadline, pause_s, look_at = time.monotonic() + timeout_s, MEET_POLL_S[0], 0.0
+    try:
+        while not kv.check(marks):  # one request, whatever the number of ranks
+            if time.monotonic() >= look_at:  # now and then: who is missing, and where are they?
+                look_at = time.monotonic() + MEET_LOOK_S
+                missing = arrival.missing()
+                _raise_if_elsewhere(kv, waiting, missing, mine, agree)
+                if time.monotonic() >= deadline and missing:
+                    raise CkptfsError(f"{what}: rank(s) {', '.join(map(str, missing))} did not come within "
+                                      f"timeout_s={timeout_s:g} (stopped, or not saving this step); nothing "
+                                      "was committed")
+            time.sleep(pause_s)
+            pause_s = min(2 * pause_s, MEET_POLL_S[1])
+    except BaseException:
+        kv.delete_key(f"{arrival.key}/{arrival.rank}")
+        raise
+    finally:
+        kv.set(waiting + str(arrival.rank), "")
+    arrival.passed()
+
+
+def _raise_if_elsewhere(kv, waiting: str, missing: list[int], mine: dict, agree: dict) -> None:
+    """check_agreement's error if one of the ``missing`` ranks waits at another save now."""
+    keys = [waiting + str(r) for r in missing if kv.check([waiting + str(r)])]
+    elsewhere = [json.loads(v) for v in (kv.multi_get(keys) if keys else []) if v]
+    elsewhere = [o for o in elsewhere if any(o[k] != v for k, v in agree.items())]
+    if elsewhere:
+        time.sleep(MEET_LINGER_S)  # so that the other rank finds this one too, and fails alike
+        check_agreement(sorted([mine, *elsewhere], key=lambda p: p["rank"]))
 
 
 def _kv_store():

@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -41,7 +42,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ckptfs.dist.codec import PlacedMetadata, decode_metadata, encode_index, encode_metadata
-from ckptfs.dist.group import Arrival, check_agreement, coordination, exchange, this_rank
+from ckptfs.dist.group import Arrival, check_agreement, coordination, exchange, meet, this_rank
 from ckptfs.dist.load import read_into_plan
 from ckptfs.dist.names import METADATA_FILE, is_global_version, part_model
 from ckptfs.errors import CkptfsError, CorruptionError, NotFoundError, no_version_yet
@@ -80,7 +81,6 @@ class StorageWriter(_DCPWriter):
         # their counters (GPT-2 small at W=4: the metadata is ~0.5 MB of JSON, sent to every rank
         # at every step otherwise).
         self.plan_places: dict | None = None
-        self._planning = self._planning_watch = None  # while DCP plans: this rank's Arrival, its watch
 
     # ---------------------------------------------------------------- DCP's StorageWriter
     def reset(self, checkpoint_id=None) -> None:
@@ -96,17 +96,31 @@ class StorageWriter(_DCPWriter):
         self.rank = kwargs.get("rank", this_rank())
         self._group = self.group if self.group is not None else coordination(self.timeout_s)
 
+    @property
+    def checkpoint_id(self) -> str:
+        """This save's name in DCP's logs and metadata: ``ckptfs:MODEL@STEP``.
+
+        DCP reads it in ``_save_state_dict`` just before its planning gather, outside the
+        handler that gathers the ranks' errors: the one place where a storage can stop a
+        ``dcp.save`` before that gather. So the ranks meet there first (marks in the job's
+        key-value store, at most ``timeout_s``): a rank that never calls ``dcp.save`` fails the
+        others' saves with an error naming it, where DCP's gather would wait for its group's
+        timeout and name no one. Read anywhere else (DCP's logging, in ``async_save``'s calling
+        thread too), it only answers, so that no rank waits for another outside the save's
+        own thread."""
+        name = f"ckptfs:{self.model}@{self.step}"
+        if sys._getframe(1).f_code.co_name == "_save_state_dict":
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                meet(self.group or dist.group.WORLD, {"model": self.model, "step": self.step}, self.timeout_s,
+                     f"dcp.save of step {self.step} of {self.model!r}")
+        return name
+
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=f"ckptfs:{self.model}@{self.step}")
+        return StorageMeta(checkpoint_id=self.checkpoint_id)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        # DCP gathers every rank's plan next and, if a rank never calls dcp.save, waits there
-        # until its process group's timeout with an error that names no one: this rank's
-        # arrival is marked, and the ranks still missing after half of timeout_s are logged
-        if self._group is not None:
-            self._planning = Arrival(self._group, f"{self.model}/dcp-plan")
-            self._planning_watch = self._planning.warn_after(
-                self.timeout_s / 2, f"dcp.save of step {self.step} of {self.model!r}")
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -133,7 +147,6 @@ class StorageWriter(_DCPWriter):
         through ``planner`` (set up with the state) and saved as a kept version of the part
         model. Returns (the items' tensors, the part's SaveFuture) once its snapshot is taken:
         the state may change from then on."""
-        self._planned()
         tensors = [_as_tensor(item, planner.resolve_data(item)) for item in items]
         name = part_model(self.model, self.rank)
         writer = _kept_writer(self.store, name, self.max_inflight)
@@ -145,13 +158,6 @@ class StorageWriter(_DCPWriter):
             self.release_part()
             raise
         return tensors, save
-
-    def _planned(self) -> None:
-        """DCP's planning is passed (every rank came): its watch ends."""
-        if self._planning_watch is not None:
-            self._planning_watch.cancel()
-            self._planning.passed()
-            self._planning = self._planning_watch = None
 
     def release_part(self) -> None:
         """This rank's part of the step is no longer in flight (committed, or given up): from now
