@@ -338,8 +338,10 @@ def odirect_write_states(path: str, nbytes: int, k: int, buf: AlignedBuffer) -> 
     return time.perf_counter() - t0
 
 
-def odirect_read(path: str, nbytes: int, buf: AlignedBuffer, threads: int = 1) -> float:
-    """Sequential O_DIRECT read of the first ``nbytes`` (rounded up to 4 KiB) of ``path``."""
+def odirect_read(path: str, nbytes: int, buf: AlignedBuffer, threads: int = 1, offset: int = 0) -> float:
+    """Sequential O_DIRECT read of ``nbytes`` (rounded up to 4 KiB) of ``path`` from ``offset``
+    (a multiple of 4 KiB)."""
+    assert offset % 4096 == 0, offset
     total = _round_up(nbytes)
     block = buf.nbytes
     bufs = [buf] + [AlignedBuffer(block) for _ in range(threads - 1)]
@@ -353,9 +355,9 @@ def odirect_read(path: str, nbytes: int, buf: AlignedBuffer, threads: int = 1) -
                 mv = b.mv[:n]
                 done = 0
                 while done < n:
-                    r = os.preadv(fd, [mv[done:]], off + done)
+                    r = os.preadv(fd, [mv[done:]], offset + off + done)
                     if r <= 0:
-                        raise IOError(f"short O_DIRECT read of {path} at {off + done}")
+                        raise IOError(f"short O_DIRECT read of {path} at {offset + off + done}")
                     done += r
 
         if threads == 1:
@@ -387,7 +389,7 @@ def odirect_read_fresh(path: str, nbytes: int, block: int = 64 << 20) -> float:
                 while done < n:
                     r = os.preadv(fd, [mv[off + done:off + n]], off + done)
                     if r <= 0:
-                        raise IOError(f"short O_DIRECT read of {path} at {off + done}")
+                        raise IOError(f"short O_DIRECT read of {path} at {offset + off + done}")
                     done += r
         return time.perf_counter() - t0
     finally:
