@@ -389,7 +389,7 @@ def odirect_read_fresh(path: str, nbytes: int, block: int = 64 << 20) -> float:
                 while done < n:
                     r = os.preadv(fd, [mv[off + done:off + n]], off + done)
                     if r <= 0:
-                        raise IOError(f"short O_DIRECT read of {path} at {offset + off + done}")
+                        raise IOError(f"short O_DIRECT read of {path} at {off + done}")
                     done += r
         return time.perf_counter() - t0
     finally:
