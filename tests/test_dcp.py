@@ -322,6 +322,9 @@ def _save_disagreeing(rank, world, region, what):
         with pytest.raises(BaseException, match=f"do not save the same {what}.*rank\\(s\\) 0.*rank\\(s\\) 1"):
             dcp.save({f"w{rank}": torch.ones(3)}, storage_writer=ckptfs.dcp.StorageWriter(store, model, step=step))
         assert [m for m in store.models() if not m.startswith(".")] == []  # nothing committed
+        with pytest.raises(BaseException, match=f"do not load the same {what}.*rank\\(s\\) 0.*rank\\(s\\) 1.*"
+                                                f"StorageReader; nothing was read"):
+            dcp.load({f"w{rank}": torch.ones(3)}, storage_reader=ckptfs.dcp.StorageReader(store, model, step=step))
 
 
 def _async_save_while_training(rank, world, region):

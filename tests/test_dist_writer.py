@@ -161,10 +161,10 @@ def test_a_rank_that_never_comes_to_a_save_is_named_and_the_last_step_stays(tmp_
 
 
 def _one_rank_never_calls_dcp_save(rank, world, region):
-    """Rank 1 never calls dcp.save (nor async_save): rank 0's save fails after timeout_s with an
-    error naming it, before DCP's own planning gather (which would wait for its group's timeout,
-    8 s here, and name no one); an async_save returns at once all the same, and its upload fails
-    the same way. Nothing is committed or half-visible."""
+    """Rank 1 never calls dcp.save (nor async_save, nor load): rank 0's save fails after
+    timeout_s with an error naming it, before DCP's own planning gather (which would wait for its
+    group's timeout, 8 s here, and name no one); an async_save returns at once all the same, and
+    its upload fails the same way; a load fails alike. Nothing is committed or half-visible."""
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=8))
     if rank == 0:
         with ckptfs.Store(region) as store:
@@ -183,11 +183,17 @@ def _one_rank_never_calls_dcp_save(rank, world, region):
             with pytest.raises(CkptfsError, match=r"step 2 of 'm': rank\(s\) 1 did not come"):
                 upload.result()
             assert store.models() == []  # nothing committed, nothing half-visible
+            started = time.monotonic()
+            with pytest.raises(CkptfsError, match=r"dcp.load of 'm': rank\(s\) 1 did not come within timeout_s=3 "
+                                                  r"\(stopped, or not loading\); nothing was read"):
+                dcp.load({"w": torch.zeros(4)}, process_group=group,
+                         storage_reader=ckptfs.dcp.StorageReader(store, "m", group=group, timeout_s=3))
+            assert 3 <= time.monotonic() - started < 6
     else:
-        time.sleep(10)  # alive, but not saving
+        time.sleep(15)  # alive, but neither saving nor loading
 
 
-def test_a_rank_that_never_calls_dcp_save_fails_the_others_naming_it(tmp_path):
+def test_a_rank_that_never_calls_dcp_save_or_load_fails_the_others_naming_it(tmp_path):
     region = _new_region(tmp_path)
     run_ranks(_one_rank_never_calls_dcp_save, 2, region)
 

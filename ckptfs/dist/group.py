@@ -33,6 +33,8 @@ def coordination(timeout_s: float, purpose: str = "save"):
 
 
 _arrivals: dict[str, int] = {}  # name -> how many rounds of it this process began
+_meetings: dict[str, int] = {}  # group name -> how many meetings (``meet``) this process began on it
+_reported: set[tuple[str, int, int]] = set()  # (group key, rank, its meeting) failed over (``meet``)
 _arrivals_lock = threading.Lock()
 
 
@@ -81,25 +83,27 @@ class Arrival:
 
 MEET_POLL_S = (0.001, 0.05)  # a meeting looks for the others' marks this often: at first, at most
 MEET_LOOK_S = 0.1  # and this often, which of them are missing, and whether they wait elsewhere
-MEET_LINGER_S = 0.25  # a rank that finds another at a different save stays visible this long
+MEET_LINGER_S = 0.5  # a rank that finds another at a different save stays visible this long
 
 
-def meet(group, agree: dict, timeout_s: float, what: str) -> None:
-    """Wait until every rank of ``group`` has come to the same save, named by ``agree`` (e.g.
-    {"model": m, "step": s}), at most ``timeout_s``: marks in the job's key-value store, no
-    collective, for a collective that is not ckptfs's own (DCP's planning gather, whose wait
-    ends only at its group's timeout, with an error that names no one).
+def meet(group, agree: dict, timeout_s: float, what: str, *, load: bool = False) -> None:
+    """Wait until every rank of ``group`` has come to the same save (``load``: load), named by
+    ``agree`` ({"model": m, "step": s}), at most ``timeout_s``: marks in the job's key-value
+    store, no collective, for a collective that is not ckptfs's own (DCP's planning gather,
+    whose wait ends only at its group's timeout, with an error that names no one).
 
-    Raises CkptfsError (check_agreement's) at once when another rank waits at a different save,
-    and one naming the ranks that have not come when ``timeout_s`` has passed. Either way this
+    Raises CkptfsError (check_agreement's) at once when another rank waits at a different save
+    or load, and one naming the ranks that have not come when ``timeout_s`` has passed. Either way this
     rank's marks are taken back first, so that a rank that comes later finds it gone and fails
     in turn, rather than going on alone. One meeting at a time per rank and group (as DCP's
     collectives on a group). Without torch.distributed, or without a store, returns at once."""
-    arrival = Arrival(group, "meet/" + "/".join(str(agree[k]) for k in sorted(agree)))
+    arrival = Arrival(group, f"meet/{'load' if load else 'save'}/" + "/".join(str(agree[k]) for k in sorted(agree)))
     kv = arrival.kv
     if kv is None:
         return
-    mine = {"rank": arrival.rank, **agree}
+    with _arrivals_lock:
+        n = _meetings[group.group_name] = _meetings.get(group.group_name, 0) + 1
+    mine = {"rank": arrival.rank, "n": n, "load": load, **agree}
     waiting = f"ckptfs/meeting/{group.group_name}/"  # + rank: the save that rank waits at now
     kv.set(waiting + str(arrival.rank), json.dumps(mine))
     marks = [f"{arrival.key}/{r}" for r in arrival.ranks]
@@ -109,11 +113,12 @@ def meet(group, agree: dict, timeout_s: float, what: str) -> None:
             if time.monotonic() >= look_at:  # now and then: who is missing, and where are they?
                 look_at = time.monotonic() + MEET_LOOK_S
                 missing = arrival.missing()
-                _raise_if_elsewhere(kv, waiting, missing, mine, agree)
+                _raise_if_elsewhere(kv, waiting, missing, mine)
                 if time.monotonic() >= deadline and missing:
                     raise CkptfsError(f"{what}: rank(s) {', '.join(map(str, missing))} did not come within "
-                                      f"timeout_s={timeout_s:g} (stopped, or not saving this step); nothing "
-                                      "was committed")
+                                      f"timeout_s={timeout_s:g} (stopped, or not "
+                                      f"{'loading' if load else 'saving this step'}); "
+                                      f"{'nothing was read' if load else 'nothing was committed'}")
             time.sleep(pause_s)
             pause_s = min(2 * pause_s, MEET_POLL_S[1])
     except BaseException:
@@ -124,14 +129,27 @@ def meet(group, agree: dict, timeout_s: float, what: str) -> None:
     arrival.passed()
 
 
-def _raise_if_elsewhere(kv, waiting: str, missing: list[int], mine: dict, agree: dict) -> None:
-    """check_agreement's error if one of the ``missing`` ranks waits at another save now."""
+def _raise_if_elsewhere(kv, waiting: str, missing: list[int], mine: dict) -> None:
+    """check_agreement's error if one of the ``missing`` ranks waits at another save or load
+    now (``waiting`` + rank: where each rank waits, as ``mine``)."""
     keys = [waiting + str(r) for r in missing if kv.check([waiting + str(r)])]
     elsewhere = [json.loads(v) for v in (kv.multi_get(keys) if keys else []) if v]
-    elsewhere = [o for o in elsewhere if any(o[k] != v for k, v in agree.items())]
+    elsewhere = [o for o in elsewhere if (waiting, o["rank"], o["n"]) not in _reported
+                 and any(o[k] != mine[k] for k in ("load", "model", "step"))]
     if elsewhere:
-        time.sleep(MEET_LINGER_S)  # so that the other rank finds this one too, and fails alike
-        check_agreement(sorted([mine, *elsewhere], key=lambda p: p["rank"]))
+        # A rank that finds another at a different meeting fails, and stays visible a while so
+        # that the other finds it too and fails alike; each remembers whom it failed over, so
+        # that its next meeting does not take that one, still lingering, for a new disagreement.
+        _reported.update((waiting, o["rank"], o["n"]) for o in elsewhere)
+        time.sleep(MEET_LINGER_S)
+        everyone = sorted([mine, *elsewhere], key=lambda p: p["rank"])
+        if any(o["load"] != mine["load"] for o in elsewhere):
+            raise CkptfsError(f"rank(s) {', '.join(str(p['rank']) for p in everyone if p['load'])} load "
+                              f"{mine['model']!r} while rank(s) "
+                              f"{', '.join(str(p['rank']) for p in everyone if not p['load'])} save it: every "
+                              "rank must call the same dcp function; nothing was read or committed")
+        load = mine["load"]
+        check_agreement(everyone, "StorageReader" if load else "StorageWriter", load)
 
 
 def _kv_store():
@@ -164,16 +182,18 @@ def exchange(mine, group, what: str, arrival: Arrival | None = None) -> list:
     return out
 
 
-def check_agreement(everyone: list[dict]) -> None:
-    """CkptfsError (on every rank alike) if the ranks save different steps or models."""
+def check_agreement(everyone: list[dict], passed_to: str = "StorageWriter", load: bool = False) -> None:
+    """CkptfsError (on every rank alike) if the ranks save (``load``: load) different steps or
+    models; ``passed_to`` names where the user gives them."""
     for what in ("model", "step"):
         values = {}
         for p in everyone:
             values.setdefault(p[what], []).append(p["rank"])
         if len(values) > 1:
             said = "; ".join(f"{what} {v!r} on rank(s) {', '.join(map(str, ranks))}" for v, ranks in values.items())
-            raise CkptfsError(f"the ranks do not save the same {what} ({said}): every rank must pass the same "
-                              f"{what} to StorageWriter; nothing was committed")
+            raise CkptfsError(f"the ranks do not {'load' if load else 'save'} the same {what} ({said}): every rank "
+                              f"must pass the same {what} to {passed_to}; "
+                              f"{'nothing was read' if load else 'nothing was committed'}")
 
 
 def this_rank() -> int:

@@ -98,24 +98,10 @@ class StorageWriter(_DCPWriter):
 
     @property
     def checkpoint_id(self) -> str:
-        """This save's name in DCP's logs and metadata: ``ckptfs:MODEL@STEP``.
-
-        DCP reads it in ``_save_state_dict`` just before its planning gather, outside the
-        handler that gathers the ranks' errors: the one place where a storage can stop a
-        ``dcp.save`` before that gather. So the ranks meet there first (marks in the job's
-        key-value store, at most ``timeout_s``): a rank that never calls ``dcp.save`` fails the
-        others' saves with an error naming it, where DCP's gather would wait for its group's
-        timeout and name no one. Read anywhere else (DCP's logging, in ``async_save``'s calling
-        thread too), it only answers, so that no rank waits for another outside the save's
-        own thread."""
-        name = f"ckptfs:{self.model}@{self.step}"
-        if sys._getframe(1).f_code.co_name == "_save_state_dict":
-            import torch.distributed as dist
-
-            if dist.is_available() and dist.is_initialized():
-                meet(self.group or dist.group.WORLD, {"model": self.model, "step": self.step}, self.timeout_s,
-                     f"dcp.save of step {self.step} of {self.model!r}")
-        return name
+        """This save's name in DCP's logs and metadata: ``ckptfs:MODEL@STEP``. Where DCP reads it
+        just before its planning gather, the ranks meet first (``meet_before_dcp``)."""
+        meet_before_dcp(self, "_save_state_dict", f"dcp.save of step {self.step} of {self.model!r}")
+        return f"ckptfs:{self.model}@{self.step}"
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.checkpoint_id)
@@ -274,6 +260,14 @@ class StorageReader(_DCPReader):
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
         return False
 
+    @property
+    def checkpoint_id(self) -> str:
+        """This load's name in DCP's logs: ``ckptfs:MODEL@STEP`` (``@newest`` without a step).
+        Where DCP reads it just before its planning gather, the ranks meet first
+        (``meet_before_dcp``): a rank that never calls ``dcp.load`` is named after ``timeout_s``."""
+        meet_before_dcp(self, "_load_state_dict", f"dcp.load of {self.model!r}")
+        return f"ckptfs:{self.model}@{'newest' if self.step is None else self.step}"
+
     def read_metadata(self, *args, **kwargs) -> Metadata:
         # every rank runs this (DCP's local step of a load): the ranks agree on the step here
         steps = _recorded_steps(self.store, self.model)
@@ -377,6 +371,27 @@ def write_results(items: list, tensors: list, rank: int, counter: int | None) ->
     return [WriteResult(index=item.index, size_in_bytes=_nbytes(t),
                         storage_data={"rank": rank, "counter": counter, "pos": pos})
             for pos, (item, t) in enumerate(zip(items, tensors))]
+
+
+def meet_before_dcp(storage, dcp_function: str, what: str) -> None:
+    """The ranks meet (``ckptfs.dist.group.meet``: at most ``storage.timeout_s``) if the caller
+    of ``storage.checkpoint_id`` is DCP's ``dcp_function`` (``_save_state_dict`` /
+    ``_load_state_dict``), which reads it just before its planning gather, outside the handler
+    that gathers the ranks' errors: the one place where a storage can stop a ``dcp.save`` or
+    ``dcp.load`` before that gather. There a rank that never calls it would keep the others
+    waiting until their process group's timeout, with an error that names no one; after the
+    meeting they fail after ``timeout_s`` naming it, and ranks at different steps or models fail
+    at once. Read anywhere else (DCP's logging, ``async_save``'s calling thread too), nothing
+    happens, so that no rank waits for another outside the thread that plans."""
+    if sys._getframe(2).f_code.co_name != dcp_function:
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        load = isinstance(storage, StorageReader)
+        step = storage.step if storage.step is not None else "newest"
+        meet(storage.group or dist.group.WORLD, {"model": storage.model, "step": step}, storage.timeout_s, what,
+             load=load)
 
 
 def _as_tensor(item, data) -> torch.Tensor:

@@ -211,7 +211,7 @@ class DistWriter:
         mine = {"rank": this_rank(), "model": self.model, "step": step, "keys": digest, "plan": plan_made_at}
         everyone = exchange(mine, self._group, f"the start of step {step} of {self.model!r}",
                              Arrival(self._group, f"{self.model}/save"))
-        check_agreement(everyone)
+        check_agreement(everyone, "store.writer (the model) and Writer.save (the step)")
         if len({p["keys"] for p in everyone}) > 1:
             # rare: the key lists themselves, to say which keys differ
             lists = exchange(paths, self._group, f"the comparison of the keys of step {step}")
