@@ -6,9 +6,10 @@ The data area of a slot is one contiguous, page-padded run of tensor bytes; chun
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
-from ckptfs.checksum import crc32_combine
+from ckptfs.checksum import crc32, crc32_combine
 from ckptfs.manifest import TensorRecord, align_up
 
 IO_ALIGN_BYTES = 4096
@@ -47,11 +48,23 @@ def plan_chunks(records: list[TensorRecord] | tuple[TensorRecord, ...], data_byt
     return chunks
 
 
-def combine_piece_crcs(pieces: list[tuple[int, int, int]]) -> int:
-    """CRC of a whole tensor from (tensor_start, length, crc) of its pieces, in any order."""
-    if len(pieces) == 1 and pieces[0][0] == 0:
-        return pieces[0][2]  # a tensor in one piece (most of them, when there are many)
-    crc = 0
-    for _, length, piece_crc in sorted(pieces):
-        crc = crc32_combine(crc, piece_crc, length)
-    return crc
+def piece_crcs(view, chunk: Chunk) -> list[int]:
+    """The CRC32 of each of ``chunk.pieces``, in order, from ``view``: the chunk's bytes."""
+    return [crc32(view[p.buffer_start:p.buffer_start + p.length]) for p in chunk.pieces]
+
+
+def tensor_crcs(chunks: Iterable[Chunk], crcs_of: Mapping[int, Sequence[int]], n_tensors: int) -> list[int]:
+    """The CRC32 of every tensor from those of its pieces: ``crcs_of[chunk.start]`` holds the
+    CRCs of ``chunk.pieces``, in order. ``chunks`` in data order, as planned, so that each
+    tensor's pieces come in the order of its bytes, and a piece past a tensor's first extends
+    the CRC so far. A tensor with no piece (empty) has CRC 0; one whose chunks are not all in
+    ``crcs_of`` has a meaningless one. One pass, no per-tensor lists: 40,000 small tensors are
+    as many pieces at every save."""
+    out = [0] * n_tensors
+    for chunk in chunks:
+        crcs = crcs_of.get(chunk.start)
+        if crcs is None:
+            continue
+        for p, crc in zip(chunk.pieces, crcs, strict=True):
+            out[p.tensor] = crc if p.tensor_start == 0 else crc32_combine(out[p.tensor], crc, p.length)
+    return out

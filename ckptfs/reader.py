@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from ckptfs.checksum import crc32
-from ckptfs.chunks import Chunk, combine_piece_crcs, plan_chunks
+from ckptfs.chunks import Chunk, piece_crcs, plan_chunks, tensor_crcs
 from ckptfs.errors import CorruptionError
 from ckptfs.manifest import Manifest, TensorRecord
 from ckptfs.writer.staging import StagingBuffer
@@ -326,7 +326,7 @@ def _scan(region, data_base: int, manifest: Manifest, on_chunk, progress, only: 
     if only is not None:
         chunks = [c for c in chunks if any(p.tensor in only for p in c.pieces)]
     buffer_bytes = max((c.length for c in chunks), default=0)
-    piece_crcs: list[list[tuple[int, int, int]]] = [[] for _ in manifest.tensors]
+    crcs_of: dict[int, list[int]] = {}  # chunk.start -> the CRCs of its pieces
     mutex = threading.Lock()
     local = threading.local()
     buffers: list[StagingBuffer] = []
@@ -341,11 +341,9 @@ def _scan(region, data_base: int, manifest: Manifest, on_chunk, progress, only: 
         if on_chunk is not None:
             on_chunk(buf, chunk)
         with memoryview(buf.mapping) as view:
-            crcs = [(p.tensor, p.tensor_start, p.length, crc32(view[p.buffer_start:p.buffer_start + p.length]))
-                    for p in chunk.pieces if only is None or p.tensor in only]
+            crcs = piece_crcs(view, chunk)
         with mutex:
-            for tensor, start, n, crc in crcs:
-                piece_crcs[tensor].append((start, n, crc))
+            crcs_of[chunk.start] = crcs
         if progress:
             progress(chunk.length)
 
@@ -359,4 +357,4 @@ def _scan(region, data_base: int, manifest: Manifest, on_chunk, progress, only: 
     finally:
         for buf in buffers:
             buf.close()
-    return [combine_piece_crcs(p) for p in piece_crcs]
+    return tensor_crcs(chunks, crcs_of, len(manifest.tensors))

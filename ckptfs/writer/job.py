@@ -62,7 +62,7 @@ class Job:
     ready: threading.Event = field(default_factory=threading.Event)  # the slot may be written
     parking: bool = True  # chunks written during the snapshot park their CRCs (see persist.py)
     parked: list = field(default_factory=list)  # (chunk, buffer, pool) of each
-    piece_crcs: dict = field(default_factory=dict)  # tensor -> [(start, length, crc)] of its pieces
+    piece_crcs: dict = field(default_factory=dict)  # chunk.start -> CRCs of its pieces (chunks.tensor_crcs)
     error: BaseException | None = None
     stall_s: float = 0.0
     mutex: threading.Lock = field(default_factory=threading.Lock)

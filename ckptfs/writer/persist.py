@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Callable
 
-from ckptfs.chunks import Chunk, combine_piece_crcs
+from ckptfs.chunks import Chunk, tensor_crcs
 from ckptfs.manifest import Manifest
 from ckptfs.writer.job import Job, SaveResult
 from ckptfs.writer.progress import ProgressBoard
@@ -177,8 +177,7 @@ class PersistPipeline:
         finally:
             pool.release(buf)
         with job.mutex:
-            for tensor, start, n, crc in crcs:
-                job.piece_crcs.setdefault(tensor, []).append((start, n, crc))
+            job.piece_crcs[chunk.start] = crcs
             job.chunks_left -= 1
             last = job.chunks_left == 0
         self._progress.advance(job.claim.counter, chunk.length)
@@ -192,9 +191,8 @@ class PersistPipeline:
         manifest = Manifest(claim.model, job.step, claim.counter, claim.time_ns, plan.layout.records,
                             plan.flat.skeleton, plan.layout.data_bytes, plan.files,
                             skeleton_json=plan.flat.skeleton_json)
-        pieces = job.piece_crcs
         index = manifest.encode(plan.layout.tensors.with_crcs(
-            [combine_piece_crcs(pieces.get(i, ())) for i in range(len(plan.layout.records))]))
+            tensor_crcs(job.chunks, job.piece_crcs, len(plan.layout.records))))
         committed = claim.commit(index, manifest.data_bytes, keep=job.keep)
         self._finish(job, SaveResult(claim.model, job.step, claim.counter, claim.slot, manifest.data_bytes,
                                      committed.published, job.stall_s, time.perf_counter() - job.started), None)

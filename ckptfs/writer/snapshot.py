@@ -8,8 +8,8 @@ from typing import Callable
 
 import torch
 
-from ckptfs.checksum import crc32
 from ckptfs.chunks import Chunk
+from ckptfs.chunks import piece_crcs as chunk_piece_crcs
 from ckptfs.memcopy import copy_spans, host_bytes
 from ckptfs.writer.cuda import CallerMark, SideStreams, copy_chunk_pieces
 from ckptfs.writer.job import Job
@@ -33,11 +33,10 @@ def byte_source(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def piece_crcs(buf: StagingBuffer, chunk: Chunk) -> list[tuple[int, int, int, int]]:
-    """(tensor, tensor_start, length, crc32) of every tensor piece in a filled staging buffer."""
+def piece_crcs(buf: StagingBuffer, chunk: Chunk) -> list[int]:
+    """The CRC32 of each of ``chunk.pieces`` in a filled staging buffer, in order."""
     with memoryview(buf.mapping) as view:
-        return [(p.tensor, p.tensor_start, p.length, crc32(view[p.buffer_start:p.buffer_start + p.length]))
-                for p in chunk.pieces]
+        return chunk_piece_crcs(view, chunk)
 
 
 class Snapshotter:
