@@ -166,6 +166,7 @@ def test_manifest_rejects_inconsistent(mutate):
 @pytest.mark.parametrize("names", [
     ["w", "b"],
     ['crc32', '"crc32":"', 'a","crc32":"ffffffff', "\u00e9\u2713", "back\\slash\n"],  # names that look like the field
+    ["100%", "%08x", "%%s%(x)d"],  # names that look like the format's conversions
     [],
 ])
 def test_encoded_tensors_fill_crcs_byte_exact(names):
@@ -178,3 +179,6 @@ def test_encoded_tensors_fill_crcs_byte_exact(names):
         assert encoded.with_crcs(crcs) == encode_tensors(recs, crcs)
     with pytest.raises(ValueError):
         encoded.with_crcs([1] * (len(recs) + 1))
+    if recs:
+        with pytest.raises(ValueError):
+            encoded.with_crcs([1 << 32] * len(recs))
