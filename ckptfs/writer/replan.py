@@ -151,14 +151,18 @@ class Structure:
                     self._walk(child, value, leaves, plain)
 
     def _check_leaves(self, leaves: list) -> list:
-        """The distinct tensors (flatten's order) if every leaf matches; else _Changed."""
-        if not set(map(type, leaves)) <= _TENSOR_TYPES:
+        """The distinct tensors (flatten's order) if every leaf matches; else _Changed. One pass,
+        each tensor's fields read together: a pass per field took 2.5x as long at 40,000 tensors
+        (60 ms, the larger part of the stall after the copy)."""
+        if len(leaves) != len(self._dtypes) or not set(map(type, leaves)) <= _TENSOR_TYPES:
             raise _Changed
-        if ([t.dtype for t in leaves] != self._dtypes or [t.shape for t in leaves] != self._shapes
-                or [t.get_device() for t in leaves] != self._devices
-                or not all([t.layout is torch.strided and t.is_contiguous() for t in leaves])):
-            raise _Changed
-        ptrs = [t.data_ptr() for t in leaves]
+        ptrs: list[int] = []
+        append, strided = ptrs.append, torch.strided
+        for t, dtype, shape, device in zip(leaves, self._dtypes, self._shapes, self._devices):
+            if (t.dtype is not dtype or t.shape != shape or t.get_device() != device or t.layout is not strided
+                    or not t.is_contiguous()):
+                raise _Changed
+            append(t.data_ptr())
         if any(ptrs[a] != ptrs[b] for a, b in self._tied):  # ties kept ...
             raise _Changed
         distinct = {ptrs[leaf] for leaf in self._nonempty}
