@@ -3,6 +3,8 @@ import dataclasses
 import struct
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ckptfs.checksum import crc32, crc32_combine
 from ckptfs.errors import IncompatibleVersionError, InvalidNameError, MalformedInputError, RegionFormatError
@@ -182,3 +184,34 @@ def test_encoded_tensors_fill_crcs_byte_exact(names):
     if recs:
         with pytest.raises(ValueError):
             encoded.with_crcs([1 << 32] * len(recs))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 9000), st.sampled_from([1, 64, 4096])), max_size=12),
+       st.sampled_from([4096, 8192, 12288]), st.integers(0, 2**32 - 1))
+def test_tensor_crcs_are_the_crcs_of_the_whole_tensors(sizes, chunk_bytes, seed):
+    """Per-tensor CRCs made from the pieces' CRCs, chunk by chunk in data order, equal zlib's CRC
+    of each whole tensor, however the tensors (empty ones included) fall across the chunks; a
+    chunk's CRCs missing leaves only its own tensors' meaningless."""
+    import random
+    import zlib
+
+    from ckptfs.chunks import piece_crcs, plan_chunks, tensor_crcs
+
+    records, offset = [], 0
+    for i, (nbytes, align) in enumerate(sizes):
+        offset = (offset + align - 1) // align * align
+        records.append(TensorRecord(f"t{i}", "uint8", (nbytes,), offset, nbytes))
+        offset += nbytes
+    data = random.Random(seed).randbytes(offset + 4096)
+    chunks = plan_chunks(records, offset, chunk_bytes)
+    crcs_of = {c.start: piece_crcs(memoryview(data)[c.start:c.start + c.length], c) for c in chunks}
+    assert tensor_crcs(chunks, crcs_of, len(records)) == [
+        zlib.crc32(data[r.offset:r.offset + r.nbytes]) for r in records]
+    if chunks:
+        missing = chunks[len(chunks) // 2]
+        del crcs_of[missing.start]
+        untouched = {p.tensor for p in missing.pieces}
+        got = tensor_crcs(chunks, crcs_of, len(records))
+        assert [c for i, c in enumerate(got) if i not in untouched] == [
+            zlib.crc32(data[r.offset:r.offset + r.nbytes]) for i, r in enumerate(records) if i not in untouched]
