@@ -51,6 +51,43 @@ def _open_store(region: str | None, *, create: bool = False):
     return Store(region, create=create)
 
 
+class _Command(click.Command):
+    """A command whose "not found" or "bad name" error says instead which of its arguments is a
+    region, where one is: ``ckptfs ls r.region`` looked for a model of that name."""
+
+    def invoke(self, ctx):
+        from ckptfs.errors import InvalidNameError, NotFoundError
+
+        try:
+            return super().invoke(ctx)
+        except (NotFoundError, InvalidNameError) as e:
+            given = _region_among(ctx.params)
+            if given is None:
+                raise
+            raise type(e)(f"{given} is a region, not a model: pass it as --region {given} "
+                          "(or set CKPTFS_REGION)") from None
+
+
+class _Group(click.Group):
+    command_class = _Command
+
+
+def _region_among(params: dict) -> str | None:
+    """The first of a command's arguments (not --region) that names a ckptfs region."""
+    from ckptfs.region.format import SUPERBLOCK_MAGIC
+
+    for name, value in params.items():
+        if name == "region" or not isinstance(value, str) or not os.path.exists(value):
+            continue
+        try:
+            with open(value, "rb") as f:
+                if f.read(len(SUPERBLOCK_MAGIC)) == SUPERBLOCK_MAGIC:
+                    return value
+        except OSError:
+            continue
+    return None
+
+
 class _Step(click.ParamType):
     """A step as users write it: ``1200`` or a version directory's name ``step-00001200``."""
 
@@ -118,7 +155,7 @@ def _version_step(store, model: str, step: int | None):
 # ------------------------------------------------------------------------------ the commands
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="ckptfs", prog_name="ckptfs")
 def cli():
     """ckptfs: a checkpoint store for ML training, browsable as files.

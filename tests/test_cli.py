@@ -234,6 +234,25 @@ def test_export(capsys, toy_region, tmp_path):
     assert not (tmp_path / "y.pt").exists() and not list(tmp_path.glob("*.ckptfs-part"))
 
 
+@pytest.mark.parametrize("cmd", [["ls"], ["info"], ["verify"]])
+@pytest.mark.parametrize("default_exists", [False, True])
+def test_a_region_given_where_a_model_goes_is_named_in_the_error(capsys, toy_region, tmp_path, monkeypatch, cmd,
+                                                                 default_exists):
+    """`ckptfs ls r.region` looks for a model named r.region in the default region (or finds no
+    default region): the one error line says which argument is a region and how to pass it."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("CKPTFS_REGION", raising=False)
+    monkeypatch.delenv("XDG_DATA_HOME", raising=False)
+    if default_exists:
+        assert run(capsys, "mkfs", "--size", "64M")[0] == 0
+        capsys.readouterr()
+    code, _, err = run(capsys, *cmd, str(toy_region))
+    assert code == 1 and one_error_line(err) == (f"ckptfs: error: {toy_region} is a region, not a model: pass it "
+                                                 f"as --region {toy_region} (or set CKPTFS_REGION)")
+    code, _, err = run(capsys, cmd[0], "nosuchmodel")  # a name that is no file: no such hint
+    assert code == 1 and "is a region" not in one_error_line(err)
+
+
 @pytest.mark.parametrize("cmd", [["ls"], ["status"], ["verify"], ["info", "m"], ["export", "m", "out.pt"],
                                  ["rm", "m", "1"]])
 def test_read_only_commands_never_create_the_default_region(capsys, tmp_path, monkeypatch, cmd):
