@@ -4,7 +4,8 @@
  *  - 64-bit atomics on mapped memory (the latest pointer and the version counter live in the
  *    region's model table and are updated by several threads and processes at once);
  *  - crc32_combine, so per-chunk checksums computed on the write path give per-tensor checksums
- *    without re-reading the data;
+ *    without re-reading the data, and the CRCs of a chunk's pieces in one call with the GIL
+ *    released (ISA-L's CRC, found in the isal extension, where it is loaded);
  *  - persistence of a range of a devdax mapping through libpmem (flush + fence), loaded with
  *    dlopen so that the extension builds and imports on machines without PMDK;
  *  - msync of a range of a file mapping with the GIL released (mmap.flush holds it for the
@@ -136,6 +137,103 @@ crc32_combine_py(PyObject *self, PyObject *args)
         return NULL;
     }
     return PyLong_FromUnsignedLong(crc32_combine64(crc1, crc2, (z_off64_t)len2) & 0xffffffffUL);
+}
+
+/* CRC32 (zlib's polynomial and conventions) of many spans of one buffer: ISA-L's
+ * crc32_gzip_refl where the isal extension that ckptfs.checksum uses is loaded and exports it
+ * (use_isal_crc32), else zlib's. */
+typedef uint32_t (*crc32_fn)(uint32_t, const unsigned char *, uint64_t);
+
+static int range_in(Py_buffer *view, Py_ssize_t offset, Py_ssize_t length);
+
+static uint32_t
+zlib_crc32(uint32_t crc, const unsigned char *buf, uint64_t len)
+{
+    while (len > 0) {
+        uInt n = len > 0x40000000u ? 0x40000000u : (uInt)len;
+        crc = (uint32_t)crc32(crc, buf, n);
+        buf += n;
+        len -= n;
+    }
+    return crc;
+}
+
+static crc32_fn p_crc32 = zlib_crc32;
+
+static PyObject *
+use_isal_crc32_py(PyObject *self, PyObject *args)
+{
+    const char *path;
+    if (!PyArg_ParseTuple(args, "s", &path))
+        return NULL;
+    void *lib = *path ? dlopen(path, RTLD_NOW | RTLD_NOLOAD) : NULL;
+    crc32_fn fn = lib ? (crc32_fn)dlsym(lib, "crc32_gzip_refl") : NULL;
+    p_crc32 = fn ? fn : zlib_crc32; /* "" (or an extension without it): zlib's */
+    return PyBool_FromLong(fn != NULL);
+}
+
+/* crc32_pieces(src, pieces) -> [crc32 of src[src_offset:src_offset + length] for each piece]:
+ * a piece is a 4-tuple whose last two items are length and src_offset (ckptfs.chunks.Piece:
+ * (tensor, tensor_start, length, buffer_start)); every range is checked first, then the CRCs
+ * are computed with the GIL released (a Python loop over 40,000 pieces held it for most of
+ * their time). */
+static PyObject *
+crc32_pieces_py(PyObject *self, PyObject *args)
+{
+    Py_buffer src;
+    PyObject *seq_in;
+    if (!PyArg_ParseTuple(args, "y*O", &src, &seq_in))
+        return NULL;
+    PyObject *result = NULL, *seq = NULL;
+    Py_ssize_t *at = NULL;
+    uint32_t *crcs = NULL;
+    seq = PySequence_Fast(seq_in, "pieces must be a sequence of (tensor, tensor_start, length, src_offset)");
+    if (seq == NULL)
+        goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    at = PyMem_Calloc(2 * (n ? n : 1), sizeof(Py_ssize_t));
+    crcs = PyMem_Calloc(n ? n : 1, sizeof(uint32_t));
+    if (at == NULL || crcs == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 4) {
+            PyErr_SetString(PyExc_TypeError, "a piece is a 4-tuple (tensor, tensor_start, length, src_offset)");
+            goto done;
+        }
+        Py_ssize_t length = PyLong_AsSsize_t(PyTuple_GET_ITEM(item, 2));
+        Py_ssize_t offset = PyLong_AsSsize_t(PyTuple_GET_ITEM(item, 3));
+        if ((length == -1 || offset == -1) && PyErr_Occurred())
+            goto done;
+        if (range_in(&src, offset, length) < 0)
+            goto done;
+        at[2 * i] = offset;
+        at[2 * i + 1] = length;
+    }
+    crc32_fn fn = p_crc32;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++)
+        crcs[i] = fn(0, (const unsigned char *)src.buf + at[2 * i], (uint64_t)at[2 * i + 1]);
+    Py_END_ALLOW_THREADS
+    result = PyList_New(n);
+    if (result == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyLong_FromUnsignedLong(crcs[i]);
+        if (v == NULL) {
+            Py_CLEAR(result);
+            goto done;
+        }
+        PyList_SET_ITEM(result, i, v);
+    }
+done:
+    PyMem_Free(crcs);
+    PyMem_Free(at);
+    Py_XDECREF(seq);
+    PyBuffer_Release(&src);
+    return result;
 }
 
 /* libpmem, resolved lazily. */
@@ -559,6 +657,10 @@ static PyMethodDef methods[] = {
      "atomic_fetch_add_u64(buf, offset, delta) -> previous value"},
     {"crc32_combine", crc32_combine_py, METH_VARARGS,
      "crc32_combine(crc1, crc2, len2) -> CRC32 of the concatenation"},
+    {"use_isal_crc32", use_isal_crc32_py, METH_VARARGS,
+     "use_isal_crc32(path of the loaded isal extension) -> bool: crc32_pieces uses ISA-L's CRC (\"\": zlib's)"},
+    {"crc32_pieces", crc32_pieces_py, METH_VARARGS,
+     "crc32_pieces(src, [(tensor, tensor_start, length, src_offset)]) -> [CRC32], GIL released"},
     {"pmem_available", pmem_available, METH_NOARGS, "whether libpmem could be loaded"},
     {"pmem_persist", pmem_persist_py, METH_VARARGS, "pmem_persist(buf, offset, length)"},
     {"pmem_memcpy_persist", pmem_memcpy_persist_py, METH_VARARGS,

@@ -215,3 +215,34 @@ def test_tensor_crcs_are_the_crcs_of_the_whole_tensors(sizes, chunk_bytes, seed)
         got = tensor_crcs(chunks, crcs_of, len(records))
         assert [c for i, c in enumerate(got) if i not in untouched] == [
             zlib.crc32(data[r.offset:r.offset + r.nbytes]) for i, r in enumerate(records) if i not in untouched]
+
+
+def test_crc32_pieces_equal_zlibs_with_isal_and_without():
+    """A chunk's piece CRCs in one native call equal zlib's CRC of each piece: through ISA-L
+    (what ckptfs.checksum sets up) and through zlib (the fallback); a range outside the buffer
+    or a malformed piece is refused."""
+    import os
+    import zlib
+
+    from ckptfs.checksum import crc32_pieces
+    from ckptfs.chunks import Piece
+
+    data = bytes(range(256)) * 4096 + os.urandom(4099)
+    pieces = [Piece(0, 0, 0, 0), Piece(1, 0, len(data), 0), Piece(2, 5, 1, len(data) - 1), Piece(3, 0, 0, len(data))]
+    pieces += [Piece(4 + i, 0, (i * 7919) % 65536, (i * 104729) % (len(data) - 65536)) for i in range(300)]
+    want = [zlib.crc32(data[p.buffer_start:p.buffer_start + p.length]) for p in pieces]
+    assert crc32_pieces(memoryview(data), pieces) == want
+    from isal import isal_zlib
+
+    from ckptfs import _native
+
+    assert _native.use_isal_crc32("") is False  # zlib's
+    try:
+        assert crc32_pieces(memoryview(data), pieces) == want
+    finally:
+        assert _native.use_isal_crc32(isal_zlib.__file__) is True
+    for bad in (Piece(0, 0, 2, len(data) - 1), Piece(0, 0, -1, 0), Piece(0, 0, 1, -1), Piece(0, 0, 1 << 62, 1 << 62)):
+        with pytest.raises(ValueError):
+            crc32_pieces(data, [Piece(9, 0, 1, 0), bad])
+    with pytest.raises(TypeError):
+        crc32_pieces(data, [(0, 0, 1)])
