@@ -147,6 +147,8 @@ def test_manifest_bytes_exact():
         b'[{"str":"b"},{"tensor":1}]]}}')
     # the writer's commit: CRCs given apart from the records give the same bytes as records holding them
     assert m.encode(encode_tensors(recs, [0xDEADBEEF, 5])) == with_crcs(m, [0xDEADBEEF, 5]).encode()
+    assert m.encode(EncodedTensors.of(recs).with_crcs([0xDEADBEEF, 5])) == with_crcs(m, [0xDEADBEEF, 5]).encode()
+    assert m.encoded_length(EncodedTensors.of(recs).with_crcs([0, 0])) == len(m.encode())
     with pytest.raises(ValueError):
         encode_tensors(recs, [1])
 
@@ -178,12 +180,13 @@ def test_encoded_tensors_fill_crcs_byte_exact(names):
     encoded = EncodedTensors.of(recs)
     assert encoded.text == encode_tensors(recs)
     for crcs in ([0] * len(recs), [0xFFFFFFFF] * len(recs), [(0x9E3779B9 * (i + 1)) & 0xFFFFFFFF for i in range(len(recs))]):
-        assert encoded.with_crcs(crcs) == encode_tensors(recs, crcs)
+        assert encoded.with_crcs(crcs) == encode_tensors(recs, crcs).encode()
     with pytest.raises(ValueError):
         encoded.with_crcs([1] * (len(recs) + 1))
     if recs:
-        with pytest.raises(ValueError):
-            encoded.with_crcs([1 << 32] * len(recs))
+        for bad in (1 << 32, -1):
+            with pytest.raises(ValueError):
+                encoded.with_crcs([bad] * len(recs))
 
 
 @settings(max_examples=200, deadline=None)
