@@ -93,10 +93,11 @@ def meet(group, agree: dict, timeout_s: float, what: str, *, load: bool = False)
     whose wait ends only at its group's timeout, with an error that names no one).
 
     Raises CkptfsError (check_agreement's) at once when another rank waits at a different save
-    or load, and one naming the ranks that have not come when ``timeout_s`` has passed. Either way this
-    rank's marks are taken back first, so that a rank that comes later finds it gone and fails
-    in turn, rather than going on alone. One meeting at a time per rank and group (as DCP's
-    collectives on a group). Without torch.distributed, or without a store, returns at once."""
+    or load, and one naming the ranks that have not come when ``timeout_s`` has passed. Either
+    way this rank's marks are taken back first, so that a rank that comes later finds it gone
+    and fails in turn, rather than going on alone. One meeting at a time per rank and group (as
+    DCP's collectives on a group). Without torch.distributed, or without a store, returns at
+    once."""
     arrival = Arrival(group, f"meet/{'load' if load else 'save'}/" + "/".join(str(agree[k]) for k in sorted(agree)))
     kv = arrival.kv
     if kv is None:
@@ -122,11 +123,20 @@ def meet(group, agree: dict, timeout_s: float, what: str, *, load: bool = False)
             time.sleep(pause_s)
             pause_s = min(2 * pause_s, MEET_POLL_S[1])
     except BaseException:
-        kv.delete_key(f"{arrival.key}/{arrival.rank}")
+        _quietly(kv.delete_key, f"{arrival.key}/{arrival.rank}")
         raise
     finally:
-        kv.set(waiting + str(arrival.rank), "")
+        _quietly(kv.set, waiting + str(arrival.rank), "")
     arrival.passed()
+
+
+def _quietly(call, *args) -> None:
+    """``call(*args)`` on the key-value store, where its failure (the store gone with its rank)
+    must not replace the error being raised."""
+    try:
+        call(*args)
+    except Exception:  # noqa: BLE001 - the error in flight says what happened
+        pass
 
 
 def _raise_if_elsewhere(kv, waiting: str, missing: list[int], mine: dict) -> None:
