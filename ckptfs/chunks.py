@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
-from ckptfs.checksum import crc32_combine, crc32_pieces
+from ckptfs.checksum import crc32_combine
 from ckptfs.manifest import TensorRecord, align_up
 
 IO_ALIGN_BYTES = 4096
@@ -46,11 +46,6 @@ def plan_chunks(records: list[TensorRecord] | tuple[TensorRecord, ...], data_byt
             i += 1
         chunks.append(Chunk(start, end - start, tuple(pieces)))
     return chunks
-
-
-def piece_crcs(view, chunk: Chunk) -> list[int]:
-    """The CRC32 of each of ``chunk.pieces``, in order, from ``view``: the chunk's bytes."""
-    return crc32_pieces(view, chunk.pieces)
 
 
 def tensor_crcs(chunks: Iterable[Chunk], crcs_of: Mapping[int, Sequence[int]], n_tensors: int) -> list[int]:

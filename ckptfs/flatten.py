@@ -19,7 +19,6 @@ DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in ITEMSIZE if hasa
 DTYPE_NAMES: dict[torch.dtype, str] = {d: n for n, d in DTYPES.items()}
 
 
-
 @dataclass
 class Flattened:
     """A saved object split into its skeleton and the distinct tensors it references."""

@@ -281,13 +281,13 @@ class EncodedTensors:
             raise ValueError("a CRC32 is an unsigned 32-bit number") from None
         if sys.byteorder == "little":
             words.byteswap()  # big-endian bytes: their hex is each CRC's 8 digits, in order
-        text, digits = self._parts
+        text, digits = self._digit_places
         out = text.copy()
         out[digits] = np.frombuffer(words.tobytes().hex().encode("ascii"), dtype=np.uint8)
         return out.tobytes()
 
     @functools.cached_property
-    def _parts(self):
+    def _digit_places(self):
         """(``text`` as uint8, the flat index of every CRC field's 8 digits), made once."""
         import numpy as np
 

@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from ckptfs.checksum import crc32
-from ckptfs.chunks import Chunk, piece_crcs, plan_chunks, tensor_crcs
+from ckptfs.checksum import crc32, crc32_pieces
+from ckptfs.chunks import Chunk, plan_chunks, tensor_crcs
 from ckptfs.errors import CorruptionError
 from ckptfs.manifest import Manifest, TensorRecord
 from ckptfs.writer.staging import StagingBuffer
@@ -340,8 +340,7 @@ def _scan(region, data_base: int, manifest: Manifest, on_chunk, progress, only: 
         region.backend.read_direct(data_base + chunk.start, memoryview(buf.mapping)[:chunk.length])
         if on_chunk is not None:
             on_chunk(buf, chunk)
-        with memoryview(buf.mapping) as view:
-            crcs = piece_crcs(view, chunk)
+        crcs = crc32_pieces(buf.mapping, chunk.pieces)
         with mutex:
             crcs_of[chunk.start] = crcs
         if progress:

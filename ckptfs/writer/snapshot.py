@@ -8,8 +8,8 @@ from typing import Callable
 
 import torch
 
+from ckptfs.checksum import crc32_pieces
 from ckptfs.chunks import Chunk
-from ckptfs.chunks import piece_crcs as chunk_piece_crcs
 from ckptfs.memcopy import copy_spans, host_bytes
 from ckptfs.writer.cuda import CallerMark, SideStreams, copy_chunk_pieces
 from ckptfs.writer.job import Job
@@ -35,8 +35,7 @@ def byte_source(t: torch.Tensor) -> torch.Tensor:
 
 def piece_crcs(buf: StagingBuffer, chunk: Chunk) -> list[int]:
     """The CRC32 of each of ``chunk.pieces`` in a filled staging buffer, in order."""
-    with memoryview(buf.mapping) as view:
-        return chunk_piece_crcs(view, chunk)
+    return crc32_pieces(buf.mapping, chunk.pieces)
 
 
 class Snapshotter:
