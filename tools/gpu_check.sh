@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks of the whole project, on a machine with CUDA and a PyTorch that sees it:
-#   bash tools/gpu_check.sh [quick|full] [OUTDIR]
+#   bash tools/gpu_check.sh [test|quick|full] [OUTDIR]      (test: the build and tests/test_gpu.py alone)
 # Builds ckptfs._native in place (no network needed: a C compiler and Python's headers), then runs
 # tests/test_gpu.py, bench_save --device cuda and the training emulator on CUDA, each log to OUTDIR.
 # Extra wheels (e.g. isal for a Python without it) may be put in $CKPTFS_WHEELS; zlib's headers,
@@ -18,16 +18,21 @@ if [ -n "${CKPTFS_WHEELS:-}" ]; then
 fi
 SUFFIX=$($PY -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
 PYINC=$($PY -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
-# the flags of pyproject.toml's ext-module; libz by soname, so that no -dev package is needed
-${CC:-cc} -O2 -std=gnu11 -Wall -pthread -shared -fPIC -I"$PYINC" ${CKPTFS_ZLIB_INCLUDE:+-I"$CKPTFS_ZLIB_INCLUDE"} \
-    native/ckptfs_native.c -o "ckptfs/_native$SUFFIX" -l:libz.so.1 -ldl || exit 1
+# the sources and flags of pyproject.toml's ext-module (read from there, so that a new source file
+# is built here too); libz by soname, so that no -dev package is needed
+read -r -a SOURCES <<<"$($PY -c 'import tomllib; m = tomllib.load(open("pyproject.toml", "rb"))["tool"]["setuptools"]["ext-modules"][0]; print(" ".join(m["sources"]))')"
+read -r -a CFLAGS <<<"$($PY -c 'import tomllib; m = tomllib.load(open("pyproject.toml", "rb"))["tool"]["setuptools"]["ext-modules"][0]; print(" ".join(m["extra-compile-args"]))')"
+${CC:-cc} "${CFLAGS[@]}" -shared -fPIC -I"$PYINC" ${CKPTFS_ZLIB_INCLUDE:+-I"$CKPTFS_ZLIB_INCLUDE"} \
+    "${SOURCES[@]}" -o "ckptfs/_native$SUFFIX" -l:libz.so.1 -ldl || exit 1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 $PY -c 'import torch, ckptfs; print("torch", torch.__version__, "cuda", torch.cuda.is_available(),
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")' | tee "$OUTDIR/env.txt"
 
 rc=0
 $PY -m pytest -q -p no:cacheprovider -o addopts="" tests/test_gpu.py -rs 2>&1 | tee "$OUTDIR/test_gpu.log" || rc=1
-if [ "$MODE" = quick ]; then
+if [ "$MODE" = test ]; then
+    exit $rc
+elif [ "$MODE" = quick ]; then
     $PY tools/bench_save.py --device cuda --quick --repeat 2 2>&1 | tee "$OUTDIR/bench_save.log" || rc=1
     $PY tools/train_emulator.py --device cuda --quick --mode overlap 2>&1 | tee "$OUTDIR/emulator.log" || rc=1
 else

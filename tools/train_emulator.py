@@ -118,7 +118,7 @@ class Emulator:
                             write_threads=self.a.persist_threads or 2)
         try:
             yield w, lambda: w.read_back(w.saves - 1) == b"".join(
-                t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in self.tensors)
+                t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in self.tensors)
         finally:
             w.close()
             bc.remove(path)
