@@ -72,6 +72,25 @@ def test_train_emulator_runs_and_verifies(tmp_path, mode):
     assert not os.listdir(tmp_path / "e"), "train_emulator left files behind"
 
 
+def test_bench_train_runs_every_method_in_a_real_loop(tmp_path):
+    out = tmp_path / "train.json"
+    run_tool("bench_train.py", "--layers", "1", "--width", "64", "--vocab", "1000", "--seq", "32", "--batch", "2",
+             "--iters", "4", "--f", "1,2", "--rounds", "2", "--dir", str(tmp_path / "t"), "--json", str(out))
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    # every method at every f in every round, each between two loops without checkpoints
+    assert sorted((r["method"], r["f"]) for r in rows) == sorted(
+        (m, f) for m in ("ckptfs", "raw", "dcp_async", "torch_save") for f in (1, 2) for _ in range(2))
+    assert all(r["base_s"] > 0 and r["loop_s"] > 0 for r in rows)
+    assert [r["verified"] for r in rows if r["method"] == "ckptfs"] == [True] * 4  # the last save, loaded back
+    for line in result["summary"]:
+        ours = [r["overhead"] for r in rows if r["method"] == "ckptfs" and r["f"] == line["f"]]
+        raw = [r["overhead"] for r in rows if r["method"] == "raw" and r["f"] == line["f"]]
+        assert line["own_runs"] == [c - r for c, r in zip(ours, raw)]  # paired within each round
+        assert line["keeps_up"] == (result["tw_s"] <= 2 * line["f"] * result["t_iter_s"])
+    assert not os.listdir(tmp_path / "t"), "bench_train left files behind"
+
+
 def test_bench_dist_runs_every_method_at_each_world_size(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(TOOLS, "bench_dist.py"), "--worlds", "1,2", "--layers", "1",
                            "--width", "64", "--rounds", "1", "--warmup", "0", "--dir", str(tmp_path)],
