@@ -131,3 +131,26 @@ def test_a_snapshot_that_fails_gives_back_every_buffer(store, monkeypatch):
         monkeypatch.setattr(snapshot, "copy_spans", real_copy)
         w.save(state, step=3).result(timeout=60)
     assert [v.step for v in store.versions("m")] == [1, 3]
+
+
+@pytest.mark.parametrize("make, copies", [
+    (lambda: torch.arange(12.0).reshape(3, 4), False),
+    (lambda: torch.arange(12.0).reshape(3, 4)[1:], False),  # a contiguous view at an offset
+    (lambda: torch.empty(0), False),
+    (lambda: torch.arange(12.0).reshape(3, 4).t(), True),
+    (lambda: torch.arange(12.0)[::2], True),
+    (lambda: torch.arange(4.0).neg().reshape(2, 2)._neg_view(), True),
+    (lambda: torch.complex(torch.ones(3), torch.ones(3)).conj(), True),
+])
+def test_byte_source_runs_a_copy_exactly_where_the_gpu_snapshot_enters_the_side_stream(make, copies):
+    """The CUDA snapshot enters the side stream only for tensors whose bytes need a copy (a
+    kernel); for the others the bytes must be a view of the tensor's own memory."""
+    from ckptfs.writer.snapshot import _needs_gpu_copy, byte_source
+
+    t = make()
+    assert _needs_gpu_copy(t) is copies
+    src = byte_source(t)
+    if t.numel():
+        assert (src.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()) is copies
+        assert torch.equal(src.view(t.resolve_conj().resolve_neg().dtype).view(t.shape),
+                           t.resolve_conj().resolve_neg().contiguous())

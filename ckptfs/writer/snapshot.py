@@ -33,6 +33,11 @@ def byte_source(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+def _needs_gpu_copy(t: torch.Tensor) -> bool:
+    """Whether ``byte_source(t)`` of a CUDA tensor runs a kernel (a copy), not only views."""
+    return t.is_conj() or t.is_neg() or not t.is_contiguous()
+
+
 def piece_crcs(buf: StagingBuffer, chunk: Chunk) -> list[int]:
     """The CRC32 of each of ``chunk.pieces`` in a filled staging buffer, in order."""
     return crc32_pieces(buf.mapping, chunk.pieces)
@@ -113,12 +118,14 @@ class Snapshotter:
             streams = self._side_streams.ordered_after_caller(devices, mark)
             sources = []
             for t in job.plan.flat.tensors:
-                if t.is_cuda:
+                if t.is_cuda and _needs_gpu_copy(t):
                     # a view that must be made contiguous is copied on the side stream, after the
                     # caller's work, like the rest of the snapshot
                     with torch.cuda.stream(streams[t.device.index]):
                         sources.append(byte_source(t))
                 else:
+                    # only views of the tensor's own memory: no GPU work, no stream to enter
+                    # (entering one costs as much as queueing the tensor's copy)
                     sources.append(byte_source(t))
             pending = []
             for chunk in job.chunks:
