@@ -8,11 +8,13 @@ import logging
 import time
 import unicodedata
 
+import numpy as np
+
 from ckptfs import _native
 from ckptfs.errors import (BusyError, CorruptionError, InvalidNameError, in_words, no_model,
                            RegionFormatError, RegionFullError)
 from ckptfs.region.backend import aligned_buffer
-from ckptfs.region.format import (COUNTER_WORD_OFFSET, ENTRY_BYTES, ENTRY_COPY_BYTES, ENTRY_COPY_OFFSET,
+from ckptfs.region.format import (COUNTER_WORD_OFFSET, ENTRY_BYTES, ENTRY_COPY_BYTES, ENTRY_COPY_OFFSET, ENTRY_MAGIC,
                                   LATEST_WORD_OFFSET, NAME_MAX_BYTES, SLOT_HEADER_BYTES, SUPERBLOCK_BYTES,
                                   ModelEntry, _align)
 from ckptfs.region.locks import META_LOCK_OFFSET, slot_lock_offset
@@ -104,11 +106,25 @@ class ModelTable:
         sb = self.superblock
         return (sb.region_bytes - SUPERBLOCK_BYTES) // sb.block_bytes * sb.block_bytes
 
+    def _maybe_used(self) -> list[int]:
+        """The indices of the entries not free in at least one copy (a non-zero magic), in
+        order: the others need no reading. One vectorized pass over the table and its mirror
+        instead of 2 x table_entries small reads (~7 ms per model lookup at 1,024 entries)."""
+        sb = self.superblock
+        n = sb.table_entries
+        used = np.zeros(n, dtype=bool)
+        for start in (sb.table_offset, sb.mirror_offset):
+            rows = np.frombuffer(self.backend.view(start, n * ENTRY_BYTES), dtype=np.uint8).reshape(n, ENTRY_BYTES)
+            used |= rows[:, ENTRY_COPY_OFFSET:ENTRY_COPY_OFFSET + len(ENTRY_MAGIC)].any(axis=1)
+            del rows  # the view over the mapping
+        self.backend.check_mapping()  # zeros read through a faulted mapping are not free entries
+        return np.flatnonzero(used).tolist()
+
     def entry_problems(self) -> list[tuple[ModelEntry, list[str]]]:
         """(entry, what is wrong) of every readable entry whose two copies are not both intact
         and equal (for verify)."""
         out = []
-        for index in range(self.superblock.table_entries):
+        for index in self._maybe_used():
             try:
                 entry, problems = self._read_copies(index)
             except RegionFormatError:
@@ -127,7 +143,7 @@ class ModelTable:
 
     def _scan_entries(self) -> tuple[list[ModelEntry], list[tuple[int, str | None, str]]]:
         out, damaged = [], []
-        for index in range(self.superblock.table_entries):
+        for index in self._maybe_used():
             # No lock: an entry is created body first and magic last (one atomic store), and
             # removed by clearing the magic, so a concurrent creation never shows a torn entry.
             # (Taking the table lock here deadlocked create_model, which scans under it.)
