@@ -29,16 +29,16 @@ def _new_region(tmp_path, size_bytes: int = 64 << 20) -> str:
     return region
 
 
-def _train_and_save(rank, world, region, out):
-    """Train 4 steps, saving every step with async_snapshot (2 in flight); rank 0 writes the
-    unsharded model and optimizer state of the last step to ``out``."""
-    model = sharded_gpt2(world)
+def _train_and_save(rank, world, region, out, device="cpu"):
+    """Train 4 steps on ``device``, saving every step with async_snapshot (2 in flight); rank 0
+    writes the unsharded model and optimizer state of the last step to ``out``."""
+    model = sharded_gpt2(world, device=device)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     store = ckptfs.Store(region)
     futures = []
     with store.writer("gpt2", group=dist.group.WORLD, max_inflight=2, keep_every=2) as w:
         for step in range(1, 5):
-            train_gpt2(model, opt, 1, seed=step)
+            train_gpt2(model, opt, 1, seed=step, device=device)
             msd, osd = get_state_dict(model, opt)
             futures.append(w.save({"model": msd, "optim": osd, "step": step}, step=step, async_snapshot=True))
             futures[-1].snapshotted.result()  # before the next optimizer step changes the state
@@ -50,21 +50,29 @@ def _train_and_save(rank, world, region, out):
     store.close()
 
 
-def _load_and_compare(rank, world, region, out):
-    model = sharded_gpt2(world, seed=1)
+def _load_and_compare(rank, world, region, out, device="cpu"):
+    model = sharded_gpt2(world, seed=1, device=device)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    train_gpt2(model, opt, 1, seed=99)  # other values and optimizer state, to be overwritten
+    train_gpt2(model, opt, 1, seed=99, device=device)  # other values and optimizer state, to be overwritten
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd, "step": 0}
     with ckptfs.Store(region) as store:
         assert store.load("gpt2", group=dist.group.WORLD, into=state) is state
+    assert state["step"] == 4
+    compare_full(rank, model, opt, state, out)
+
+
+def compare_full(rank, model, opt, state, out) -> None:
+    """Set the loaded ``state`` into ``model`` / ``opt`` and compare their unsharded state (on
+    rank 0, where it is gathered) with the reference ``out`` that the saving job wrote."""
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     got_model, got_optim = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True,
                                                                                cpu_offload=True))
     if rank == 0:
         ref_model, ref_optim = torch.load(out, weights_only=False)
-        assert state["step"] == 4 and set(got_model) == set(ref_model)
+        assert set(got_model) == set(ref_model)
         assert all(torch.equal(got_model[k], ref_model[k]) for k in ref_model)
+        assert set(got_optim["state"]) == set(ref_optim["state"])
         for key, entry in ref_optim["state"].items():
             assert all(torch.equal(got_optim["state"][key][n], v) for n, v in entry.items()), key
 

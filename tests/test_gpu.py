@@ -94,3 +94,77 @@ def test_cuda_async_snapshot_of_tensors_on_a_second_device(store):
         with store.writer("second", chunk_bytes=4 << 20) as w:
             save_between_two_updates(w, w_gpu, 50_000_000)
     assert torch.equal(store.load("second")["w"], torch.ones(8 << 20))
+
+
+def _dcp_save_on_gpus(rank, world, region, out, device="cuda"):
+    """FSDP2 on each rank's GPU: dcp.save of step 1 and dcp.async_save of step 2 through ckptfs
+    (DCP's collectives on a gloo group, as DCP advises for async saves); rank 0 writes the
+    unsharded state of step 2 to ``out``."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    import ckptfs
+    from ckptfs.testing.ranks import sharded_gpt2, train_gpt2
+
+    gloo = dist.new_group(backend="gloo")
+    model = sharded_gpt2(world, device=device)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    with ckptfs.Store(region) as store:
+        for step in (1, 2):
+            train_gpt2(model, opt, 1, seed=step, device=device)
+            msd, osd = get_state_dict(model, opt)
+            writer = ckptfs.dcp.StorageWriter(store, "dcp", step=step, group=gloo)
+            if step == 1:
+                dcp.save({"model": msd, "optim": osd}, storage_writer=writer, process_group=gloo)
+            else:
+                dcp.async_save({"model": msd, "optim": osd}, storage_writer=writer, process_group=gloo).result()
+    full = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        torch.save(full, out)
+
+
+def _dcp_load_on_gpus(rank, world, region, out, device="cuda"):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    import ckptfs
+    from ckptfs.testing.ranks import sharded_gpt2, train_gpt2
+    from test_dist_writer import compare_full
+
+    gloo = dist.new_group(backend="gloo")
+    model = sharded_gpt2(world, seed=1, device=device)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    train_gpt2(model, opt, 1, seed=99, device=device)  # other values, to be overwritten
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    with ckptfs.Store(region) as store:
+        dcp.load(state, storage_reader=ckptfs.dcp.StorageReader(store, "dcp", group=gloo), process_group=gloo)
+    assert all(t.device.type == device for t in state["model"].values())
+    compare_full(rank, model, opt, state, out)
+
+
+@pytest.mark.slow
+def test_fsdp2_on_gpus_through_both_apis_and_loaded_again_on_the_cpu(tmp_path):
+    """A job of one rank per GPU (up to 4; NCCL for the model, gloo for the checkpoint):
+    ckptfs's own writer (async snapshots, 2 in flight) and DCP with ckptfs storage (save and
+    async_save) on FSDP2 state dicts of CUDA DTensors; loaded back on the GPUs, and at one rank
+    on the CPU, bit-exact against the unsharded state."""
+    import ckptfs
+    from ckptfs.testing.ranks import run_ranks
+    from test_dist_writer import _load_and_compare, _train_and_save
+
+    world = min(torch.cuda.device_count(), 4)
+    nccl = "cpu:gloo,cuda:nccl"
+    region = str(tmp_path / "r.region")
+    ckptfs.Store.create(region, size_bytes=256 << 20).close()
+    out = str(tmp_path / "full.pt")
+    run_ranks(_train_and_save, world, region, out, "cuda", backend=nccl)
+    run_ranks(_load_and_compare, world, region, out, "cuda", backend=nccl)
+    run_ranks(_load_and_compare, 1, region, out)  # the GPU job's parts, on one CPU rank
+    out_dcp = str(tmp_path / "full-dcp.pt")
+    run_ranks(_dcp_save_on_gpus, world, region, out_dcp, backend=nccl)
+    run_ranks(_dcp_load_on_gpus, world, region, out_dcp, backend=nccl)
+    with ckptfs.Store(region) as store:
+        assert [v.step for v in store.versions("dcp")] == [1, 2]

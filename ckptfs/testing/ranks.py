@@ -20,14 +20,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(target, world: int, *args, timeout_s: float = 240, may_die: frozenset = frozenset()) -> list[int]:
-    """Run ``target(rank, world, *args)`` in ``world`` processes joined in one gloo group;
-    AssertionError with each failing rank's traceback. Ranks in ``may_die`` may be killed (a
-    crash test's victims); returns every rank's exit code."""
+def run_ranks(target, world: int, *args, timeout_s: float = 240, may_die: frozenset = frozenset(),
+              backend: str = "gloo") -> list[int]:
+    """Run ``target(rank, world, *args)`` in ``world`` processes joined in one process group of
+    ``backend`` (gloo; ``"cpu:gloo,cuda:nccl"`` for a GPU job, each rank on the GPU of its
+    number); AssertionError with each failing rank's traceback. Ranks in ``may_die`` may be
+    killed (a crash test's victims); returns every rank's exit code."""
     ctx = mp_context()
     port = free_port()
     errors = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(target, rank, world, port, errors, args)) for rank in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(target, rank, world, port, errors, args, backend))
+             for rank in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -47,14 +50,16 @@ def run_ranks(target, world: int, *args, timeout_s: float = 240, may_die: frozen
     return [p.exitcode for p in procs]
 
 
-def _rank_main(target, rank, world, port, errors, args) -> None:
+def _rank_main(target, rank, world, port, errors, args, backend) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     faulthandler.dump_traceback_later(100, exit=True)  # a rank that hangs says where, and ends
     try:
+        if "cuda" in backend:
+            torch.cuda.set_device(rank)  # one GPU per rank, as torchrun's LOCAL_RANK
         # a collective waiting for a dead rank gives up after a minute, not gloo's half hour
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=60))
         try:
             target(rank, world, *args)
         finally:
@@ -98,22 +103,23 @@ def tiny_gpt2(seed: int = 0) -> torch.nn.Module:
     return GPT2LMHeadModel(config)
 
 
-def sharded_gpt2(world: int, seed: int = 0) -> torch.nn.Module:
-    """``tiny_gpt2`` under FSDP2 over a CPU mesh of ``world`` ranks: each block a unit of its own."""
+def sharded_gpt2(world: int, seed: int = 0, device: str = "cpu") -> torch.nn.Module:
+    """``tiny_gpt2`` on ``device`` (cpu, or cuda: each rank its current GPU) under FSDP2 over a
+    mesh of ``world`` ranks: each block a unit of its own."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    model = tiny_gpt2(seed)
-    mesh = init_device_mesh("cpu", (world,))
+    model = tiny_gpt2(seed).to(device)
+    mesh = init_device_mesh(device, (world,))
     for block in model.transformer.h:
         fully_shard(block, mesh=mesh)
     return fully_shard(model, mesh=mesh)
 
 
-def train_gpt2(model: torch.nn.Module, opt, steps: int, seed: int) -> None:
+def train_gpt2(model: torch.nn.Module, opt, steps: int, seed: int, device: str = "cpu") -> None:
     g = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         opt.zero_grad()
-        ids = torch.randint(0, 96, (2, 16), generator=g)
+        ids = torch.randint(0, 96, (2, 16), generator=g).to(device)
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
