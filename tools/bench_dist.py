@@ -1,14 +1,15 @@
 """Many ranks, one checkpoint: ckptfs against DCP's own FileSystemWriter / FileSystemReader and the
 raw device, in the same run, at each world size W.
 
-W CPU ranks (gloo, one process each) train a GPT-2 (transformers, from a config: --layers blocks of
+W ranks (one process each: CPU ranks on gloo, or with --device cuda one per GPU, NCCL for the
+model and gloo for the checkpoint) train a GPT-2 (transformers, from a config: --layers blocks of
 width --width; 12 x 768 is GPT-2 small) under FSDP2 (``fully_shard`` per block) with AdamW; every
 round each method saves the same state (model + optimizer, each rank its shards), and the ratios
 are taken within the round (median over --rounds, worst round printed too):
 
 | row | what is timed (every method bracketed by barriers; times are the slowest rank's) |
 | --- | --- |
-| copy floor | a ``copy_`` of each of the rank's local tensors into tensors made beforehand |
+| copy floor | a ``copy_`` of each of the rank's local tensors into tensors made beforehand (pinned host memory with --device cuda: the device-to-host copy) |
 | ckptfs writer | ``store.writer(group=WORLD).save(state, step)``, in the steady state (after N+4 untimed saves: every slot it cycles through written once, as the raw overwrite's blocks are): stall (until save returns: the copy), durable (until the step is the global latest on every node), global commit (from the last rank's part durable to every node recorded) |
 | dcp.save + ckptfs | ``dcp.save`` with ``ckptfs.dcp.StorageWriter``: durable |
 | dcp.async_save + ckptfs | its stall (until it returns) and durable (its future) |
@@ -55,7 +56,8 @@ def _model(args, world: int):
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=max(1, args.width // 64)))
-    mesh = init_device_mesh("cpu", (world,))
+    model = model.to(args.device)  # cuda: the rank's own GPU (run_ranks set it)
+    mesh = init_device_mesh(args.device, (world,))
     for block in model.transformer.h:
         fully_shard(block, mesh=mesh)
     return fully_shard(model, mesh=mesh)
@@ -66,7 +68,7 @@ def _state(args, world: int):
 
     model = _model(args, world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids = torch.randint(0, 1000, (1, 32), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 1000, (1, 32), generator=torch.Generator().manual_seed(0)).to(args.device)
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()  # AdamW makes its state
     msd, osd = get_state_dict(model, opt)
@@ -102,7 +104,15 @@ def _save_rank(rank, world, args, workdir, out, keep: bool) -> None:
     state = _state(args, world)
     local = _local_tensors(state)
     nbytes = sum(t.numel() * t.element_size() for t in local)
-    floor_dst = [torch.empty_like(t) for t in local]
+    # the floor: a copy of the rank's tensors into memory made beforehand (pinned host memory
+    # for CUDA tensors: the device-to-host copy any checkpoint of them makes)
+    cuda = args.device == "cuda"
+    floor_dst = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for t in local]
+
+    def floor_copy():
+        for d, src in zip(floor_dst, local):
+            d.copy_(src, non_blocking=cuda)
+        bc.cuda_sync(args.device)
     raw_path = os.path.join(workdir, f"raw-{rank}")
     raw_buf = bc.AlignedBuffer(8 << 20)
     bc.odirect_write(raw_path, nbytes, raw_buf)  # written once: the rounds overwrite
@@ -119,7 +129,7 @@ def _save_rank(rank, world, args, workdir, out, keep: bool) -> None:
             w.save(state, step=step).result()
         for rnd in range(args.warmup + args.rounds):
             row, step = {}, primed + rnd + 1
-            row["floor"] = _timed(lambda: [d.copy_(s) for d, s in zip(floor_dst, local)], gloo)
+            row["floor"] = _timed(floor_copy, gloo)
             holder = {}
 
             def writer_save():
@@ -273,27 +283,36 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first (fresh blocks, writers set up)")
     ap.add_argument("--dir", default="/tmp/ckptfs-bench")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="where the ranks' state lives (cuda: one rank per GPU, NCCL for the model)")
     args = ap.parse_args()
     import ckptfs
     from ckptfs.testing.load import mp_context
     from ckptfs.testing.ranks import run_ranks
 
     worlds = [int(w) for w in args.worlds.split(",")]
+    backend = "gloo"
+    if args.device == "cuda":
+        gpus = torch.cuda.device_count()
+        if not gpus or max(worlds) > gpus:
+            sys.exit(f"--device cuda: one rank per GPU, and this machine has {gpus}: pass --worlds up to {gpus}")
+        backend = "cpu:gloo,cuda:nccl"
     os.makedirs(args.dir, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="bench_dist-", dir=args.dir)
-    print(f"bench_dist: GPT-2 {args.layers} x {args.width} under FSDP2 + AdamW, CPU ranks (gloo); "
+    print(f"bench_dist: GPT-2 {args.layers} x {args.width} under FSDP2 + AdamW, ranks on {args.device} "
+          f"({'one GPU each, NCCL for the model, ' if args.device == 'cuda' else ''}gloo for the checkpoint); "
           f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f}")
     try:
         for world in worlds:
             ckptfs.Store.create(os.path.join(workdir, f"region-{world}"), size_bytes=24 << 30).close()
             out = mp_context().Queue()
-            run_ranks(_save_rank, world, args, workdir, out, world == max(worlds), timeout_s=3600)
+            run_ranks(_save_rank, world, args, workdir, out, world == max(worlds), timeout_s=3600, backend=backend)
             _report(world, out.get())
             if world != max(worlds):  # only the largest W's checkpoints are loaded below
                 os.unlink(os.path.join(workdir, f"region-{world}"))
         saved, to = max(worlds), max(1, max(worlds) // 2)
         out = mp_context().Queue()
-        run_ranks(_load_rank, to, args, workdir, saved, out, timeout_s=3600)
+        run_ranks(_load_rank, to, args, workdir, saved, out, timeout_s=3600, backend=backend)
         rows = out.get()
         print(f"\nload of the W={saved} checkpoint at W={to} (resharded), cold cache, {len(rows)} rounds")
         m, worst = _med(rows, lambda r: r["fs"] / r["ck"])

@@ -3,7 +3,7 @@
 #   bash tools/gpu_check.sh [test|quick|train|full] [OUTDIR]
 # test: the build and tests/test_gpu.py alone; quick: + a short bench_save, emulator and real
 # training loop; train: + the real GPT-2 small training loop (bench_train.py) alone; full: + every
-# benchmark at full size (more than one device call's 10 minutes on an H200: run train apart).
+# benchmark at full size (bench_dist.py with one rank per GPU among them) (more than one device call's 10 minutes on an H200: run train apart).
 # Builds ckptfs._native in place (no network needed: a C compiler and Python's headers), then runs
 # tests/test_gpu.py, bench_save --device cuda and the training emulator on CUDA, each log to OUTDIR.
 # Extra wheels (e.g. isal for a Python without it) may be put in $CKPTFS_WHEELS; zlib's headers,
@@ -46,5 +46,7 @@ else
     $PY tools/bench_save.py --device cuda --repeat 5 --json "$OUTDIR/bench_save.json" 2>&1 | tee "$OUTDIR/bench_save.log" || rc=1
     $PY tools/train_emulator.py --device cuda --mode overlap --f 1,2,5 --repeat 3 --json "$OUTDIR/emulator.json" 2>&1 | tee "$OUTDIR/emulator.log" || rc=1
     $PY tools/bench_train.py --device cuda --rounds 3 --json "$OUTDIR/bench_train.json" 2>&1 | tee "$OUTDIR/bench_train.log" || rc=1
+    GPUS=$($PY -c 'import torch; print(min(4, torch.cuda.device_count()))')
+    $PY tools/bench_dist.py --device cuda --worlds "$(seq -s, 1 "$GPUS")" --rounds 3 2>&1 | tee "$OUTDIR/bench_dist.log" || rc=1
 fi
 exit $rc
