@@ -3,7 +3,8 @@
 #   bash tools/gpu_check.sh [test|quick|train|full] [OUTDIR]
 # test: the build and tests/test_gpu.py alone; quick: + a short bench_save, emulator and real
 # training loop; train: + the real GPT-2 small training loop (bench_train.py) alone; full: + every
-# benchmark at full size (bench_dist.py with one rank per GPU among them) (more than one device call's 10 minutes on an H200: run train apart).
+# benchmark at full size, bench_dist.py with one rank per GPU among them (more than one device
+# call's 10 minutes on an H200: run train apart).
 # Builds ckptfs._native in place (no network needed: a C compiler and Python's headers), then runs
 # tests/test_gpu.py, bench_save --device cuda and the training emulator on CUDA, each log to OUTDIR.
 # Extra wheels (e.g. isal for a Python without it) may be put in $CKPTFS_WHEELS; zlib's headers,
