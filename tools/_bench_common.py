@@ -494,6 +494,15 @@ def ckptfs_status() -> tuple[bool, str]:
     return True, ""
 
 
+def cannot_run(device: str) -> str | None:
+    """Why a tool that saves through ckptfs cannot run here with its state on ``device`` (no
+    CUDA, ckptfs not importable), in one line; None when it can."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        return "--device cuda: CUDA is not available here"
+    ok, why = ckptfs_status()
+    return None if ok else f"ckptfs is not usable: {why}"
+
+
 def writer_kwargs(max_inflight: int | None = None, persist_threads: int | None = None,
                   chunk_bytes: int | None = None, staging_budget_bytes: int | None = None) -> dict:
     """Only the writer options given on the command line (the library's defaults otherwise)."""

@@ -315,12 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(methods) - set(METHODS)
     if unknown:
         ap.error(f"--methods: unknown {', '.join(sorted(unknown))}; choose from {', '.join(METHODS)}")
-    if a.device.startswith("cuda") and not torch.cuda.is_available():
-        print("--device cuda: CUDA is not available here", file=sys.stderr)
-        return 2
-    ok, why = bc.ckptfs_status()
-    if not ok:
-        print(f"ckptfs is not usable: {why}", file=sys.stderr)
+    why = bc.cannot_run(a.device)
+    if why:
+        print(why, file=sys.stderr)
         return 2
     os.makedirs(a.dir, exist_ok=True)
     root = tempfile.mkdtemp(prefix="train-", dir=a.dir)

@@ -315,12 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     fs, ns = ints(a.f), ints(a.n)
     modes = ["sync", "overlap"] if a.mode == "both" else [a.mode]
     systems = ["ckptfs"] + (["raw"] if a.peer == "raw" else [])
-    if a.device.startswith("cuda") and not torch.cuda.is_available():
-        print("--device cuda: CUDA is not available here", file=sys.stderr)
-        return 2
-    ok, why = bc.ckptfs_status()
-    if not ok:
-        print(f"ckptfs is not usable yet: {why}", file=sys.stderr)
+    why = bc.cannot_run(a.device)
+    if why:
+        print(why, file=sys.stderr)
         return 2
 
     os.makedirs(a.dir, exist_ok=True)
