@@ -32,22 +32,50 @@ def restore(data: VersionData, map_location="cpu", verify: bool = True, into=Non
 
 def _restore(data: VersionData, map_location, verify: bool, into):
     m = data.manifest
+    device = torch.device(map_location) if map_location is not None else torch.device("cpu")
+    onto_device = into is None and device.type != "cpu"
     if into is not None:
         tensors = matching_tensors(m, into)
+    elif onto_device:
+        tensors = staging_views(m.tensors, pin=device.type == "cuda")
     else:
         tensors = [torch.empty(r.shape, dtype=r.torch_dtype) for r in m.tensors]
-    on_chunk = copy_out({i: [(0, r.nbytes, t)] for i, (r, t) in enumerate(zip(m.tensors, tensors))}, m.tensors)
-    with prefaulted(tensors if into is None else []):
+    read_into(data, tensors, verify, prefault=into is None)
+    if onto_device:
+        # from pinned memory the copies are asynchronous: one wait for all of them
+        tensors = [t.to(device, non_blocking=True) for t in tensors]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return unflatten(m.skeleton, tensors)
+
+
+def read_into(data: VersionData, tensors: list[torch.Tensor], verify: bool, prefault: bool) -> None:
+    """Read every stored tensor of ``data`` into ``tensors`` (one per record, contiguous, of its
+    size); CorruptionError naming the first damaged one when ``verify``. ``prefault``: the
+    tensors' memory is fresh (see ckptfs.memcopy.prefaulted)."""
+    records = data.manifest.tensors
+    on_chunk = copy_out({i: [(0, r.nbytes, t)] for i, (r, t) in enumerate(zip(records, tensors))}, records)
+    with prefaulted(tensors if prefault else []):
         bad = data.scan(on_chunk)
     if verify and bad:
         raise CorruptionError(data.damage_message(bad[0][0]))
-    device = torch.device(map_location) if map_location is not None else torch.device("cpu")
-    if into is None and device.type != "cpu":
-        moved = [t.pin_memory().to(device, non_blocking=True) for t in tensors]
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        tensors = moved
-    return unflatten(m.skeleton, tensors)
+
+
+STAGING_ALIGN_BYTES = 64
+
+
+def staging_views(records, pin: bool) -> list[torch.Tensor]:
+    """Host tensors for ``records``, as views of one block of memory (pinned where ``pin``):
+    the staging of a load onto another device, whose copies there are the result. One pinned
+    allocation for the whole version instead of one per tensor (each a driver call), and no
+    second host copy (``pin_memory()`` of each loaded tensor copied it once more). The views
+    share one storage, so they are never handed to the caller."""
+    offsets, total = [], 0
+    for r in records:
+        offsets.append(total)
+        total += -(-r.nbytes // STAGING_ALIGN_BYTES) * STAGING_ALIGN_BYTES
+    block = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin)
+    return [block[o:o + r.nbytes].view(r.torch_dtype).view(r.shape) for o, r in zip(offsets, records)]
 
 
 Sinks = dict[int, list[tuple[int, int, torch.Tensor]]]

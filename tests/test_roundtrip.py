@@ -98,6 +98,38 @@ def test_every_dtype_and_odd_tensors(store):
     assert_same(expected, back)
 
 
+def test_a_load_onto_another_device_stages_every_dtype_in_one_block(store):
+    """A load onto a GPU reads the version into views of one host block (pinned there) and
+    copies those to the device: every dtype and odd shape lands whole in its own aligned range
+    of the block, and the path runs end to end onto a device without memory (meta) here."""
+    from ckptfs.manifest import unflatten
+    from ckptfs.restore import STAGING_ALIGN_BYTES, read_into, staging_views
+
+    obj = {"dtypes": every_dtype_tensors(), "zero_dim": torch.tensor(7.25), "empty": torch.empty(0, 5),
+           "big": torch.randn(300, 7), "odd": torch.arange(3, dtype=torch.int8)}
+    with store.writer("staged", chunk_bytes=8192) as w:
+        w.save(obj, step=1).result()
+    with store.open_version("staged") as v:
+        records = v.manifest.tensors
+        views = staging_views(records, pin=False)
+        read_into(v.data, views, verify=True, prefault=True)
+        staged = unflatten(v.manifest.skeleton, views)
+    assert_same(store.load("staged"), staged)
+    assert len({t.untyped_storage().data_ptr() for t in views}) == 1
+    spans = sorted((t.data_ptr(), t.data_ptr() + r.nbytes) for t, r in zip(views, records) if r.nbytes)
+    assert all(start % STAGING_ALIGN_BYTES == 0 for start, _ in spans)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    on_meta = store.load("staged", map_location="meta")
+
+    def leaves(node, path=()):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                yield from leaves(v, (*path, k))
+        else:
+            yield path, node.device.type, node.dtype, node.shape
+    assert list(leaves(on_meta)) == [(p, "meta", dtype, shape) for p, _, dtype, shape in leaves(staged)]
+
+
 def test_plain_leaves_and_containers(store):
     obj = OrderedDict(a=1, b=2.5, c="text ✓", d=True, e=None, f=[1, (2, 3), {"x": [None]}],
                       g={0: "int key", 1.5: "float key", True: "bool key", None: "none key"},
