@@ -88,7 +88,7 @@ class Bench:
         self.rounds: list[dict[str, dict[str, Any]]] = []
         self.notes: list[str] = []
         self.dropped_ok = True
-        self.first_stall_s: float | None = None  # the writer's first save, reported apart (issue 21)
+        self.first_stalls: list[float] = []  # writers' first saves after prepare, reported apart (issue 21)
         self.cold_first_stall_s: float | None = None  # the same without Writer.prepare
         self.load_into_ok = True
 
@@ -333,14 +333,20 @@ def m_dcp_async(b: Bench, state: Any) -> Iterator[dict]:
         bc.remove(p)
 
 
-def _cold_first_stall(b: Bench, state, size: int, wkw: dict) -> float:
-    """The stall of a new model's first save without Writer.prepare (a region of its own,
-    removed after): the plan and the staging memory made on the caller's thread."""
+FIRST_SAVES = 3  # first saves after prepare measured per state: one alone swings 2x on a busy VM
+
+
+def _first_stall(b: Bench, state, size: int, wkw: dict, prepare: bool) -> float:
+    """The stall of a new model's first save (a region of its own, removed after), after
+    Writer.prepare or without it (the plan and the staging memory then made on the caller's
+    thread)."""
     import ckptfs
 
-    path = b.path("cold.ckptfs")
+    path = b.path("first.ckptfs")
     try:
-        with ckptfs.Store.create(path, size_bytes=size) as store, store.writer("cold", **wkw) as w:
+        with ckptfs.Store.create(path, size_bytes=size) as store, store.writer("first", **wkw) as w:
+            if prepare:
+                w.prepare(state).result()
             t0 = time.perf_counter()
             fut = w.save(state, step=0)
             stall = time.perf_counter() - t0
@@ -373,7 +379,8 @@ def m_ckptfs(b: Bench, state: Any) -> Iterator[dict]:
     size = int(a.region_gib * bc.GiB) if a.region_gib else int(b.nbytes * (inflight + 3) * 1.15) + 256 * bc.MiB
     size = (size + bc.MiB - 1) // bc.MiB * bc.MiB
     model = "bench"
-    b.cold_first_stall_s = _cold_first_stall(b, state, size, wkw)
+    b.cold_first_stall_s = _first_stall(b, state, size, wkw, prepare=False)
+    b.first_stalls = [_first_stall(b, state, size, wkw, prepare=True) for _ in range(FIRST_SAVES - 1)]
     store = ckptfs.Store.create(region, size_bytes=size)
     w = copy_dst = None
     slot_buf = bc.AlignedBuffer(a.block_mib * bc.MiB)  # for the raw read beside each load
@@ -389,7 +396,7 @@ def m_ckptfs(b: Bench, state: Any) -> Iterator[dict]:
         prepared = time.perf_counter() - t0
         t0 = time.perf_counter()
         fut = w.save(state, step=0)
-        b.first_stall_s = time.perf_counter() - t0
+        b.first_stalls.append(time.perf_counter() - t0)
         fut.result()
         first = time.perf_counter() - t0
         ring_slots = next(m["slots"] for m in store.status()["models"] if m["name"] == model)
@@ -399,7 +406,7 @@ def m_ckptfs(b: Bench, state: Any) -> Iterator[dict]:
         warm = time.perf_counter() - t0
         b.notes.append(f"ckptfs region {size / bc.GiB:.2f} GiB, writer options {wkw or 'library defaults'}; "
                        f"Writer.prepare {bc.fmt_s(prepared)}, then the first save into the fresh sparse region: "
-                       f"stall {bc.fmt_s(b.first_stall_s)}, durable "
+                       f"stall {bc.fmt_s(b.first_stalls[-1])}, durable "
                        f"{bc.fmt_s(first)} ({b.nbytes / first / bc.GB:.2f} GB/s); {warmup} warm-up save(s) in all {bc.fmt_s(warm)}")
         step = warmup
         rnd = 0
@@ -563,12 +570,14 @@ def targets(b: Bench) -> list[dict[str, Any]]:
         out.append({"figure": figure, "measured": fig(ck), "baseline": fig(base), "ratio": ratio,
                     "ratios": ratios, "op": op, "target": target, "unit": unit, "ok": ok})
     steady = rows.get("ckptfs_stall")
-    if b.first_stall_s is not None and steady:
+    if b.first_stalls and steady:
         # issue 21: a writer's first save (its ring and staging pool made) stalls no longer than
-        # twice a steady-state save; one sample, against the median of the timed rounds
-        ratio = b.first_stall_s / steady["median_s"]
-        out.append({"figure": "first save's stall (after prepare) / steady", "measured": b.first_stall_s,
-                    "baseline": steady["median_s"], "ratio": ratio, "ratios": [ratio], "op": "<=",
+        # twice a steady-state save; the median of FIRST_SAVES new writers' first saves (each
+        # in a fresh sparse region) against the median of the timed rounds, the range beside
+        ratios = [s / steady["median_s"] for s in b.first_stalls]
+        ratio = bc.median(ratios)
+        out.append({"figure": "first save's stall (after prepare) / steady", "measured": bc.median(b.first_stalls),
+                    "baseline": steady["median_s"], "ratio": ratio, "ratios": ratios, "op": "<=",
                     "target": 2.0, "unit": "s", "ok": ratio <= 2.0})
     if b.cold_first_stall_s is not None and steady:
         ratio = b.cold_first_stall_s / steady["median_s"]
