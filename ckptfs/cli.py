@@ -1,7 +1,7 @@
 """The ``ckptfs`` command.
 
-Every command takes ``--region PATH`` (default: ``$CKPTFS_REGION``, else the per-user default
-region). Errors are one line on stderr and a non-zero exit status (1 for an error, 2 for a usage
+Every command takes ``--region PATH``, after the command or before it (``ckptfs --region R ls``;
+default: ``$CKPTFS_REGION``, else the per-user default region). Errors are one line on stderr and a non-zero exit status (1 for an error, 2 for a usage
 error, 130 when interrupted); a traceback is printed only with ``CKPTFS_DEBUG=1``.
 """
 from __future__ import annotations
@@ -28,9 +28,17 @@ EXPORT_BLOCK_BYTES = 8 << 20
 
 def _region_option(f):
     return click.option(
-        "--region", "region", metavar="PATH", envvar="CKPTFS_REGION", show_envvar=True,
-        help="The region (file, block device or /dev/daxX.Y). Default: the per-user default region.",
+        "--region", "region", metavar="PATH", callback=_region_given,
+        help="The region (file, block device or /dev/daxX.Y). Default: the per-user default region. "
+             "[env var: CKPTFS_REGION]",
     )(f)
+
+
+def _region_given(ctx: click.Context, param: click.Parameter, value):
+    """A command's region: its own --region, else the one before the command (``ckptfs --region
+    R ls``), else None: the default region, which is $CKPTFS_REGION where set (ckptfs.store).
+    Not click's envvar, which would put the environment before the --region given first."""
+    return value if value is not None else ctx.find_root().params.get("region")
 
 
 def _json_option(f):
@@ -157,7 +165,9 @@ def _version_step(store, model: str, step: int | None):
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="ckptfs", prog_name="ckptfs")
-def cli():
+@click.option("--region", "region", metavar="PATH",
+              help="The region of the command that follows, as if given to it (its own --region wins).")
+def cli(region):
     """ckptfs: a checkpoint store for ML training, browsable as files.
 
     \b

@@ -253,6 +253,21 @@ def test_a_region_given_where_a_model_goes_is_named_in_the_error(capsys, toy_reg
     assert code == 1 and "is a region" not in one_error_line(err)
 
 
+def test_region_before_the_command_is_the_commands_region(capsys, toy_region, tmp_path, monkeypatch):
+    """`ckptfs --region R ls`, as other CLIs take a global option: it stands for the command's own
+    --region, which wins when both are given; it wins over CKPTFS_REGION."""
+    other = str(tmp_path / "none.region")
+    monkeypatch.setenv("CKPTFS_REGION", other)
+    expected = run(capsys, "ls", "--region", toy_region)
+    assert expected[0] == 0 and TOY_MODEL in expected[1]
+    assert run(capsys, "--region", toy_region, "ls") == expected
+    assert run(capsys, "--region", other, "ls", "--region", toy_region) == expected
+    code, _, err = run(capsys, "--region", other, "ls")
+    assert code == 1 and f"no region yet at {other}" in one_error_line(err)
+    code, out, _ = run(capsys, "--region", toy_region, "info", TOY_MODEL)
+    assert code == 0 and TOY_MODEL in out
+
+
 @pytest.mark.parametrize("cmd", [["ls"], ["status"], ["verify"], ["info", "m"], ["export", "m", "out.pt"],
                                  ["rm", "m", "1"]])
 def test_read_only_commands_never_create_the_default_region(capsys, tmp_path, monkeypatch, cmd):
