@@ -32,6 +32,23 @@ def test_save_cuda_tensors_and_load_back(store):
     assert torch.equal(on_device["model"]["w"], state["model"]["w"])
 
 
+def test_load_onto_the_gpu_of_every_dtype_and_odd_shape(store):
+    """A load onto a GPU stages the version in views of one pinned block and copies each tensor
+    over: every dtype, scalars, empty and many small tensors come back as the CPU load does."""
+    from test_roundtrip import every_dtype_tensors
+
+    state = {"dtypes": every_dtype_tensors(), "scalar": torch.tensor(3.5), "empty": torch.empty(0, 4),
+             "many": [torch.arange(i + 1, dtype=torch.int16) for i in range(300)]}
+    with store.writer("dtypes", chunk_bytes=1 << 20) as w:
+        w.save(state, step=1).result()
+    on_cpu = store.load("dtypes")
+    on_gpu = store.load("dtypes", map_location="cuda")
+    assert on_gpu["scalar"].is_cuda and all(t.is_cuda for t in on_gpu["many"])
+    assert_same(on_cpu, {"dtypes": {k: v.cpu() for k, v in on_gpu["dtypes"].items()},
+                         "scalar": on_gpu["scalar"].cpu(), "empty": on_gpu["empty"].cpu(),
+                         "many": [t.cpu() for t in on_gpu["many"]]})
+
+
 def test_cuda_snapshot_sees_queued_kernels_and_not_later_ones(store):
     w_gpu = torch.zeros(1 << 20, device="cuda")
     with store.writer("gpu-order", chunk_bytes=1 << 20) as w:
