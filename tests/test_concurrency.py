@@ -1,4 +1,5 @@
 """Tier 2: several checkpoints in flight, out-of-order completion, pins, several processes."""
+import os
 import threading
 import time
 
@@ -9,6 +10,7 @@ import ckptfs
 from ckptfs.errors import BusyError
 from ckptfs.region.extents import GIVE_BACK_AFTER_COMMITS
 from ckptfs.region.ring import Claim
+from ckptfs.writer.progress import progress_dir
 from conftest import fill_region, mp_context
 
 
@@ -244,3 +246,6 @@ def test_status_reports_saves_in_flight_with_progress(store, held_commits):
         gate.set()
         fut.result()
     assert [s for s in store.status()["saves_in_flight"] if s["model"] == "prog"] == []
+    # the last writer of the region gone, nothing of it is left in /dev/shm (a directory per
+    # region per run of the tests piled up by the ten thousand)
+    assert not os.path.exists(progress_dir(store.region.superblock.uuid))

@@ -57,17 +57,19 @@ class ProgressBoard:
             self._mark_dirty()
 
     def close(self) -> None:
-        """Stop publishing and remove the file (waits for a publish in progress)."""
+        """Stop publishing and remove the file, and the region's directory when no other
+        writer's file is left in it (waits for a publish in progress)."""
         with self._changed:
             self._closed = True
             self._changed.notify_all()
             publisher = self._publisher
         if publisher is not None:
             publisher.join()
-        try:
-            os.unlink(self._path)
-        except OSError:
-            pass  # advisory, as in _publish
+        for remove, path in ((os.unlink, self._path), (os.rmdir, self._dir)):
+            try:
+                remove(path)
+            except OSError:
+                pass  # advisory, as in _publish (a writer that publishes next makes the directory again)
 
     def _mark_dirty(self) -> None:
         """Caller holds ``_changed``."""
