@@ -5,6 +5,7 @@ import contextlib
 import errno
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -149,6 +150,12 @@ class Store:
         return cls(path)
 
     def close(self) -> None:
+        """Close the region, once the writers open on it (``writer``, and those DCP's storage
+        keeps across steps) have committed their saves in flight and stopped: nothing of the
+        store outlives it."""
+        writers = sys.modules.get("ckptfs.writer.writer")  # not imported (a listing, the CLI): none open
+        if writers is not None:
+            writers.close_writers(lambda writer: writer.region is self.region, "as its store closed")
         self.region.close()
 
     def __enter__(self) -> "Store":

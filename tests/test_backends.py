@@ -95,8 +95,8 @@ def test_create_refuses_a_non_empty_file_and_keeps_it(tmp_path):
 
 
 def test_create_over_a_region_needs_force_and_then_erases_it(region_path):
-    with Store.create(region_path, size_bytes=64 << 20) as s:
-        s.writer("m").save({"a": torch.ones(4)}, step=1).result()
+    with Store.create(region_path, size_bytes=64 << 20) as s, s.writer("m") as w:
+        w.save({"a": torch.ones(4)}, step=1).result()
     with pytest.raises(RegionFormatError, match="already holds a ckptfs region"):
         Region.format(region_path, 64 << 20)
     with Store.create(region_path, size_bytes=64 << 20, force=True) as s:

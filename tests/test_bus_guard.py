@@ -113,6 +113,8 @@ def test_devdax_writes_through_a_mapping_whose_pages_are_gone(tmp_path, monkeypa
             durable.append(step)
     failed = durable[-1] + 1
     os.truncate(path, size)
+    w.close()  # its workers end (the failed save's error was raised to its caller above)
+    region.close()
     with ckptfs.Store(path) as s:  # what the region says now, through the file backend
         assert failed not in [v.step for v in s.versions("dax")]  # nothing half-written is visible
 

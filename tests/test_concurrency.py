@@ -249,3 +249,19 @@ def test_status_reports_saves_in_flight_with_progress(store, held_commits):
     # the last writer of the region gone, nothing of it is left in /dev/shm (a directory per
     # region per run of the tests piled up by the ten thousand)
     assert not os.path.exists(progress_dir(store.region.superblock.uuid))
+
+
+def test_closing_a_store_commits_and_stops_the_writers_left_open_on_it(region_path):
+    """A writer its user never closed (a notebook, DCP's writers kept across steps) ends with
+    its store: the save in flight is committed, and no worker thread is left behind."""
+    def writer_threads():
+        return sum(1 for t in threading.enumerate() if t.name.startswith(("ckptfs-persist", "ckptfs-progress")))
+    before = writer_threads()
+    store = ckptfs.Store.create(region_path, size_bytes=64 << 20)
+    w = store.writer("m")
+    future = w.save({"w": torch.ones(100_000)}, step=1, async_snapshot=True)
+    store.close()
+    assert future.done() and future.result().step == 1
+    assert writer_threads() == before
+    with ckptfs.Store(region_path) as again:
+        assert again.latest("m").step == 1 and torch.equal(again.load("m")["w"], torch.ones(100_000))

@@ -48,11 +48,17 @@ _open_writers: "weakref.WeakSet[Writer]" = weakref.WeakSet()
 @atexit.register
 def _commit_in_flight_at_exit() -> None:
     """A script that ends without closing its writer still gets its saves committed."""
-    for writer in list(_open_writers):
+    close_writers(lambda writer: True, "at exit")
+
+
+def close_writers(which, when: str) -> None:
+    """Close every open writer for which ``which(writer)`` holds: its saves in flight committed,
+    its workers stopped. A save that fails is logged (its future raised it to its caller)."""
+    for writer in [w for w in list(_open_writers) if which(w)]:
         try:
             writer.close()
         except BaseException as e:  # noqa: BLE001 - report and go on with the others
-            log.error("ckptfs: a save of %s failed at exit: %s", writer.model, e)
+            log.error("ckptfs: a save of %s failed %s: %s", writer.model, when, e)
 
 
 DEFAULT_CHUNK_BYTES = 64 << 20
@@ -105,10 +111,6 @@ class Writer:
         self._slots = slots
         self._slot_bytes = slot_bytes
         self._setup_lock = threading.Lock()  # lazy set-up may race when save() is called from threads
-        entry = region.find(model)
-        self._ring: Ring | None = None if entry is None else region.ring(entry, timeout_s=timeout_s)
-        if entry is not None:
-            self._ring.extents.reshape(slots, slot_bytes)
         self._planner = Planner(model, chunk_bytes)
         self._progress = ProgressBoard(region.superblock.uuid, model)
         self._permits = threading.BoundedSemaphore(max_inflight)
@@ -116,14 +118,26 @@ class Writer:
         self._outstanding: set[SaveFuture] = set()
         self._outstanding_lock = threading.Lock()
         self._closed = False
-        self._persist = PersistPipeline(persist_threads, self._progress, self._finish)
-        self._snapshotter = Snapshotter(self._persist.enqueue, self._persist.unpark, default_copy_threads(), timeout_s)
         # Background snapshots (async_snapshot) run in call order on one thread of their own.
         self._snapshot_queue: queue.SimpleQueue = queue.SimpleQueue()
         self._snapshot_thread: threading.Thread | None = None
         self._last_snapshot = None
         self._background: list[threading.Thread] = []  # prefill and prepare, joined at close
-        self._start_prefill(entry)
+        self._ring: Ring | None = None
+        self._persist = PersistPipeline(persist_threads, self._progress, self._finish)
+        try:
+            self._snapshotter = Snapshotter(self._persist.enqueue, self._persist.unpark, default_copy_threads(),
+                                            timeout_s)
+            entry = region.find(model)
+            if entry is not None:
+                self._ring = region.ring(entry, timeout_s=timeout_s)
+                self._ring.extents.reshape(slots, slot_bytes)
+            self._start_prefill(entry)
+        except BaseException:
+            # an I/O error reading the model's slots: nothing was saved, and nothing of this
+            # writer may outlive the error (its workers would wait forever, holding the region)
+            self._stop()
+            raise
         _open_writers.add(self)
 
     # ------------------------------------------------------------------ public API
@@ -226,19 +240,23 @@ class Writer:
         try:
             self.wait()
         finally:
-            self._closed = True
-            _open_writers.discard(self)
-            if self._snapshot_thread is not None:
-                self._snapshot_queue.put(None)
-                self._snapshot_thread.join()
-            self._persist.close()
-            for pool in self._pools.values():
-                pool.close()
-            for thread in self._background:
-                thread.join()
-            if self._ring is not None:
-                self._ring.close()
-            self._progress.close()
+            self._stop()
+
+    def _stop(self) -> None:
+        """Stop the workers and give back the staging memory, the ring and the progress file."""
+        self._closed = True
+        _open_writers.discard(self)
+        if self._snapshot_thread is not None:
+            self._snapshot_queue.put(None)
+            self._snapshot_thread.join()
+        self._persist.close()
+        for pool in self._pools.values():
+            pool.close()
+        for thread in self._background:
+            thread.join()
+        if self._ring is not None:
+            self._ring.close()
+        self._progress.close()
 
     def __enter__(self) -> "Writer":
         return self
