@@ -82,18 +82,10 @@ class _Group(click.Group):
 
 def _region_among(params: dict) -> str | None:
     """The first of a command's arguments (not --region) that names a ckptfs region."""
-    from ckptfs.region.format import SUPERBLOCK_MAGIC
+    from ckptfs.region.mkfs import is_region_file
 
-    for name, value in params.items():
-        if name == "region" or not isinstance(value, str) or not os.path.exists(value):
-            continue
-        try:
-            with open(value, "rb") as f:
-                if f.read(len(SUPERBLOCK_MAGIC)) == SUPERBLOCK_MAGIC:
-                    return value
-        except OSError:
-            continue
-    return None
+    return next((value for name, value in params.items()
+                 if name != "region" and isinstance(value, str) and is_region_file(value)), None)
 
 
 class _Step(click.ParamType):

@@ -18,9 +18,13 @@ from __future__ import annotations
 import struct
 import uuid as uuidlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ckptfs.checksum import crc32
 from ckptfs.errors import IncompatibleVersionError, OldFormatError, RegionFormatError, in_words
+
+if TYPE_CHECKING:
+    import numpy as np
 
 FORMAT_MAJOR = 2  # 2: mirrored entries and slot headers, extents, kept versions (1: docs/FORMAT.md's history)
 FORMAT_MINOR = 0
@@ -103,11 +107,18 @@ class Superblock:
                         self.data_offset, self.uuid, self.created_ns)
         return raw.ljust(SUPERBLOCK_BYTES, b"\0")
 
+    @staticmethod
+    def begins(head: bytes) -> bool:
+        """Whether ``head`` (the first bytes of a file or device) begins with a region's
+        superblock, as far as its magic tells: what mkfs refuses to overwrite, and what the CLI
+        calls a region where a model name was expected."""
+        return head[:len(SUPERBLOCK_MAGIC)] == SUPERBLOCK_MAGIC
+
     @classmethod
     def unpack(cls, raw: bytes, path: str = "region", *, older_ok: bool = False) -> "Superblock":
         """The superblock of ``raw`` (checked); OldFormatError for an older major version unless
         ``older_ok`` (``ckptfs upgrade`` reads those: the superblock's layout is the same)."""
-        if raw[:8] != SUPERBLOCK_MAGIC:
+        if not cls.begins(raw):
             raise RegionFormatError(
                 f"{path} is not a ckptfs region (no superblock magic); format it with `ckptfs mkfs {path}`")
         if len(raw) < cls._FMT.size:
@@ -232,12 +243,19 @@ class ModelEntry:
         return _with_crc(self._FMT, ENTRY_MAGIC, self.generation, ENTRY_ACTIVE, self.ring_slots, self.created_ns,
                          len(name), name, len(self.extents), *flat)
 
+    @staticmethod
+    def copies_in_use(rows) -> "np.ndarray":
+        """For entries laid out as the rows (of ENTRY_BYTES, a uint8 array) of a table or its
+        mirror: whether each row's copy is anything but free, that is, whether its magic is not
+        all zeros (``unpack_copy``'s rule, for every entry at once; a damaged magic counts)."""
+        return rows[:, ENTRY_COPY_OFFSET:ENTRY_COPY_OFFSET + len(ENTRY_MAGIC)].any(axis=1)
+
     @classmethod
     def unpack_copy(cls, index: int, raw: bytes) -> "ModelEntry | None":
         """The entry one copy holds, or None for an all-zero magic (free, or a copy not written).
         Raises RegionFormatError on a damaged copy."""
-        if raw[:8] != ENTRY_MAGIC:
-            if any(raw[:8]):
+        if raw[:len(ENTRY_MAGIC)] != ENTRY_MAGIC:
+            if any(raw[:len(ENTRY_MAGIC)]):
                 # Free entries have an all-zero magic (never used, or cleared by removal): anything
                 # else there is damage, not a free entry -- else one flipped bit hides a model.
                 raise RegionFormatError(f"model table entry {index} has a damaged magic")

@@ -29,13 +29,21 @@ def _read_head(path: str, special: bool) -> bytes:
         backend.close()
 
 
+def is_region_file(path: str) -> bool:
+    """Whether ``path`` is a readable file that begins with a region's superblock."""
+    try:
+        return os.path.isfile(path) and Superblock.begins(_read_head(path, special=False))
+    except OSError:
+        return False
+
+
 def refuse_to_overwrite(path: str, special: bool) -> None:
     """RegionFormatError unless ``path`` is an empty file or a blank device."""
     size = None if special else os.path.getsize(path)
     if size == 0:
         return
     head = _read_head(path, special)
-    if head[:len(SUPERBLOCK_MAGIC)] == SUPERBLOCK_MAGIC:
+    if Superblock.begins(head):
         raise RegionFormatError(f"{path} already holds a ckptfs region; " + in_words(
             python="open it with Store(path), or pass force=True to erase every checkpoint in it",
             cli="use it as it is (--exist-ok), or add --force to erase every checkpoint in it"))

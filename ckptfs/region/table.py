@@ -14,7 +14,7 @@ from ckptfs import _native
 from ckptfs.errors import (BusyError, CorruptionError, InvalidNameError, in_words, no_model,
                            RegionFormatError, RegionFullError)
 from ckptfs.region.backend import aligned_buffer
-from ckptfs.region.format import (COUNTER_WORD_OFFSET, ENTRY_BYTES, ENTRY_COPY_BYTES, ENTRY_COPY_OFFSET, ENTRY_MAGIC,
+from ckptfs.region.format import (COUNTER_WORD_OFFSET, ENTRY_BYTES, ENTRY_COPY_BYTES, ENTRY_COPY_OFFSET,
                                   LATEST_WORD_OFFSET, NAME_MAX_BYTES, SLOT_HEADER_BYTES, SUPERBLOCK_BYTES,
                                   ModelEntry, _align)
 from ckptfs.region.locks import META_LOCK_OFFSET, slot_lock_offset
@@ -115,7 +115,7 @@ class ModelTable:
         used = np.zeros(n, dtype=bool)
         for start in (sb.table_offset, sb.mirror_offset):
             rows = np.frombuffer(self.backend.view(start, n * ENTRY_BYTES), dtype=np.uint8).reshape(n, ENTRY_BYTES)
-            used |= rows[:, ENTRY_COPY_OFFSET:ENTRY_COPY_OFFSET + len(ENTRY_MAGIC)].any(axis=1)
+            used |= ModelEntry.copies_in_use(rows)
             del rows  # the view over the mapping
         self.backend.check_mapping()  # zeros read through a faulted mapping are not free entries
         return np.flatnonzero(used).tolist()
