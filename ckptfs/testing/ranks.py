@@ -20,16 +20,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(target, world: int, *args, timeout_s: float = 240, may_die: frozenset = frozenset(),
+def run_ranks(target, world: int, *args, timeout_s: float = 110, may_die: frozenset = frozenset(),
               backend: str = "gloo") -> list[int]:
     """Run ``target(rank, world, *args)`` in ``world`` processes joined in one process group of
     ``backend`` (gloo; ``"cpu:gloo,cuda:nccl"`` for a GPU job, each rank on the GPU of its
     number); AssertionError with each failing rank's traceback. Ranks in ``may_die`` may be
-    killed (a crash test's victims); returns every rank's exit code."""
+    killed (a crash test's victims); returns every rank's exit code. A rank still running after
+    ``timeout_s`` is killed; 10 s before, it prints where each of its threads is and ends."""
     ctx = mp_context()
     port = free_port()
     errors = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(target, rank, world, port, errors, args, backend))
+    hang_s = max(1.0, timeout_s - 10)
+    procs = [ctx.Process(target=_rank_main, args=(target, rank, world, port, errors, args, backend, hang_s))
              for rank in range(world)]
     for p in procs:
         p.start()
@@ -50,11 +52,11 @@ def run_ranks(target, world: int, *args, timeout_s: float = 240, may_die: frozen
     return [p.exitcode for p in procs]
 
 
-def _rank_main(target, rank, world, port, errors, args, backend) -> None:
+def _rank_main(target, rank, world, port, errors, args, backend, hang_s) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    faulthandler.dump_traceback_later(100, exit=True)  # a rank that hangs says where, and ends
+    faulthandler.dump_traceback_later(hang_s, exit=True)  # a rank that hangs says where, and ends
     try:
         if "cuda" in backend:
             torch.cuda.set_device(rank)  # one GPU per rank, as torchrun's LOCAL_RANK
