@@ -49,7 +49,7 @@ def _size(store, v) -> str:
     """A version's size as ls shows it; for a DCP checkpoint (no tensors of its own) the bytes of
     its ranks' parts, and how many ranks."""
     if v.data_bytes == 0:
-        from ckptfs.dist.storage import checkpoint_bytes
+        from ckptfs.dist.parts import checkpoint_bytes
 
         parts = checkpoint_bytes(store, v.model, v.step)
         if parts is not None:

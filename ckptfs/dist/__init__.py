@@ -5,7 +5,7 @@
     dcp.load(state_dict, storage_reader=ckptfs.dcp.StorageReader(store, "gpt2"))  # newest global step
 
 DCP's planners shard, deduplicate and reshard; ckptfs stores each rank's part and commits the
-global version once every part is durable (``ckptfs.dist.storage``). ``ckptfs.dcp`` is this
+global version once every part is durable (``ckptfs.dist.storage``; the load: ``ckptfs.dist.reader``). ``ckptfs.dcp`` is this
 package. Its names are imported on first use: importing torch.distributed.checkpoint takes half
 a second, which a single-process user of the package's light modules (``ckptfs.dist.names``,
 ``ckptfs.dist.whole``: the mount, the CLI) does not pay.
@@ -13,7 +13,7 @@ a second, which a single-process user of the package's light modules (``ckptfs.d
 from importlib import import_module
 
 __all__ = ["StorageReader", "StorageWriter", "decode_metadata", "encode_metadata", "part_model"]
-_HOMES = {"StorageReader": "storage", "StorageWriter": "storage", "decode_metadata": "codec",
+_HOMES = {"StorageReader": "reader", "StorageWriter": "storage", "decode_metadata": "codec",
           "encode_metadata": "codec", "part_model": "names"}
 
 

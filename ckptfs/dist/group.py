@@ -6,6 +6,7 @@ which the ranks also meet before a collective that is not ckptfs's own (DCP's pl
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -128,6 +129,27 @@ def meet(group, agree: dict, timeout_s: float, what: str, *, load: bool = False)
     finally:
         _quietly(kv.set, waiting + str(arrival.rank), "")
     arrival.passed()
+
+
+def meet_before_dcp(storage, dcp_function: str, what: str, *, load: bool = False) -> None:
+    """The ranks meet (``ckptfs.dist.group.meet``: at most ``storage.timeout_s``) if the caller
+    of ``storage.checkpoint_id`` is DCP's ``dcp_function`` (``_save_state_dict`` /
+    ``_load_state_dict``), which reads it just before its planning gather, outside the handler
+    that gathers the ranks' errors: the one place where a storage can stop a ``dcp.save`` or
+    ``dcp.load`` before that gather. There a rank that never calls it would keep the others
+    waiting until their process group's timeout, with an error that names no one; after the
+    meeting they fail after ``timeout_s`` naming it, and ranks at different steps or models fail
+    at once. Read anywhere else (DCP's logging, ``async_save``'s calling thread too), nothing
+    happens, so that no rank waits for another outside the thread that plans. ``load``: a
+    load's meeting (a step of None is the newest)."""
+    if sys._getframe(2).f_code.co_name != dcp_function:
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        step = storage.step if storage.step is not None else "newest"
+        meet(storage.group or dist.group.WORLD, {"model": storage.model, "step": step}, storage.timeout_s, what,
+             load=load)
 
 
 def _quietly(call, *args) -> None:

@@ -18,34 +18,31 @@ uuid) form a node, the lowest of them its leader. In ``write_data`` (every rank)
      older than s (superseded, or of steps that never completed), and the save completes. (A
      rank also unkeeps, before it writes a part, its older parts that no global version of its
      region names: a job whose saves keep failing does not fill the region with them.)
-``load`` (every rank): the ranks agree on the newest step that every node's region records (a
-crash between two nodes' commits leaves them one step apart for a while: the older is taken,
-and its parts were not released, 4), read its metadata from their own region, and each reads
-the pieces its load plan asks for from the parts, in whichever given region holds them.
+The load is ``ckptfs.dist.reader``; a part's places and lifecycle are ``ckptfs.dist.parts``.
 """
 from __future__ import annotations
 
-import hashlib
 import io
 import logging
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from torch.distributed.checkpoint import StorageReader as _DCPReader
 from torch.distributed.checkpoint import StorageWriter as _DCPWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ckptfs.dist.codec import PlacedMetadata, decode_metadata, encode_index, encode_metadata
-from ckptfs.dist.group import Arrival, check_agreement, coordination, exchange, meet, this_rank
-from ckptfs.dist.load import read_into_plan
-from ckptfs.dist.names import METADATA_FILE, is_global_version, part_model
-from ckptfs.errors import CkptfsError, CorruptionError, NotFoundError, no_version_yet
+from ckptfs.dist import parts
+from ckptfs.dist.codec import PlacedMetadata, encode_index, encode_metadata
+from ckptfs.dist.group import Arrival, check_agreement, coordination, exchange, meet_before_dcp, this_rank
+from ckptfs.dist.names import METADATA_FILE, part_model
+from ckptfs.dist.parts import latest_or_none
+from ckptfs.errors import CkptfsError
+
+__all__ = ["StorageWriter"]
 
 log = logging.getLogger("ckptfs")
 _writers: dict[tuple[str, str], object] = {}  # (region, model) -> its Writer, kept across steps (_kept_writer)
@@ -136,8 +133,7 @@ class StorageWriter(_DCPWriter):
         tensors = [_as_tensor(item, planner.resolve_data(item)) for item in items]
         name = part_model(self.model, self.rank)
         writer = _kept_writer(self.store, name, self.max_inflight)
-        with _writers_lock:
-            _in_flight.add((self.store.path, name, self.step))
+        parts.started(self.store, name, self.step)
         try:
             save = writer.save({"items": tensors}, step=self.step, keep=True)
         except BaseException:
@@ -147,8 +143,8 @@ class StorageWriter(_DCPWriter):
 
     def release_part(self) -> None:
         """This rank's part of the step is no longer in flight (committed, or given up): from now
-        on a later step's ``_release_abandoned`` may unkeep it unless a global version names it."""
-        _done_with(self.store, part_model(self.model, self.rank), self.step)
+        on a later step's ``parts.release_abandoned`` may unkeep it unless a global version names it."""
+        parts.done_with(self.store, part_model(self.model, self.rank), self.step)
 
     def commit(self, items: list, tensors: list, save, metadata: Metadata | None, *,
                reclaim: bool = True, results: bool = True) -> list[WriteResult] | None:
@@ -222,11 +218,11 @@ class StorageWriter(_DCPWriter):
     def reclaim(self) -> None:
         """After the commit, or its failure (off the caller's stall: a save's snapshot never waits
         for it): unkeep this rank's older parts that no global version names (see
-        ``_release_abandoned``), and, on each node's leader after a commit, the node's parts
+        ``parts.release_abandoned``), and, on each node's leader after a commit, the node's parts
         older than the step."""
-        _release_abandoned(self.store, self.model, part_model(self.model, self.rank), self.step)
+        parts.release_abandoned(self.store, self.model, part_model(self.model, self.rank), self.step)
         if self._node_ranks:
-            _reclaim(self.store, self.model, self._node_ranks, keep_step=self.step)
+            parts.reclaim(self.store, self.model, self._node_ranks, keep_step=self.step)
 
     def reclaim_quietly(self) -> None:
         """``reclaim``, its failure only logged: the commit's outcome is what the caller is told,
@@ -235,99 +231,6 @@ class StorageWriter(_DCPWriter):
             self.reclaim()
         except Exception as e:  # noqa: BLE001 - a later commit reclaims again
             log.warning("ckptfs: reclaiming the parts of %s older than step %d failed: %s", self.model, self.step, e)
-
-
-class StorageReader(_DCPReader):
-    """Reads the newest global DCP checkpoint of ``model`` (or ``step``) that every node
-    records. ``store``: this rank's node's region; ``peers``: other regions whose parts it may
-    need (another node's, reachable from here, as in a test of two nodes on one machine)."""
-
-    def __init__(self, store, model: str, step: int | None = None, *, peers=(), timeout_s: float = 300.0,
-                 group=None):
-        super().__init__()
-        self.group = group
-        self.store = store
-        self.model = model
-        self.step = step
-        self.timeout_s = timeout_s
-        self.regions = {s.region.superblock.uuid.hex(): s for s in (store, *peers)}
-        self.metadata: Metadata | None = None
-
-    def reset(self, checkpoint_id=None) -> None:
-        pass
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
-        return False
-
-    @property
-    def checkpoint_id(self) -> str:
-        """This load's name in DCP's logs: ``ckptfs:MODEL@STEP`` (``@newest`` without a step).
-        Where DCP reads it just before its planning gather, the ranks meet first
-        (``meet_before_dcp``): a rank that never calls ``dcp.load`` is named after ``timeout_s``."""
-        meet_before_dcp(self, "_load_state_dict", f"dcp.load of {self.model!r}")
-        return f"ckptfs:{self.model}@{'newest' if self.step is None else self.step}"
-
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        # every rank runs this (DCP's local step of a load): the ranks agree on the step here
-        steps = _recorded_steps(self.store, self.model)
-        if self.step is not None:
-            steps &= {self.step}
-        group = self.group if self.group is not None else coordination(self.timeout_s)
-        agreed = set.intersection(*[set(s) for s in exchange(sorted(steps), group,
-                                                              f"the agreement on a step of {self.model!r} to load")])
-        if not agreed:
-            if self.step is not None:
-                raise NotFoundError(f"step {self.step} of {self.model!r} is not a DCP checkpoint that every node "
-                                    "records; `ckptfs ls` lists the steps")
-            raise no_version_yet(self.model)
-        step = max(agreed)
-        with _global_version(self.store, self.model, step) as v:
-            text = dict(v.manifest.files)[METADATA_FILE]
-        # every node's record of the step must be the same checkpoint: a node whose region holds
-        # the model of another job at the same step would load a mixture
-        digests = exchange((self.store.path, hashlib.sha256(text.encode()).hexdigest()), group,
-                           f"the comparison of step {step} of {self.model!r} across the nodes")
-        if len({d for _, d in digests}) > 1:
-            kinds: dict[str, list[str]] = {}
-            for path, d in digests:
-                kinds.setdefault(d, []).append(path)
-            raise CorruptionError(f"the nodes' regions hold different checkpoints as step {step} of {self.model!r} "
-                                  f"({' / '.join(', '.join(sorted(set(p))) for p in kinds.values())}): one of them "
-                                  "belongs to another job; load with the regions of this job only")
-        self.metadata = decode_metadata(text)
-        return self.metadata
-
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
-        self.metadata = metadata
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
-        storage = self.metadata.storage_data
-        by_part: dict[tuple, list] = {}
-        for item in plan.items:
-            where = storage[item.storage_index]
-            by_part.setdefault((where["region"], where["rank"], where["counter"]), []).append((item, where["pos"]))
-        for (region, rank, counter), items in sorted(by_part.items()):
-            with open_part(self._store_of(region, rank), self.model, rank, counter) as part:
-                stored = item_records(part)
-                read_into_plan(part.data, [(item, stored[pos]) for item, pos in items], planner)
-        done: Future = Future()
-        done.set_result(None)
-        return done
-
-    def _store_of(self, region: str, rank: int):
-        store = self.regions.get(region)
-        if store is None:
-            raise NotFoundError(f"the part of rank {rank} of {self.model!r} is in region {region} (another node's), "
-                                "which this rank cannot read: pass that region's store in peers=, or load where "
-                                "the parts are (a shared tier to drain them to is not built yet)")
-        return store
 
 
 # -------------------------------------------------------------------------------- helpers
@@ -351,7 +254,7 @@ def _record_here(store, model: str, step: int, record: str, keep: bool = False, 
     another job, or of an earlier run that got further than where this one resumed. The step
     would then never become latest, and this job's saves would all vanish: CkptfsError, saying
     what to do."""
-    latest = _latest(store, model)
+    latest = latest_or_none(store, model)
     key = (store.region.superblock.uuid.hex(), model)
     if latest is not None and latest.step > step and latest.step not in _recorded.get(key, ()):
         raise CkptfsError(
@@ -371,27 +274,6 @@ def write_results(items: list, tensors: list, rank: int, counter: int | None) ->
     return [WriteResult(index=item.index, size_in_bytes=_nbytes(t),
                         storage_data={"rank": rank, "counter": counter, "pos": pos})
             for pos, (item, t) in enumerate(zip(items, tensors))]
-
-
-def meet_before_dcp(storage, dcp_function: str, what: str) -> None:
-    """The ranks meet (``ckptfs.dist.group.meet``: at most ``storage.timeout_s``) if the caller
-    of ``storage.checkpoint_id`` is DCP's ``dcp_function`` (``_save_state_dict`` /
-    ``_load_state_dict``), which reads it just before its planning gather, outside the handler
-    that gathers the ranks' errors: the one place where a storage can stop a ``dcp.save`` or
-    ``dcp.load`` before that gather. There a rank that never calls it would keep the others
-    waiting until their process group's timeout, with an error that names no one; after the
-    meeting they fail after ``timeout_s`` naming it, and ranks at different steps or models fail
-    at once. Read anywhere else (DCP's logging, ``async_save``'s calling thread too), nothing
-    happens, so that no rank waits for another outside the thread that plans."""
-    if sys._getframe(2).f_code.co_name != dcp_function:
-        return
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        load = isinstance(storage, StorageReader)
-        step = storage.step if storage.step is not None else "newest"
-        meet(storage.group or dist.group.WORLD, {"model": storage.model, "step": step}, storage.timeout_s, what,
-             load=load)
 
 
 def _as_tensor(item, data) -> torch.Tensor:
@@ -427,110 +309,3 @@ def _close_stale(writer) -> None:
         log.debug("ckptfs: closing the writer of a closed store: %s", e)
 
 
-def _latest(store, model: str):
-    try:
-        return store.latest(model)
-    except NotFoundError:
-        return None
-
-
-def _recorded_steps(store, model: str) -> set[int]:
-    try:
-        return {v.step for v in store.versions(model)}
-    except NotFoundError:
-        return set()
-
-
-def _global_version(store, model: str, step: int | None):
-    """The pinned global version of ``model`` at ``step`` (None: the newest)."""
-    if step is None and _latest(store, model) is None:
-        raise no_version_yet(model)
-    v = store.open_version(model, step)
-    if not is_global_version(v.manifest):
-        v.close()
-        raise NotFoundError(f"step {v.info.step} of {model!r} is not a DCP checkpoint (it has no {METADATA_FILE}); "
-                            "load it with Store.load")
-    return v
-
-
-def checkpoint_bytes(store, model: str, step: int) -> tuple[int, int, int] | None:
-    """(bytes of the parts in ``store``'s region, ranks, ranks whose part is in another region)
-    of the global DCP version ``step`` of ``model``, or None if that version is not one."""
-    with store.open_version(model, step) as v:
-        text = dict(v.manifest.files).get(METADATA_FILE)
-    if text is None:
-        return None
-    here = store.region.superblock.uuid.hex()
-    parts = part_places(decode_metadata(text))
-    nbytes = 0
-    for rank, region, counter in parts:
-        if region == here:
-            nbytes += sum(x.data_bytes for x in store.versions(part_model(model, rank)) if x.counter == counter)
-    return nbytes, len({rank for rank, _, _ in parts}), len({rank for rank, region, _ in parts if region != here})
-
-
-def part_places(metadata: Metadata) -> list[tuple[int, str, int]]:
-    """(rank, region, counter) of every part a global version's metadata names, by rank."""
-    return sorted({(w["rank"], w["region"], w["counter"]) for w in metadata.storage_data.values()})
-
-
-def open_part(store, model: str, rank: int, counter: int, checked: set[int] | None = None):
-    """The pinned part version of ``rank`` with ``counter``; CorruptionError if it is gone.
-    ``checked``: as ``Store.open_version``'s."""
-    name = part_model(model, rank)
-    match = [v for v in store.versions(name) if v.counter == counter]
-    if match:
-        v = store.open_version(name, match[0].step, checked=checked)
-        if v.info.counter == counter:
-            return v
-        v.close()
-    raise CorruptionError(f"the part of rank {rank} (counter {counter}) of {model!r} is gone from {name!r}; "
-                          "this global version cannot be loaded, use an older one")
-
-
-def item_records(part) -> dict[int, int]:
-    """{position in the part's item list: its tensor's index in the manifest}."""
-    return {int(ref.key_path[1]): ref.tensor_index for ref in part.manifest.refs() if ref.key_path[:1] == ("items",)}
-
-
-_in_flight: set[tuple[str, str, int]] = set()  # (region, part model, step) of this process's saves not yet committed
-
-
-def _done_with(store, name: str, step: int) -> None:
-    with _writers_lock:
-        _in_flight.discard((store.path, name, step))
-
-
-def _release_abandoned(store, model: str, name: str, step: int) -> None:
-    """After a rank's commit of ``step``, or its failure: unkeep its parts older than ``step`` that
-    no global version of this region names (saves that failed or whose process died; this
-    process's own saves still in flight excepted), so that a job whose saves keep failing does not
-    fill the region (the part of a failed step goes at the next step's commit)."""
-    latest = _latest(store, model)
-    try:
-        parts = store.versions(name)
-    except NotFoundError:
-        return
-    with _writers_lock:
-        busy = {s for path, n, s in _in_flight if path == store.path and n == name}
-    _unkeep(store, name, [v for v in parts if v.step < step and (latest is None or v.step != latest.step)
-                          and v.step not in busy])
-
-
-def _reclaim(store, model: str, ranks, keep_step: int) -> None:
-    """Unkeep the parts of ``ranks`` older than global step ``keep_step`` (superseded, or of a step
-    that never completed), so that the part models' rings reuse them."""
-    names = set(store.models())
-    for name in (part_model(model, r) for r in ranks):
-        if name in names:
-            _unkeep(store, name, [v for v in store.versions(name) if v.step < keep_step])
-
-
-def _unkeep(store, name: str, versions) -> None:
-    """Unkeep those of ``versions`` (of part model ``name``) that are kept."""
-    for v in versions:
-        if v.kept:
-            try:
-                store.unkeep(name, v.step)
-            except NotFoundError:
-                pass  # reused meanwhile: nothing to give back

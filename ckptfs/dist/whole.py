@@ -19,9 +19,9 @@ hyper-parameters) are torch.save pickles, and ckptfs never unpickles; ``dcp-part
 them with the parts. Where a part is in another node's region, no tensor is shown and
 ``dcp-parts.json`` says which parts are where.
 
-torch.distributed.checkpoint (its metadata types) and ``ckptfs.dist.storage`` are imported where
-a global version is met, not with this module: the mount and the CLI import it for every
-version, and those imports take half a second.
+torch.distributed.checkpoint (its metadata types, and the codec that decodes them) is imported
+where a global version is met, not with this module: the mount and the CLI import it for every
+version, and that import takes half a second.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 from ckptfs.checksum import crc32, crc32_combine
 from ckptfs.dist.names import METADATA_FILE, is_global_version
+from ckptfs.dist.parts import item_records, open_part, part_places
 from ckptfs.errors import CorruptionError
 from ckptfs.manifest import ITEMSIZE, Manifest, TensorRecord, expected_nbytes
 
@@ -85,7 +86,6 @@ def plan_whole(store, version) -> WholeLayout | None:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from ckptfs.dist.codec import decode_metadata
-    from ckptfs.dist.storage import item_records, open_part, part_places
 
     meta = decode_metadata(dict(version.manifest.files)[METADATA_FILE])
     here = store.region.superblock.uuid.hex()
@@ -327,8 +327,6 @@ class WholeVersion:
         self.layout = layout
         self.manifest = layout.manifest
         self.sub_manifests = layout.part_manifests
-        from ckptfs.dist.storage import open_part
-
         self._parts = []
         try:
             for i, (rank, counter) in enumerate(layout.parts):

@@ -36,7 +36,8 @@ import torch
 
 from ckptfs.dist.codec import encode_metadata
 from ckptfs.dist.group import Arrival, check_agreement, coordination, exchange, this_rank
-from ckptfs.dist.storage import StorageReader, StorageWriter, write_results
+from ckptfs.dist.reader import StorageReader
+from ckptfs.dist.storage import StorageWriter, write_results
 from ckptfs.errors import BusyError, CkptfsError
 from ckptfs.writer.job import check_positive, is_kept
 

@@ -1,0 +1,114 @@
+"""A rank's part of a multi-rank (DCP) version: where the global version's metadata says each
+part is, the part opened and pinned, and its lifecycle: a part is written **kept** (no ring reuses
+it while a global version may name it), and given back to its ring once no global version
+can name it any more: superseded by a newer global step, or of a step that never completed
+(``docs/DISTRIBUTED.md``). No torch here: the mount and the CLI read parts through it."""
+from __future__ import annotations
+
+import threading
+
+from ckptfs.dist.names import METADATA_FILE, part_model
+from ckptfs.errors import CorruptionError, NotFoundError
+
+
+def checkpoint_bytes(store, model: str, step: int) -> tuple[int, int, int] | None:
+    """(bytes of the parts in ``store``'s region, ranks, ranks whose part is in another region)
+    of the global DCP version ``step`` of ``model``, or None if that version is not one."""
+    from ckptfs.dist.codec import decode_metadata  # imports torch.distributed.checkpoint
+
+    with store.open_version(model, step) as v:
+        text = dict(v.manifest.files).get(METADATA_FILE)
+    if text is None:
+        return None
+    here = store.region.superblock.uuid.hex()
+    parts = part_places(decode_metadata(text))
+    nbytes = 0
+    for rank, region, counter in parts:
+        if region == here:
+            nbytes += sum(x.data_bytes for x in store.versions(part_model(model, rank)) if x.counter == counter)
+    return nbytes, len({rank for rank, _, _ in parts}), len({rank for rank, region, _ in parts if region != here})
+
+
+def part_places(metadata) -> list[tuple[int, str, int]]:
+    """(rank, region, counter) of every part a global version's metadata names, by rank."""
+    return sorted({(w["rank"], w["region"], w["counter"]) for w in metadata.storage_data.values()})
+
+
+def open_part(store, model: str, rank: int, counter: int, checked: set[int] | None = None):
+    """The pinned part version of ``rank`` with ``counter``; CorruptionError if it is gone.
+    ``checked``: as ``Store.open_version``'s."""
+    name = part_model(model, rank)
+    match = [v for v in store.versions(name) if v.counter == counter]
+    if match:
+        v = store.open_version(name, match[0].step, checked=checked)
+        if v.info.counter == counter:
+            return v
+        v.close()
+    raise CorruptionError(f"the part of rank {rank} (counter {counter}) of {model!r} is gone from {name!r}; "
+                          "this global version cannot be loaded, use an older one")
+
+
+def item_records(part) -> dict[int, int]:
+    """{position in the part's item list: its tensor's index in the manifest}."""
+    return {int(ref.key_path[1]): ref.tensor_index for ref in part.manifest.refs() if ref.key_path[:1] == ("items",)}
+
+
+def latest_or_none(store, model: str):
+    """``store.latest(model)``, or None where the model does not exist."""
+    try:
+        return store.latest(model)
+    except NotFoundError:
+        return None
+
+
+# ------------------------------------------------ the lifecycle: kept while written, then given back
+_in_flight: set[tuple[str, str, int]] = set()  # (region, part model, step) of this process's saves not yet committed
+_in_flight_lock = threading.Lock()
+
+
+def started(store, name: str, step: int) -> None:
+    """This process began writing part model ``name``'s part of ``step``: no
+    ``release_abandoned`` gives it back until ``done_with``."""
+    with _in_flight_lock:
+        _in_flight.add((store.path, name, step))
+
+
+def done_with(store, name: str, step: int) -> None:
+    """The part of ``step`` is no longer in flight (committed, or given up)."""
+    with _in_flight_lock:
+        _in_flight.discard((store.path, name, step))
+
+
+def release_abandoned(store, model: str, name: str, step: int) -> None:
+    """After a rank's commit of ``step``, or its failure: unkeep its parts older than ``step`` that
+    no global version of this region names (saves that failed or whose process died; this
+    process's own saves still in flight excepted), so that a job whose saves keep failing does not
+    fill the region (the part of a failed step goes at the next step's commit)."""
+    latest = latest_or_none(store, model)
+    try:
+        parts = store.versions(name)
+    except NotFoundError:
+        return
+    with _in_flight_lock:
+        busy = {s for path, n, s in _in_flight if path == store.path and n == name}
+    _unkeep(store, name, [v for v in parts if v.step < step and (latest is None or v.step != latest.step)
+                          and v.step not in busy])
+
+
+def reclaim(store, model: str, ranks, keep_step: int) -> None:
+    """Unkeep the parts of ``ranks`` older than global step ``keep_step`` (superseded, or of a step
+    that never completed), so that the part models' rings reuse them."""
+    names = set(store.models())
+    for name in (part_model(model, r) for r in ranks):
+        if name in names:
+            _unkeep(store, name, [v for v in store.versions(name) if v.step < keep_step])
+
+
+def _unkeep(store, name: str, versions) -> None:
+    """Unkeep those of ``versions`` (of part model ``name``) that are kept."""
+    for v in versions:
+        if v.kept:
+            try:
+                store.unkeep(name, v.step)
+            except NotFoundError:
+                pass  # reused meanwhile: nothing to give back

@@ -1,0 +1,136 @@
+"""ckptfs as the storage DCP loads from: ``dcp.load(sd, storage_reader=StorageReader(store, model))``.
+
+Every rank: the ranks agree on the newest step that every node's region records (a crash between
+two nodes' commits leaves them one step apart for a while: the older is taken, and its parts were
+not released), read its metadata from their own region (JSON: ``ckptfs.dist.codec``; checked to
+be the same checkpoint on every node), and each reads the pieces its load plan asks for from the
+parts (``ckptfs.dist.load``), in whichever given region holds them. DCP's planner reshards.
+"""
+from __future__ import annotations
+
+import hashlib
+
+from torch.distributed.checkpoint import StorageReader as _DCPReader
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.futures import Future
+
+from ckptfs.dist.codec import decode_metadata
+from ckptfs.dist.group import coordination, exchange, meet_before_dcp
+from ckptfs.dist.load import read_into_plan
+from ckptfs.dist.names import METADATA_FILE, is_global_version
+from ckptfs.dist.parts import item_records, latest_or_none, open_part
+from ckptfs.errors import CorruptionError, NotFoundError, no_version_yet
+
+
+class StorageReader(_DCPReader):
+    """Reads the newest global DCP checkpoint of ``model`` (or ``step``) that every node
+    records. ``store``: this rank's node's region; ``peers``: other regions whose parts it may
+    need (another node's, reachable from here, as in a test of two nodes on one machine)."""
+
+    def __init__(self, store, model: str, step: int | None = None, *, peers=(), timeout_s: float = 300.0,
+                 group=None):
+        super().__init__()
+        self.group = group
+        self.store = store
+        self.model = model
+        self.step = step
+        self.timeout_s = timeout_s
+        self.regions = {s.region.superblock.uuid.hex(): s for s in (store, *peers)}
+        self.metadata: Metadata | None = None
+
+    def reset(self, checkpoint_id=None) -> None:
+        pass
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return False
+
+    @property
+    def checkpoint_id(self) -> str:
+        """This load's name in DCP's logs: ``ckptfs:MODEL@STEP`` (``@newest`` without a step).
+        Where DCP reads it just before its planning gather, the ranks meet first
+        (``meet_before_dcp``): a rank that never calls ``dcp.load`` is named after ``timeout_s``."""
+        meet_before_dcp(self, "_load_state_dict", f"dcp.load of {self.model!r}", load=True)
+        return f"ckptfs:{self.model}@{'newest' if self.step is None else self.step}"
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        # every rank runs this (DCP's local step of a load): the ranks agree on the step here
+        steps = recorded_steps(self.store, self.model)
+        if self.step is not None:
+            steps &= {self.step}
+        group = self.group if self.group is not None else coordination(self.timeout_s)
+        agreed = set.intersection(*[set(s) for s in exchange(sorted(steps), group,
+                                                              f"the agreement on a step of {self.model!r} to load")])
+        if not agreed:
+            if self.step is not None:
+                raise NotFoundError(f"step {self.step} of {self.model!r} is not a DCP checkpoint that every node "
+                                    "records; `ckptfs ls` lists the steps")
+            raise no_version_yet(self.model)
+        step = max(agreed)
+        with global_version(self.store, self.model, step) as v:
+            text = dict(v.manifest.files)[METADATA_FILE]
+        # every node's record of the step must be the same checkpoint: a node whose region holds
+        # the model of another job at the same step would load a mixture
+        digests = exchange((self.store.path, hashlib.sha256(text.encode()).hexdigest()), group,
+                           f"the comparison of step {step} of {self.model!r} across the nodes")
+        if len({d for _, d in digests}) > 1:
+            kinds: dict[str, list[str]] = {}
+            for path, d in digests:
+                kinds.setdefault(d, []).append(path)
+            raise CorruptionError(f"the nodes' regions hold different checkpoints as step {step} of {self.model!r} "
+                                  f"({' / '.join(', '.join(sorted(set(p))) for p in kinds.values())}): one of them "
+                                  "belongs to another job; load with the regions of this job only")
+        self.metadata = decode_metadata(text)
+        return self.metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
+        self.metadata = metadata
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        storage = self.metadata.storage_data
+        by_part: dict[tuple, list] = {}
+        for item in plan.items:
+            where = storage[item.storage_index]
+            by_part.setdefault((where["region"], where["rank"], where["counter"]), []).append((item, where["pos"]))
+        for (region, rank, counter), items in sorted(by_part.items()):
+            with open_part(self._store_of(region, rank), self.model, rank, counter) as part:
+                stored = item_records(part)
+                read_into_plan(part.data, [(item, stored[pos]) for item, pos in items], planner)
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+    def _store_of(self, region: str, rank: int):
+        store = self.regions.get(region)
+        if store is None:
+            raise NotFoundError(f"the part of rank {rank} of {self.model!r} is in region {region} (another node's), "
+                                "which this rank cannot read: pass that region's store in peers=, or load where "
+                                "the parts are (a shared tier to drain them to is not built yet)")
+        return store
+
+
+def recorded_steps(store, model: str) -> set[int]:
+    """The steps of ``model``'s versions in ``store``'s region (none where it does not exist)."""
+    try:
+        return {v.step for v in store.versions(model)}
+    except NotFoundError:
+        return set()
+
+
+def global_version(store, model: str, step: int | None):
+    """The pinned global version of ``model`` at ``step`` (None: the newest)."""
+    if step is None and latest_or_none(store, model) is None:
+        raise no_version_yet(model)
+    v = store.open_version(model, step)
+    if not is_global_version(v.manifest):
+        v.close()
+        raise NotFoundError(f"step {v.info.step} of {model!r} is not a DCP checkpoint (it has no {METADATA_FILE}); "
+                            "load it with Store.load")
+    return v
