@@ -587,6 +587,11 @@ def test_background_mount_umount_and_their_errors(capsys, toy_region, tmp_path):
     assert code == 1 and "not mounted" in one_error_line(err)
     code, _, err = run(capsys, "mount", "--region", toy_region, "-o", "no_such_fuse_option", mnt)
     assert code == 1 and "cannot mount" in one_error_line(err)  # the daemon's own failure, relayed
+    # an option libfuse accepts at mount time but then refuses at the kernel's INIT: the session
+    # ends at once, leaving a mount that answers nothing; it was reported "up" (exit 0)
+    code, _, err = run(capsys, "mount", "--region", toy_region, "-o", "max_read=1048576", mnt)
+    assert code == 1 and "cannot mount" in one_error_line(err) and "maximum read size" in one_error_line(err)
+    assert mount_entry(mnt) is None
     try:
         code, _, err = run(capsys, "mount", "--region", toy_region, mnt)
         assert code == 0, err

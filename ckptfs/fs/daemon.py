@@ -172,9 +172,10 @@ def serve(store, mountpoint: str, *, allow_other: bool = False, auto_unmount: bo
     """Mount ``store`` at ``mountpoint`` and serve it until unmounted or signalled.
 
     ``views``: the ids of the views whose files the mount shows (None: every registered view).
-    ``on_ready`` is called once the kernel mount exists and signal handling is in place (the
-    first request may still be queued behind it). Raises MountError if mounting fails. Always
-    releases its pins and unmounts before returning."""
+    ``on_ready`` is called once the mount answers (its root's ``stat``) and signal handling is in
+    place. Raises MountError if mounting fails, also where libfuse ends the session at the
+    kernel's INIT (a mount that exists but answers nothing). Always releases its pins and
+    unmounts before returning."""
     import pyfuse3
     import trio
 
@@ -216,10 +217,17 @@ def serve(store, mountpoint: str, *, allow_other: bool = False, auto_unmount: bo
             except ChildProcessError:
                 return
 
+    async def serve_requests(ended: trio.Event):
+        try:
+            await pyfuse3.main()
+        finally:
+            ended.set()
+
     async def run():
         nonlocal mounted
         async with trio.open_nursery() as nursery:
             await nursery.start(watch_signals)
+            ended = trio.Event()
             with _stderr_captured() as said:
                 try:
                     pyfuse3.init(ops, mountpoint, options)
@@ -227,19 +235,25 @@ def serve(store, mountpoint: str, *, allow_other: bool = False, auto_unmount: bo
                     failure = exc
                 else:
                     failure = None
+                    mounted = True
+                    nursery.start_soon(serve_requests, ended)
+                    # up only once the kernel's INIT is answered and accepted: libfuse may still
+                    # end the session there (a -o option it rejects), leaving a dead mount
+                    answered = await _root_answers(mountpoint, ended)
             lines = [ln.strip() for ln in said().splitlines() if ln.strip()]
+            if failure is None and not answered:
+                failure = "the kernel and libfuse did not start the session"
             if failure is not None:  # returned, not raised: a nursery may wrap it in a group
                 nursery.cancel_scope.cancel()
                 return MountError(f"cannot mount {mountpoint}: {lines[-1] if lines else failure}")
             for line in lines:
                 log.warning("%s", line)
-            mounted = True
             if readahead_kb:
                 nursery.start_soon(apply_readahead)
             if on_ready is not None:
                 on_ready()
             nursery.start_soon(reap_children)
-            await pyfuse3.main()
+            await ended.wait()
             nursery.cancel_scope.cancel()
         return None
 
@@ -251,6 +265,36 @@ def serve(store, mountpoint: str, *, allow_other: bool = False, auto_unmount: bo
         ops.close_all()
         if mounted:
             pyfuse3.close(unmount=True)
+
+
+async def _root_answers(mountpoint: str, ended, timeout_s: float = 60.0) -> bool:
+    """Whether the new mount answers a ``stat`` of its root (from a thread: this process serves
+    it meanwhile), unless the session ``ended`` first or ``timeout_s`` passes."""
+    import trio
+
+    def stat_root() -> bool:
+        try:
+            os.stat(mountpoint)
+            return True
+        except OSError:
+            return False
+
+    with trio.move_on_after(timeout_s):
+        async with trio.open_nursery() as nursery:
+            result = []
+
+            async def probe():
+                result.append(await trio.to_thread.run_sync(stat_root, cancellable=True))
+                nursery.cancel_scope.cancel()
+
+            async def watch_end():
+                await ended.wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(probe)
+            nursery.start_soon(watch_end)
+        return bool(result) and result[0] and not ended.is_set()
+    return False
 
 
 @contextlib.contextmanager
