@@ -327,23 +327,30 @@ def _save_disagreeing(rank, world, region, what):
             dcp.load({f"w{rank}": torch.ones(3)}, storage_reader=ckptfs.dcp.StorageReader(store, model, step=step))
 
 
-def _async_save_while_training(rank, world, region):
+def _async_save_while_training(rank, world, region, kind):
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
     model = sharded(toy_model(), world)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    train_steps(model, opt, 1, seed=3)
-    msd, osd = get_state_dict(model, opt)
-    expected = {k: v.full_tensor().clone() for k, v in msd.items()}
     import torch.distributed as dist
 
     ckpt_group = dist.new_group(backend="gloo")  # DCP's advice for async_save: its own group
     with ckptfs.Store(region) as store:
-        fut = dcp.async_save({"model": msd}, process_group=ckpt_group,
-                             storage_writer=ckptfs.dcp.StorageWriter(store, "async", step=1, group=ckpt_group))
-        train_steps(model, opt, 3, seed=4)  # training goes on while the checkpoint is written
-        fut.result()
+        # two steps: the second reuses what the first set up (with "process", DCP's background
+        # process per rank and the store and writers it opened there)
+        for step in (1, 2):
+            train_steps(model, opt, 1, seed=step)
+            msd, _ = get_state_dict(model, opt)
+            expected = {k: v.full_tensor().clone() for k, v in msd.items()}
+            fut = dcp.async_save({"model": msd}, process_group=ckpt_group,
+                                 storage_writer=ckptfs.dcp.StorageWriter(store, "async", step=step, group=ckpt_group),
+                                 async_checkpointer_type=AsyncCheckpointerType(kind))
+            train_steps(model, opt, 3, seed=10 + step)  # training goes on while the checkpoint is written
+            fut.result()
+        assert [v.step for v in store.versions("async")] == [1, 2]
         back = {"model": get_state_dict(model, opt)[0]}
         dcp.load(back, storage_reader=ckptfs.dcp.StorageReader(store, "async"))
-        assert all(torch.equal(back["model"][k].full_tensor(), expected[k]) for k in expected)  # the step-1 state
+        assert all(torch.equal(back["model"][k].full_tensor(), expected[k]) for k in expected)  # the step-2 state
 
 
 @pytest.mark.parametrize("what", ["step", "model"])
@@ -353,10 +360,13 @@ def test_ranks_that_disagree_on_step_or_model_commit_nothing(tmp_path, what):
     run_ranks(_save_disagreeing, 2, region, what)
 
 
-def test_async_save_while_training_continues(tmp_path):
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_async_save_while_training_continues(tmp_path, kind):
+    """DCP's async_save with ckptfs storage, from a thread or (``AsyncCheckpointerType.PROCESS``)
+    from a background process per rank: the StorageWriter travels there as its region's path."""
     region = str(tmp_path / "r.region")
     ckptfs.Store.create(region, size_bytes=64 << 20).close()
-    run_ranks(_async_save_while_training, 2, region)
+    run_ranks(_async_save_while_training, 2, region, kind)
 
 
 def _save_dtensors(rank, world, region, out):

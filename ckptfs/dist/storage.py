@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -54,7 +55,12 @@ class StorageWriter(_DCPWriter):
     """Writes step ``step`` of ``model``: this rank's part into ``store`` (its node's region),
     and, on each node's leader, the global version once every part of every rank is durable.
     ``timeout_s``: the longest the ranks wait for each other (a dead or missing rank fails the
-    save, and is named). ``keep`` and ``extra``: as ``Writer.save``'s, for the global version."""
+    save, and is named). ``keep`` and ``extra``: as ``Writer.save``'s, for the global version.
+
+    It travels to another process as the path of its region, reopened there: DCP's process-based
+    ``async_save`` (``async_checkpointer_type=AsyncCheckpointerType.PROCESS``) writes from a
+    background process per rank, whose process group of its own coordinates the ranks there (a
+    ``group`` given here stays behind)."""
 
     def __init__(self, store, model: str, step: int, *, max_inflight: int = 2, timeout_s: float = 300.0,
                  group=None, keep: bool = False, extra: dict | None = None):
@@ -78,6 +84,15 @@ class StorageWriter(_DCPWriter):
         # their counters (GPT-2 small at W=4: the metadata is ~0.5 MB of JSON, sent to every rank
         # at every step otherwise).
         self.plan_places: dict | None = None
+
+    def __getstate__(self) -> dict:
+        # a Store holds its region's mapping and locks, a process group its process's sockets:
+        # the receiving process opens the region itself and coordinates through its own group
+        return dict(self.__dict__, store=os.path.abspath(self.store.path), group=None, _group=None)
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.store = _store_at(state["store"])
 
     # ---------------------------------------------------------------- DCP's StorageWriter
     def reset(self, checkpoint_id=None) -> None:
@@ -285,6 +300,21 @@ def _as_tensor(item, data) -> torch.Tensor:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+_stores: dict[str, object] = {}  # region path -> the Store this process opened for StorageWriters it received
+
+
+def _store_at(path: str):
+    """This process's Store of the region at ``path`` (opened at the first StorageWriter that
+    arrives from another process; kept, with its writers, for the next ones)."""
+    from ckptfs.store import Store
+
+    with _writers_lock:
+        store = _stores.get(path)
+        if store is None:  # never closed by anyone else: no caller holds it
+            store = _stores[path] = Store(path)
+        return store
 
 
 def _kept_writer(store, model: str, max_inflight: int):
