@@ -251,6 +251,28 @@ def test_status_reports_saves_in_flight_with_progress(store, held_commits):
     assert not os.path.exists(progress_dir(store.region.superblock.uuid))
 
 
+def test_a_killed_writers_progress_file_is_swept_away(store):
+    """A writer SIGKILLed never removes its file from the progress board: the next reader of the
+    board (``status``) removes it, and the region's directory with it; a live writer's stays."""
+    import json
+    import subprocess
+    import sys
+
+    directory = progress_dir(store.region.superblock.uuid)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    os.makedirs(directory, exist_ok=True)
+    for pid, name in ((dead.pid, "gone"), (os.getpid(), "here")):
+        with open(os.path.join(directory, f"{'0' * 40}.{pid}.json"), "w") as f:
+            json.dump({"model": name, "pid": pid, "saves": [{"step": 1, "persisted_bytes": 0, "total_bytes": 1}]}, f)
+    assert [s["model"] for s in store.status()["saves_in_flight"]] == ["here"]
+    assert os.listdir(directory) == [f"{'0' * 40}.{os.getpid()}.json"]
+    os.unlink(os.path.join(directory, f"{'0' * 40}.{os.getpid()}.json"))
+    open(os.path.join(directory, f"{'0' * 40}.{dead.pid}.json.tmp"), "w").close()  # killed mid-publish
+    assert store.status()["saves_in_flight"] == []
+    assert not os.path.exists(directory)
+
+
 def test_closing_a_store_commits_and_stops_the_writers_left_open_on_it(region_path):
     """A writer its user never closed (a notebook, DCP's writers kept across steps) ends with
     its store: the save in flight is committed, and no worker thread is left behind."""

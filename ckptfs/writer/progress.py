@@ -2,7 +2,8 @@
 
 Each writer process keeps one small JSON file per model in a per-region directory on tmpfs
 (``/dev/shm/ckptfs-<region uuid>/``), replaced atomically at most a few times a second. Nothing
-goes to the region: progress is advisory, and a file whose process is gone is ignored.
+goes to the region: progress is advisory. A file whose process is gone (a writer killed) is
+removed by the next reader of the board or the next writer that closes (``sweep``).
 """
 from __future__ import annotations
 
@@ -65,11 +66,11 @@ class ProgressBoard:
             publisher = self._publisher
         if publisher is not None:
             publisher.join()
-        for remove, path in ((os.unlink, self._path), (os.rmdir, self._dir)):
-            try:
-                remove(path)
-            except OSError:
-                pass  # advisory, as in _publish (a writer that publishes next makes the directory again)
+        try:
+            os.unlink(self._path)
+        except OSError:
+            pass  # advisory, as in _publish
+        sweep(self._dir)
 
     def _mark_dirty(self) -> None:
         """Caller holds ``_changed``."""
@@ -112,10 +113,50 @@ class ProgressBoard:
             pass  # progress is advisory: never fail a save over it
 
 
+def _pid_of(name: str) -> int | None:
+    """The writer process of a board file name (``<model hash>.<pid>.json``, or its ``.tmp``)."""
+    parts = name.removesuffix(".tmp").split(".")
+    if len(parts) != 3 or parts[2] != "json" or not parts[1].isdigit():
+        return None
+    return int(parts[1])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        pass  # another user's process (EPERM): alive
+    return True
+
+
+def sweep(directory: str) -> None:
+    """Remove the board files of writer processes that are gone (SIGKILLed: they never closed),
+    then the directory if nothing is left in it (a writer that publishes next makes it again)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        pid = _pid_of(name)
+        if pid is not None and not _alive(pid):
+            try:
+                os.unlink(os.path.join(directory, name))
+            except OSError:
+                pass  # removed by another sweep meanwhile
+    try:
+        os.rmdir(directory)
+    except OSError:
+        pass  # a live writer's file is in it
+
+
 def read_progress(region_uuid: bytes) -> list[dict]:
-    """Saves in flight reported by live writer processes of this region."""
+    """Saves in flight reported by live writer processes of this region (the files of writers
+    that are gone are swept away)."""
     out = []
     directory = progress_dir(region_uuid)
+    sweep(directory)
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
