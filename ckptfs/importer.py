@@ -268,11 +268,11 @@ def import_file(store, model: str, path: str, *, step: int | None = None, fmt: s
         raise CkptfsError(f"{path}: no such file")
     fmt = fmt or detect_format(path)
     if step is None:
-        latest = _latest(store, model)
+        latest = store.latest(model, missing_ok=True)
         step = 0 if latest is None else latest.step + 1
     elif step < 0:
         raise CkptfsError(f"step must be >= 0, got {step}")
-    if any(v.step == step for v in _versions(store, model)):
+    if any(v.step == step for v in store.versions(model, missing_ok=True)):
         raise CkptfsError(f"{model} already has step {step}; pick another --step or remove it first")
 
     if fmt == "safetensors":
@@ -299,21 +299,3 @@ def import_file(store, model: str, path: str, *, step: int | None = None, fmt: s
         if source is not None:
             source.close()
     return next(v for v in store.versions(model) if v.step == step)
-
-
-def _versions(store, model: str) -> list:
-    from ckptfs.errors import NotFoundError
-
-    try:
-        return list(store.versions(model))
-    except NotFoundError:
-        return []
-
-
-def _latest(store, model: str):
-    from ckptfs.errors import NotFoundError
-
-    try:
-        return store.latest(model)
-    except NotFoundError:
-        return None

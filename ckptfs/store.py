@@ -183,23 +183,39 @@ class Store:
     def models(self) -> list[str]:
         return sorted(e.name for e in self.region.entries())
 
-    def versions(self, model: str) -> list[VersionInfo]:
-        """Committed versions of ``model``, ascending by step (a step saved twice: the newer)."""
-        entry = self.region.get(model)
+    def versions(self, model: str, *, missing_ok: bool = False) -> list[VersionInfo]:
+        """Committed versions of ``model``, ascending by step (a step saved twice: the newer).
+        NotFoundError if there is no such model, unless ``missing_ok`` (then [])."""
+        entry = self._entry(model, missing_ok)
+        if entry is None:
+            return []
         latest = self.region.latest(entry)
         by_step: dict[int, SlotVersion] = {}
         for v in self.region.committed(entry):
             by_step[v.header.step] = v  # committed() is in counter order: the newest wins
         return [self._info(v, latest) for _, v in sorted(by_step.items())]
 
-    def latest(self, model: str) -> VersionInfo | None:
+    def latest(self, model: str, *, missing_ok: bool = False) -> VersionInfo | None:
         """The newest committed version of ``model`` (the one ``load`` returns by default), or
         None before its first commit. It is always the version with the highest counter among
         ``versions``: a commit interrupted between its header and its publish counts as latest
-        (reading never writes; the model's next writer publishes it)."""
-        entry = self.region.get(model)
+        (reading never writes; the model's next writer publishes it). NotFoundError if there is
+        no such model, unless ``missing_ok`` (then None)."""
+        entry = self._entry(model, missing_ok)
+        if entry is None:
+            return None
         latest = self.region.latest(entry)
         return None if latest is None else self._info(latest, latest)
+
+    def _entry(self, model: str, missing_ok: bool):
+        """The model's table entry; None if there is none and ``missing_ok`` (a damaged entry
+        that may have been the model still raises)."""
+        try:
+            return self.region.get(model)
+        except NotFoundError:
+            if missing_ok:
+                return None
+            raise
 
     @staticmethod
     def _info(v: SlotVersion, latest: SlotVersion | None) -> VersionInfo:

@@ -178,6 +178,8 @@ def test_both_copies_of_a_model_table_entry_damaged(victim, where):
             assert problems[0].model == "other"  # the name is salvaged for the message
         with pytest.raises(CorruptionError, match="model table entry"):
             s.load("other")
+        with pytest.raises(CorruptionError, match="model table entry"):
+            s.versions("other", missing_ok=True)  # not "no such model": it may be this one
         assert same(F.fault_state("m", 40), s.load("m")) is None
 
 

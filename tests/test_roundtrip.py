@@ -255,6 +255,11 @@ def test_load_by_step_and_missing(store):
         store.load("v", step=15)
     with pytest.raises(NotFoundError):
         store.load("nope")
+    for listing in (store.versions, store.latest):
+        with pytest.raises(NotFoundError, match="no model 'nope'"):
+            listing("nope")
+    assert store.versions("nope", missing_ok=True) == [] and store.latest("nope", missing_ok=True) is None
+    assert store.latest("v", missing_ok=True).step == 30
 
 
 def test_default_region_created_on_first_use(tmp_path, monkeypatch):

@@ -53,14 +53,6 @@ def item_records(part) -> dict[int, int]:
     return {int(ref.key_path[1]): ref.tensor_index for ref in part.manifest.refs() if ref.key_path[:1] == ("items",)}
 
 
-def latest_or_none(store, model: str):
-    """``store.latest(model)``, or None where the model does not exist."""
-    try:
-        return store.latest(model)
-    except NotFoundError:
-        return None
-
-
 # ------------------------------------------------ the lifecycle: kept while written, then given back
 _in_flight: set[tuple[str, str, int]] = set()  # (region, part model, step) of this process's saves not yet committed
 _in_flight_lock = threading.Lock()
@@ -84,11 +76,8 @@ def release_abandoned(store, model: str, name: str, step: int) -> None:
     no global version of this region names (saves that failed or whose process died; this
     process's own saves still in flight excepted), so that a job whose saves keep failing does not
     fill the region (the part of a failed step goes at the next step's commit)."""
-    latest = latest_or_none(store, model)
-    try:
-        parts = store.versions(name)
-    except NotFoundError:
-        return
+    latest = store.latest(model, missing_ok=True)
+    parts = store.versions(name, missing_ok=True)
     with _in_flight_lock:
         busy = {s for path, n, s in _in_flight if path == store.path and n == name}
     _unkeep(store, name, [v for v in parts if v.step < step and (latest is None or v.step != latest.step)

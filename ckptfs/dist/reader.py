@@ -19,7 +19,7 @@ from ckptfs.dist.codec import decode_metadata
 from ckptfs.dist.group import coordination, exchange, meet_before_dcp
 from ckptfs.dist.load import read_into_plan
 from ckptfs.dist.names import METADATA_FILE, is_global_version
-from ckptfs.dist.parts import item_records, latest_or_none, open_part
+from ckptfs.dist.parts import item_records, open_part
 from ckptfs.errors import CorruptionError, NotFoundError, no_version_yet
 
 
@@ -56,7 +56,7 @@ class StorageReader(_DCPReader):
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         # every rank runs this (DCP's local step of a load): the ranks agree on the step here
-        steps = recorded_steps(self.store, self.model)
+        steps = {v.step for v in self.store.versions(self.model, missing_ok=True)}
         if self.step is not None:
             steps &= {self.step}
         group = self.group if self.group is not None else coordination(self.timeout_s)
@@ -116,17 +116,9 @@ class StorageReader(_DCPReader):
         return store
 
 
-def recorded_steps(store, model: str) -> set[int]:
-    """The steps of ``model``'s versions in ``store``'s region (none where it does not exist)."""
-    try:
-        return {v.step for v in store.versions(model)}
-    except NotFoundError:
-        return set()
-
-
 def global_version(store, model: str, step: int | None):
     """The pinned global version of ``model`` at ``step`` (None: the newest)."""
-    if step is None and latest_or_none(store, model) is None:
+    if step is None and store.latest(model, missing_ok=True) is None:
         raise no_version_yet(model)
     v = store.open_version(model, step)
     if not is_global_version(v.manifest):

@@ -40,7 +40,6 @@ from ckptfs.dist import parts
 from ckptfs.dist.codec import PlacedMetadata, encode_index, encode_metadata
 from ckptfs.dist.group import Arrival, check_agreement, coordination, exchange, meet_before_dcp, this_rank
 from ckptfs.dist.names import METADATA_FILE, part_model
-from ckptfs.dist.parts import latest_or_none
 from ckptfs.errors import CkptfsError
 
 __all__ = ["StorageWriter"]
@@ -269,7 +268,7 @@ def _record_here(store, model: str, step: int, record: str, keep: bool = False, 
     another job, or of an earlier run that got further than where this one resumed. The step
     would then never become latest, and this job's saves would all vanish: CkptfsError, saying
     what to do."""
-    latest = latest_or_none(store, model)
+    latest = store.latest(model, missing_ok=True)
     key = (store.region.superblock.uuid.hex(), model)
     if latest is not None and latest.step > step and latest.step not in _recorded.get(key, ()):
         raise CkptfsError(
