@@ -401,7 +401,13 @@ class Store:
 
     def keep(self, model: str, step: int) -> None:
         """Keep a version (a milestone): the ring never reuses its slot until ``unkeep`` or
-        ``remove``; the model takes another slot from free space in its place."""
+        ``remove``; the model takes another slot from free space in its place. A multi-rank (DCP)
+        version's parts in this region are kept with it (CkptfsError, nothing kept, where one is
+        gone already); after its ``unkeep`` they go back at the model's next commit."""
+        if not model.startswith("."):  # not a part model itself
+            from ckptfs.dist.parts import keep_parts
+
+            keep_parts(self, model, step)
         self._set_kept(model, step, True)
 
     def unkeep(self, model: str, step: int) -> None:

@@ -513,3 +513,66 @@ def test_info_export_and_verify_of_a_multi_rank_version(store, capsys, tmp_path)
         back = {"w": torch.zeros(64, 32), "b": torch.zeros(10)}
         with pytest.raises(BaseException, match="'items.0' of .m.rank0 step 7 fails its checksum"):
             dcp.load(back, storage_reader=ckptfs.dcp.StorageReader(again, "m"))
+
+
+# ------------------------------------------------------------------------------ parts given back, parts kept
+
+
+def _save_sharded_steps(rank, world, region, steps, keep=()):
+    """Each rank saves a row-sharded tensor (its rows hold the step), a rank-local part per rank."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    with ckptfs.Store(region) as store:
+        for s in steps:
+            w = distribute_tensor(torch.full((8, 4), float(s)), mesh, [Shard(0)])
+            dcp.save({"w": w}, storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=s, keep=s in keep))
+
+
+def _load_step(rank, world, region, step):
+    with ckptfs.Store(region) as store:
+        back = {"w": torch.zeros(8, 4)}
+        dcp.load(back, storage_reader=ckptfs.dcp.StorageReader(store, "m", step=step))
+        assert torch.equal(back["w"], torch.full((8, 4), float(step)))
+
+
+def test_a_job_resumed_at_fewer_ranks_gives_back_the_parts_of_the_others(tmp_path):
+    """Saved at 4 ranks, resumed at 2: the part models of ranks 2 and 3 held their last parts
+    kept for good (their slots never reused). Once no global version names them, they go."""
+    region = str(tmp_path / "r.region")
+    ckptfs.Store.create(region, size_bytes=128 << 20).close()
+    run_ranks(_save_sharded_steps, 4, region, [1, 2])
+    with ckptfs.Store(region) as store:
+        free_at_4 = store.status()["free_bytes"]
+    run_ranks(_save_sharded_steps, 2, region, [3])
+    with ckptfs.Store(region) as store:  # step 2, at 4 ranks, is still a version: its parts stay
+        assert {".m.rank2", ".m.rank3"} <= set(store.models())
+    run_ranks(_load_step, 1, region, 2)
+    run_ranks(_save_sharded_steps, 2, region, [4, 5, 6])
+    with ckptfs.Store(region) as store:
+        assert 2 not in [v.step for v in store.versions("m")]
+        assert sorted(m for m in store.models() if m.startswith(".")) == [".m.rank0", ".m.rank1"]
+        assert store.status()["free_bytes"] > free_at_4  # the two rings' space is back
+    run_ranks(_load_step, 2, region, 6)
+
+
+def test_a_kept_global_step_keeps_its_parts(tmp_path):
+    """A milestone of a multi-rank checkpoint (``keep=True``, or ``Store.keep`` later) stays
+    loadable while the job saves on: its parts are kept with it."""
+    region = str(tmp_path / "r.region")
+    ckptfs.Store.create(region, size_bytes=128 << 20).close()
+    run_ranks(_save_sharded_steps, 2, region, range(1, 6), {1})
+    with ckptfs.Store(region) as store:
+        store.keep("m", 5)  # after the fact: its parts are still there
+        assert all(v.kept for name in (".m.rank0", ".m.rank1") for v in store.versions(name) if v.step == 5)
+    run_ranks(_save_sharded_steps, 2, region, range(6, 14))
+    with ckptfs.Store(region) as store:
+        assert [v.step for v in store.versions("m") if v.kept] == [1, 5]
+        store.remove(".m.rank1", 12)  # as if its slot had been reused
+        with pytest.raises(ckptfs.errors.CkptfsError, match="step 12 of 'm' cannot be kept: the part of rank 1 is gone"):
+            store.keep("m", 12)
+        assert not any(v.kept for name in ("m", ".m.rank0") for v in store.versions(name) if v.step == 12)
+    for step in (1, 5):
+        run_ranks(_load_step, 2, region, step)
+        run_ranks(_load_step, 1, region, step)

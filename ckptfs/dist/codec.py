@@ -101,6 +101,15 @@ def with_storage_data(text: str, pairs) -> str:
     return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 
 
+def placed_parts(text: str) -> set[tuple[str, int, int]]:
+    """(region, rank, counter) of every part that ``encode_metadata``'s document ``text`` (a
+    global version's, with its places) names; read as plain JSON, without making DCP's objects."""
+    try:
+        return {(place["region"], place["rank"], place["counter"]) for _, place in json.loads(text)["storage_data"]}
+    except (ValueError, KeyError, TypeError) as e:
+        raise MalformedInputError(f"the DCP metadata of this checkpoint is damaged or not ckptfs's: {e}") from None
+
+
 class PlacedMetadata:
     """``with_storage_data``'s text for one plan, whose places differ from one commit to the next
     in their counters alone: the document is parsed once, and each commit's text is spliced from

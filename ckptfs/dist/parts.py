@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import threading
 
-from ckptfs.dist.names import METADATA_FILE, part_model
-from ckptfs.errors import CorruptionError, NotFoundError
+from ckptfs.dist.names import METADATA_FILE, part_model, part_models
+from ckptfs.errors import BusyError, CkptfsError, CorruptionError, NotFoundError
 
 
 def checkpoint_bytes(store, model: str, step: int) -> tuple[int, int, int] | None:
@@ -73,24 +73,95 @@ def done_with(store, name: str, step: int) -> None:
 
 def release_abandoned(store, model: str, name: str, step: int) -> None:
     """After a rank's commit of ``step``, or its failure: unkeep its parts older than ``step`` that
-    no global version of this region names (saves that failed or whose process died; this
-    process's own saves still in flight excepted), so that a job whose saves keep failing does not
-    fill the region (the part of a failed step goes at the next step's commit)."""
+    no global version of this region needs (saves that failed or whose process died; this
+    process's own saves still in flight, the latest's and kept versions' parts excepted), so that
+    a job whose saves keep failing does not fill the region (the part of a failed step goes at
+    the next step's commit)."""
     latest = store.latest(model, missing_ok=True)
-    parts = store.versions(name, missing_ok=True)
+    versions = store.versions(name, missing_ok=True)
     with _in_flight_lock:
         busy = {s for path, n, s in _in_flight if path == store.path and n == name}
-    _unkeep(store, name, [v for v in parts if v.step < step and (latest is None or v.step != latest.step)
-                          and v.step not in busy])
+    milestones = named_parts(store, model, kept_only=True)
+    _unkeep(store, name, [v for v in versions if v.step < step and (latest is None or v.step != latest.step)
+                          and v.step not in busy and (name, v.counter) not in milestones])
 
 
-def reclaim(store, model: str, ranks, keep_step: int) -> None:
-    """Unkeep the parts of ``ranks`` older than global step ``keep_step`` (superseded, or of a step
-    that never completed), so that the part models' rings reuse them."""
-    names = set(store.models())
-    for name in (part_model(model, r) for r in ranks):
-        if name in names:
-            _unkeep(store, name, [v for v in store.versions(name) if v.step < keep_step])
+def reclaim(store, model: str, keep_step: int) -> None:
+    """After global step ``keep_step`` is committed in ``store``'s region: unkeep every part of
+    ``model`` there older than it (superseded, or of a step that never completed), so that the
+    part models' rings reuse them, except the parts of kept global versions (milestones: ``keep``).
+    Every part model, not only those of the job's ranks on this node: a job resumed at a smaller
+    world size leaves the part models of its earlier ranks (ranks 2 and 3 of a job of 4 resumed
+    at 2), which hold no part of this step; once no global version left in the region names
+    them, they are removed, and their rings' space goes back to the region (kept, they would
+    have held it for good)."""
+    milestones = named_parts(store, model, kept_only=True)
+    gone = []  # part models without a part of this step: ranks the job no longer has here
+    for name in part_models(store, model):
+        versions = store.versions(name, missing_ok=True)
+        _unkeep(store, name, [v for v in versions if v.step < keep_step and (name, v.counter) not in milestones])
+        if all(v.step < keep_step for v in versions):
+            gone.append(name)
+    if gone:
+        named = {name for name, _ in named_parts(store, model)}
+        for name in gone:
+            if name not in named:
+                try:
+                    store.remove_model(name)
+                except (BusyError, NotFoundError):
+                    pass  # a reader holds one of its versions (the next commit tries again), or it went
+
+
+def keep_parts(store, model: str, step: int) -> None:
+    """Keep the parts in ``store``'s region of global version ``step`` of ``model`` (nothing for
+    a version that is not one); CkptfsError, nothing kept, if one of them is gone."""
+    here = store.region.superblock.uuid.hex()
+    with store.open_version(model, step) as v:
+        text = dict(v.manifest.files).get(METADATA_FILE)
+    if text is None:
+        return
+    from ckptfs.dist.codec import placed_parts  # imports torch.distributed.checkpoint
+
+    wanted = sorted((part_model(model, rank), counter) for region, rank, counter in placed_parts(text) if region == here)
+    found = []
+    for name, counter in wanted:
+        match = [p for p in store.versions(name, missing_ok=True) if p.counter == counter]
+        if not match:
+            raise CkptfsError(f"step {step} of {model!r} cannot be kept: the part of rank {name.rsplit('rank', 1)[1]} "
+                              "is gone (its slot was reused since); keep a newer step")
+        found.append((name, match[0].step))
+    for name, part_step in found:
+        store.keep(name, part_step)
+
+
+_named: dict[tuple[str, str, int], frozenset] = {}  # (region, model, counter) -> named_parts of that global version
+
+
+def named_parts(store, model: str, *, kept_only: bool = False) -> set[tuple[str, int]]:
+    """(part model, counter) of the parts in ``store``'s region that the global versions of
+    ``model`` there name (the kept ones only, with ``kept_only``). Each version's metadata is
+    read once per process: a global version never changes."""
+    here = store.region.superblock.uuid.hex()
+    out: set[tuple[str, int]] = set()
+    for v in store.versions(model, missing_ok=True):
+        if kept_only and not v.kept:
+            continue
+        key = (here, model, v.counter)
+        if key not in _named:
+            try:
+                with store.open_version(model, v.step) as g:
+                    text = dict(g.manifest.files).get(METADATA_FILE)
+            except NotFoundError:
+                continue  # reused meanwhile: it names nothing any more
+            if text is None:
+                _named[key] = frozenset()
+            else:
+                from ckptfs.dist.codec import placed_parts  # imports torch.distributed.checkpoint
+
+                _named[key] = frozenset((part_model(model, rank), counter)
+                                        for region, rank, counter in placed_parts(text) if region == here)
+        out |= _named[key]
+    return out
 
 
 def _unkeep(store, name: str, versions) -> None:

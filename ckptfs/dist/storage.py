@@ -76,7 +76,7 @@ class StorageWriter(_DCPWriter):
         self.rank = 0
         self.is_coordinator = True
         self._group = None
-        self._node_ranks: list[int] = []  # on a node's leader after the commit: whose parts to reclaim
+        self._recorded_here = False  # this rank, a node's leader, committed the global version here
         # Set by a writer whose saves reuse one DCP plan (the same on every rank): filled at the
         # plan's first commit (on a node's leader with the global metadata and every item's
         # place, PlacedMetadata; elsewhere with nothing), so that the later commits exchange only
@@ -226,17 +226,16 @@ class StorageWriter(_DCPWriter):
         if places is not None and not places:
             places["placed"] = None  # not a leader: nothing of the plan's places to keep
         self.committed_at = time.time()
-        if leader:
-            self._node_ranks = [p["rank"] for p in everyone if p["region"] == region]
+        self._recorded_here = leader
 
     def reclaim(self) -> None:
         """After the commit, or its failure (off the caller's stall: a save's snapshot never waits
         for it): unkeep this rank's older parts that no global version names (see
-        ``parts.release_abandoned``), and, on each node's leader after a commit, the node's parts
-        older than the step."""
+        ``parts.release_abandoned``), and, on each node's leader after a commit, every part in
+        its region older than the step (``parts.reclaim``)."""
         parts.release_abandoned(self.store, self.model, part_model(self.model, self.rank), self.step)
-        if self._node_ranks:
-            parts.reclaim(self.store, self.model, self._node_ranks, keep_step=self.step)
+        if self._recorded_here:
+            parts.reclaim(self.store, self.model, keep_step=self.step)
 
     def reclaim_quietly(self) -> None:
         """``reclaim``, its failure only logged: the commit's outcome is what the caller is told,
