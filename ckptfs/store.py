@@ -423,8 +423,26 @@ class Store:
         raise no_step(model, step)
 
     def remove_model(self, model: str) -> None:
-        """Remove a model and every version; BusyError while a writer or reader uses it."""
+        """Remove a model and every version; BusyError while a writer or reader uses it. A
+        multi-rank (DCP) model's part models (``.MODEL.rank<R>``, its ranks' parts) go with it:
+        BusyError, once the model itself is gone, naming those a reader still holds."""
         self.region.remove_model(model)
+        if model.startswith("."):
+            return  # a part model itself (or another hidden one): nothing hangs off it
+        from ckptfs.dist.names import part_models
+
+        busy = []
+        for name in part_models(self, model):
+            try:
+                self.region.remove_model(name)
+            except BusyError:
+                busy.append(name)
+            except NotFoundError:
+                pass  # removed meanwhile
+        if busy:
+            raise BusyError(f"removed {model!r}, but not its ranks' parts {', '.join(busy)}, which are in use; "
+                            + in_words(python=f"Store.remove_model({busy[0]!r}) each",
+                                       cli=f"`ckptfs rm --all {busy[0]}` each") + " once they are free")
 
     # ------------------------------------------------------------------ status
     def status(self) -> dict:

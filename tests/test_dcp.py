@@ -576,3 +576,23 @@ def test_a_kept_global_step_keeps_its_parts(tmp_path):
     for step in (1, 5):
         run_ranks(_load_step, 2, region, step)
         run_ranks(_load_step, 1, region, step)
+
+
+def test_removing_a_multi_rank_model_removes_its_parts(store):
+    dcp.save({"w": torch.ones(4)}, storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=1))
+    dcp.save({"w": torch.ones(4)}, storage_writer=ckptfs.dcp.StorageWriter(store, "n", step=1))
+    assert {".m.rank0", ".n.rank0"} <= set(store.models())
+    store.remove_model("m")
+    assert ".m.rank0" not in store.models() and {"n", ".n.rank0"} <= set(store.models())
+    # saved again in this process: the writer it kept for the removed part model is not reused
+    dcp.save({"w": torch.full((4,), 2.0)}, storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=1))
+    back = {"w": torch.zeros(4)}
+    dcp.load(back, storage_reader=ckptfs.dcp.StorageReader(store, "m"))
+    assert torch.equal(back["w"], torch.full((4,), 2.0))
+    store.remove_model("m")
+    with store.open_version(".n.rank0", 1):  # a reader holds the part: the model goes, the part says so
+        with pytest.raises(ckptfs.errors.BusyError, match=r"removed 'n', but not its ranks' parts \.n\.rank0"):
+            store.remove_model("n")
+    assert "n" not in store.models()
+    store.remove_model(".n.rank0")
+    assert not [m for m in store.models() if m.startswith((".m", ".n"))]

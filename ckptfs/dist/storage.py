@@ -321,7 +321,7 @@ def _kept_writer(store, model: str, max_inflight: int):
     key = (store.path, model)
     with _writers_lock:
         w = _writers.get(key)
-        if w is None or w._closed or w.region is not store.region:
+        if w is None or w._closed or w.region is not store.region or w.model_removed():
             if w is not None and not w._closed:
                 _close_stale(w)
             w = store.writer(model, max_inflight=max_inflight)
@@ -330,7 +330,8 @@ def _kept_writer(store, model: str, max_inflight: int):
 
 
 def _close_stale(writer) -> None:
-    """Close the cached writer of a store that was closed (its saves ended with it)."""
+    """Close the cached writer of a store that was closed (its saves ended with it), or of a
+    model removed since."""
     try:
         writer.close()
     except Exception as e:  # noqa: BLE001 - its region is gone; nothing of it is needed

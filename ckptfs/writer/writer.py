@@ -24,7 +24,7 @@ from concurrent.futures import Future, InvalidStateError
 
 import torch
 
-from ckptfs.errors import BusyError, CkptfsError
+from ckptfs.errors import BusyError, CkptfsError, NotFoundError
 from ckptfs.manifest import align_up, encode_files
 from ckptfs.memcopy import default_copy_threads
 from ckptfs.region.format import SLOTS_MAX
@@ -232,6 +232,18 @@ class Writer:
         if first_error is not None:
             raise first_error
         return results
+
+    def model_removed(self) -> bool:
+        """Whether the model this writer saved to was removed since (``Store.remove_model``):
+        its next save would fail with NotFoundError (a new writer makes the model again)."""
+        ring = self._ring
+        if ring is None:
+            return False
+        try:
+            ring.refresh()
+            return False
+        except NotFoundError:
+            return True
 
     def close(self) -> None:
         """Wait for every save, then stop the workers and free the staging memory."""
