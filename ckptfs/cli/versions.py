@@ -123,7 +123,8 @@ def verify(region, step, model):
 
 @cli.command()
 @region_option
-@click.option("--all", "all_", is_flag=True, help="Remove MODEL itself with every version (a multi-rank model with its ranks' parts).")
+@click.option("--all", "all_", is_flag=True,
+              help="Remove MODEL itself with every version (a multi-rank model with its ranks' parts).")
 @click.option("--step", "step_options", type=STEP, multiple=True,
               help="A version to remove (repeatable; the same as a STEPS argument).")
 @click.argument("model")
