@@ -115,6 +115,8 @@ def reclaim(store, model: str, keep_step: int) -> None:
 def keep_parts(store, model: str, step: int) -> None:
     """Keep the parts in ``store``'s region of global version ``step`` of ``model`` (nothing for
     a version that is not one); CkptfsError, nothing kept, if one of them is gone."""
+    if not part_models(store, model):
+        return  # a model of one process (its index is not decoded for nothing: 40,000 tensors, 0.2 s)
     here = store.region.superblock.uuid.hex()
     with store.open_version(model, step) as v:
         text = dict(v.manifest.files).get(METADATA_FILE)
