@@ -5,10 +5,11 @@
     dcp.load(state_dict, storage_reader=ckptfs.dcp.StorageReader(store, "gpt2"))  # newest global step
 
 DCP's planners shard, deduplicate and reshard; ckptfs stores each rank's part and commits the
-global version once every part is durable (``ckptfs.dist.storage``; the load: ``ckptfs.dist.reader``). ``ckptfs.dcp`` is this
-package. Its names are imported on first use: importing torch.distributed.checkpoint takes half
-a second, which a single-process user of the package's light modules (``ckptfs.dist.names``,
-``ckptfs.dist.whole``: the mount, the CLI) does not pay.
+global version once every part is durable (``ckptfs.dist.storage``; the load:
+``ckptfs.dist.reader``). ``ckptfs.dcp`` is this package. Its names are imported on first use:
+importing torch.distributed.checkpoint takes half a second, which a single-process user of the
+package's light modules (``ckptfs.dist.names``, ``ckptfs.dist.parts``, ``ckptfs.dist.whole``:
+the mount, the CLI) does not pay.
 """
 from importlib import import_module
 

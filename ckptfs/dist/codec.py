@@ -105,9 +105,21 @@ def placed_parts(text: str) -> set[tuple[str, int, int]]:
     """(region, rank, counter) of every part that ``encode_metadata``'s document ``text`` (a
     global version's, with its places) names; read as plain JSON, without making DCP's objects."""
     try:
-        return {(place["region"], place["rank"], place["counter"]) for _, place in json.loads(text)["storage_data"]}
+        return _parts_of_places(place for _, place in json.loads(text)["storage_data"])
     except (ValueError, KeyError, TypeError) as e:
         raise MalformedInputError(f"the DCP metadata of this checkpoint is damaged or not ckptfs's: {e}") from None
+
+
+def part_places(metadata: Metadata) -> list[tuple[int, str, int]]:
+    """(rank, region, counter) of every part that a decoded global version's metadata names,
+    by rank."""
+    return sorted((rank, region, counter) for region, rank, counter in _parts_of_places(metadata.storage_data.values()))
+
+
+def _parts_of_places(places) -> set[tuple[str, int, int]]:
+    """(region, rank, counter) of the parts that items' places (``{region, rank, counter,
+    pos}``, as the global commit records them) name."""
+    return {(place["region"], place["rank"], place["counter"]) for place in places}
 
 
 class PlacedMetadata:

@@ -14,24 +14,19 @@ from ckptfs.errors import BusyError, CkptfsError, CorruptionError, NotFoundError
 def checkpoint_bytes(store, model: str, step: int) -> tuple[int, int, int] | None:
     """(bytes of the parts in ``store``'s region, ranks, ranks whose part is in another region)
     of the global DCP version ``step`` of ``model``, or None if that version is not one."""
-    from ckptfs.dist.codec import decode_metadata  # imports torch.distributed.checkpoint
+    from ckptfs.dist.codec import placed_parts  # imports torch.distributed.checkpoint
 
     with store.open_version(model, step) as v:
         text = dict(v.manifest.files).get(METADATA_FILE)
     if text is None:
         return None
     here = store.region.superblock.uuid.hex()
-    parts = part_places(decode_metadata(text))
+    parts = [(rank, region, counter) for region, rank, counter in placed_parts(text)]
     nbytes = 0
     for rank, region, counter in parts:
         if region == here:
             nbytes += sum(x.data_bytes for x in store.versions(part_model(model, rank)) if x.counter == counter)
     return nbytes, len({rank for rank, _, _ in parts}), len({rank for rank, region, _ in parts if region != here})
-
-
-def part_places(metadata) -> list[tuple[int, str, int]]:
-    """(rank, region, counter) of every part a global version's metadata names, by rank."""
-    return sorted({(w["rank"], w["region"], w["counter"]) for w in metadata.storage_data.values()})
 
 
 def open_part(store, model: str, rank: int, counter: int, checked: set[int] | None = None):

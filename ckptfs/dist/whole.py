@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 from ckptfs.checksum import crc32, crc32_combine
 from ckptfs.dist.names import METADATA_FILE, is_global_version
-from ckptfs.dist.parts import item_records, open_part, part_places
+from ckptfs.dist.parts import item_records, open_part
 from ckptfs.errors import CorruptionError
 from ckptfs.manifest import ITEMSIZE, Manifest, TensorRecord, expected_nbytes
 
@@ -85,7 +85,7 @@ def plan_whole(store, version) -> WholeLayout | None:
         return None
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from ckptfs.dist.codec import decode_metadata
+    from ckptfs.dist.codec import decode_metadata, part_places
 
     meta = decode_metadata(dict(version.manifest.files)[METADATA_FILE])
     here = store.region.superblock.uuid.hex()
