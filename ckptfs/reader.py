@@ -21,15 +21,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from ckptfs.checksum import crc32, crc32_pieces
-from ckptfs.chunks import Chunk, plan_chunks, tensor_crcs
+from ckptfs.chunks import IO_ALIGN_BYTES, Chunk, plan_chunks, tensor_crcs
 from ckptfs.errors import CorruptionError
-from ckptfs.manifest import Manifest, TensorRecord
+from ckptfs.manifest import Manifest, TensorRecord, align_up
 from ckptfs.writer.staging import StagingBuffer
 
 if TYPE_CHECKING:
     import torch
 
 READ_CHUNK_BYTES = 32 << 20
+SKIP_GAP_BYTES = 1 << 20  # a scan of some tensors reads across a gap this size between two of them
 READ_THREADS = 3
 CHECK_BLOCK_BYTES = 8 << 20  # a tensor checked through the mapping is read in blocks this size,
 PREFETCH_AHEAD_BYTES = 16 << 20  # with this much asked for ahead of the block being checksummed
@@ -292,8 +293,8 @@ class VersionData:
         """Read the whole data area chunk by chunk, calling ``on_chunk(buffer, chunk)`` for each;
         return (record, CRC as read) of every tensor whose bytes fail their checksum (the intact
         ones are remembered as checked). ``only``: the indices of the tensors wanted; just the
-        chunks that hold their bytes are read (``on_chunk`` may see other tensors' pieces in
-        them), and only they are checked."""
+        pages that hold their bytes are read (``on_chunk`` sees only their pieces), and only
+        they are checked."""
         crcs = _scan(self._region, self._data_base, self.manifest, on_chunk, progress, only)
         bad = []
         for index, (record, crc) in enumerate(zip(self.manifest.tensors, crcs, strict=True)):
@@ -319,12 +320,32 @@ class VersionData:
                 for r, crc in self.scan(None, progress)]
 
 
+def _wanted_runs(chunk: Chunk, only: set[int]) -> list[Chunk]:
+    """The parts of ``chunk`` that hold the pieces of the tensors in ``only``, page-aligned, as
+    chunks of their own (a gap of more than SKIP_GAP_BYTES between two wanted pieces is not
+    read): a load that wants a few small tensors of a part (a replicated optimizer scalar, one
+    row of a shard) reads those pages, not the 32 MiB chunks around them."""
+    runs, wanted = [], [p for p in chunk.pieces if p.tensor in only]
+    i = 0
+    while i < len(wanted):
+        j = i + 1
+        while j < len(wanted) and wanted[j].buffer_start - (wanted[j - 1].buffer_start + wanted[j - 1].length) \
+                <= SKIP_GAP_BYTES:
+            j += 1
+        lo = wanted[i].buffer_start // IO_ALIGN_BYTES * IO_ALIGN_BYTES
+        hi = min(align_up(wanted[j - 1].buffer_start + wanted[j - 1].length, IO_ALIGN_BYTES), chunk.length)
+        runs.append(Chunk(chunk.start + lo, hi - lo,
+                          tuple(p._replace(buffer_start=p.buffer_start - lo) for p in wanted[i:j])))
+        i = j
+    return runs
+
+
 def _scan(region, data_base: int, manifest: Manifest, on_chunk, progress, only: set[int] | None = None) -> list[int]:
     """The CRC32 of every tensor (of those in ``only``; the others' are meaningless) as read,
     chunk by chunk through bounce buffers."""
     chunks = plan_chunks(manifest.tensors, manifest.data_bytes, READ_CHUNK_BYTES)
     if only is not None:
-        chunks = [c for c in chunks if any(p.tensor in only for p in c.pieces)]
+        chunks = [run for c in chunks for run in _wanted_runs(c, only)]
     buffer_bytes = max((c.length for c in chunks), default=0)
     crcs_of: dict[int, list[int]] = {}  # chunk.start -> the CRCs of its pieces
     mutex = threading.Lock()

@@ -273,3 +273,31 @@ def test_a_damaged_tensor_checked_ahead_is_still_refused_at_its_read(damaged):
         _wait_ahead(v.data)
         with pytest.raises(CorruptionError, match="tensor 'b' of m step 1"):
             v.read(b.offset + 100, 1)
+
+
+def test_a_scan_of_some_tensors_reads_only_their_pages(tmp_path, monkeypatch):
+    """``scan(only=)`` (a resharded load's read of one part) reads the pages of the wanted
+    tensors, not the 32 MiB chunks around them: a small tensor between two large ones costs
+    its own pages; the wanted tensors are checked (a damaged one reported), the others not."""
+    state = {"big0": torch.ones(6 * MIB // 4), "small": torch.arange(1000, dtype=torch.float32),
+             "big1": torch.full((6 * MIB // 4,), 2.0), "tail": torch.arange(10, dtype=torch.int64)}
+    path = str(tmp_path / "r.region")
+    _saved_with_a_flipped_bit(path, state, "big1", 100)
+    with ckptfs.Store(path) as s, s.open_version("m") as v:
+        index = {r.name: i for i, r in enumerate(v.manifest.tensors)}
+        reads = []
+        real = s.region.backend.read_direct
+        monkeypatch.setattr(s.region.backend, "read_direct", lambda at, view: (reads.append(len(view)), real(at, view)))
+        got = {}
+
+        def on_chunk(buf, chunk):
+            for p in chunk.pieces:
+                got.setdefault(p.tensor, bytearray()).extend(buf.mapping[p.buffer_start:p.buffer_start + p.length])
+
+        assert v.data.scan(on_chunk, only={index["small"], index["tail"]}) == []
+        assert sum(reads) <= 3 * 4096, reads  # two runs of pages, not the 12 MiB chunk
+        assert set(got) == {index["small"], index["tail"]}
+        assert bytes(got[index["small"]]) == state["small"].numpy().tobytes()
+        assert bytes(got[index["tail"]]) == state["tail"].numpy().tobytes()
+        bad = v.data.scan(None, only={index["big1"]})
+        assert [r.name for r, _ in bad] == ["big1"]

@@ -21,6 +21,7 @@ from ckptfs.dist.load import read_into_plan
 from ckptfs.dist.names import METADATA_FILE, is_global_version
 from ckptfs.dist.parts import item_records, open_part
 from ckptfs.errors import CorruptionError, NotFoundError, no_version_yet
+from ckptfs.gcpause import paused_gc
 
 
 class StorageReader(_DCPReader):
@@ -56,6 +57,10 @@ class StorageReader(_DCPReader):
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         # every rank runs this (DCP's local step of a load): the ranks agree on the step here
+        with paused_gc():  # the metadata's thousands of objects: see ckptfs.gcpause
+            return self._read_metadata()
+
+    def _read_metadata(self) -> Metadata:
         steps = {v.step for v in self.store.versions(self.model, missing_ok=True)}
         if self.step is not None:
             steps &= {self.step}
@@ -94,6 +99,13 @@ class StorageReader(_DCPReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        with paused_gc():
+            self._read_data(plan, planner)
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+    def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         storage = self.metadata.storage_data
         by_part: dict[tuple, list] = {}
         for item in plan.items:
@@ -103,9 +115,6 @@ class StorageReader(_DCPReader):
             with open_part(self._store_of(region, rank), self.model, rank, counter) as part:
                 stored = item_records(part)
                 read_into_plan(part.data, [(item, stored[pos]) for item, pos in items], planner)
-        done: Future = Future()
-        done.set_result(None)
-        return done
 
     def _store_of(self, region: str, rank: int):
         store = self.regions.get(region)

@@ -39,6 +39,7 @@ from ckptfs.dist.group import Arrival, check_agreement, coordination, exchange, 
 from ckptfs.dist.reader import StorageReader
 from ckptfs.dist.storage import StorageWriter, write_results
 from ckptfs.errors import BusyError, CkptfsError
+from ckptfs.gcpause import paused_gc
 from ckptfs.writer.job import check_positive, is_kept
 
 
@@ -323,7 +324,8 @@ def load(store, model: str, into: dict, *, group=None, step: int | None = None, 
     gloo = _gloo_group(group, timeout_s)
     reader = StorageReader(store, model, step, peers=peers, timeout_s=timeout_s, group=gloo)
     try:
-        dcp.load(into, storage_reader=reader, process_group=gloo)
+        with paused_gc():  # DCP's planning and ours make and drop many objects: see ckptfs.gcpause
+            dcp.load(into, storage_reader=reader, process_group=gloo)
     except CheckpointException as e:  # DCP's wrapping of every failed rank's error: say it as ckptfs's
         failures = {rank: error for rank, (error, _) in e.failures.items()}
         rank = this_rank()
