@@ -1,11 +1,11 @@
-"""Persist phase of a save: worker threads write the staged chunks into the claimed slot, take the
-CRCs, and commit through the region's slot lifecycle (ckptfs.region.ring) after the last chunk.
-``WriteGate`` paces the chunk writes against a snapshot copy the caller is waiting for; the CRCs of
-chunks written while it runs are parked until it is taken (``PersistPipeline.unpark``).
+"""Persist phase of a save: worker threads write the staged chunks into the claimed slot, checksum
+threads take their CRCs, and the last chunk's commits through the region's slot lifecycle
+(ckptfs.region.ring). ``WriteGate`` paces the chunk writes against a snapshot copy the caller is
+waiting for; the CRCs of chunks written while it runs are parked until it is taken
+(``PersistPipeline.unpark``).
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import queue
@@ -77,12 +77,20 @@ class PersistPipeline:
         self._progress = progress
         self._finish = finish
         self._queue: queue.Queue = queue.Queue()
-        # parked CRCs let go by a taken snapshot: taken before the queued chunks, as they hold
-        # staging buffers the next snapshot may need (one queue token per item wakes a worker)
-        self._unparked: collections.deque = collections.deque()
         self._workers = [threading.Thread(target=self._loop, name=f"ckptfs-persist-{i}", daemon=True)
                          for i in range(threads)]
-        for w in self._workers:
+        # The CRCs on threads of their own, so that a persist worker issues its next write as soon
+        # as the last one is done: taken by the worker after each write, they left the device idle
+        # while both workers checksummed (2 GiB flat, steady state: durable 0.40 s where the same
+        # saves without CRCs took 0.35 s and the raw overwrite 0.30 s). The last chunk's checksum
+        # commits the version: as many threads as writers, so that one save's commit waiting on
+        # a slow barrier holds up neither the CRCs nor the commit of the next.
+        # (threads of its own, not a ThreadPoolExecutor: saves drained at the interpreter's exit
+        # still checksum, where an executor refuses new work)
+        self._checksums: queue.Queue = queue.Queue()
+        self._checksummers = [threading.Thread(target=self._checksum_loop, name=f"ckptfs-crc-{i}", daemon=True)
+                              for i in range(threads)]
+        for w in self._workers + self._checksummers:
             w.start()
 
     def begin(self, job: Job) -> None:
@@ -96,57 +104,38 @@ class PersistPipeline:
 
     def unpark(self, job: Job) -> None:
         """The snapshot of ``job`` is taken, failed, or waits for a staging buffer: its parked
-        CRCs are queued ahead of the chunks, and its later chunks are checksummed as they are
-        written. Idempotent."""
+        CRCs are taken now (their buffers then go back), and its later chunks are checksummed as
+        they are written. Idempotent."""
         with job.mutex:
             job.parking = False
             parked, job.parked = job.parked, []
         for chunk, buf, pool in parked:
-            self._unparked.append((job, chunk, buf, pool, None))
-            self._queue.put(("unparked", job))
+            self._checksums.put((job, chunk, buf, pool))
 
     def close(self) -> None:
         for _ in self._workers:
             self._queue.put(None)
         for w in self._workers:
             w.join()
+        for _ in self._checksummers:  # after the workers: they queue checksums
+            self._checksums.put(None)
+        for w in self._checksummers:
+            w.join()
 
     # ------------------------------------------------------------------ workers
     def _loop(self) -> None:
         while True:
-            # One parked CRC before each next item: taken by its token at the back of the queue,
-            # behind the chunks queued meanwhile, the CRCs of every chunk written during the
-            # snapshot were left for the end of the save (10-15 ms on one thread after the last
-            # write, of a 0.4 s save); here they are taken while the other workers' writes keep
-            # the device busy.
-            try:
-                parked = self._unparked.popleft()
-            except IndexError:
-                pass
-            else:
-                self._run("unparked", parked[0], parked)
             item = self._queue.get()
             if item is None:
                 return
             kind, job = item[0], item[1]
-            if kind == "unparked":
-                try:
-                    item = self._unparked.popleft()
-                except IndexError:
-                    continue  # another worker took it first
-                job = item[0]
-            self._run(kind, job, item)
-
-    def _run(self, kind: str, job: Job, item: tuple) -> None:
-        try:
-            if kind == "begin":
-                self._begin(job)
-            elif kind == "unparked":
-                self._checksum(*item)
-            else:
-                self._persist_chunk(job, *item[2:])
-        except BaseException as e:  # noqa: BLE001 - delivered through the future
-            self.fail(job, e)
+            try:
+                if kind == "begin":
+                    self._begin(job)
+                else:
+                    self._persist_chunk(job, *item[2:])
+            except BaseException as e:  # noqa: BLE001 - delivered through the future
+                self.fail(job, e)
 
     def _begin(self, job: Job) -> None:
         job.claim.begin()
@@ -165,9 +154,10 @@ class PersistPipeline:
         except BaseException:
             pool.release(buf)
             raise
-        if crcs is None and self._park(job, chunk, buf, pool):
-            return
-        self._checksum(job, chunk, buf, pool, crcs)
+        if crcs is not None:
+            self._checksum(job, chunk, buf, pool, crcs)  # taken by the snapshot: only counted here
+        elif not self._park(job, chunk, buf, pool):
+            self._checksums.put((job, chunk, buf, pool))
 
     @staticmethod
     def _park(job: Job, chunk: Chunk, buf: StagingBuffer, pool: StagingPool) -> bool:
@@ -179,6 +169,18 @@ class PersistPipeline:
                 job.parked.append((chunk, buf, pool))
                 return True
         return False
+
+    def _checksum_loop(self) -> None:
+        """A checksum thread: ``_checksum`` of each written chunk queued; an error fails its job."""
+        while True:
+            item = self._checksums.get()
+            if item is None:
+                return
+            job = item[0]
+            try:
+                self._checksum(*item, None)
+            except BaseException as e:  # noqa: BLE001 - delivered through the future
+                self.fail(job, e)
 
     def _checksum(self, job: Job, chunk: Chunk, buf: StagingBuffer, pool: StagingPool, crcs) -> None:
         """Take a written chunk's CRCs (unless the snapshot did), give its buffer back, count it;
