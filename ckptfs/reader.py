@@ -6,10 +6,10 @@ Two ways in, one rule:
   * ``read(offset, length)``: a range of the data area, zero-copy from the shared mapping. Every
     tensor the range touches is checksummed whole on first touch (then remembered: a committed
     version cannot change while pinned), so damaged bytes never leave as if they were data;
-  * ``scan(on_chunk)``: the whole data area in chunks (the write path's chunking) with a few
-    threads, each reading a chunk into its own page-aligned bounce buffer bypassing the page
-    cache; the CRCs are taken as the chunks stream by, at no extra pass over the data. Load and
-    verify use it.
+  * ``scan(on_chunk)``: the whole data area in chunks (the write path's chunking): reader
+    threads read them into a small pool of page-aligned bounce buffers, bypassing the page
+    cache, and checker threads copy each out and take its CRCs as the chunks stream by, at no
+    extra pass over the data. Load and verify use it.
 """
 from __future__ import annotations
 
@@ -31,7 +31,9 @@ if TYPE_CHECKING:
 
 READ_CHUNK_BYTES = 32 << 20
 SKIP_GAP_BYTES = 1 << 20  # a scan of some tensors reads across a gap this size between two of them
-READ_THREADS = 3
+READ_THREADS = 3  # a scan's threads that only read,
+CHECK_THREADS = 2  # those that copy out and checksum what they read,
+READ_BUFFERS = 6  # and the buffers between them
 CHECK_BLOCK_BYTES = 8 << 20  # a tensor checked through the mapping is read in blocks this size,
 PREFETCH_AHEAD_BYTES = 16 << 20  # with this much asked for ahead of the block being checksummed
 CHECK_AHEAD_BYTES = 64 << 20  # the tensors this far past a read are checked in the background
@@ -342,26 +344,26 @@ def _wanted_runs(chunk: Chunk, only: set[int]) -> list[Chunk]:
 
 def _scan(region, data_base: int, manifest: Manifest, on_chunk, progress, only: set[int] | None = None) -> list[int]:
     """The CRC32 of every tensor (of those in ``only``; the others' are meaningless) as read,
-    chunk by chunk through bounce buffers."""
+    chunk by chunk through bounce buffers.
+
+    Reader threads only read, each chunk into a free buffer of a small pool, and hand it to
+    checker threads that copy it out (``on_chunk``) and checksum it, then give the buffer back:
+    a reader that copied and checksummed each chunk itself before its next read left the device
+    waiting meanwhile (as the persist workers' CRCs did on the write path)."""
     chunks = plan_chunks(manifest.tensors, manifest.data_bytes, READ_CHUNK_BYTES)
     if only is not None:
         chunks = [run for c in chunks for run in _wanted_runs(c, only)]
-    buffer_bytes = max((c.length for c in chunks), default=0)
     crcs_of: dict[int, list[int]] = {}  # chunk.start -> the CRCs of its pieces
     mutex = threading.Lock()
-    local = threading.local()
-    buffers: list[StagingBuffer] = []
+    buffers = _BufferPool(max((c.length for c in chunks), default=0), min(READ_BUFFERS, len(chunks)))
 
-    def work(chunk: Chunk) -> None:
-        buf = getattr(local, "buf", None)
-        if buf is None:
-            buf = local.buf = StagingBuffer(buffer_bytes, pinned=False)
-            with mutex:
-                buffers.append(buf)
-        region.backend.read_direct(data_base + chunk.start, memoryview(buf.mapping)[:chunk.length])
-        if on_chunk is not None:
-            on_chunk(buf, chunk)
-        crcs = crc32_pieces(buf.mapping, chunk.pieces)
+    def check(buf: StagingBuffer, chunk: Chunk) -> None:
+        try:
+            if on_chunk is not None:
+                on_chunk(buf, chunk)
+            crcs = crc32_pieces(buf.mapping, chunk.pieces)
+        finally:
+            buffers.release(buf)
         with mutex:
             crcs_of[chunk.start] = crcs
         if progress:
@@ -370,11 +372,72 @@ def _scan(region, data_base: int, manifest: Manifest, on_chunk, progress, only: 
     try:
         if len(chunks) <= 1:
             for chunk in chunks:
-                work(chunk)
+                buf = buffers.acquire()
+                _read_chunk(region, data_base, chunk, buf, buffers)
+                check(buf, chunk)
         else:
-            with ThreadPoolExecutor(min(READ_THREADS, len(chunks)), thread_name_prefix="ckptfs-read") as pool:
-                list(pool.map(work, chunks))
+            _read_and_check(region, data_base, chunks, buffers, check)
     finally:
-        for buf in buffers:
-            buf.close()
+        buffers.close()
     return tensor_crcs(chunks, crcs_of, len(manifest.tensors))
+
+
+def _read_chunk(region, data_base: int, chunk: Chunk, buf: StagingBuffer, buffers: "_BufferPool") -> None:
+    """Read ``chunk`` into ``buf`` (given back to ``buffers`` if the read fails)."""
+    try:
+        region.backend.read_direct(data_base + chunk.start, memoryview(buf.mapping)[:chunk.length])
+    except BaseException:
+        buffers.release(buf)
+        raise
+
+
+def _read_and_check(region, data_base: int, chunks: list[Chunk], buffers: "_BufferPool", check) -> None:
+    """``chunks`` read on READ_THREADS threads, each handed to ``check`` on CHECK_THREADS others;
+    returns once every check is done, raising the first error of either."""
+    checks = []
+    with ThreadPoolExecutor(min(CHECK_THREADS, len(chunks)), thread_name_prefix="ckptfs-check") as checkers:
+        def read(chunk: Chunk) -> None:
+            buf = buffers.acquire()
+            _read_chunk(region, data_base, chunk, buf, buffers)
+            checks.append(checkers.submit(check, buf, chunk))
+
+        readers = ThreadPoolExecutor(min(READ_THREADS, len(chunks)), thread_name_prefix="ckptfs-read")
+        try:
+            for done in [readers.submit(read, chunk) for chunk in chunks]:
+                done.result()
+        finally:
+            readers.shutdown(wait=True, cancel_futures=True)  # after an error: no more reads
+            for done in checks:  # every check ends (and gives its buffer back) before the pool closes
+                done.exception()
+    for done in checks:
+        done.result()
+
+
+class _BufferPool:
+    """Up to ``count`` page-aligned read buffers of ``nbytes``, made on first need."""
+
+    def __init__(self, nbytes: int, count: int):
+        self._nbytes = nbytes
+        self._count = max(count, 1)
+        self._free: list[StagingBuffer] = []
+        self._all: list[StagingBuffer] = []
+        self._cond = threading.Condition()
+
+    def acquire(self) -> StagingBuffer:
+        with self._cond:
+            while not self._free and len(self._all) >= self._count:
+                self._cond.wait()
+            if self._free:
+                return self._free.pop()
+            buf = StagingBuffer(self._nbytes, pinned=False)
+            self._all.append(buf)
+            return buf
+
+    def release(self, buf: StagingBuffer) -> None:
+        with self._cond:
+            self._free.append(buf)
+            self._cond.notify()
+
+    def close(self) -> None:
+        for buf in self._all:
+            buf.close()

@@ -301,3 +301,33 @@ def test_a_scan_of_some_tensors_reads_only_their_pages(tmp_path, monkeypatch):
         assert bytes(got[index["tail"]]) == state["tail"].numpy().tobytes()
         bad = v.data.scan(None, only={index["big1"]})
         assert [r.name for r, _ in bad] == ["big1"]
+
+
+def test_a_scan_stops_reading_at_a_failed_read_and_says_so(tmp_path, monkeypatch):
+    """A read that fails in the middle of a scan (reader threads ahead of checker threads) fails
+    the load with that error; the reads not yet started are dropped, not done for nothing, and
+    every buffer is given back (the scan returns)."""
+    from ckptfs import reader
+    from ckptfs.errors import RegionIOError
+
+    monkeypatch.setattr(reader, "READ_CHUNK_BYTES", MIB)
+    state = {f"t{i}": torch.full((MIB // 4,), float(i)) for i in range(24)}
+    path = str(tmp_path / "r.region")
+    with ckptfs.Store.create(path, size_bytes=128 << 20) as s:
+        with s.writer("m") as w:
+            w.save(state, step=1).result()
+        reads = []
+        real = s.region.backend.read_direct
+
+        def failing(at, view):
+            reads.append(at)
+            if len(reads) == 3:
+                raise RegionIOError("injected: the device failed a read", 5, "pread")
+            return real(at, view)
+
+        monkeypatch.setattr(s.region.backend, "read_direct", failing)
+        with pytest.raises(RegionIOError, match="injected"):
+            s.load("m")
+        assert len(reads) < 12, len(reads)  # of 24 chunks
+        monkeypatch.setattr(s.region.backend, "read_direct", real)
+        assert torch.equal(s.load("m")["t23"], state["t23"])
