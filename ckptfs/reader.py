@@ -291,13 +291,19 @@ class VersionData:
     # ------------------------------------------------------------------ streaming
     def scan(self, on_chunk: Callable[[StagingBuffer, Chunk], None] | None = None,
              progress: Callable[[int], None] | None = None,
-             only: set[int] | None = None) -> list[tuple[TensorRecord, int]]:
+             only: set[int] | None = None,
+             buffers: "ReadBuffers | None" = None) -> list[tuple[TensorRecord, int]]:
         """Read the whole data area chunk by chunk, calling ``on_chunk(buffer, chunk)`` for each;
         return (record, CRC as read) of every tensor whose bytes fail their checksum (the intact
         ones are remembered as checked). ``only``: the indices of the tensors wanted; just the
         pages that hold their bytes are read (``on_chunk`` sees only their pieces), and only
-        they are checked."""
-        crcs = _scan(self._region, self._data_base, self.manifest, on_chunk, progress, only)
+        they are checked. ``buffers``: the read buffers to use (``ReadBuffers``: a load of several
+        versions, as a resharded load's parts, faults in one set, not one per version)."""
+        if buffers is None:
+            with ReadBuffers() as buffers:
+                crcs = _scan(self._region, self._data_base, self.manifest, on_chunk, progress, only, buffers)
+        else:
+            crcs = _scan(self._region, self._data_base, self.manifest, on_chunk, progress, only, buffers)
         bad = []
         for index, (record, crc) in enumerate(zip(self.manifest.tensors, crcs, strict=True)):
             if only is not None and index not in only:
@@ -342,7 +348,8 @@ def _wanted_runs(chunk: Chunk, only: set[int]) -> list[Chunk]:
     return runs
 
 
-def _scan(region, data_base: int, manifest: Manifest, on_chunk, progress, only: set[int] | None = None) -> list[int]:
+def _scan(region, data_base: int, manifest: Manifest, on_chunk, progress, only: set[int] | None,
+          buffers: "ReadBuffers") -> list[int]:
     """The CRC32 of every tensor (of those in ``only``; the others' are meaningless) as read,
     chunk by chunk through bounce buffers.
 
@@ -355,7 +362,7 @@ def _scan(region, data_base: int, manifest: Manifest, on_chunk, progress, only: 
         chunks = [run for c in chunks for run in _wanted_runs(c, only)]
     crcs_of: dict[int, list[int]] = {}  # chunk.start -> the CRCs of its pieces
     mutex = threading.Lock()
-    buffers = _BufferPool(max((c.length for c in chunks), default=0), min(READ_BUFFERS, len(chunks)))
+    buffers.fit(max((c.length for c in chunks), default=0))
 
     def check(buf: StagingBuffer, chunk: Chunk) -> None:
         try:
@@ -369,20 +376,17 @@ def _scan(region, data_base: int, manifest: Manifest, on_chunk, progress, only: 
         if progress:
             progress(chunk.length)
 
-    try:
-        if len(chunks) <= 1:
-            for chunk in chunks:
-                buf = buffers.acquire()
-                _read_chunk(region, data_base, chunk, buf, buffers)
-                check(buf, chunk)
-        else:
-            _read_and_check(region, data_base, chunks, buffers, check)
-    finally:
-        buffers.close()
+    if len(chunks) <= 1:
+        for chunk in chunks:
+            buf = buffers.acquire()
+            _read_chunk(region, data_base, chunk, buf, buffers)
+            check(buf, chunk)
+    else:
+        _read_and_check(region, data_base, chunks, buffers, check)
     return tensor_crcs(chunks, crcs_of, len(manifest.tensors))
 
 
-def _read_chunk(region, data_base: int, chunk: Chunk, buf: StagingBuffer, buffers: "_BufferPool") -> None:
+def _read_chunk(region, data_base: int, chunk: Chunk, buf: StagingBuffer, buffers: "ReadBuffers") -> None:
     """Read ``chunk`` into ``buf`` (given back to ``buffers`` if the read fails)."""
     try:
         region.backend.read_direct(data_base + chunk.start, memoryview(buf.mapping)[:chunk.length])
@@ -391,7 +395,7 @@ def _read_chunk(region, data_base: int, chunk: Chunk, buf: StagingBuffer, buffer
         raise
 
 
-def _read_and_check(region, data_base: int, chunks: list[Chunk], buffers: "_BufferPool", check) -> None:
+def _read_and_check(region, data_base: int, chunks: list[Chunk], buffers: "ReadBuffers", check) -> None:
     """``chunks`` read on READ_THREADS threads, each handed to ``check`` on CHECK_THREADS others;
     returns once every check is done, raising the first error of either."""
     checks = []
@@ -413,19 +417,31 @@ def _read_and_check(region, data_base: int, chunks: list[Chunk], buffers: "_Buff
         done.result()
 
 
-class _BufferPool:
-    """Up to ``count`` page-aligned read buffers of ``nbytes``, made on first need."""
+class ReadBuffers:
+    """The bounce buffers of scans, one scan at a time: up to READ_BUFFERS, page-aligned, of the
+    largest chunk a scan asked for (``fit``), made on first need and freed on ``close`` (a
+    context manager). Fresh memory is faulted in at a cost (30-300 ms for a set on the VM
+    measured): a load of several versions shares one set."""
 
-    def __init__(self, nbytes: int, count: int):
-        self._nbytes = nbytes
-        self._count = max(count, 1)
+    def __init__(self):
+        self._nbytes = 0
         self._free: list[StagingBuffer] = []
         self._all: list[StagingBuffer] = []
         self._cond = threading.Condition()
 
+    def fit(self, nbytes: int) -> None:
+        """Before a scan whose chunks are up to ``nbytes``: smaller buffers are let go."""
+        with self._cond:
+            if nbytes > self._nbytes:
+                for buf in self._free:
+                    buf.close()
+                    self._all.remove(buf)
+                self._free.clear()
+                self._nbytes = nbytes
+
     def acquire(self) -> StagingBuffer:
         with self._cond:
-            while not self._free and len(self._all) >= self._count:
+            while not self._free and len(self._all) >= READ_BUFFERS:
                 self._cond.wait()
             if self._free:
                 return self._free.pop()
@@ -439,5 +455,14 @@ class _BufferPool:
             self._cond.notify()
 
     def close(self) -> None:
-        for buf in self._all:
-            buf.close()
+        with self._cond:
+            for buf in self._all:
+                buf.close()
+            self._all.clear()
+            self._free.clear()
+
+    def __enter__(self) -> "ReadBuffers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -29,10 +29,11 @@ class _Target:
     direct: bool  # filled by the scan itself, else from the whole stored tensor afterwards
 
 
-def read_into_plan(data, items: list[tuple[object, int]], planner: LoadPlanner) -> None:
+def read_into_plan(data, items: list[tuple[object, int]], planner: LoadPlanner, buffers=None) -> None:
     """Read ``items`` ((ReadItem, stored tensor index) of one part, whose VersionData is ``data``)
     into ``planner``'s targets and commit each; CorruptionError naming the first damaged tensor
-    (the targets may then hold some of its bytes: the load has failed)."""
+    (the targets may then hold some of its bytes: the load has failed). ``buffers``: the
+    load's ckptfs.reader.ReadBuffers, shared by its parts."""
     records = data.manifest.tensors
     targets, sinks, wholes = [], {}, {}
     for item, index in items:
@@ -52,7 +53,7 @@ def read_into_plan(data, items: list[tuple[object, int]], planner: LoadPlanner) 
             sinks.setdefault(index, []).append((0, record.nbytes, wholes[index]))
 
     wanted = {index for index in sinks if records[index].nbytes}
-    bad = data.scan(copy_out(sinks, records), only=wanted) if wanted else []
+    bad = data.scan(copy_out(sinks, records), only=wanted, buffers=buffers) if wanted else []
     if bad:
         raise CorruptionError(data.damage_message(bad[0][0]))
     for t in targets:

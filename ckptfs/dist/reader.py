@@ -22,6 +22,7 @@ from ckptfs.dist.names import METADATA_FILE, is_global_version
 from ckptfs.dist.parts import item_records, open_part
 from ckptfs.errors import CorruptionError, NotFoundError, no_version_yet
 from ckptfs.gcpause import paused_gc
+from ckptfs.reader import ReadBuffers
 
 
 class StorageReader(_DCPReader):
@@ -111,10 +112,11 @@ class StorageReader(_DCPReader):
         for item in plan.items:
             where = storage[item.storage_index]
             by_part.setdefault((where["region"], where["rank"], where["counter"]), []).append((item, where["pos"]))
-        for (region, rank, counter), items in sorted(by_part.items()):
-            with open_part(self._store_of(region, rank), self.model, rank, counter) as part:
-                stored = item_records(part)
-                read_into_plan(part.data, [(item, stored[pos]) for item, pos in items], planner)
+        with ReadBuffers() as buffers:  # one set for every part's scan
+            for (region, rank, counter), items in sorted(by_part.items()):
+                with open_part(self._store_of(region, rank), self.model, rank, counter) as part:
+                    stored = item_records(part)
+                    read_into_plan(part.data, [(item, stored[pos]) for item, pos in items], planner, buffers)
 
     def _store_of(self, region: str, rank: int):
         store = self.regions.get(region)
