@@ -299,20 +299,19 @@ class VersionData:
         pages that hold their bytes are read (``on_chunk`` sees only their pieces), and only
         they are checked. ``buffers``: the read buffers to use (``ReadBuffers``: a load of several
         versions, as a resharded load's parts, faults in one set, not one per version)."""
+        scan = self.scanner(on_chunk, progress, only)
         if buffers is None:
             with ReadBuffers() as buffers:
-                crcs = _scan(self._region, self._data_base, self.manifest, on_chunk, progress, only, buffers)
+                scan_together([scan], buffers)
         else:
-            crcs = _scan(self._region, self._data_base, self.manifest, on_chunk, progress, only, buffers)
-        bad = []
-        for index, (record, crc) in enumerate(zip(self.manifest.tensors, crcs, strict=True)):
-            if only is not None and index not in only:
-                continue
-            if crc == record.crc32:
-                self._checked.add(index)
-            else:
-                bad.append((record, crc))
-        return bad
+            scan_together([scan], buffers)
+        return scan.bad()
+
+    def scanner(self, on_chunk: Callable[[StagingBuffer, Chunk], None] | None = None,
+                progress: Callable[[int], None] | None = None,
+                only: set[int] | None = None) -> "Scan":
+        """``scan``'s work, to run with other versions' in one pipeline (``scan_together``)."""
+        return Scan(self, on_chunk, progress, only)
 
     def restore(self, map_location="cpu", verify: bool = True, into=None):
         """The saved object (see ckptfs.restore.restore, which needs torch: this module does
@@ -348,66 +347,97 @@ def _wanted_runs(chunk: Chunk, only: set[int]) -> list[Chunk]:
     return runs
 
 
-def _scan(region, data_base: int, manifest: Manifest, on_chunk, progress, only: set[int] | None,
-          buffers: "ReadBuffers") -> list[int]:
-    """The CRC32 of every tensor (of those in ``only``; the others' are meaningless) as read,
-    chunk by chunk through bounce buffers.
+class Scan:
+    """The scan of one version (``VersionData.scan``): its chunks (of the wanted tensors' pages
+    where ``only``), ``check`` of each chunk read (``on_chunk``, then its CRCs), and ``bad``
+    once every chunk is checked."""
 
-    Reader threads only read, each chunk into a free buffer of a small pool, and hand it to
-    checker threads that copy it out (``on_chunk``) and checksum it, then give the buffer back:
-    a reader that copied and checksummed each chunk itself before its next read left the device
-    waiting meanwhile (as the persist workers' CRCs did on the write path)."""
-    chunks = plan_chunks(manifest.tensors, manifest.data_bytes, READ_CHUNK_BYTES)
-    if only is not None:
-        chunks = [run for c in chunks for run in _wanted_runs(c, only)]
-    crcs_of: dict[int, list[int]] = {}  # chunk.start -> the CRCs of its pieces
-    mutex = threading.Lock()
-    buffers.fit(max((c.length for c in chunks), default=0))
+    def __init__(self, data: VersionData, on_chunk, progress, only: set[int] | None):
+        self.data = data
+        self._on_chunk = on_chunk
+        self._progress = progress
+        self._only = only
+        manifest = data.manifest
+        chunks = plan_chunks(manifest.tensors, manifest.data_bytes, READ_CHUNK_BYTES)
+        if only is not None:
+            chunks = [run for c in chunks for run in _wanted_runs(c, only)]
+        self.chunks = chunks
+        self._crcs_of: dict[int, list[int]] = {}  # chunk.start -> the CRCs of its pieces
+        self._mutex = threading.Lock()
 
-    def check(buf: StagingBuffer, chunk: Chunk) -> None:
+    def read(self, chunk: Chunk, buf: StagingBuffer) -> None:
+        """Read ``chunk`` into ``buf``, bypassing the page cache."""
+        data = self.data
+        data._region.backend.read_direct(data._data_base + chunk.start, memoryview(buf.mapping)[:chunk.length])
+
+    def check(self, buf: StagingBuffer, chunk: Chunk) -> None:
+        """A chunk read: copied out, its CRCs taken."""
+        if self._on_chunk is not None:
+            self._on_chunk(buf, chunk)
+        crcs = crc32_pieces(buf.mapping, chunk.pieces)
+        with self._mutex:
+            self._crcs_of[chunk.start] = crcs
+        if self._progress:
+            self._progress(chunk.length)
+
+    def bad(self) -> list[tuple[TensorRecord, int]]:
+        """(record, CRC as read) of each scanned tensor that fails its checksum; the intact ones
+        are remembered as checked."""
+        data, only = self.data, self._only
+        crcs = tensor_crcs(self.chunks, self._crcs_of, len(data.manifest.tensors))
+        bad = []
+        for index, (record, crc) in enumerate(zip(data.manifest.tensors, crcs, strict=True)):
+            if only is not None and index not in only:
+                continue
+            if crc == record.crc32:
+                data._checked.add(index)
+            else:
+                bad.append((record, crc))
+        return bad
+
+
+def scan_together(scans: list[Scan], buffers: "ReadBuffers") -> None:
+    """Run ``scans`` (of versions kept open meanwhile) in one pipeline: reader threads only read,
+    each chunk into a free buffer of ``buffers``, and hand it to checker threads that ``check``
+    it and give the buffer back. A reader that copied and checksummed each chunk itself before
+    its next read left the device waiting meanwhile (as the persist workers' CRCs did on the
+    write path); versions scanned one after the other left it waiting at each one's end, and
+    behind each of many small reads (a resharded load's parts). The small reads go first, while
+    the device's queue is short. Raises the first error of a read or a check."""
+    work = sorted(((chunk, scan) for scan in scans for chunk in scan.chunks), key=lambda w: w[0].length)
+    if not work:
+        return
+    buffers.fit(work[-1][0].length)
+    if len(work) == 1:
+        (chunk, scan), = work
+        buf = buffers.acquire()
         try:
-            if on_chunk is not None:
-                on_chunk(buf, chunk)
-            crcs = crc32_pieces(buf.mapping, chunk.pieces)
+            scan.read(chunk, buf)
+            scan.check(buf, chunk)
         finally:
             buffers.release(buf)
-        with mutex:
-            crcs_of[chunk.start] = crcs
-        if progress:
-            progress(chunk.length)
-
-    if len(chunks) <= 1:
-        for chunk in chunks:
-            buf = buffers.acquire()
-            _read_chunk(region, data_base, chunk, buf, buffers)
-            check(buf, chunk)
-    else:
-        _read_and_check(region, data_base, chunks, buffers, check)
-    return tensor_crcs(chunks, crcs_of, len(manifest.tensors))
-
-
-def _read_chunk(region, data_base: int, chunk: Chunk, buf: StagingBuffer, buffers: "ReadBuffers") -> None:
-    """Read ``chunk`` into ``buf`` (given back to ``buffers`` if the read fails)."""
-    try:
-        region.backend.read_direct(data_base + chunk.start, memoryview(buf.mapping)[:chunk.length])
-    except BaseException:
-        buffers.release(buf)
-        raise
-
-
-def _read_and_check(region, data_base: int, chunks: list[Chunk], buffers: "ReadBuffers", check) -> None:
-    """``chunks`` read on READ_THREADS threads, each handed to ``check`` on CHECK_THREADS others;
-    returns once every check is done, raising the first error of either."""
+        return
     checks = []
-    with ThreadPoolExecutor(min(CHECK_THREADS, len(chunks)), thread_name_prefix="ckptfs-check") as checkers:
-        def read(chunk: Chunk) -> None:
-            buf = buffers.acquire()
-            _read_chunk(region, data_base, chunk, buf, buffers)
-            checks.append(checkers.submit(check, buf, chunk))
 
-        readers = ThreadPoolExecutor(min(READ_THREADS, len(chunks)), thread_name_prefix="ckptfs-read")
+    def check(scan: Scan, buf: StagingBuffer, chunk: Chunk) -> None:
         try:
-            for done in [readers.submit(read, chunk) for chunk in chunks]:
+            scan.check(buf, chunk)
+        finally:
+            buffers.release(buf)
+
+    with ThreadPoolExecutor(min(CHECK_THREADS, len(work)), thread_name_prefix="ckptfs-check") as checkers:
+        def read(chunk: Chunk, scan: Scan) -> None:
+            buf = buffers.acquire()
+            try:
+                scan.read(chunk, buf)
+            except BaseException:
+                buffers.release(buf)
+                raise
+            checks.append(checkers.submit(check, scan, buf, chunk))
+
+        readers = ThreadPoolExecutor(min(READ_THREADS, len(work)), thread_name_prefix="ckptfs-read")
+        try:
+            for done in [readers.submit(read, chunk, scan) for chunk, scan in work]:
                 done.result()
         finally:
             readers.shutdown(wait=True, cancel_futures=True)  # after an error: no more reads

@@ -1,7 +1,7 @@
-"""A DCP load's reads from one rank's part: every stored tensor the load plan needs is read once,
-front to back, through the CRC-checked read path (``VersionData.scan``: O_DIRECT chunks on reader
-threads, each tensor's CRC taken on the way), and its pieces are copied into their targets as the
-chunks come in, not through the page cache and a second pass.
+"""A DCP load's reads from the parts: every stored tensor the load plan needs is read once,
+through the CRC-checked read path (``VersionData.scanner``: O_DIRECT reads of the pages that hold
+it, its CRC taken on the way; the parts in one pipeline, ``scan_together``), and its pieces are
+copied into their targets as the chunks come in, not through the page cache and a second pass.
 
 A piece that is a run of whole rows of the stored tensor (a dim-0 shard of a dim-0 shard: what
 FSDP's resharding asks for) goes straight into its target; any other piece (a split on a later
@@ -18,6 +18,7 @@ import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner
 
 from ckptfs.errors import CorruptionError
+from ckptfs.reader import ReadBuffers, scan_together
 from ckptfs.restore import copy_out
 
 
@@ -29,44 +30,87 @@ class _Target:
     direct: bool  # filled by the scan itself, else from the whole stored tensor afterwards
 
 
-def read_into_plan(data, items: list[tuple[object, int]], planner: LoadPlanner, buffers=None) -> None:
-    """Read ``items`` ((ReadItem, stored tensor index) of one part, whose VersionData is ``data``)
-    into ``planner``'s targets and commit each; CorruptionError naming the first damaged tensor
-    (the targets may then hold some of its bytes: the load has failed). ``buffers``: the
-    load's ckptfs.reader.ReadBuffers, shared by its parts."""
-    records = data.manifest.tensors
-    targets, sinks, wholes = [], {}, {}
-    for item, index in items:
-        record = records[index]
-        if item.type == LoadItemType.BYTE_IO:
-            targets.append(_Target(item, index, None, False))
-        else:
-            tensor = planner.resolve_tensor(item).detach()
-            span = _row_span(record, item)
-            direct = (span is not None and tensor.is_contiguous() and tensor.dtype == record.torch_dtype
-                      and tensor.numel() * tensor.element_size() == span[1] - span[0])
-            targets.append(_Target(item, index, tensor, direct))
-            if direct and span[1] > span[0]:
-                sinks.setdefault(index, []).append((span[0], span[1], tensor))
-        if not targets[-1].direct and index not in wholes:
-            wholes[index] = torch.empty(record.nbytes, dtype=torch.uint8)
-            sinks.setdefault(index, []).append((0, record.nbytes, wholes[index]))
+def read_parts(reads: list["PartRead"], buffers=None) -> None:
+    """Do ``reads`` (of parts kept open meanwhile): those whose pieces all go straight into their
+    targets in one pipeline (``scan_together``: no wait at each part's end, the many small reads
+    of a part that holds a few wanted tensors beside the large ones of another), then each
+    that needs whole copies of stored tensors alone, so that only one part's copies are in
+    memory at a time."""
+    if buffers is None:
+        with ReadBuffers() as own:
+            return read_parts(reads, own)
+    direct = [r for r in reads if not r.whole_bytes]
+    scans = [r.scanner() for r in direct]
+    scan_together([scan for scan in scans if scan is not None], buffers)
+    for r, scan in zip(direct, scans):
+        r.finish(scan)
+    for r in reads:
+        if r.whole_bytes:
+            scan = r.scanner()
+            if scan is not None:
+                scan_together([scan], buffers)
+            r.finish(scan)
 
-    wanted = {index for index in sinks if records[index].nbytes}
-    bad = data.scan(copy_out(sinks, records), only=wanted, buffers=buffers) if wanted else []
-    if bad:
-        raise CorruptionError(data.damage_message(bad[0][0]))
-    for t in targets:
-        if t.tensor is None:
-            planner.load_bytes(t.item, io.BytesIO(wholes[t.index].numpy().tobytes()))
-            continue
-        if not t.direct:
-            record = records[t.index]
-            whole = wholes[t.index].view(record.torch_dtype).view(record.shape)
-            for dim, (offset, length) in enumerate(zip(t.item.storage_offsets, t.item.lengths)):
-                whole = whole.narrow(dim, offset, length)
-            t.tensor.copy_(whole)
-        planner.commit_tensor(t.item, t.tensor)
+
+class PartRead:
+    """A DCP load's reads from one part: ``items`` ((ReadItem, stored tensor index)) of the
+    part whose VersionData is ``data``, into ``planner``'s targets. ``scanner`` (None where no
+    stored byte is needed), the scan, then ``finish``."""
+
+    def __init__(self, data, items: list[tuple[object, int]], planner: LoadPlanner):
+        self.data = data
+        self.planner = planner
+        records = data.manifest.tensors
+        self.targets: list[_Target] = []
+        self.sinks: dict[int, list] = {}
+        self.whole_of: set[int] = set()  # stored tensors copied whole first
+        for item, index in items:
+            record = records[index]
+            if item.type == LoadItemType.BYTE_IO:
+                self.targets.append(_Target(item, index, None, False))
+            else:
+                tensor = planner.resolve_tensor(item).detach()
+                span = _row_span(record, item)
+                direct = (span is not None and tensor.is_contiguous() and tensor.dtype == record.torch_dtype
+                          and tensor.numel() * tensor.element_size() == span[1] - span[0])
+                self.targets.append(_Target(item, index, tensor, direct))
+                if direct and span[1] > span[0]:
+                    self.sinks.setdefault(index, []).append((span[0], span[1], tensor))
+            if not self.targets[-1].direct:
+                self.whole_of.add(index)
+        self.whole_bytes = sum(records[i].nbytes for i in self.whole_of)
+        self.wholes: dict[int, torch.Tensor] = {}
+
+    def scanner(self):
+        """The part's Scan (ckptfs.reader.Scan), with the whole copies made now; None if no
+        stored byte is needed."""
+        records = self.data.manifest.tensors
+        sinks = {i: list(dests) for i, dests in self.sinks.items()}
+        for index in self.whole_of:
+            self.wholes[index] = torch.empty(records[index].nbytes, dtype=torch.uint8)
+            sinks.setdefault(index, []).append((0, records[index].nbytes, self.wholes[index]))
+        wanted = {index for index in sinks if records[index].nbytes}
+        return self.data.scanner(copy_out(sinks, records), only=wanted) if wanted else None
+
+    def finish(self, scan) -> None:
+        """After the scan: CorruptionError naming the first damaged tensor, else every target
+        filled and committed."""
+        bad = scan.bad() if scan is not None else []
+        if bad:
+            raise CorruptionError(self.data.damage_message(bad[0][0]))
+        records = self.data.manifest.tensors
+        for t in self.targets:
+            if t.tensor is None:
+                self.planner.load_bytes(t.item, io.BytesIO(self.wholes[t.index].numpy().tobytes()))
+                continue
+            if not t.direct:
+                record = records[t.index]
+                whole = self.wholes[t.index].view(record.torch_dtype).view(record.shape)
+                for dim, (offset, length) in enumerate(zip(t.item.storage_offsets, t.item.lengths)):
+                    whole = whole.narrow(dim, offset, length)
+                t.tensor.copy_(whole)
+            self.planner.commit_tensor(t.item, t.tensor)
+        self.wholes.clear()
 
 
 def _row_span(record, item) -> tuple[int, int] | None:

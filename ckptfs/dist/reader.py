@@ -8,6 +8,7 @@ parts (``ckptfs.dist.load``), in whichever given region holds them. DCP's planne
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 
 from torch.distributed.checkpoint import StorageReader as _DCPReader
@@ -17,12 +18,11 @@ from torch.futures import Future
 
 from ckptfs.dist.codec import decode_metadata
 from ckptfs.dist.group import coordination, exchange, meet_before_dcp
-from ckptfs.dist.load import read_into_plan
+from ckptfs.dist.load import PartRead, read_parts
 from ckptfs.dist.names import METADATA_FILE, is_global_version
 from ckptfs.dist.parts import item_records, open_part
 from ckptfs.errors import CorruptionError, NotFoundError, no_version_yet
 from ckptfs.gcpause import paused_gc
-from ckptfs.reader import ReadBuffers
 
 
 class StorageReader(_DCPReader):
@@ -112,11 +112,13 @@ class StorageReader(_DCPReader):
         for item in plan.items:
             where = storage[item.storage_index]
             by_part.setdefault((where["region"], where["rank"], where["counter"]), []).append((item, where["pos"]))
-        with ReadBuffers() as buffers:  # one set for every part's scan
+        with contextlib.ExitStack() as parts:  # every part pinned until all are read
+            reads = []
             for (region, rank, counter), items in sorted(by_part.items()):
-                with open_part(self._store_of(region, rank), self.model, rank, counter) as part:
-                    stored = item_records(part)
-                    read_into_plan(part.data, [(item, stored[pos]) for item, pos in items], planner, buffers)
+                part = parts.enter_context(open_part(self._store_of(region, rank), self.model, rank, counter))
+                stored = item_records(part)
+                reads.append(PartRead(part.data, [(item, stored[pos]) for item, pos in items], planner))
+            read_parts(reads)
 
     def _store_of(self, region: str, rank: int):
         store = self.regions.get(region)
