@@ -354,9 +354,9 @@ class Scan:
 
     def __init__(self, data: VersionData, on_chunk, progress, only: set[int] | None):
         self.data = data
-        self._on_chunk = on_chunk
+        self.on_chunk = on_chunk  # may be set after a ReadAhead started, before the checks
         self._progress = progress
-        self._only = only
+        self.only = only
         manifest = data.manifest
         chunks = plan_chunks(manifest.tensors, manifest.data_bytes, READ_CHUNK_BYTES)
         if only is not None:
@@ -372,8 +372,8 @@ class Scan:
 
     def check(self, buf: StagingBuffer, chunk: Chunk) -> None:
         """A chunk read: copied out, its CRCs taken."""
-        if self._on_chunk is not None:
-            self._on_chunk(buf, chunk)
+        if self.on_chunk is not None:
+            self.on_chunk(buf, chunk)
         crcs = crc32_pieces(buf.mapping, chunk.pieces)
         with self._mutex:
             self._crcs_of[chunk.start] = crcs
@@ -383,7 +383,7 @@ class Scan:
     def bad(self) -> list[tuple[TensorRecord, int]]:
         """(record, CRC as read) of each scanned tensor that fails its checksum; the intact ones
         are remembered as checked."""
-        data, only = self.data, self._only
+        data, only = self.data, self.only
         crcs = tensor_crcs(self.chunks, self._crcs_of, len(data.manifest.tensors))
         bad = []
         for index, (record, crc) in enumerate(zip(data.manifest.tensors, crcs, strict=True)):
@@ -396,36 +396,73 @@ class Scan:
         return bad
 
 
-def scan_together(scans: list[Scan], buffers: "ReadBuffers") -> None:
+def _ordered(scans: list[Scan]) -> list[tuple[Chunk, Scan]]:
+    """Every chunk of ``scans`` in the order they are read: the small ones first, while the
+    device's queue is short (a resharded load's few wanted tensors of a part)."""
+    return sorted(((chunk, scan) for scan in scans for chunk in scan.chunks), key=lambda w: w[0].length)
+
+
+class ReadAhead:
+    """The first chunks of ``scans`` (up to READ_BUFFERS, into ``buffers``), read on threads of
+    their own from now on, before their checks are known (a resharded load's planning, which
+    waits for the slowest rank, runs meanwhile); ``scan_together(scans, buffers, ahead)`` checks
+    them first. ``cancel`` where it never comes."""
+
+    def __init__(self, scans: list[Scan], buffers: "ReadBuffers"):
+        self.scans = scans
+        work = _ordered(scans)
+        self.items: list[tuple[Chunk, Scan, StagingBuffer, object]] = []  # (chunk, scan, buffer, read future)
+        if not work:
+            return
+        buffers.fit(work[-1][0].length)
+        self._buffers = buffers
+        first = work[:READ_BUFFERS]
+        pool = ThreadPoolExecutor(min(READ_THREADS, len(first)), thread_name_prefix="ckptfs-read-ahead")
+        for chunk, scan in first:
+            buf = buffers.acquire()  # never waits: a fresh pool has READ_BUFFERS
+            self.items.append((chunk, scan, buf, pool.submit(scan.read, chunk, buf)))
+        pool.shutdown(wait=False)
+
+    def cancel(self) -> None:
+        """The reads end, their buffers go back (idempotent)."""
+        items, self.items = self.items, []
+        for _, _, buf, done in items:
+            done.exception()
+            self._buffers.release(buf)
+
+
+def scan_together(scans: list[Scan], buffers: "ReadBuffers", ahead: ReadAhead | None = None) -> None:
     """Run ``scans`` (of versions kept open meanwhile) in one pipeline: reader threads only read,
     each chunk into a free buffer of ``buffers``, and hand it to checker threads that ``check``
     it and give the buffer back. A reader that copied and checksummed each chunk itself before
     its next read left the device waiting meanwhile (as the persist workers' CRCs did on the
     write path); versions scanned one after the other left it waiting at each one's end, and
-    behind each of many small reads (a resharded load's parts). The small reads go first, while
-    the device's queue is short. Raises the first error of a read or a check."""
-    work = sorted(((chunk, scan) for scan in scans for chunk in scan.chunks), key=lambda w: w[0].length)
+    behind each of many small reads (a resharded load's parts). ``ahead``: a ReadAhead of these
+    same scans, whose chunks are checked first. Raises the first error of a read or a check."""
+    work = _ordered(scans)
     if not work:
         return
     buffers.fit(work[-1][0].length)
-    if len(work) == 1:
-        (chunk, scan), = work
-        buf = buffers.acquire()
-        try:
-            scan.read(chunk, buf)
-            scan.check(buf, chunk)
-        finally:
-            buffers.release(buf)
-        return
+    pre = []
+    if ahead is not None:
+        pre, ahead.items = ahead.items, []
+        if ahead.scans is not scans or [(c, s) for c, s, _, _ in pre] != work[:len(pre)]:
+            raise ValueError("a ReadAhead of other scans")  # a bug of the caller: nothing was read for it
+    rest = work[len(pre):]
     checks = []
 
-    def check(scan: Scan, buf: StagingBuffer, chunk: Chunk) -> None:
+    def check(scan: Scan, buf: StagingBuffer, chunk: Chunk, read=None) -> None:
         try:
+            if read is not None:
+                read.result()
             scan.check(buf, chunk)
         finally:
             buffers.release(buf)
 
     with ThreadPoolExecutor(min(CHECK_THREADS, len(work)), thread_name_prefix="ckptfs-check") as checkers:
+        for chunk, scan, buf, read in pre:
+            checks.append(checkers.submit(check, scan, buf, chunk, read))
+
         def read(chunk: Chunk, scan: Scan) -> None:
             buf = buffers.acquire()
             try:
@@ -435,9 +472,9 @@ def scan_together(scans: list[Scan], buffers: "ReadBuffers") -> None:
                 raise
             checks.append(checkers.submit(check, scan, buf, chunk))
 
-        readers = ThreadPoolExecutor(min(READ_THREADS, len(work)), thread_name_prefix="ckptfs-read")
+        readers = ThreadPoolExecutor(max(1, min(READ_THREADS, len(rest))), thread_name_prefix="ckptfs-read")
         try:
-            for done in [readers.submit(read, chunk, scan) for chunk, scan in work]:
+            for done in [readers.submit(read, chunk, scan) for chunk, scan in rest]:
                 done.result()
         finally:
             readers.shutdown(wait=True, cancel_futures=True)  # after an error: no more reads

@@ -30,18 +30,32 @@ class _Target:
     direct: bool  # filled by the scan itself, else from the whole stored tensor afterwards
 
 
-def read_parts(reads: list["PartRead"], buffers=None) -> None:
+def wanted_tensors(records, items: list[tuple[object, int]]) -> set[int]:
+    """The stored tensors that ``items`` ((ReadItem, stored tensor index)) need bytes of: the
+    tensors a part's scan reads, known from the load plan alone (PartRead reads the same)."""
+    return {index for item, index in items
+            if records[index].nbytes and (item.type == LoadItemType.BYTE_IO or all(n > 0 for n in item.lengths))}
+
+
+def read_parts(reads: list["PartRead"], buffers=None, ahead=None) -> None:
     """Do ``reads`` (of parts kept open meanwhile): those whose pieces all go straight into their
     targets in one pipeline (``scan_together``: no wait at each part's end, the many small reads
     of a part that holds a few wanted tensors beside the large ones of another), then each
     that needs whole copies of stored tensors alone, so that only one part's copies are in
-    memory at a time."""
+    memory at a time. ``ahead``: a ReadAhead of ``[r.scan for r in reads]`` (see
+    ``PartRead.scan``), used where every part is read straight into its targets, else cancelled."""
     if buffers is None:
         with ReadBuffers() as own:
             return read_parts(reads, own)
     direct = [r for r in reads if not r.whole_bytes]
+    if ahead is not None and len(direct) < len(reads):
+        ahead.cancel()
+        ahead = None
     scans = [r.scanner() for r in direct]
-    scan_together([scan for scan in scans if scan is not None], buffers)
+    if ahead is not None:
+        scan_together(ahead.scans, buffers, ahead)
+    else:
+        scan_together([scan for scan in scans if scan is not None], buffers)
     for r, scan in zip(direct, scans):
         r.finish(scan)
     for r in reads:
@@ -57,9 +71,12 @@ class PartRead:
     part whose VersionData is ``data``, into ``planner``'s targets. ``scanner`` (None where no
     stored byte is needed), the scan, then ``finish``."""
 
-    def __init__(self, data, items: list[tuple[object, int]], planner: LoadPlanner):
+    def __init__(self, data, items: list[tuple[object, int]], planner: LoadPlanner, scan=None):
+        """``scan``: the part's Scan made from the plan alone (``wanted_tensors``), which a
+        ReadAhead may have started; ``scanner`` then gives it its copies."""
         self.data = data
         self.planner = planner
+        self.scan = scan
         records = data.manifest.tensors
         self.targets: list[_Target] = []
         self.sinks: dict[int, list] = {}
@@ -71,8 +88,9 @@ class PartRead:
             else:
                 tensor = planner.resolve_tensor(item).detach()
                 span = _row_span(record, item)
-                direct = (span is not None and tensor.is_contiguous() and tensor.dtype == record.torch_dtype
-                          and tensor.numel() * tensor.element_size() == span[1] - span[0])
+                direct = tensor.numel() == 0 or (  # an empty piece: nothing to copy
+                    span is not None and tensor.is_contiguous() and tensor.dtype == record.torch_dtype
+                    and tensor.numel() * tensor.element_size() == span[1] - span[0])
                 self.targets.append(_Target(item, index, tensor, direct))
                 if direct and span[1] > span[0]:
                     self.sinks.setdefault(index, []).append((span[0], span[1], tensor))
@@ -90,7 +108,13 @@ class PartRead:
             self.wholes[index] = torch.empty(records[index].nbytes, dtype=torch.uint8)
             sinks.setdefault(index, []).append((0, records[index].nbytes, self.wholes[index]))
         wanted = {index for index in sinks if records[index].nbytes}
-        return self.data.scanner(copy_out(sinks, records), only=wanted) if wanted else None
+        if self.scan is None:
+            return self.data.scanner(copy_out(sinks, records), only=wanted) if wanted else None
+        if wanted != self.scan.only:
+            raise RuntimeError(f"a part's reads differ from its plan's ({len(wanted)} against "
+                               f"{len(self.scan.only)} tensors); this is a bug in ckptfs, please report it")
+        self.scan.on_chunk = copy_out(sinks, records)
+        return self.scan
 
     def finish(self, scan) -> None:
         """After the scan: CorruptionError naming the first damaged tensor, else every target

@@ -18,11 +18,12 @@ from torch.futures import Future
 
 from ckptfs.dist.codec import decode_metadata
 from ckptfs.dist.group import coordination, exchange, meet_before_dcp
-from ckptfs.dist.load import PartRead, read_parts
+from ckptfs.dist.load import PartRead, read_parts, wanted_tensors
 from ckptfs.dist.names import METADATA_FILE, is_global_version
 from ckptfs.dist.parts import item_records, open_part
 from ckptfs.errors import CorruptionError, NotFoundError, no_version_yet
 from ckptfs.gcpause import paused_gc
+from ckptfs.reader import ReadAhead, ReadBuffers
 
 
 class StorageReader(_DCPReader):
@@ -40,9 +41,10 @@ class StorageReader(_DCPReader):
         self.timeout_s = timeout_s
         self.regions = {s.region.superblock.uuid.hex(): s for s in (store, *peers)}
         self.metadata: Metadata | None = None
+        self._ahead: _LoadAhead | None = None  # see prepare_local_plan
 
     def reset(self, checkpoint_id=None) -> None:
-        pass
+        self._drop_ahead()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
@@ -94,6 +96,16 @@ class StorageReader(_DCPReader):
         self.metadata = metadata
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        # The plan is known here, before DCP's planning gathers every rank's (which waits for the
+        # slowest, and often for a collection of the garbage DCP made): the parts are opened and
+        # their first chunks read now, into the load's read buffers; read_data checks them
+        # first. Anything that fails here is left to read_data, which reads as if nothing was.
+        self._drop_ahead()
+        try:
+            with paused_gc():
+                self._ahead = _LoadAhead(self, plan)
+        except Exception:  # noqa: BLE001 - an optimization: read_data meets the same error and says it
+            self._ahead = None
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
@@ -107,18 +119,21 @@ class StorageReader(_DCPReader):
         return done
 
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        storage = self.metadata.storage_data
-        by_part: dict[tuple, list] = {}
-        for item in plan.items:
-            where = storage[item.storage_index]
-            by_part.setdefault((where["region"], where["rank"], where["counter"]), []).append((item, where["pos"]))
-        with contextlib.ExitStack() as parts:  # every part pinned until all are read
-            reads = []
-            for (region, rank, counter), items in sorted(by_part.items()):
-                part = parts.enter_context(open_part(self._store_of(region, rank), self.model, rank, counter))
-                stored = item_records(part)
-                reads.append(PartRead(part.data, [(item, stored[pos]) for item, pos in items], planner))
-            read_parts(reads)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.items != plan.items:  # DCP's global planning changed the plan
+            ahead.close()
+            ahead = None
+        if ahead is None:
+            ahead = _LoadAhead(self, plan, read=False)
+        with ahead:
+            reads = [PartRead(data, items, planner, scan) for data, items, scan in ahead.parts]
+            read_parts(reads, ahead.buffers, ahead.reading)
+            ahead.reading = None
+
+    def _drop_ahead(self) -> None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.close()
 
     def _store_of(self, region: str, rank: int):
         store = self.regions.get(region)
@@ -127,6 +142,50 @@ class StorageReader(_DCPReader):
                                 "which this rank cannot read: pass that region's store in peers=, or load where "
                                 "the parts are (a shared tier to drain them to is not built yet)")
         return store
+
+
+class _LoadAhead:
+    """A load plan's parts, pinned (until ``close``), each with its items ((ReadItem, stored
+    tensor index)) and its Scan, made from the plan alone; with ``read``, their first chunks
+    read from now on (a ReadAhead, ``reading``) into the load's read buffers."""
+
+    def __init__(self, reader: StorageReader, plan: LoadPlan, read: bool = True):
+        self.items = plan.items
+        self.buffers = ReadBuffers()
+        self.reading: ReadAhead | None = None
+        self._pins = contextlib.ExitStack()
+        try:
+            storage = reader.metadata.storage_data
+            by_part: dict[tuple, list] = {}
+            for item in plan.items:
+                where = storage[item.storage_index]
+                by_part.setdefault((where["region"], where["rank"], where["counter"]), []).append((item, where["pos"]))
+            self.parts = []
+            for (region, rank, counter), items in sorted(by_part.items()):
+                part = self._pins.enter_context(open_part(reader._store_of(region, rank), reader.model, rank, counter))
+                stored = item_records(part)
+                items = [(item, stored[pos]) for item, pos in items]
+                scan = part.data.scanner(only=wanted_tensors(part.manifest.tensors, items))
+                self.parts.append((part.data, items, scan))
+            if read:
+                self.reading = ReadAhead([scan for _, _, scan in self.parts], self.buffers)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """The reads ahead end, the buffers go, the parts are unpinned (idempotent)."""
+        if self.reading is not None:
+            self.reading.cancel()
+            self.reading = None
+        self.buffers.close()
+        self._pins.close()
+
+    def __enter__(self) -> "_LoadAhead":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def global_version(store, model: str, step: int | None):
