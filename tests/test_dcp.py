@@ -6,12 +6,14 @@ import itertools
 import json
 import math
 import os
+import threading
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 
@@ -596,3 +598,44 @@ def test_removing_a_multi_rank_model_removes_its_parts(store):
     assert "n" not in store.models()
     store.remove_model(".n.rank0")
     assert not [m for m in store.models() if m.startswith((".m", ".n"))]
+
+
+def test_a_load_reads_ahead_while_dcp_plans_and_lets_go_if_planning_fails(store, monkeypatch):
+    """StorageReader.prepare_local_plan opens the parts and starts reading their first chunks
+    while DCP's planning runs; read_data checks those instead of reading them again. A planning
+    that fails leaves nothing pinned once the reader is reset (DCP resets it at every load)."""
+    from ckptfs import reader as reader_module
+
+    monkeypatch.setattr(reader_module, "READ_CHUNK_BYTES", 1 << 20)
+    state = {f"t{i}": torch.randn(1 << 18) for i in range(6)}  # 6 MiB: 6 chunks, all read ahead
+    dcp.save(state, storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=1))
+    reads = []
+    real = store.region.backend.read_direct
+    monkeypatch.setattr(store.region.backend, "read_direct",
+                        lambda at, view: (reads.append((at, threading.current_thread().name)), real(at, view)))
+
+    back = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(back, storage_reader=ckptfs.dcp.StorageReader(store, "m"))
+    assert all(torch.equal(back[k], state[k]) for k in state)
+    assert len(reads) == len(set(reads)) == 6, reads  # read once each: ahead, then checked
+    assert all(thread.startswith("ckptfs-read-ahead") for _, thread in reads), reads
+
+    def failing_plan(self, plans):
+        raise RuntimeError("injected: a rank's planning failed")
+    monkeypatch.setattr(ckptfs.dcp.StorageReader, "prepare_global_plan", failing_plan)
+    r = ckptfs.dcp.StorageReader(store, "m")
+    with pytest.raises(CheckpointException) as failed:
+        dcp.load(back, storage_reader=r)
+    assert "injected" in repr(failed.value.failures)
+    part = ckptfs.dist.part_model("m", 0)
+
+    def part_pinned() -> bool:  # as another process sees it (a pin is an open file description's lock)
+        with ckptfs.Store(store.path) as other:
+            return any(m["name"] == part and m["pinned_or_writing_slots"] for m in other.status()["models"])
+    assert part_pinned()  # the read ahead holds it
+    r.reset()
+    assert not part_pinned()
+    monkeypatch.undo()
+    again = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(again, storage_reader=r)
+    assert all(torch.equal(again[k], state[k]) for k in state)
