@@ -24,7 +24,7 @@ from ckptfs.checksum import crc32, crc32_pieces
 from ckptfs.chunks import IO_ALIGN_BYTES, Chunk, plan_chunks, tensor_crcs
 from ckptfs.errors import CorruptionError
 from ckptfs.manifest import Manifest, TensorRecord, align_up
-from ckptfs.writer.staging import StagingBuffer
+from ckptfs.writer.staging import StagingBuffer, StagingPool
 
 if TYPE_CHECKING:
     import torch
@@ -485,48 +485,32 @@ def scan_together(scans: list[Scan], buffers: "ReadBuffers", ahead: ReadAhead | 
 
 
 class ReadBuffers:
-    """The bounce buffers of scans, one scan at a time: up to READ_BUFFERS, page-aligned, of the
-    largest chunk a scan asked for (``fit``), made on first need and freed on ``close`` (a
-    context manager). Fresh memory is faulted in at a cost (30-300 ms for a set on the VM
-    measured): a load of several versions shares one set."""
+    """The bounce buffers of scans, one scan at a time: a pool (writer.staging.StagingPool) of
+    up to READ_BUFFERS, page-aligned, of the largest chunk a scan asked for (``fit``), made on
+    first need and freed on ``close`` (a context manager). Fresh memory is faulted in at a cost
+    (30-300 ms for a set on the VM measured): a load of several versions shares one set."""
 
     def __init__(self):
-        self._nbytes = 0
-        self._free: list[StagingBuffer] = []
-        self._all: list[StagingBuffer] = []
-        self._cond = threading.Condition()
+        self._pool: StagingPool | None = None
 
     def fit(self, nbytes: int) -> None:
         """Before a scan whose chunks are up to ``nbytes``: smaller buffers are let go."""
-        with self._cond:
-            if nbytes > self._nbytes:
-                for buf in self._free:
-                    buf.close()
-                    self._all.remove(buf)
-                self._free.clear()
-                self._nbytes = nbytes
+        if self._pool is None or nbytes > self._pool.chunk_bytes:
+            if self._pool is not None:
+                self._pool.close()
+            nbytes = max(align_up(nbytes, IO_ALIGN_BYTES), IO_ALIGN_BYTES)
+            self._pool = StagingPool(nbytes, nbytes * READ_BUFFERS,
+                                     advice="free memory, or read this version where more memory is free")
 
     def acquire(self) -> StagingBuffer:
-        with self._cond:
-            while not self._free and len(self._all) >= READ_BUFFERS:
-                self._cond.wait()
-            if self._free:
-                return self._free.pop()
-            buf = StagingBuffer(self._nbytes, pinned=False)
-            self._all.append(buf)
-            return buf
+        return self._pool.acquire()
 
     def release(self, buf: StagingBuffer) -> None:
-        with self._cond:
-            self._free.append(buf)
-            self._cond.notify()
+        self._pool.release(buf)
 
     def close(self) -> None:
-        with self._cond:
-            for buf in self._all:
-                buf.close()
-            self._all.clear()
-            self._free.clear()
+        if self._pool is not None:
+            self._pool.close()
 
     def __enter__(self) -> "ReadBuffers":
         return self

@@ -81,15 +81,17 @@ def _prefault_huge(mapping: mmap.mmap) -> None:
         view.release()
 
 
-def _new_buffer(nbytes: int, pinned: bool) -> StagingBuffer:
-    """A staging buffer, or StagingMemoryError saying what could not be had and what to do."""
+WRITER_ADVICE = "free memory, or pass a smaller staging_budget_bytes / chunk_bytes / max_inflight to the writer"
+
+
+def _new_buffer(nbytes: int, pinned: bool, advice: str = WRITER_ADVICE) -> StagingBuffer:
+    """A staging buffer, or StagingMemoryError saying what could not be had and ``advice``."""
     try:
         return StagingBuffer(nbytes, pinned)
     except (OSError, MemoryError, RuntimeError) as e:
         kind = "pinned" if pinned else "host"
         raise StagingMemoryError(
-            f"could not allocate {human_bytes(nbytes)} of {kind} staging memory ({e}); free memory, or pass a smaller "
-            "staging_budget_bytes / chunk_bytes / max_inflight to the writer") from e
+            f"could not allocate {human_bytes(nbytes)} of {kind} staging memory ({e}); {advice}") from e
 
 
 def _cuda_host_register(t: torch.Tensor) -> None:
@@ -101,14 +103,16 @@ def _cuda_host_register(t: torch.Tensor) -> None:
 
 
 class StagingPool:
-    """Up to ``budget_bytes // chunk_bytes`` (at least one) buffers of ``chunk_bytes``, made lazily."""
+    """Up to ``budget_bytes // chunk_bytes`` (at least one) buffers of ``chunk_bytes``, made lazily.
+    ``advice``: what StagingMemoryError tells the user to do where one cannot be had."""
 
-    def __init__(self, chunk_bytes: int, budget_bytes: int, pinned: bool = False):
+    def __init__(self, chunk_bytes: int, budget_bytes: int, pinned: bool = False, advice: str = WRITER_ADVICE):
         if chunk_bytes <= 0 or chunk_bytes % mmap.PAGESIZE:
             raise ValueError(f"chunk_bytes must be a positive multiple of {mmap.PAGESIZE}, got {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
         self.max_buffers = max(1, budget_bytes // chunk_bytes)
         self.pinned = pinned
+        self._advice = advice
         self._free: list[StagingBuffer] = []
         self._all: list[StagingBuffer] = []
         self._cond = threading.Condition()
@@ -152,7 +156,7 @@ class StagingPool:
         if self._free:
             return self._free.pop()
         if len(self._all) + self._creating < self.max_buffers:
-            buf = _new_buffer(self.chunk_bytes, self.pinned)
+            buf = _new_buffer(self.chunk_bytes, self.pinned, self._advice)
             self._all.append(buf)
             return buf
         return None
@@ -170,7 +174,7 @@ class StagingPool:
                 self._creating += 1
             buf = None
             try:
-                buf = _new_buffer(self.chunk_bytes, self.pinned)
+                buf = _new_buffer(self.chunk_bytes, self.pinned, self._advice)
             except StagingMemoryError:
                 return made  # the saves will make (or fail to make) their own
             finally:
