@@ -37,16 +37,13 @@ def wanted_tensors(records, items: list[tuple[object, int]]) -> set[int]:
             if records[index].nbytes and (item.type == LoadItemType.BYTE_IO or all(n > 0 for n in item.lengths))}
 
 
-def read_parts(reads: list["PartRead"], buffers=None, ahead=None) -> None:
+def read_parts(reads: list["PartRead"], buffers: ReadBuffers, ahead=None) -> None:
     """Do ``reads`` (of parts kept open meanwhile): those whose pieces all go straight into their
     targets in one pipeline (``scan_together``: no wait at each part's end, the many small reads
     of a part that holds a few wanted tensors beside the large ones of another), then each
     that needs whole copies of stored tensors alone, so that only one part's copies are in
     memory at a time. ``ahead``: a ReadAhead of ``[r.scan for r in reads]`` (see
     ``PartRead.scan``), used where every part is read straight into its targets, else cancelled."""
-    if buffers is None:
-        with ReadBuffers() as own:
-            return read_parts(reads, own)
     direct = [r for r in reads if not r.whole_bytes]
     if ahead is not None and len(direct) < len(reads):
         ahead.cancel()
