@@ -450,12 +450,16 @@ def scan_together(scans: list[Scan], buffers: "ReadBuffers", ahead: ReadAhead | 
             raise ValueError("a ReadAhead of other scans")  # a bug of the caller: nothing was read for it
     rest = work[len(pre):]
     checks = []
+    failed = threading.Event()  # a check failed: the reads not started are not made
 
     def check(scan: Scan, buf: StagingBuffer, chunk: Chunk, read=None) -> None:
         try:
             if read is not None:
                 read.result()
             scan.check(buf, chunk)
+        except BaseException:
+            failed.set()
+            raise
         finally:
             buffers.release(buf)
 
@@ -464,6 +468,8 @@ def scan_together(scans: list[Scan], buffers: "ReadBuffers", ahead: ReadAhead | 
             checks.append(checkers.submit(check, scan, buf, chunk, read))
 
         def read(chunk: Chunk, scan: Scan) -> None:
+            if failed.is_set():
+                return
             buf = buffers.acquire()
             try:
                 scan.read(chunk, buf)

@@ -331,3 +331,29 @@ def test_a_scan_stops_reading_at_a_failed_read_and_says_so(tmp_path, monkeypatch
         assert len(reads) < 12, len(reads)  # of 24 chunks
         monkeypatch.setattr(s.region.backend, "read_direct", real)
         assert torch.equal(s.load("m")["t23"], state["t23"])
+
+
+def test_a_scan_stops_reading_when_a_chunk_cannot_be_used(tmp_path, monkeypatch):
+    """A chunk whose copy-out fails (``on_chunk`` raises) fails the scan with that error, and
+    the reads not yet started are not made."""
+    from ckptfs import reader
+
+    monkeypatch.setattr(reader, "READ_CHUNK_BYTES", MIB)
+    state = {f"t{i}": torch.full((MIB // 4,), float(i)) for i in range(24)}
+    path = str(tmp_path / "r.region")
+    with ckptfs.Store.create(path, size_bytes=128 << 20) as s:
+        with s.writer("m") as w:
+            w.save(state, step=1).result()
+        reads = []
+        real = s.region.backend.read_direct
+        monkeypatch.setattr(s.region.backend, "read_direct", lambda at, view: (reads.append(at), real(at, view)))
+        seen = []
+
+        def on_chunk(buf, chunk):
+            seen.append(chunk.start)
+            if len(seen) == 2:
+                raise ValueError("injected: the target refused the bytes")
+
+        with s.open_version("m") as v, pytest.raises(ValueError, match="injected"):
+            v.data.scan(on_chunk)
+        assert len(reads) < 16, len(reads)  # of 24 chunks
