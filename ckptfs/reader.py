@@ -14,6 +14,7 @@ Two ways in, one rule:
 from __future__ import annotations
 
 import bisect
+import contextlib
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -300,11 +301,8 @@ class VersionData:
         they are checked. ``buffers``: the read buffers to use (``ReadBuffers``: a load of several
         versions, as a resharded load's parts, faults in one set, not one per version)."""
         scan = self.scanner(on_chunk, progress, only)
-        if buffers is None:
-            with ReadBuffers() as buffers:
-                scan_together([scan], buffers)
-        else:
-            scan_together([scan], buffers)
+        with contextlib.nullcontext(buffers) if buffers is not None else ReadBuffers() as pool:
+            scan_together([scan], pool)
         return scan.bad()
 
     def scanner(self, on_chunk: Callable[[StagingBuffer, Chunk], None] | None = None,
@@ -409,7 +407,6 @@ class ReadAhead:
     them first. ``cancel`` where it never comes."""
 
     def __init__(self, scans: list[Scan], buffers: "ReadBuffers"):
-        self.scans = scans
         work = _ordered(scans)
         self.items: list[tuple[Chunk, Scan, StagingBuffer, object]] = []  # (chunk, scan, buffer, read future)
         if not work:
@@ -446,7 +443,7 @@ def scan_together(scans: list[Scan], buffers: "ReadBuffers", ahead: ReadAhead | 
     pre = []
     if ahead is not None:
         pre, ahead.items = ahead.items, []
-        if ahead.scans is not scans or [(c, s) for c, s, _, _ in pre] != work[:len(pre)]:
+        if [(c, s) for c, s, _, _ in pre] != work[:len(pre)]:
             raise ValueError("a ReadAhead of other scans")  # a bug of the caller: nothing was read for it
     rest = work[len(pre):]
     checks = []

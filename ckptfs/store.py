@@ -404,10 +404,9 @@ class Store:
         ``remove``; the model takes another slot from free space in its place. A multi-rank (DCP)
         version's parts in this region are kept with it (CkptfsError, nothing kept, where one is
         gone already); after its ``unkeep`` they go back at the model's next commit."""
-        if not model.startswith("."):  # not a part model itself
-            from ckptfs.dist.parts import keep_parts
+        from ckptfs.dist.parts import keep_parts
 
-            keep_parts(self, model, step)
+        keep_parts(self, model, step)  # nothing for a model without part models
         self._set_kept(model, step, True)
 
     def unkeep(self, model: str, step: int) -> None:
@@ -427,8 +426,6 @@ class Store:
         multi-rank (DCP) model's part models (``.MODEL.rank<R>``, its ranks' parts) go with it:
         BusyError, once the model itself is gone, naming those a reader still holds."""
         self.region.remove_model(model)
-        if model.startswith("."):
-            return  # a part model itself (or another hidden one): nothing hangs off it
         from ckptfs.dist.names import part_models
 
         busy = []

@@ -303,57 +303,58 @@ def test_a_scan_of_some_tensors_reads_only_their_pages(tmp_path, monkeypatch):
         assert [r.name for r, _ in bad] == ["big1"]
 
 
-def test_a_scan_stops_reading_at_a_failed_read_and_says_so(tmp_path, monkeypatch):
-    """A read that fails in the middle of a scan (reader threads ahead of checker threads) fails
-    the load with that error; the reads not yet started are dropped, not done for nothing, and
-    every buffer is given back (the scan returns)."""
+@pytest.fixture
+def chunked(tmp_path, monkeypatch):
+    """A store whose model ``m`` holds 24 tensors of 1 MiB, read in chunks of 1 MiB (24 reads),
+    with each read's offset recorded in ``reads`` and ``fail_at`` (a read number, counting from
+    1) failing with an injected I/O error. Yields (store, state, reads, fail_at: a dict)."""
     from ckptfs import reader
     from ckptfs.errors import RegionIOError
 
     monkeypatch.setattr(reader, "READ_CHUNK_BYTES", MIB)
     state = {f"t{i}": torch.full((MIB // 4,), float(i)) for i in range(24)}
-    path = str(tmp_path / "r.region")
-    with ckptfs.Store.create(path, size_bytes=128 << 20) as s:
+    with ckptfs.Store.create(str(tmp_path / "r.region"), size_bytes=128 << 20) as s:
         with s.writer("m") as w:
             w.save(state, step=1).result()
-        reads = []
+        reads, fail_at = [], {}
         real = s.region.backend.read_direct
 
-        def failing(at, view):
+        def recorded(at, view):
             reads.append(at)
-            if len(reads) == 3:
+            if len(reads) == fail_at.get("read"):
                 raise RegionIOError("injected: the device failed a read", 5, "pread")
             return real(at, view)
 
-        monkeypatch.setattr(s.region.backend, "read_direct", failing)
-        with pytest.raises(RegionIOError, match="injected"):
-            s.load("m")
-        assert len(reads) < 12, len(reads)  # of 24 chunks
-        monkeypatch.setattr(s.region.backend, "read_direct", real)
-        assert torch.equal(s.load("m")["t23"], state["t23"])
+        monkeypatch.setattr(s.region.backend, "read_direct", recorded)
+        yield s, state, reads, fail_at
 
 
-def test_a_scan_stops_reading_when_a_chunk_cannot_be_used(tmp_path, monkeypatch):
+def test_a_scan_stops_reading_at_a_failed_read_and_says_so(chunked):
+    """A read that fails in the middle of a scan (reader threads ahead of checker threads) fails
+    the load with that error; the reads not yet started are dropped, not done for nothing, and
+    every buffer is given back (the scan returns)."""
+    from ckptfs.errors import RegionIOError
+
+    s, state, reads, fail_at = chunked
+    fail_at["read"] = 3
+    with pytest.raises(RegionIOError, match="injected"):
+        s.load("m")
+    assert len(reads) < 12, len(reads)  # of 24 chunks
+    fail_at.clear()
+    assert torch.equal(s.load("m")["t23"], state["t23"])
+
+
+def test_a_scan_stops_reading_when_a_chunk_cannot_be_used(chunked):
     """A chunk whose copy-out fails (``on_chunk`` raises) fails the scan with that error, and
     the reads not yet started are not made."""
-    from ckptfs import reader
+    s, _, reads, _ = chunked
+    seen = []
 
-    monkeypatch.setattr(reader, "READ_CHUNK_BYTES", MIB)
-    state = {f"t{i}": torch.full((MIB // 4,), float(i)) for i in range(24)}
-    path = str(tmp_path / "r.region")
-    with ckptfs.Store.create(path, size_bytes=128 << 20) as s:
-        with s.writer("m") as w:
-            w.save(state, step=1).result()
-        reads = []
-        real = s.region.backend.read_direct
-        monkeypatch.setattr(s.region.backend, "read_direct", lambda at, view: (reads.append(at), real(at, view)))
-        seen = []
+    def on_chunk(buf, chunk):
+        seen.append(chunk.start)
+        if len(seen) == 2:
+            raise ValueError("injected: the target refused the bytes")
 
-        def on_chunk(buf, chunk):
-            seen.append(chunk.start)
-            if len(seen) == 2:
-                raise ValueError("injected: the target refused the bytes")
-
-        with s.open_version("m") as v, pytest.raises(ValueError, match="injected"):
-            v.data.scan(on_chunk)
-        assert len(reads) < 16, len(reads)  # of 24 chunks
+    with s.open_version("m") as v, pytest.raises(ValueError, match="injected"):
+        v.data.scan(on_chunk)
+    assert len(reads) < 16, len(reads)  # of 24 chunks

@@ -42,17 +42,14 @@ def read_parts(reads: list["PartRead"], buffers: ReadBuffers, ahead=None) -> Non
     targets in one pipeline (``scan_together``: no wait at each part's end, the many small reads
     of a part that holds a few wanted tensors beside the large ones of another), then each
     that needs whole copies of stored tensors alone, so that only one part's copies are in
-    memory at a time. ``ahead``: a ReadAhead of ``[r.scan for r in reads]`` (see
-    ``PartRead.scan``), used where every part is read straight into its targets, else cancelled."""
+    memory at a time. ``ahead``: a ReadAhead of the parts' scans (``PartRead.scan``), used where
+    every part is read straight into its targets, else cancelled."""
     direct = [r for r in reads if not r.whole_bytes]
     if ahead is not None and len(direct) < len(reads):
         ahead.cancel()
         ahead = None
     scans = [r.scanner() for r in direct]
-    if ahead is not None:
-        scan_together(ahead.scans, buffers, ahead)
-    else:
-        scan_together([scan for scan in scans if scan is not None], buffers)
+    scan_together([scan for scan in scans if scan is not None], buffers, ahead)
     for r, scan in zip(direct, scans):
         r.finish(scan)
     for r in reads:
