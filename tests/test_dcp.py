@@ -639,3 +639,52 @@ def test_a_load_reads_ahead_while_dcp_plans_and_lets_go_if_planning_fails(store,
     again = {k: torch.zeros_like(v) for k, v in state.items()}
     dcp.load(again, storage_reader=r)
     assert all(torch.equal(again[k], state[k]) for k in state)
+
+
+def test_a_load_freezes_the_heap_from_its_start_to_its_reads_end(store, monkeypatch):
+    """From DCP's start of a load (its read of checkpoint_id) to the end of read_data, the heap
+    the load began with is out of the GC's collections (gc.freeze: DCP's planning would start a
+    full collection of it in most loads); thawed after the load, and after a load that failed in
+    planning once the reader is reset or at the next load's end. A heap frozen by someone else
+    stays theirs."""
+    import gc
+
+    dcp.save({"w": torch.ones(8)}, storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=1))
+    seen = []
+    real_plan = ckptfs.dcp.StorageReader.prepare_global_plan
+
+    def planning(self, plans):
+        seen.append(gc.get_freeze_count())
+        return real_plan(self, plans)
+    monkeypatch.setattr(ckptfs.dcp.StorageReader, "prepare_global_plan", planning)
+    old = object()  # made before the load: frozen during it
+    assert gc.get_freeze_count() == 0
+    back = {"w": torch.zeros(8)}
+    dcp.load(back, storage_reader=ckptfs.dcp.StorageReader(store, "m"))
+    assert torch.equal(back["w"], torch.ones(8))
+    assert seen and seen[0] > 0 and gc.get_freeze_count() == 0
+    del old
+
+    def failing(self, plans):
+        raise RuntimeError("injected: planning failed")
+    monkeypatch.setattr(ckptfs.dcp.StorageReader, "prepare_global_plan", failing)
+    r = ckptfs.dcp.StorageReader(store, "m")
+    with pytest.raises(CheckpointException):
+        dcp.load(back, storage_reader=r)
+    assert gc.get_freeze_count() > 0  # until the reader is reset, used again or goes
+    r.reset()
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(CheckpointException):  # its reader is kept by the error's traceback
+        dcp.load(back, storage_reader=ckptfs.dcp.StorageReader(store, "m"))
+    assert gc.get_freeze_count() > 0
+    monkeypatch.setattr(ckptfs.dcp.StorageReader, "prepare_global_plan", planning)
+    dcp.load(back, storage_reader=ckptfs.dcp.StorageReader(store, "m"))
+    assert gc.get_freeze_count() == 0  # the next load took the hold over and let it go
+
+    gc.freeze()  # someone else's (a process about to fork): left as it is
+    try:
+        seen.clear()
+        dcp.load(back, storage_reader=ckptfs.dcp.StorageReader(store, "m"))
+        assert seen and seen[0] > 0 and gc.get_freeze_count() > 0  # not thawed by the load
+    finally:
+        gc.unfreeze()

@@ -131,7 +131,7 @@ def meet(group, agree: dict, timeout_s: float, what: str, *, load: bool = False)
     arrival.passed()
 
 
-def meet_before_dcp(storage, dcp_function: str, what: str, *, load: bool = False) -> None:
+def meet_before_dcp(storage, dcp_function: str, what: str, *, load: bool = False) -> bool:
     """The ranks meet (``ckptfs.dist.group.meet``: at most ``storage.timeout_s``) if the caller
     of ``storage.checkpoint_id`` is DCP's ``dcp_function`` (``_save_state_dict`` /
     ``_load_state_dict``), which reads it just before its planning gather, outside the handler
@@ -141,15 +141,17 @@ def meet_before_dcp(storage, dcp_function: str, what: str, *, load: bool = False
     meeting they fail after ``timeout_s`` naming it, and ranks at different steps or models fail
     at once. Read anywhere else (DCP's logging, ``async_save``'s calling thread too), nothing
     happens, so that no rank waits for another outside the thread that plans. ``load``: a
-    load's meeting (a step of None is the newest)."""
+    load's meeting (a step of None is the newest). True where the caller is ``dcp_function``
+    (a save or load starts), after the meeting."""
     if sys._getframe(2).f_code.co_name != dcp_function:
-        return
+        return False
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         step = storage.step if storage.step is not None else "newest"
         meet(storage.group or dist.group.WORLD, {"model": storage.model, "step": step}, storage.timeout_s, what,
              load=load)
+    return True
 
 
 def _quietly(call, *args) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import weakref
+from concurrent.futures import ThreadPoolExecutor
 
 from torch.distributed.checkpoint import StorageReader as _DCPReader
 from torch.distributed.checkpoint.metadata import Metadata
@@ -22,8 +24,11 @@ from ckptfs.dist.load import PartRead, read_parts, wanted_tensors
 from ckptfs.dist.names import METADATA_FILE, is_global_version
 from ckptfs.dist.parts import item_records, open_part
 from ckptfs.errors import CorruptionError, NotFoundError, no_version_yet
-from ckptfs.gcpause import paused_gc
+from ckptfs.gcpause import freeze_heap, paused_gc, thaw_heap
 from ckptfs.reader import ReadAhead, ReadBuffers
+
+
+OPEN_THREADS = 8  # the parts of a load opened at once
 
 
 class StorageReader(_DCPReader):
@@ -42,9 +47,12 @@ class StorageReader(_DCPReader):
         self.regions = {s.region.superblock.uuid.hex(): s for s in (store, *peers)}
         self.metadata: Metadata | None = None
         self._ahead: _LoadAhead | None = None  # see prepare_local_plan
+        self._heap = object()  # this reader's hold of the frozen heap (see checkpoint_id)
+        weakref.finalize(self, thaw_heap, self._heap)
 
     def reset(self, checkpoint_id=None) -> None:
         self._drop_ahead()
+        thaw_heap(self._heap)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
@@ -54,8 +62,13 @@ class StorageReader(_DCPReader):
     def checkpoint_id(self) -> str:
         """This load's name in DCP's logs: ``ckptfs:MODEL@STEP`` (``@newest`` without a step).
         Where DCP reads it just before its planning gather, the ranks meet first
-        (``meet_before_dcp``): a rank that never calls ``dcp.load`` is named after ``timeout_s``."""
-        meet_before_dcp(self, "_load_state_dict", f"dcp.load of {self.model!r}", load=True)
+        (``meet_before_dcp``): a rank that never calls ``dcp.load`` is named after ``timeout_s``.
+        From there to the end of read_data the heap the load began with is frozen: DCP's
+        metadata and planning, much of it between our calls, would otherwise start a full
+        collection of it in most loads (see ckptfs.gcpause). A load that fails before read_data
+        thaws it at the reader's reset, at the next load's end, or when the reader goes."""
+        if meet_before_dcp(self, "_load_state_dict", f"dcp.load of {self.model!r}", load=True):
+            freeze_heap(self._heap)
         return f"ckptfs:{self.model}@{'newest' if self.step is None else self.step}"
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
@@ -112,8 +125,11 @@ class StorageReader(_DCPReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
-        with paused_gc():
-            self._read_data(plan, planner)
+        try:
+            with paused_gc():
+                self._read_data(plan, planner)
+        finally:
+            thaw_heap(self._heap)
         done: Future = Future()
         done.set_result(None)
         return done
@@ -160,13 +176,17 @@ class _LoadAhead:
             for item in plan.items:
                 where = storage[item.storage_index]
                 by_part.setdefault((where["region"], where["rank"], where["counter"]), []).append((item, where["pos"]))
-            self.parts = []
-            for (region, rank, counter), items in sorted(by_part.items()):
-                part = self._pins.enter_context(open_part(reader._store_of(region, rank), reader.model, rank, counter))
-                stored = item_records(part)
-                items = [(item, stored[pos]) for item, pos in items]
-                scan = part.data.scanner(only=wanted_tensors(part.manifest.tensors, items))
-                self.parts.append((part.data, items, scan))
+            # the parts opened at once: each is a few cold reads of headers and an index
+            pool = ThreadPoolExecutor(min(OPEN_THREADS, len(by_part) or 1), thread_name_prefix="ckptfs-open")
+            opening = []
+            try:
+                opening = [pool.submit(_open_part, reader, key, items) for key, items in sorted(by_part.items())]
+            finally:
+                pool.shutdown(wait=True)
+                for done in opening:  # every part opened is held (and closed by close), whatever failed
+                    if not done.cancelled() and done.exception() is None:
+                        self._pins.enter_context(done.result()[0])
+            self.parts = [done.result()[1:] for done in opening]  # the first error
             if read:
                 self.reading = ReadAhead([scan for _, _, scan in self.parts], self.buffers)
         except BaseException:
@@ -186,6 +206,21 @@ class _LoadAhead:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _open_part(reader: StorageReader, key: tuple[str, int, int], items: list):
+    """(the pinned part, its VersionData, items as (ReadItem, stored tensor index), its Scan)
+    of the part ``key`` (region, rank, counter) for ``items`` ((ReadItem, position in the
+    part's item list)); the part is closed again if anything fails."""
+    region, rank, counter = key
+    part = open_part(reader._store_of(region, rank), reader.model, rank, counter)
+    try:
+        stored = item_records(part)
+        items = [(item, stored[pos]) for item, pos in items]
+        return part, part.data, items, part.data.scanner(only=wanted_tensors(part.manifest.tensors, items))
+    except BaseException:
+        part.close()
+        raise
 
 
 def global_version(store, model: str, step: int | None):
