@@ -408,24 +408,35 @@ class ReadAhead:
 
     def __init__(self, scans: list[Scan], buffers: "ReadBuffers"):
         work = _ordered(scans)
-        self.items: list[tuple[Chunk, Scan, StagingBuffer, object]] = []  # (chunk, scan, buffer, read future)
+        self.items: list[tuple[Chunk, Scan, object]] = []  # (chunk, scan, future of the buffer read into)
         if not work:
             return
         buffers.fit(work[-1][0].length)
         self._buffers = buffers
         first = work[:READ_BUFFERS]
+        # each buffer is taken (made and faulted in, the first time: milliseconds each) on the
+        # thread that reads into it, so that the first read starts before the last buffer exists
         pool = ThreadPoolExecutor(min(READ_THREADS, len(first)), thread_name_prefix="ckptfs-read-ahead")
-        for chunk, scan in first:
-            buf = buffers.acquire()  # never waits: a fresh pool has READ_BUFFERS
-            self.items.append((chunk, scan, buf, pool.submit(scan.read, chunk, buf)))
+        self.items = [(chunk, scan, pool.submit(_read_into, scan, chunk, buffers)) for chunk, scan in first]
         pool.shutdown(wait=False)
 
     def cancel(self) -> None:
         """The reads end, their buffers go back (idempotent)."""
         items, self.items = self.items, []
-        for _, _, buf, done in items:
-            done.exception()
-            self._buffers.release(buf)
+        for _, _, done in items:
+            if done.exception() is None:
+                self._buffers.release(done.result())
+
+
+def _read_into(scan: Scan, chunk: Chunk, buffers: "ReadBuffers") -> StagingBuffer:
+    """``chunk`` read into a buffer taken from ``buffers`` (given back if the read fails)."""
+    buf = buffers.acquire()
+    try:
+        scan.read(chunk, buf)
+    except BaseException:
+        buffers.release(buf)
+        raise
+    return buf
 
 
 def scan_together(scans: list[Scan], buffers: "ReadBuffers", ahead: ReadAhead | None = None) -> None:
@@ -443,16 +454,20 @@ def scan_together(scans: list[Scan], buffers: "ReadBuffers", ahead: ReadAhead | 
     pre = []
     if ahead is not None:
         pre, ahead.items = ahead.items, []
-        if [(c, s) for c, s, _, _ in pre] != work[:len(pre)]:
+        if [(c, s) for c, s, _ in pre] != work[:len(pre)]:
             raise ValueError("a ReadAhead of other scans")  # a bug of the caller: nothing was read for it
     rest = work[len(pre):]
     checks = []
     failed = threading.Event()  # a check failed: the reads not started are not made
 
-    def check(scan: Scan, buf: StagingBuffer, chunk: Chunk, read=None) -> None:
+    def check(scan: Scan, read, chunk: Chunk) -> None:
+        """``read``: the buffer ``chunk`` was read into, or the future of a read ahead's."""
         try:
-            if read is not None:
-                read.result()
+            buf = read if isinstance(read, StagingBuffer) else read.result()  # a failed read gave its back
+        except BaseException:
+            failed.set()
+            raise
+        try:
             scan.check(buf, chunk)
         except BaseException:
             failed.set()
@@ -461,19 +476,12 @@ def scan_together(scans: list[Scan], buffers: "ReadBuffers", ahead: ReadAhead | 
             buffers.release(buf)
 
     with ThreadPoolExecutor(min(CHECK_THREADS, len(work)), thread_name_prefix="ckptfs-check") as checkers:
-        for chunk, scan, buf, read in pre:
-            checks.append(checkers.submit(check, scan, buf, chunk, read))
+        for chunk, scan, read in pre:
+            checks.append(checkers.submit(check, scan, read, chunk))
 
         def read(chunk: Chunk, scan: Scan) -> None:
-            if failed.is_set():
-                return
-            buf = buffers.acquire()
-            try:
-                scan.read(chunk, buf)
-            except BaseException:
-                buffers.release(buf)
-                raise
-            checks.append(checkers.submit(check, scan, buf, chunk))
+            if not failed.is_set():
+                checks.append(checkers.submit(check, scan, _read_into(scan, chunk, buffers), chunk))
 
         readers = ThreadPoolExecutor(max(1, min(READ_THREADS, len(rest))), thread_name_prefix="ckptfs-read")
         try:
