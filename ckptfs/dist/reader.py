@@ -180,7 +180,8 @@ class _LoadAhead:
             pool = ThreadPoolExecutor(min(OPEN_THREADS, len(by_part) or 1), thread_name_prefix="ckptfs-open")
             opening = []
             try:
-                opening = [pool.submit(_open_part, reader, key, items) for key, items in sorted(by_part.items())]
+                for key, items in sorted(by_part.items()):
+                    opening.append(pool.submit(_open_part, reader, key, items))
             finally:
                 pool.shutdown(wait=True)
                 for done in opening:  # every part opened is held (and closed by close), whatever failed
