@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
+import weakref
 
 _lock = threading.Lock()
 _depth = 0
@@ -63,3 +64,19 @@ def thaw_heap(owner: object) -> None:
         if _freeze_owner is owner:
             _freeze_owner = None
             gc.unfreeze()
+
+
+class HeapHold:
+    """A DCP storage reader's hold of the frozen heap across one load at a time: ``freeze`` and
+    ``thaw`` (``freeze_heap`` / ``thaw_heap``, idempotent), thawed too when the hold goes (its
+    reader with it)."""
+
+    def __init__(self):
+        self._owner = object()
+        weakref.finalize(self, thaw_heap, self._owner)
+
+    def freeze(self) -> None:
+        freeze_heap(self._owner)
+
+    def thaw(self) -> None:
+        thaw_heap(self._owner)

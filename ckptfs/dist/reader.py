@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 from torch.distributed.checkpoint import StorageReader as _DCPReader
@@ -24,7 +23,7 @@ from ckptfs.dist.load import PartRead, read_parts, wanted_tensors
 from ckptfs.dist.names import METADATA_FILE, is_global_version
 from ckptfs.dist.parts import item_records, open_part
 from ckptfs.errors import CorruptionError, NotFoundError, no_version_yet
-from ckptfs.gcpause import freeze_heap, paused_gc, thaw_heap
+from ckptfs.gcpause import HeapHold, paused_gc
 from ckptfs.reader import ReadAhead, ReadBuffers
 
 
@@ -47,12 +46,11 @@ class StorageReader(_DCPReader):
         self.regions = {s.region.superblock.uuid.hex(): s for s in (store, *peers)}
         self.metadata: Metadata | None = None
         self._ahead: _LoadAhead | None = None  # see prepare_local_plan
-        self._heap = object()  # this reader's hold of the frozen heap (see checkpoint_id)
-        weakref.finalize(self, thaw_heap, self._heap)
+        self._heap = HeapHold()  # see checkpoint_id
 
     def reset(self, checkpoint_id=None) -> None:
         self._drop_ahead()
-        thaw_heap(self._heap)
+        self._heap.thaw()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
@@ -68,7 +66,7 @@ class StorageReader(_DCPReader):
         collection of it in most loads (see ckptfs.gcpause). A load that fails before read_data
         thaws it at the reader's reset, at the next load's end, or when the reader goes."""
         if meet_before_dcp(self, "_load_state_dict", f"dcp.load of {self.model!r}", load=True):
-            freeze_heap(self._heap)
+            self._heap.freeze()
         return f"ckptfs:{self.model}@{'newest' if self.step is None else self.step}"
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
@@ -129,7 +127,7 @@ class StorageReader(_DCPReader):
             with paused_gc():
                 self._read_data(plan, planner)
         finally:
-            thaw_heap(self._heap)
+            self._heap.thaw()
         done: Future = Future()
         done.set_result(None)
         return done
