@@ -3,11 +3,10 @@ flatten of a large state) run with the cyclic garbage collector paused: they mak
 each collection it would start there traverses the whole heap of such objects again (half the
 time of the views of a 40,000-tensor version went to it).
 
-A DCP load's planning runs in torch's code between the storage reader's calls, and makes enough
-objects that a full collection of the process's heap (a quarter of a second in a process that has
-imported transformers) comes in most loads: there the heap that existed when the load began is
-frozen instead (``freeze_heap`` / ``thaw_heap``), so collections go on but walk only what the load
-made."""
+A DCP load's metadata and planning run in torch's code between the storage reader's calls, and
+make enough objects that a full collection of the process's heap (a quarter of a second in a
+process that has imported transformers) came in most loads: there the pause spans those calls
+(``GCHold``), from DCP's start of the load to the end of its reads."""
 from __future__ import annotations
 
 import contextlib
@@ -18,65 +17,72 @@ import weakref
 _lock = threading.Lock()
 _depth = 0
 _was_enabled = False
-_freeze_owner: object | None = None
 
 
-@contextlib.contextmanager
-def paused_gc():
-    """Pause the cyclic GC for the block (nestable, across threads: it resumes, if it was on,
-    when the last block in the process ends). Reference counting frees memory as usual."""
+def _pause() -> None:
     global _depth, _was_enabled
     with _lock:
         if _depth == 0:
             _was_enabled = gc.isenabled()
             gc.disable()
         _depth += 1
+
+
+def _resume() -> None:
+    global _depth
+    with _lock:
+        _depth -= 1
+        if _depth == 0 and _was_enabled:
+            gc.enable()
+
+
+@contextlib.contextmanager
+def paused_gc():
+    """Pause the cyclic GC for the block (nestable, across threads: it resumes, if it was on,
+    when the last block or hold in the process ends). Reference counting frees memory as usual."""
+    _pause()
     try:
         yield
     finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0 and _was_enabled:
-                gc.enable()
+        _resume()
 
 
-def freeze_heap(owner: object) -> None:
-    """Leave every object that exists now out of the cyclic GC's collections (``gc.freeze``)
-    until ``thaw_heap(owner)``: collections meanwhile walk only the objects made since, and
-    reference counting frees memory as usual. Nothing is done where someone else froze the heap
-    (``gc.get_freeze_count()``: a process about to fork its workers). One hold per process: a
-    second ``freeze_heap`` takes it over (a process's loads run one after another; one that failed
-    before thawing is thawed by the next one's end)."""
-    global _freeze_owner
-    with _lock:
-        if _freeze_owner is None:
-            if gc.get_freeze_count():
-                return
-            gc.freeze()
-        _freeze_owner = owner
-
-
-def thaw_heap(owner: object) -> None:
-    """End ``owner``'s hold, if it still has it (idempotent): the frozen objects are collected
-    as before (``gc.unfreeze``)."""
-    global _freeze_owner
-    with _lock:
-        if _freeze_owner is owner:
-            _freeze_owner = None
-            gc.unfreeze()
-
-
-class HeapHold:
-    """A DCP storage reader's hold of the frozen heap across one load at a time: ``freeze`` and
-    ``thaw`` (``freeze_heap`` / ``thaw_heap``, idempotent), thawed too when the hold goes (its
-    reader with it)."""
+class GCHold:
+    """A pause of the cyclic GC that spans calls (a DCP load's, from its start to the end of
+    its reads, which torch's code runs between): ``hold(expire_s)`` and ``release()``, both
+    idempotent. A load that fails between the reader's calls never says so: the pause ends
+    after ``expire_s`` anyway, or when the hold goes (its reader with it), or at its next
+    ``hold`` or ``release``."""
 
     def __init__(self):
-        self._owner = object()
-        weakref.finalize(self, thaw_heap, self._owner)
+        self._state = _Hold()
+        weakref.finalize(self, self._state.release)
 
-    def freeze(self) -> None:
-        freeze_heap(self._owner)
+    def hold(self, expire_s: float) -> None:
+        self._state.release()  # a hold an earlier, failed load left
+        self._state.hold(expire_s)
 
-    def thaw(self) -> None:
-        thaw_heap(self._owner)
+    def release(self) -> None:
+        self._state.release()
+
+
+class _Hold:
+    def __init__(self):
+        self._mutex = threading.Lock()
+        self._timer: threading.Timer | None = None
+
+    def hold(self, expire_s: float) -> None:
+        with self._mutex:
+            if self._timer is None:
+                _pause()
+                self._timer = threading.Timer(expire_s, self.release)
+                self._timer.daemon = True
+                self._timer.name = "ckptfs-gc-hold"
+                self._timer.start()
+
+    def release(self) -> None:
+        with self._mutex:
+            timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+            _resume()

@@ -641,29 +641,31 @@ def test_a_load_reads_ahead_while_dcp_plans_and_lets_go_if_planning_fails(store,
     assert all(torch.equal(again[k], state[k]) for k in state)
 
 
-def test_a_load_freezes_the_heap_from_its_start_to_its_reads_end(store, monkeypatch):
-    """From DCP's start of a load (its read of checkpoint_id) to the end of read_data, the heap
-    the load began with is out of the GC's collections (gc.freeze: DCP's planning would start a
-    full collection of it in most loads); thawed after the load, and after a load that failed in
-    planning once the reader is reset or at the next load's end. A heap frozen by someone else
-    stays theirs."""
+def test_a_load_pauses_the_gc_from_its_start_to_its_reads_end(store, monkeypatch):
+    """From DCP's start of a load (its read of checkpoint_id) to the end of read_data the
+    cyclic GC is paused (DCP's planning, between the reader's calls, started a full collection of
+    the heap in most loads); on again after the load, after a load that found nothing to read,
+    and after one that failed in planning once its reader is reset, or after its timeout_s. A GC
+    someone else switched off stays off."""
     import gc
+    import time
 
     dcp.save({"w": torch.ones(8)}, storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=1))
     seen = []
     real_plan = ckptfs.dcp.StorageReader.prepare_global_plan
 
     def planning(self, plans):
-        seen.append(gc.get_freeze_count())
+        seen.append(gc.isenabled())
         return real_plan(self, plans)
     monkeypatch.setattr(ckptfs.dcp.StorageReader, "prepare_global_plan", planning)
-    old = object()  # made before the load: frozen during it
-    assert gc.get_freeze_count() == 0
+    assert gc.isenabled()
     back = {"w": torch.zeros(8)}
     dcp.load(back, storage_reader=ckptfs.dcp.StorageReader(store, "m"))
     assert torch.equal(back["w"], torch.ones(8))
-    assert seen and seen[0] > 0 and gc.get_freeze_count() == 0
-    del old
+    assert seen == [False] and gc.isenabled()
+    with pytest.raises(CheckpointException):  # nothing saved under that name: no load follows
+        dcp.load(back, storage_reader=ckptfs.dcp.StorageReader(store, "nothing"))
+    assert gc.isenabled()
 
     def failing(self, plans):
         raise RuntimeError("injected: planning failed")
@@ -671,20 +673,21 @@ def test_a_load_freezes_the_heap_from_its_start_to_its_reads_end(store, monkeypa
     r = ckptfs.dcp.StorageReader(store, "m")
     with pytest.raises(CheckpointException):
         dcp.load(back, storage_reader=r)
-    assert gc.get_freeze_count() > 0  # until the reader is reset, used again or goes
+    assert not gc.isenabled()  # until the reader is reset, used again, goes, or times out
     r.reset()
-    assert gc.get_freeze_count() == 0
+    assert gc.isenabled()
     with pytest.raises(CheckpointException):  # its reader is kept by the error's traceback
-        dcp.load(back, storage_reader=ckptfs.dcp.StorageReader(store, "m"))
-    assert gc.get_freeze_count() > 0
-    monkeypatch.setattr(ckptfs.dcp.StorageReader, "prepare_global_plan", planning)
-    dcp.load(back, storage_reader=ckptfs.dcp.StorageReader(store, "m"))
-    assert gc.get_freeze_count() == 0  # the next load took the hold over and let it go
+        dcp.load(back, storage_reader=ckptfs.dcp.StorageReader(store, "m", timeout_s=0.5))
+    assert not gc.isenabled()
+    deadline = time.monotonic() + 10
+    while not gc.isenabled() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gc.isenabled()  # after its timeout_s
 
-    gc.freeze()  # someone else's (a process about to fork): left as it is
+    monkeypatch.setattr(ckptfs.dcp.StorageReader, "prepare_global_plan", planning)
+    gc.disable()  # someone else's
     try:
-        seen.clear()
         dcp.load(back, storage_reader=ckptfs.dcp.StorageReader(store, "m"))
-        assert seen and seen[0] > 0 and gc.get_freeze_count() > 0  # not thawed by the load
+        assert not gc.isenabled()
     finally:
-        gc.unfreeze()
+        gc.enable()

@@ -23,7 +23,7 @@ from ckptfs.dist.load import PartRead, read_parts, wanted_tensors
 from ckptfs.dist.names import METADATA_FILE, is_global_version
 from ckptfs.dist.parts import item_records, open_part
 from ckptfs.errors import CorruptionError, NotFoundError, no_version_yet
-from ckptfs.gcpause import HeapHold, paused_gc
+from ckptfs.gcpause import GCHold, paused_gc
 from ckptfs.reader import ReadAhead, ReadBuffers
 
 
@@ -46,11 +46,11 @@ class StorageReader(_DCPReader):
         self.regions = {s.region.superblock.uuid.hex(): s for s in (store, *peers)}
         self.metadata: Metadata | None = None
         self._ahead: _LoadAhead | None = None  # see prepare_local_plan
-        self._heap = HeapHold()  # see checkpoint_id
+        self._gc_hold = GCHold()  # see checkpoint_id
 
     def reset(self, checkpoint_id=None) -> None:
         self._drop_ahead()
-        self._heap.thaw()
+        self._gc_hold.release()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
@@ -61,18 +61,22 @@ class StorageReader(_DCPReader):
         """This load's name in DCP's logs: ``ckptfs:MODEL@STEP`` (``@newest`` without a step).
         Where DCP reads it just before its planning gather, the ranks meet first
         (``meet_before_dcp``): a rank that never calls ``dcp.load`` is named after ``timeout_s``.
-        From there to the end of read_data the heap the load began with is frozen: DCP's
-        metadata and planning, much of it between our calls, would otherwise start a full
-        collection of it in most loads (see ckptfs.gcpause). A load that fails before read_data
-        thaws it at the reader's reset, at the next load's end, or when the reader goes."""
+        From there to the end of read_data the cyclic GC is paused: DCP's metadata and
+        planning, much of it between our calls, started a full collection of the rank's heap in
+        most loads (see ckptfs.gcpause). A load that fails before read_data resumes it at the
+        reader's reset or next load, when the reader goes, or after ``timeout_s``."""
         if meet_before_dcp(self, "_load_state_dict", f"dcp.load of {self.model!r}", load=True):
-            self._heap.freeze()
+            self._gc_hold.hold(self.timeout_s)
         return f"ckptfs:{self.model}@{'newest' if self.step is None else self.step}"
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         # every rank runs this (DCP's local step of a load): the ranks agree on the step here
-        with paused_gc():  # the metadata's thousands of objects: see ckptfs.gcpause
-            return self._read_metadata()
+        try:
+            with paused_gc():  # the metadata's thousands of objects: see ckptfs.gcpause
+                return self._read_metadata()
+        except BaseException:
+            self._gc_hold.release()  # no load follows (none to read yet, another job's region)
+            raise
 
     def _read_metadata(self) -> Metadata:
         steps = {v.step for v in self.store.versions(self.model, missing_ok=True)}
@@ -127,7 +131,7 @@ class StorageReader(_DCPReader):
             with paused_gc():
                 self._read_data(plan, planner)
         finally:
-            self._heap.thaw()
+            self._gc_hold.release()
         done: Future = Future()
         done.set_result(None)
         return done
