@@ -464,16 +464,13 @@ def scan_together(scans: list[Scan], buffers: "ReadBuffers", ahead: ReadAhead | 
         """``read``: the buffer ``chunk`` was read into, or the future of a read ahead's."""
         try:
             buf = read if isinstance(read, StagingBuffer) else read.result()  # a failed read gave its back
+            try:
+                scan.check(buf, chunk)
+            finally:
+                buffers.release(buf)
         except BaseException:
             failed.set()
             raise
-        try:
-            scan.check(buf, chunk)
-        except BaseException:
-            failed.set()
-            raise
-        finally:
-            buffers.release(buf)
 
     with ThreadPoolExecutor(min(CHECK_THREADS, len(work)), thread_name_prefix="ckptfs-check") as checkers:
         for chunk, scan, read in pre:

@@ -143,7 +143,7 @@ class StorageReader(_DCPReader):
             ahead = None
         if ahead is None:
             ahead = _LoadAhead(self, plan, read=False)
-        with ahead:
+        with contextlib.closing(ahead):
             reads = [PartRead(data, items, planner, scan) for data, items, scan in ahead.parts]
             read_parts(reads, ahead.buffers, ahead.reading)
             ahead.reading = None
@@ -203,12 +203,6 @@ class _LoadAhead:
             self.reading = None
         self.buffers.close()
         self._pins.close()
-
-    def __enter__(self) -> "_LoadAhead":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def _open_part(reader: StorageReader, key: tuple[str, int, int], items: list):
