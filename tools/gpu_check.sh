@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of the whole project, on a machine with CUDA and a PyTorch that sees it:
-#   bash tools/gpu_check.sh [test|quick|train|full] [OUTDIR]
+#   bash tools/gpu_check.sh [build|test|quick|train|full] [OUTDIR]
+# build: ckptfs._native built in place, nothing run (then run one tool with PYTHONPATH=/tmp/ckptfs-site:$PWD);
 # test: the build and tests/test_gpu.py alone; quick: + a short bench_save, emulator and real
 # training loop; train: + the real GPT-2 small training loop (bench_train.py) alone; full: + every
 # benchmark at full size, bench_dist.py with one rank per GPU among them (more than one device
@@ -31,6 +32,7 @@ ${CC:-cc} "${CFLAGS[@]}" -shared -fPIC -I"$PYINC" ${CKPTFS_ZLIB_INCLUDE:+-I"$CKP
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 $PY -c 'import torch, ckptfs; print("torch", torch.__version__, "cuda", torch.cuda.is_available(),
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")' | tee "$OUTDIR/env.txt"
+[ "$MODE" = build ] && exit 0
 
 rc=0
 $PY -m pytest -q -p no:cacheprovider -o addopts="" tests/test_gpu.py -rs 2>&1 | tee "$OUTDIR/test_gpu.log" || rc=1
