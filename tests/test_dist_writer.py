@@ -142,6 +142,48 @@ def test_a_plan_is_made_once_per_structure_and_reused_exactly(tmp_path):
         assert store.latest("m").step == 5
 
 
+def _resolves_as_dcp(rank, world, out):
+    """A reused plan's items resolve, in a new state dict of the same structure (made again after
+    a training step, as a job does before each save), to exactly what DCP's DefaultSavePlanner
+    set up with that state gives: the same memory for each shard, the same bytes for the rest."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    from ckptfs.dist.resolve import ItemResolver, resolve_items
+
+    model = sharded_gpt2(world)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    train_gpt2(model, opt, 1, seed=rank)
+    first = DefaultSavePlanner()
+    first.set_up_planner(dict(zip(("model", "optim"), get_state_dict(model, opt))), None, rank == 0)
+    items = first.create_local_plan().items
+    resolver = ItemResolver(items, first)
+    assert resolver.paths is not None  # the fast path, not the fallback
+    train_gpt2(model, opt, 1, seed=rank + 7)
+    state = dict(zip(("model", "optim"), get_state_dict(model, opt)))
+    dcp_planner = DefaultSavePlanner()
+    dcp_planner.set_up_planner(state, None, rank == 0)
+    want, got = resolve_items(items, dcp_planner), resolver.resolve(state)
+    kinds = {type(v).__name__ for v in state["model"].values()}
+    assert "DTensor" in kinds and len(got) == len(want) == len(items)
+    for item, a, b in zip(items, got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), item.index.fqn
+        if item.type.name != "BYTE_IO":
+            assert a.data_ptr() == b.data_ptr(), item.index.fqn  # the shard itself, not a copy
+    # a planner of its own, or a state the default planner does not flatten, is left to DCP
+    assert ItemResolver(items, type("Mine", (DefaultSavePlanner,), {})()).paths is None
+    assert ItemResolver(items, DefaultSavePlanner(flatten_state_dict=False)).paths is None
+    if rank == 0:
+        out.put(len(items))
+
+
+def test_a_reused_plan_resolves_its_items_as_dcp_does(tmp_path):
+    from ckptfs.testing.load import mp_context
+
+    out = mp_context().Queue()
+    run_ranks(_resolves_as_dcp, 2, out)
+    assert out.get(timeout=5) > 20
+
+
 def _one_rank_skips_a_step(rank, world, region):
     """Both ranks save step 1; rank 1 never comes to step 2: rank 0's save fails after
     timeout_s naming it, and step 1 stays the global latest."""

@@ -22,7 +22,6 @@ The load is ``ckptfs.dist.reader``; a part's places and lifecycle are ``ckptfs.d
 """
 from __future__ import annotations
 
-import io
 import logging
 import os
 import threading
@@ -32,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch.distributed.checkpoint import StorageWriter as _DCPWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
@@ -40,6 +39,7 @@ from ckptfs.dist import parts
 from ckptfs.dist.codec import PlacedMetadata, encode_index, encode_metadata
 from ckptfs.dist.group import Arrival, check_agreement, coordination, exchange, meet_before_dcp, this_rank
 from ckptfs.dist.names import METADATA_FILE, part_model
+from ckptfs.dist.resolve import resolve_items
 from ckptfs.errors import CkptfsError
 
 __all__ = ["StorageWriter"]
@@ -126,7 +126,7 @@ class StorageWriter(_DCPWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         """This rank's part, then the global commit (see the module's docstring); the future
         completes when the step is the global latest on every node, or fails on every rank."""
-        tensors, save = self.write_part(plan.items, planner)
+        tensors, save = self.write_part(plan.items, resolve_items(plan.items, planner))
         metadata = getattr(planner, "metadata", None) if self.is_coordinator else None
         done: Future = Future()
 
@@ -139,12 +139,11 @@ class StorageWriter(_DCPWriter):
         _pool.submit(commit)
         return done
 
-    def write_part(self, items: list, planner: SavePlanner):
-        """Start this rank's part of the step: ``items`` (this rank's final save plan) resolved
-        through ``planner`` (set up with the state) and saved as a kept version of the part
-        model. Returns (the items' tensors, the part's SaveFuture) once its snapshot is taken:
-        the state may change from then on."""
-        tensors = [_as_tensor(item, planner.resolve_data(item)) for item in items]
+    def write_part(self, items: list, tensors: list[torch.Tensor]):
+        """Start this rank's part of the step: ``tensors``, the data of ``items`` (this rank's
+        final save plan; ``ckptfs.dist.resolve``), saved as a kept version of the part model.
+        Returns (``tensors``, the part's SaveFuture) once its snapshot is taken: the state may
+        change from then on."""
         name = part_model(self.model, self.rank)
         writer = _kept_writer(self.store, name, self.max_inflight)
         parts.started(self.store, name, self.step)
@@ -287,13 +286,6 @@ def write_results(items: list, tensors: list, rank: int, counter: int | None) ->
     return [WriteResult(index=item.index, size_in_bytes=_nbytes(t),
                         storage_data={"rank": rank, "counter": counter, "pos": pos})
             for pos, (item, t) in enumerate(zip(items, tensors))]
-
-
-def _as_tensor(item, data) -> torch.Tensor:
-    if item.type == WriteItemType.BYTE_IO:
-        raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-    return data.detach()
 
 
 def _nbytes(t: torch.Tensor) -> int:

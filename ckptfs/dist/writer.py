@@ -37,6 +37,7 @@ import torch
 from ckptfs.dist.codec import encode_metadata
 from ckptfs.dist.group import Arrival, check_agreement, coordination, exchange, this_rank
 from ckptfs.dist.reader import StorageReader
+from ckptfs.dist.resolve import ItemResolver, resolve_items
 from ckptfs.dist.storage import StorageWriter, write_results
 from ckptfs.errors import BusyError, CkptfsError
 from ckptfs.gcpause import paused_gc
@@ -63,6 +64,7 @@ class _Plan:
     made_at: int  # the step whose dcp.save made it: the same on every rank that has it
     items: list  # this rank's WriteItems
     metadata: str | None  # DCP's global metadata, encoded (on the coordinator; else None)
+    resolver: ItemResolver  # the items' data in a state of this structure
     places: dict = field(default_factory=dict)  # StorageWriter.plan_places of the saves reusing it
 
 
@@ -159,11 +161,7 @@ class DistWriter:
         storage.set_up_storage_writer(rank == 0, rank=rank)
         storage.plan_places = plan.places
         try:
-            from torch.distributed.checkpoint import DefaultSavePlanner
-
-            planner = DefaultSavePlanner()
-            planner.set_up_planner(state, None, rank == 0)
-            tensors, part = storage.write_part(plan.items, planner)
+            tensors, part = storage.write_part(plan.items, plan.resolver.resolve(state))
         except BaseException as e:  # noqa: BLE001 - the commit tells every rank, which then all fail
             tensors, part = [], Future()
             part.set_exception(e)
@@ -183,7 +181,7 @@ class DistWriter:
         written = storage.written
         if written.metadata is not None:  # encoded once per plan, not at every commit
             written.metadata = encode_metadata(written.metadata)
-        self._plan = _Plan(signature, step, written.items, written.metadata)
+        self._plan = _Plan(signature, step, written.items, written.metadata, storage.resolver)
         written.storage.plan_places = self._plan.places  # its first commit keeps them
         return written
 
@@ -262,11 +260,13 @@ class _PartOnly(StorageWriter):
     thread (``written``), so that dcp.save returns while the part is still being written."""
 
     written: _Written | None = None
+    resolver: ItemResolver | None = None  # for the saves that reuse this plan
 
     def write_data(self, plan, planner):
         from torch.futures import Future as TorchFuture
 
-        tensors, part = self.write_part(plan.items, planner)
+        self.resolver = ItemResolver(plan.items, planner)
+        tensors, part = self.write_part(plan.items, resolve_items(plan.items, planner))
         metadata = getattr(planner, "metadata", None) if self.is_coordinator else None
         self.written = _Written(self, plan.items, tensors, part, metadata)
         done: TorchFuture = TorchFuture()

@@ -1,0 +1,101 @@
+"""The data of a DCP save plan's write items, for the saves that reuse the plan.
+
+DCP's ``DefaultSavePlanner`` finds an item's data by flattening the whole state dict at every
+save (``set_up_planner``) and looking each item up through DTensor's checkpoint protocol, an
+autograd function per shard. For a writer that reuses one plan save after save (``DistWriter``)
+that was most of the caller's stall beyond the copy itself: ~11 of ~19 ms per save of GPT-2
+under FSDP2 with AdamW (605 items) on the project's 2-core VM, before a single byte moved.
+
+A plan made by ``DefaultSavePlanner`` carries, in the planner's ``mappings``, the path of each
+flattened key in the nested state dict. ``ItemResolver`` keeps those paths and resolves an item
+of a state of the same structure (the writer's plan signature guarantees it) by walking to the
+object and taking what ``DefaultSavePlanner.resolve_data`` would return: a DTensor's local
+tensor, a plain tensor, or the ``torch.save`` bytes of any other value. Anything else (a planner
+that is not exactly the default one, a ShardedTensor, a nested tensor subclass) resolves through
+a default planner set up with the state, as before.
+"""
+from __future__ import annotations
+
+import io
+
+import torch
+from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlanner, WriteItemType
+from torch.distributed.checkpoint.utils import find_tensor_shard
+
+__all__ = ["ItemResolver", "as_tensor", "resolve_items"]
+
+
+def as_tensor(item, data) -> torch.Tensor:
+    """An item's resolved data as the tensor its part saves: the bytes of a BYTE_IO item as
+    uint8, a tensor (a shard's local tensor) as it is, detached where it needs a gradient (a
+    state dict's tensors need none: a new tensor object each is time only)."""
+    if item.type == WriteItemType.BYTE_IO:
+        raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    return data.detach() if data.requires_grad else data
+
+
+def resolve_items(items: list, planner: SavePlanner) -> list[torch.Tensor]:
+    """Each item's data through ``planner`` (set up with the state), as ``as_tensor``."""
+    return [as_tensor(item, planner.resolve_data(item)) for item in items]
+
+
+class ItemResolver:
+    """The data of ``items`` (a plan ``planner`` made, after its ``set_up_planner``) in any state
+    of the same structure: ``resolve(state)`` returns what ``resolve_items`` would with a
+    ``DefaultSavePlanner`` set up with that state."""
+
+    def __init__(self, items: list, planner: SavePlanner):
+        self.items = items
+        self.is_coordinator = bool(getattr(planner, "is_coordinator", False))
+        self.paths: list[tuple] | None = _paths(items, planner)
+
+    def resolve(self, state: dict) -> list[torch.Tensor]:
+        if self.paths is None:
+            planner = DefaultSavePlanner()
+            planner.set_up_planner(state, None, self.is_coordinator)
+            return resolve_items(self.items, planner)
+        out = []
+        for item, path in zip(self.items, self.paths):
+            obj = state
+            for key in path:
+                obj = obj[key]
+            out.append(as_tensor(item, _data(item, obj)))
+        return out
+
+
+def _data(item, obj):
+    """``DefaultSavePlanner.transform_object(item, find_state_dict_object(...))`` for ``obj``,
+    the item's object: a DTensor's local tensor taken directly (``to_local`` is an autograd
+    function, and its view holds the same memory)."""
+    if item.type == WriteItemType.BYTE_IO:
+        data = io.BytesIO()
+        torch.save(obj, data)
+        return data
+    if not isinstance(obj, torch.Tensor):
+        raise ValueError(f"FQN {item.index.fqn!r} holds a {type(obj).__name__}, and its plan a tensor")
+    local = getattr(obj, "_local_tensor", None)
+    if type(local) is torch.Tensor or type(local) is torch.nn.Parameter:
+        return local
+    return find_tensor_shard(obj, item.index)
+
+
+def _paths(items: list, planner: SavePlanner) -> list[tuple] | None:
+    """The state dict path of each item's object, or None where the fast resolution would not
+    be exactly the planner's: a planner other than DefaultSavePlanner's own behaviour, a state
+    not flattened by it, or one holding ShardedTensors (their shards are flattened apart)."""
+    if type(planner) is not DefaultSavePlanner or not getattr(planner, "flatten_state_dict", False):
+        return None
+    mappings = getattr(planner, "mappings", None)
+    flat = getattr(planner, "state_dict", None)
+    if mappings is None or flat is None:
+        return None
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    if any(isinstance(v, ShardedTensor) for v in flat.values()):
+        return None
+    try:
+        return [tuple(mappings[item.index.fqn]) for item in items]
+    except KeyError:
+        return None
