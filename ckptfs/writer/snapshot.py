@@ -116,17 +116,7 @@ class Snapshotter:
         # from the snapshot thread would make a context on GPU 0 in every rank of a job.
         with torch.cuda.device(min(devices)):
             streams = self._side_streams.ordered_after_caller(devices, mark)
-            sources = []
-            for t in job.plan.flat.tensors:
-                if t.is_cuda and _needs_gpu_copy(t):
-                    # a view that must be made contiguous is copied on the side stream, after the
-                    # caller's work, like the rest of the snapshot
-                    with torch.cuda.stream(streams[t.device.index]):
-                        sources.append(byte_source(t))
-                else:
-                    # only views of the tensor's own memory: no GPU work, no stream to enter
-                    # (entering one costs as much as queueing the tensor's copy)
-                    sources.append(byte_source(t))
+            sources = _LazySources(job.plan.flat.tensors, streams)
             pending = []
             for chunk in job.chunks:
                 buf = self._buffer(job, pool)
@@ -139,6 +129,34 @@ class Snapshotter:
                 self._enqueue(job, chunk, buf, pool, events, None)
             for event in pending:
                 event.synchronize()
+
+
+class _LazySources:
+    """The byte source of each tensor of a CUDA snapshot, made when a chunk first needs it, so
+    that the first chunks' copies are queued while the later tensors' sources are still to be
+    made: made all before the first copy, they kept the copy engine idle for ~3.5 ms of a 31 ms
+    snapshot of GPT-2 + AdamW (592 tensors) on an H100, against a 28 ms device-to-host copy."""
+
+    def __init__(self, tensors: list, streams: dict[int, "torch.cuda.Stream"]):
+        self._tensors = tensors
+        self._streams = streams
+        self._made: list[torch.Tensor | None] = [None] * len(tensors)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        source = self._made[i]
+        if source is None:
+            t = self._tensors[i]
+            if t.is_cuda and _needs_gpu_copy(t):
+                # a view that must be made contiguous is copied on the side stream, after the
+                # caller's work and before the copies that read it, like the rest of the snapshot
+                with torch.cuda.stream(self._streams[t.device.index]):
+                    source = byte_source(t)
+            else:
+                # only views of the tensor's own memory: no GPU work, no stream to enter
+                # (entering one costs as much as queueing the tensor's copy)
+                source = byte_source(t)
+            self._made[i] = source
+        return source
 
 
 def _release_after_copies(pool: StagingPool, buf: StagingBuffer) -> None:
