@@ -64,10 +64,10 @@ class SideStreams:
 
 def copy_chunk_pieces(buf_tensor: torch.Tensor, pieces, sources,
                       streams: dict[int, "torch.cuda.Stream"]) -> tuple["torch.cuda.Event", ...]:
-    """Queue the copy of each piece of a chunk into the pinned ``buf_tensor`` (``sources[i]``: the
-    bytes of tensor i, as ``byte_source``): CUDA sources on
-    their device's side stream (asynchronous), CPU sources at once. Returns the events after
-    which the buffer holds every piece."""
+    """Queue the copy of each piece of a chunk into the pinned ``buf_tensor`` (``sources[i]``:
+    the bytes of tensor i, as ``byte_source``): CUDA sources on their device's side stream
+    (asynchronous), CPU sources at once. Returns the events after which the buffer holds every
+    piece."""
     by_device: dict[int, list] = {}
     for p in pieces:
         src = sources[p.tensor]
