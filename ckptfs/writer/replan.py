@@ -34,11 +34,13 @@ class _Node:
     """One container or leaf of the cached structure. ``plain``: whether a plain value lies in
     it (else its skeleton node and encoding are reused as they are)."""
 
-    __slots__ = ("kind", "keys", "key_nodes", "children", "leaf", "node", "_text", "plain", "all_tensors")
+    __slots__ = ("kind", "keys", "key_types", "key_nodes", "children", "leaf", "node", "_text", "plain",
+                 "all_tensors")
 
     def __init__(self, kind: str, node: dict):
         self.kind, self.node = kind, node
         self.keys = self.key_nodes = None
+        self.key_types: tuple | None = None  # a dict's key types where one is not str (else None)
         self.children: list[_Node] = []
         self.leaf = -1  # tensor leaf: its index among the leaves; plain leaf: among the plain values
         self._text: str | None = None
@@ -94,6 +96,8 @@ class Structure:
                 plain.append(unflatten(node, []))
             elif kind in ("dict", "odict"):
                 n.keys = tuple(unflatten(k, []) for k, _ in value)
+                if not all(type(k) is str for k in n.keys):
+                    n.key_types = tuple(map(type, n.keys))
                 n.key_nodes = [k for k, _ in value]
                 n.children = [compile_node(v) for _, v in value]
             else:  # list, tuple
@@ -134,7 +138,7 @@ class Structure:
         elif kind in ("dict", "odict"):
             if type(obj) is not (dict if kind == "dict" else OrderedDict) or tuple(obj) != n.keys:
                 raise _Changed
-            if not all(isinstance(k, str) for k in n.keys) and tuple(map(type, obj)) != tuple(map(type, n.keys)):
+            if n.key_types is not None and tuple(map(type, obj)) != n.key_types:
                 raise _Changed  # True == 1: equal keys of another type change the skeleton
             if n.all_tensors:
                 leaves.extend(obj.values())
