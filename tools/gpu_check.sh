@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The GPU checks of the whole project, on a machine with CUDA and a PyTorch that sees it:
-#   bash tools/gpu_check.sh [build|test|quick|train|full] [OUTDIR]
+#   bash tools/gpu_check.sh [build|open|test|quick|train|full] [OUTDIR]
 # build: ckptfs._native built in place, nothing run (then run one tool with PYTHONPATH=/tmp/ckptfs-site:$PWD);
+# open: the figures still open, most wanted first, each under a timeout that keeps the whole within
+# one device call (under 10 minutes: give the call timeout_s=600): the GPT-2 training loop (2 rounds), tests/test_gpu.py, bench_save's GPT-2 rows,
+# bench_dist at W=1 (see tools/README.md, On a GPU machine);
 # test: the build and tests/test_gpu.py alone; quick: + a short bench_save, emulator and real
 # training loop; train: + the real GPT-2 small training loop (bench_train.py) alone; full: + every
 # benchmark at full size, bench_dist.py with one rank per GPU among them (more than one device
@@ -33,6 +36,21 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 $PY -c 'import torch, ckptfs; print("torch", torch.__version__, "cuda", torch.cuda.is_available(),
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")' | tee "$OUTDIR/env.txt"
 [ "$MODE" = build ] && exit 0
+if [ "$MODE" = open ]; then
+    export PYTHONUNBUFFERED=1
+    rc=0
+    timeout 240 $PY tools/bench_train.py --device cuda --rounds 2 --json "$OUTDIR/bench_train.json" \
+        > "$OUTDIR/bench_train.log" 2>&1 || rc=1
+    tail -12 "$OUTDIR/bench_train.log"
+    timeout 85 $PY -m pytest -q -p no:cacheprovider -o addopts="" tests/test_gpu.py -rs > "$OUTDIR/test_gpu.log" 2>&1 || rc=1
+    tail -3 "$OUTDIR/test_gpu.log"
+    timeout 95 $PY tools/bench_save.py --device cuda --states gpt2 --repeat 3 --skip safetensors,dcp,dcp_async,extra \
+        > "$OUTDIR/bench_save.log" 2>&1 || rc=1
+    grep -A14 "^targets" "$OUTDIR/bench_save.log"
+    timeout 140 $PY tools/bench_dist.py --device cuda --worlds 1 --rounds 3 > "$OUTDIR/bench_dist.log" 2>&1 || rc=1
+    grep -v "loss_type" "$OUTDIR/bench_dist.log" | tail -22
+    exit $rc
+fi
 
 rc=0
 $PY -m pytest -q -p no:cacheprovider -o addopts="" tests/test_gpu.py -rs 2>&1 | tee "$OUTDIR/test_gpu.log" || rc=1
