@@ -50,6 +50,7 @@ class ItemResolver:
         self.items = items
         self.is_coordinator = bool(getattr(planner, "is_coordinator", False))
         self.paths: list[tuple] | None = _paths(items, planner)
+        self._default = DefaultSavePlanner()  # its transform_object needs no state
 
     def resolve(self, state: dict) -> list[torch.Tensor]:
         if self.paths is None:
@@ -61,18 +62,17 @@ class ItemResolver:
             obj = state
             for key in path:
                 obj = obj[key]
-            out.append(as_tensor(item, _data(item, obj)))
+            out.append(as_tensor(item, self._default.transform_object(item, _lookup(item, obj))))
         return out
 
 
-def _data(item, obj):
-    """``DefaultSavePlanner.transform_object(item, find_state_dict_object(...))`` for ``obj``,
-    the item's object: a DTensor's local tensor taken directly (``to_local`` is an autograd
-    function, and its view holds the same memory)."""
+def _lookup(item, obj):
+    """``find_state_dict_object``'s answer for ``obj``, the item's object: a DTensor's local
+    tensor taken directly (``to_local`` is an autograd function, and its view holds the same
+    memory); any other tensor through DCP's ``find_tensor_shard``; a value of a BYTE_IO item as
+    it is."""
     if item.type == WriteItemType.BYTE_IO:
-        data = io.BytesIO()
-        torch.save(obj, data)
-        return data
+        return obj
     if not isinstance(obj, torch.Tensor):
         raise ValueError(f"FQN {item.index.fqn!r} holds a {type(obj).__name__}, and its plan a tensor")
     local = getattr(obj, "_local_tensor", None)
