@@ -90,7 +90,11 @@ def test_bench_train_runs_every_method_in_a_real_loop(tmp_path):
         ours = [r["overhead"] for r in rows if r["method"] == "ckptfs" and r["f"] == line["f"]]
         raw = [r["overhead"] for r in rows if r["method"] == "raw" and r["f"] == line["f"]]
         assert line["own_runs"] == [c - r for c, r in zip(ours, raw)]  # paired within each round
-        assert line["keeps_up"] == (result["tw_s"] <= 2 * line["f"] * result["t_iter_s"])
+        # the disk keeps up where neither one save's latency (N = 2 hide it) nor the sustained rate
+        # of saves back to back exceeds the interval
+        t = line["f"] * result["t_iter_s"]
+        assert result["tb_s"] > 0
+        assert line["keeps_up"] == (result["tw_s"] <= 2 * t and result["tb_s"] <= t)
     assert not os.listdir(tmp_path / "t"), "bench_train left files behind"
 
 
