@@ -231,6 +231,82 @@ def test_async_snapshot_failure_reaches_both_futures(store):
     assert store.latest("asyncfail").step == 2
 
 
+def test_the_slot_is_claimed_beside_the_snapshot(store, monkeypatch):
+    """The claim (slot headers read from the disk) runs while the tensors are copied: here a
+    claim that can only end once the snapshot has begun, and a snapshot that waits for nothing."""
+    from ckptfs.region.ring import Ring
+    from ckptfs.writer.snapshot import Snapshotter
+
+    took = threading.Event()
+    claim, take = Ring.claim, Snapshotter.take
+    waited = []
+
+    def late_claim(self, *args, **kwargs):
+        waited.append(took.wait(10))  # were the claim made first, this wait would time out
+        return claim(self, *args, **kwargs)
+
+    def take_noting(self, *args, **kwargs):
+        took.set()
+        return take(self, *args, **kwargs)
+
+    monkeypatch.setattr(Ring, "claim", late_claim)
+    monkeypatch.setattr(Snapshotter, "take", take_noting)
+    with store.writer("beside", max_inflight=2) as w:
+        for step in (1, 2, 3):
+            took.clear()
+            w.save(state(step), step=step, async_snapshot=step % 2 == 1).result(20)
+    assert waited == [True, True, True]
+    assert store.latest("beside").step == 3
+    assert [store.load("beside", step=s)["step"] for s in (1, 2, 3)] == [1, 2, 3]
+
+
+def test_a_failed_snapshot_gives_back_the_slot_claimed_beside_it(store, monkeypatch):
+    """A snapshot that fails before its claim ends: the claim, once made, is aborted (its slot
+    lock let go, nothing written); later saves take every slot of the ring again."""
+    from ckptfs.region.ring import Ring
+    from ckptfs.writer.snapshot import Snapshotter
+
+    failed = threading.Event()
+    claim, take, abort = Ring.claim, Snapshotter.take, Claim.abort
+    aborted = []
+
+    def late_claim(self, *args, **kwargs):
+        failed.wait(10)
+        return claim(self, *args, **kwargs)
+
+    def failing_take(self, job, *args, **kwargs):
+        if job.step == 2:
+            raise RuntimeError("the copy failed")
+        return take(self, job, *args, **kwargs)
+
+    def noting_abort(self):
+        aborted.append(self.step)
+        return abort(self)
+
+    monkeypatch.setattr(Snapshotter, "take", failing_take)
+    monkeypatch.setattr(Claim, "abort", noting_abort)
+    with store.writer("gone", max_inflight=1, slots=3, timeout_s=2) as w:
+        w.save(state(1), step=1).result()
+        monkeypatch.setattr(Ring, "claim", late_claim)
+        fut = w.save(state(2), step=2, async_snapshot=True)
+        with pytest.raises(RuntimeError, match="the copy failed"):
+            fut.snapshotted.result(10)
+        failed.set()
+        with pytest.raises(RuntimeError, match="the copy failed"):
+            fut.result(10)
+        monkeypatch.setattr(Ring, "claim", claim)
+        for step in range(3, 9):  # twice round the ring of 3: a slot held by step 2 would be missed
+            w.save(state(step), step=step).result(10)
+        deadline = time.monotonic() + 10
+        while aborted != [2] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert aborted == [2]
+        slots = {v.step: v.slot for v in store.versions("gone")}
+    assert store.latest("gone").step == 8
+    assert sorted(slots) == [6, 7, 8] and len(set(slots.values())) == 3
+    assert store.load("gone")["step"] == 8
+
+
 def test_status_reports_saves_in_flight_with_progress(store, held_commits):
     gate = held_commits
     with store.writer("prog", chunk_bytes=65536) as w:

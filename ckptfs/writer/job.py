@@ -52,7 +52,7 @@ class SaveResult:
 class Job:
     """One save between its claim and its commit (or failure)."""
 
-    claim: Claim
+    model: str
     plan: SavePlan
     future: SaveFuture
     started: float  # perf_counter at save()
@@ -65,6 +65,10 @@ class Job:
     piece_crcs: dict = field(default_factory=dict)  # chunk.start -> CRCs of its pieces (chunks.tensor_crcs)
     error: BaseException | None = None
     stall_s: float = 0.0
+    # the slot, claimed beside the snapshot (writer/claimer.py): None until then, and for good
+    # where the claim failed; ``claimed`` completes with it or with the claim's error
+    claim: Claim | None = None
+    claimed: Future = field(default_factory=Future)
     mutex: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:

@@ -94,8 +94,7 @@ class PersistPipeline:
             w.start()
 
     def begin(self, job: Job) -> None:
-        """Queue the slot's preparation (ahead of every chunk of the job)."""
-        self._progress.start(job.claim.counter, job.step, sum(c.length for c in job.chunks))
+        """Queue the slot's preparation (ahead of every chunk of the job), once it is claimed."""
         self._queue.put(("begin", job))
 
     def enqueue(self, job: Job, chunk: Chunk, buf: StagingBuffer, pool: StagingPool, events, crcs) -> None:
@@ -138,7 +137,12 @@ class PersistPipeline:
                 self.fail(job, e)
 
     def _begin(self, job: Job) -> None:
-        job.claim.begin()
+        claim = job.claimed.result()  # claimed beside the snapshot, usually long since
+        with job.mutex:  # a job failed meanwhile has finished (or will): nothing more to show
+            if job.error is not None:
+                return
+            self._progress.start(claim.counter, job.step, sum(c.length for c in job.chunks))
+        claim.begin()
         job.ready.set()
         if not job.chunks:
             self._commit(job)
@@ -221,6 +225,7 @@ class PersistPipeline:
             job.error = error
         job.ready.set()
         self.unpark(job)  # the parked buffers go back to the pool
-        job.claim.abort()
-        log.error("save of %s step %d failed: %s", job.claim.model, job.step, error)
+        if job.claim is not None:  # else a claim that ends from now on is aborted by the claimer
+            job.claim.abort()
+        log.error("save of %s step %d failed: %s", job.model, job.step, error)
         self._finish(job, None, error)

@@ -3,10 +3,12 @@
 One ``save`` goes through (PCcheck §3.1, §4.1):
   1. plan (writer/plan.py): flatten and lay out the object; every refusal happens here;
   2. an in-flight permit (at most ``max_inflight`` saves; the next one waits), then a counter and
-     a claimed slot from the model's ring (region/ring.py: not latest, not pinned, not claimed);
+     a claimed slot from the model's ring (region/ring.py: not latest, not pinned, not claimed),
+     on the writer's claim thread (writer/claimer.py) beside step 3;
   3. snapshot (writer/snapshot.py): copy the tensors chunk by chunk into staging buffers and hand
-     each to the persist workers; ``save`` returns here (with ``async_snapshot`` the first three
-     steps run on the writer's snapshot thread and ``save`` returns at once);
+     each to the persist workers, which write nothing before the claim; ``save`` returns once
+     both are done, or raises the claim's refusal (with ``async_snapshot`` the first three steps
+     run on the writer's snapshot thread and ``save`` returns at once);
   4. persist (writer/persist.py): write each chunk at its place in the slot, CRC32 each tensor
      piece, and after the last chunk commit through the claim: data and index durable, header,
      latest pointer (region/ring.py owns that order).
@@ -30,6 +32,7 @@ from ckptfs.memcopy import default_copy_threads
 from ckptfs.region.format import SLOTS_MAX
 from ckptfs.region.region import Region, validate_model_name
 from ckptfs.region.ring import Ring
+from ckptfs.writer.claimer import Claimer
 from ckptfs.writer.cuda import CallerMark, caller_mark
 from ckptfs.writer.job import Job, SaveFuture, SaveResult, check_positive, is_kept
 from ckptfs.writer.persist import PersistPipeline
@@ -125,6 +128,7 @@ class Writer:
         self._background: list[threading.Thread] = []  # prefill and prepare, joined at close
         self._ring: Ring | None = None
         self._persist = PersistPipeline(persist_threads, self._progress, self._finish)
+        self._claimer = Claimer()
         try:
             self._snapshotter = Snapshotter(self._persist.enqueue, self._persist.unpark, default_copy_threads(),
                                             timeout_s)
@@ -261,6 +265,7 @@ class Writer:
         if self._snapshot_thread is not None:
             self._snapshot_queue.put(None)
             self._snapshot_thread.join()
+        self._claimer.close()
         self._persist.close()
         for pool in self._pools.values():
             pool.close()
@@ -296,10 +301,13 @@ class Writer:
             future, obj, step, files, keep, started, mark = item
             try:
                 plan = self._planner.plan(obj, step, files)
-                self._start(future, plan, started, background=True, mark=mark, keep=keep)
             except BaseException as e:  # noqa: BLE001 - delivered through both futures
-                if not future.done():
-                    self._drop(future, e)
+                self._drop(future, e)
+                continue
+            try:
+                self._start(future, plan, started, background=True, mark=mark, keep=keep)
+            except BaseException:  # noqa: BLE001 - _start failed both futures, or its job will
+                pass
 
     def _start(self, future: SaveFuture, plan: SavePlan, started: float, background: bool = False,
                mark: CallerMark | None = None, keep: bool = False) -> None:
@@ -316,19 +324,19 @@ class Writer:
         except BaseException as e:
             self._drop(future, e)
             raise
-        try:
-            claim = ring.claim(plan.step, slot_layout)
-        except BaseException as e:
-            self._permits.release()
-            self._drop(future, e)
-            raise
-        job = Job(claim, plan, future, started, crc_in_snapshot=background, keep=keep)
+        job = Job(self.model, plan, future, started, crc_in_snapshot=background, keep=keep)
+        # the slot is claimed beside the snapshot (staging buffers need none); its writes wait
+        # for the claim, and the save is snapshotted once both are done
+        self._claimer.submit(job, lambda: ring.claim(plan.step, slot_layout))
         self._persist.begin(job)
         try:
             with self._persist.gate.snapshot():
                 self._snapshotter.take(job, pool, mark)
+            job.claimed.result()
         except BaseException as e:
             self._persist.fail(job, e)
+            if job.error is not None and job.error is not e:
+                raise job.error from None  # what stopped the save first: the claim's refusal, say
             raise
         job.stall_s = time.perf_counter() - started
         try:
@@ -346,8 +354,9 @@ class Writer:
         future.set_exception(error)
 
     def _finish(self, job: Job, result: SaveResult | None, error: BaseException | None) -> None:
-        """The end of a save that had a claim (PersistPipeline's ``finish``)."""
-        self._progress.finish(job.claim.counter)
+        """The end of a save that had a permit (PersistPipeline's ``finish``)."""
+        if job.claim is not None:
+            self._progress.finish(job.claim.counter)
         self._permits.release()
         with self._outstanding_lock:
             self._outstanding.discard(job.future)
