@@ -22,6 +22,47 @@ from conftest_mount import mounted, requires_fuse
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
 
+def test_a_plan_matches_only_a_state_of_exactly_its_structure():
+    """ckptfs.dist.structure: the check that lets a save reuse a DCP plan. Every change a plan
+    depends on is a mismatch; the same structure with new values (a training step's) matches."""
+    from ckptfs.dist.structure import describe, matches
+
+    def state(**change):
+        s = {"model": {"w": torch.zeros(4, 3), "b": torch.zeros(3)},
+             "optim": {"state": {0: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(4, 3)}},
+                       "param_groups": [{"lr": 0.1, "params": [0]}]}, "epoch": 3}
+        for path, value in change.items():
+            *outer, last = path.split("__")
+            d = s
+            for k in outer:
+                d = d[int(k)] if isinstance(d, list) else d[int(k) if k.isdigit() else k]
+            if value is KeyError:
+                del d[last]
+            else:
+                d[int(last) if last.isdigit() else last] = value
+        return s
+
+    described = describe(state())
+    assert matches(state(), described)
+    assert matches(state(model__w=torch.ones(4, 3), epoch=4), described)  # new values, same structure
+    changes = {
+        "a new shape": dict(model__w=torch.zeros(3, 4)),
+        "a new dtype": dict(model__b=torch.zeros(3, dtype=torch.float16)),
+        "a parameter for a tensor": dict(model__b=torch.nn.Parameter(torch.zeros(3))),
+        "a key more": dict(model__extra=torch.zeros(1)),
+        "a key less": dict(model__b=KeyError),
+        "an int key for a str key": dict(optim__state={"0": {"step": torch.tensor(1.0), "exp_avg": torch.zeros(4, 3)}}),
+        "a plain value's type": dict(epoch=3.0),
+        "a tensor for a plain value": dict(epoch=torch.tensor(3)),
+        "a tuple for a list": dict(optim__param_groups=({"lr": 0.1, "params": [0]},)),
+        "a list longer": dict(optim__param_groups=[{"lr": 0.1, "params": [0]}, {"lr": 0.1, "params": [1]}]),
+        "keys in another order": dict(model={"b": torch.zeros(3), "w": torch.zeros(4, 3)}),
+    }
+    for what, change in changes.items():
+        assert not matches(state(**change), described), what
+    assert not matches({"model": {}}, described) and not matches([], described)
+
+
 def _new_region(tmp_path, size_bytes: int = 64 << 20) -> str:
     """The path of a new region in ``tmp_path`` (closed: the ranks open it)."""
     region = str(tmp_path / "r.region")

@@ -8,9 +8,10 @@ under FSDP2 with AdamW (605 items) on the project's 2-core VM, before a single b
 
 A plan made by ``DefaultSavePlanner`` carries, in the planner's ``mappings``, the path of each
 flattened key in the nested state dict. ``ItemResolver`` keeps those paths and resolves an item
-of a state of the same structure (the writer's plan signature guarantees it) by walking to the
-object and taking what ``DefaultSavePlanner.resolve_data`` would return: a DTensor's local
-tensor, a plain tensor, or the ``torch.save`` bytes of any other value. Anything else (a planner
+of a state of the same structure (the writer matched it against the plan's:
+ckptfs.dist.structure) by walking to the object and taking what
+``DefaultSavePlanner.resolve_data`` would return: a DTensor's local tensor, a plain tensor, or
+the ``torch.save`` bytes of any other value. Anything else (a planner
 that is not exactly the default one, a ShardedTensor, a nested tensor subclass) resolves through
 a default planner set up with the state, as before.
 """

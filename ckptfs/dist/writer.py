@@ -32,13 +32,12 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import torch
-
 from ckptfs.dist.codec import encode_metadata
 from ckptfs.dist.group import Arrival, check_agreement, coordination, exchange, this_rank
 from ckptfs.dist.reader import StorageReader
 from ckptfs.dist.resolve import ItemResolver, resolve_items
 from ckptfs.dist.storage import StorageWriter, write_results
+from ckptfs.dist.structure import describe, matches
 from ckptfs.errors import BusyError, CkptfsError
 from ckptfs.gcpause import paused_gc
 from ckptfs.writer.job import check_positive, is_kept
@@ -60,7 +59,8 @@ class DistSaveResult:
 class _Plan:
     """This rank's final DCP save plan of one structure, kept for the saves that follow."""
 
-    signature: str  # the structure it was made for (_signature)
+    structure: list  # the structure it was made for (ckptfs.dist.structure.describe)
+    keys: str  # the digest of that structure's key paths, which every rank agreed on (_key_digest)
     made_at: int  # the step whose dcp.save made it: the same on every rank that has it
     items: list  # this rank's WriteItems
     metadata: str | None  # DCP's global metadata, encoded (on the coordinator; else None)
@@ -148,15 +148,15 @@ class DistWriter:
         from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dict
 
         state = _stateful_to_state_dict(state)
-        signature = _signature(state)
-        plan = self._plan if self._plan is not None and self._plan.signature == signature else None
-        everyone = self._agree(state, step, None if plan is None else plan.made_at)
+        plan = self._plan if self._plan is not None and matches(state, self._plan.structure) else None
+        keys = plan.keys if plan is not None else _key_digest(state)  # the same keys: the same structure
+        everyone = self._agree(state, step, keys, None if plan is None else plan.made_at)
         replan = plan is None or len({p["plan"] for p in everyone}) > 1
         storage = (_PartOnly if replan else StorageWriter)(
             self.store, self.model, step, max_inflight=self.max_inflight, timeout_s=self.timeout_s,
             group=self._commit_group, keep=keep, extra=extra)
         if replan:
-            return self._plan_and_write(state, step, signature, storage)
+            return self._plan_and_write(state, step, keys, storage)
         rank = this_rank()
         storage.set_up_storage_writer(rank == 0, rank=rank)
         storage.plan_places = plan.places
@@ -167,11 +167,12 @@ class DistWriter:
             part.set_exception(e)
         return _Written(storage, plan.items, tensors, part, plan.metadata)
 
-    def _plan_and_write(self, state: dict, step: int, signature: str, storage: "_PartOnly") -> _Written:
+    def _plan_and_write(self, state: dict, step: int, keys: str, storage: "_PartOnly") -> _Written:
         """dcp.save over ``storage``, whose write step only starts the part; the plan it made is
         kept for the saves of the same structure."""
         import torch.distributed.checkpoint as dcp
 
+        structure = describe(state)
         try:
             dcp.save(state, storage_writer=storage, process_group=self._group)
         except BaseException:
@@ -181,7 +182,7 @@ class DistWriter:
         written = storage.written
         if written.metadata is not None:  # encoded once per plan, not at every commit
             written.metadata = encode_metadata(written.metadata)
-        self._plan = _Plan(signature, step, written.items, written.metadata, storage.resolver)
+        self._plan = _Plan(structure, keys, step, written.items, written.metadata, storage.resolver)
         written.storage.plan_places = self._plan.places  # its first commit keeps them
         return written
 
@@ -202,19 +203,18 @@ class DistWriter:
         # after the caller is told: before the next commit, on this thread
         storage.reclaim_quietly()
 
-    def _agree(self, state: dict, step: int, plan_made_at: int | None) -> list[dict]:
+    def _agree(self, state: dict, step: int, keys: str, plan_made_at: int | None) -> list[dict]:
         """Before anything is written: every rank came to this save (CkptfsError naming those
-        that did not, after ``timeout_s``) with the same model, step and keys. Returns every
-        rank's answer, with the step whose plan it would reuse (``plan``; None: it has none)."""
-        paths = sorted(_key_paths(state))
-        digest = hashlib.sha256("\n".join(paths).encode("utf-8", "surrogatepass")).hexdigest()
-        mine = {"rank": this_rank(), "model": self.model, "step": step, "keys": digest, "plan": plan_made_at}
+        that did not, after ``timeout_s``) with the same model, step and keys (``keys``: the
+        digest of ``state``'s, ``_key_digest``). Returns every rank's answer, with the step whose
+        plan it would reuse (``plan``; None: it has none)."""
+        mine = {"rank": this_rank(), "model": self.model, "step": step, "keys": keys, "plan": plan_made_at}
         everyone = exchange(mine, self._group, f"the start of step {step} of {self.model!r}",
                              Arrival(self._group, f"{self.model}/save"))
         check_agreement(everyone, "store.writer (the model) and Writer.save (the step)")
         if len({p["keys"] for p in everyone}) > 1:
             # rare: the key lists themselves, to say which keys differ
-            lists = exchange(paths, self._group, f"the comparison of the keys of step {step}")
+            lists = exchange(sorted(_key_paths(state)), self._group, f"the comparison of the keys of step {step}")
             every = set.intersection(*map(set, lists))
             odd = {r: sorted(set(keys) - every)[:3] for r, keys in enumerate(lists) if set(keys) != every}
             said = "; ".join(f"rank {r} also has {', '.join(map(repr, keys))}" for r, keys in odd.items() if keys)
@@ -274,31 +274,9 @@ class _PartOnly(StorageWriter):
         return done
 
 
-def _signature(obj) -> str:
-    """What a save plan depends on (keys, shapes, dtypes, devices, placements; plain values by
-    their type only), as one string: made at every save, so it makes strings, which the garbage
-    collector does not track (a tree of tuples per save, thousands of them, brought on gen-2
-    collections that paused every thread of the job)."""
-    out: list[str] = []
-    _describe(obj, out)
-    return "\n".join(out)
-
-
-def _describe(obj, out: list[str]) -> None:
-    if isinstance(obj, dict):
-        out.append(f"dict {len(obj)}")
-        for k, v in obj.items():
-            out.append(repr(k))
-            _describe(v, out)
-    elif isinstance(obj, (list, tuple)):
-        out.append(f"{type(obj).__name__} {len(obj)}")
-        for v in obj:
-            _describe(v, out)
-    elif isinstance(obj, torch.Tensor):
-        out.append(f"{type(obj).__name__} {list(obj.shape)} {obj.dtype} {obj.device} "
-                   f"{getattr(obj, 'placements', None)}")
-    else:
-        out.append(type(obj).__name__)
+def _key_digest(state: dict) -> str:
+    """The SHA-256 of ``state``'s sorted key paths: what the ranks compare to agree on the keys."""
+    return hashlib.sha256("\n".join(sorted(_key_paths(state))).encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _key_paths(obj, prefix: str = ""):
