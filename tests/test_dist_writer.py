@@ -210,6 +210,20 @@ def _resolves_as_dcp(rank, world, out):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), item.index.fqn
         if item.type.name != "BYTE_IO":
             assert a.data_ptr() == b.data_ptr(), item.index.fqn  # the shard itself, not a copy
+    # plain values (the learning rate, betas...) resolve to the last save's bytes, the same
+    # tensor, while they pickle the same; a changed one to its new bytes, as DCP's
+    byte_io = [i for i, item in enumerate(items) if item.type.name == "BYTE_IO"]
+    assert byte_io
+    again = resolver.resolve(dict(zip(("model", "optim"), get_state_dict(model, opt))))
+    assert all(again[i] is got[i] for i in byte_io)
+    opt.param_groups[0]["lr"] = 5e-4
+    state = dict(zip(("model", "optim"), get_state_dict(model, opt)))
+    dcp_planner = DefaultSavePlanner()
+    dcp_planner.set_up_planner(state, None, rank == 0)
+    want, changed = resolve_items(items, dcp_planner), resolver.resolve(state)
+    assert all(torch.equal(changed[i], want[i]) for i in byte_io)
+    moved = [items[i].index.fqn for i in byte_io if not torch.equal(changed[i], got[i])]
+    assert moved and all("lr" in fqn for fqn in moved), moved
     # a planner of its own, or a state the default planner does not flatten, is left to DCP
     assert ItemResolver(items, type("Mine", (DefaultSavePlanner,), {})()).paths is None
     assert ItemResolver(items, DefaultSavePlanner(flatten_state_dict=False)).paths is None

@@ -18,6 +18,7 @@ a default planner set up with the state, as before.
 from __future__ import annotations
 
 import io
+import pickle
 
 import torch
 from torch.distributed.checkpoint import DefaultSavePlanner
@@ -52,6 +53,7 @@ class ItemResolver:
         self.is_coordinator = bool(getattr(planner, "is_coordinator", False))
         self.paths: list[tuple] | None = _paths(items, planner)
         self._default = DefaultSavePlanner()  # its transform_object needs no state
+        self._bytes: dict[int, tuple[bytes, torch.Tensor]] = {}  # item -> (pickle of its value, its tensor)
 
     def resolve(self, state: dict) -> list[torch.Tensor]:
         if self.paths is None:
@@ -59,12 +61,52 @@ class ItemResolver:
             planner.set_up_planner(state, None, self.is_coordinator)
             return resolve_items(self.items, planner)
         out = []
-        for item, path in zip(self.items, self.paths):
+        for i, (item, path) in enumerate(zip(self.items, self.paths)):
             obj = state
             for key in path:
                 obj = obj[key]
-            out.append(as_tensor(item, self._default.transform_object(item, _lookup(item, obj))))
+            if item.type == WriteItemType.BYTE_IO:
+                out.append(self._byte_io(i, item, obj))
+            else:
+                out.append(as_tensor(item, _lookup(item, obj)))
         return out
+
+    def _byte_io(self, i: int, item, obj) -> torch.Tensor:
+        """The bytes of BYTE_IO item ``i`` holding ``obj``: the last save's tensor again where
+        ``obj`` is plain data (numbers, strings, and lists, tuples and dicts of them) that
+        pickles as the last one did, so that its ``torch.save`` bytes (a function of that
+        pickle) are the same. A learning rate's ``torch.save`` took ~45 us, and a new tensor at
+        each save made its copy spans again."""
+        key = _plain_pickle(obj)
+        cached = self._bytes.get(i)
+        if key is not None and cached is not None and cached[0] == key:
+            return cached[1]
+        tensor = as_tensor(item, self._default.transform_object(item, obj))
+        if key is not None:
+            self._bytes[i] = (key, tensor)
+        return tensor
+
+
+_PLAIN_TYPES = frozenset({int, float, complex, bool, str, bytes, type(None)})
+
+
+def _plain_pickle(obj) -> bytes | None:
+    """``pickle.dumps(obj)`` where ``obj`` is plain data (exact builtin types only: a subclass
+    pickles by reference to its class, a tensor through storages), else None."""
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if _is_plain(obj, 0) else None
+
+
+def _is_plain(obj, depth: int) -> bool:
+    kind = type(obj)
+    if kind in _PLAIN_TYPES:
+        return True
+    if depth >= 8:
+        return False
+    if kind is list or kind is tuple:
+        return all(_is_plain(v, depth + 1) for v in obj)
+    if kind is dict:
+        return all(_is_plain(k, depth + 1) and _is_plain(v, depth + 1) for k, v in obj.items())
+    return False
 
 
 def _lookup(item, obj):
