@@ -22,6 +22,20 @@ from conftest_mount import mounted, requires_fuse
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
 
+def test_a_job_of_one_rank_saves_and_loads_at_other_sizes(tmp_path):
+    """A group of one rank (no exchange, no marks in the store: nothing to agree with) saves
+    every step as a multi-rank job does; its checkpoint loads at 1 and 2 ranks."""
+    region = _new_region(tmp_path, 256 << 20)
+    out = str(tmp_path / "full.pt")
+    run_ranks(_train_and_save, 1, region, out)
+    with ckptfs.Store(region) as store:
+        versions = store.versions("gpt2")
+        assert versions[-1].step == 4 and versions[-1].latest
+        assert {v.step for v in versions if v.kept} == {2, 4}
+    run_ranks(_load_and_compare, 1, region, out)
+    run_ranks(_load_and_compare, 2, region, out)
+
+
 def test_a_plan_matches_only_a_state_of_exactly_its_structure():
     """ckptfs.dist.structure: the check that lets a save reuse a DCP plan. Every change a plan
     depends on is a mismatch; the same structure with new values (a training step's) matches."""

@@ -47,7 +47,8 @@ class Arrival:
     def __init__(self, group, name: str):
         import torch.distributed as dist
 
-        self.kv = _kv_store() if group is not None else None
+        # a group of one rank has no one to wait for or name: no marks (each a store round trip)
+        self.kv = _kv_store() if group is not None and dist.get_world_size(group) > 1 else None
         if self.kv is None:
             return
         with _arrivals_lock:
@@ -97,8 +98,8 @@ def meet(group, agree: dict, timeout_s: float, what: str, *, load: bool = False)
     or load, and one naming the ranks that have not come when ``timeout_s`` has passed. Either
     way this rank's marks are taken back first, so that a rank that comes later finds it gone
     and fails in turn, rather than going on alone. One meeting at a time per rank and group (as
-    DCP's collectives on a group). Without torch.distributed, or without a store, returns at
-    once."""
+    DCP's collectives on a group). Without torch.distributed, without a store, or in a group of
+    one rank, returns at once."""
     arrival = Arrival(group, f"meet/{'load' if load else 'save'}/" + "/".join(str(agree[k]) for k in sorted(agree)))
     kv = arrival.kv
     if kv is None:
@@ -197,14 +198,15 @@ def _kv_store():
 
 
 def exchange(mine, group, what: str, arrival: Arrival | None = None) -> list:
-    """Every rank's ``mine``, in rank order (just ``[mine]`` without torch.distributed). ``what``
+    """Every rank's ``mine``, in rank order (just ``[mine]`` without torch.distributed or in a
+    group of one rank). ``what``
     names the exchange in the error of one that fails (a rank died, or never came before the
     group's timeout: named where ``arrival`` marked this round). (Under dcp.save DCP's own
     gather fails next and reports the dead peer.)"""
     import torch.distributed as dist
 
-    if group is None:
-        return [mine]
+    if group is None or dist.get_world_size(group) == 1:
+        return [mine]  # a job of one rank (two gloo all-gathers and two pickles saved, per save)
     out = [None] * dist.get_world_size(group)
     try:
         dist.all_gather_object(out, mine, group=group)
