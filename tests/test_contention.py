@@ -101,6 +101,34 @@ def test_all_slots_pinned_in_a_full_region_gives_busy_in_bounded_time(store):
     pins[0].close()
 
 
+def test_a_refused_save_raises_once_even_while_its_failure_is_still_being_delivered(store, monkeypatch):
+    """The claim runs beside the snapshot, and a refused claim fails the save on a persist thread
+    too: ``save`` raises the refusal, and closing the writer afterwards does not raise it again,
+    however late that thread delivers the failure."""
+    from ckptfs.writer.writer import Writer
+
+    with store.writer("m", max_inflight=1, slots=3) as w:
+        for s in (1, 2, 3):
+            w.save(state(s), s).result()
+    fill_region(store)
+    pins = [store.open_version("m", s) for s in (1, 2)]
+    finish = Writer._finish
+
+    def late_finish(self, *args):
+        time.sleep(0.3)  # the persist thread's part of the failure comes after save has raised
+        return finish(self, *args)
+
+    monkeypatch.setattr(Writer, "_finish", late_finish)
+    try:
+        with store.writer("m", max_inflight=1, timeout_s=0.3) as w:
+            with pytest.raises(BusyError, match="pinned"):
+                w.save(state(4), 4)
+    finally:
+        for pin in pins:
+            pin.close()
+    assert store.latest("m").step == 3
+
+
 def test_removing_pinned_or_latest_is_busy(store):
     with store.writer("m", max_inflight=1, slots=3) as w:
         for s in (1, 2):

@@ -335,6 +335,8 @@ class Writer:
             job.claimed.result()
         except BaseException as e:
             self._persist.fail(job, e)
+            with self._outstanding_lock:  # raised here: not again by wait() (as a refusal before any write)
+                self._outstanding.discard(future)
             if job.error is not None and job.error is not e:
                 raise job.error from None  # what stopped the save first: the claim's refusal, say
             raise
