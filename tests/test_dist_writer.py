@@ -96,7 +96,11 @@ def _train_and_save(rank, world, region, out, device="cpu"):
             train_gpt2(model, opt, 1, seed=step, device=device)
             msd, osd = get_state_dict(model, opt)
             futures.append(w.save({"model": msd, "optim": osd, "step": step}, step=step, async_snapshot=True))
-            futures[-1].snapshotted.result()  # before the next optimizer step changes the state
+            if step % 2:  # before the next optimizer step changes the state: either way, as with Writer
+                futures[-1].snapshotted.result()
+            else:
+                w.wait_snapshot()
+                assert futures[-1].snapshotted.done()
         results = [f.result() for f in futures]
     assert [r.step for r in results] == [1, 2, 3, 4] and all(r.durable_s > 0 for r in results)
     full = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

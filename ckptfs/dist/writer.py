@@ -101,6 +101,7 @@ class DistWriter:
         self._commits = ThreadPoolExecutor(1, thread_name_prefix=f"ckptfs-dist-commit-{model}")
         self._pending: set[Future] = set()
         self._plan: _Plan | None = None
+        self._last_snapshot: Future | None = None
         self._closed = False
 
     def save(self, state: dict, step: int, *, async_snapshot: bool = False, keep: bool | None = None,
@@ -123,6 +124,7 @@ class DistWriter:
         future.snapshotted = Future()
         with self._lock:
             self._pending.add(future)
+        self._last_snapshot = future.snapshotted
 
         def snapshot() -> None:
             try:
@@ -227,6 +229,13 @@ class DistWriter:
         with self._lock:
             self._pending.discard(future)
         self._slots.release()
+
+    def wait_snapshot(self) -> None:
+        """Block until the last save's snapshot is taken (this rank's state may then change, e.g.
+        by ``optimizer.step()``); raises the error that stopped it, if any. As
+        ``Writer.wait_snapshot``."""
+        if self._last_snapshot is not None:
+            self._last_snapshot.result()
 
     def wait(self) -> None:
         """Wait for every save in flight (errors are in their futures)."""
