@@ -25,15 +25,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWa
 def test_a_job_of_one_rank_saves_and_loads_at_other_sizes(tmp_path):
     """A group of one rank (no exchange, no marks in the store: nothing to agree with) saves
     every step as a multi-rank job does; its checkpoint loads at 1 and 2 ranks."""
-    region = _new_region(tmp_path, 256 << 20)
-    out = str(tmp_path / "full.pt")
-    run_ranks(_train_and_save, 1, region, out)
-    with ckptfs.Store(region) as store:
-        versions = store.versions("gpt2")
-        assert versions[-1].step == 4 and versions[-1].latest
-        assert {v.step for v in versions if v.kept} == {2, 4}
-    run_ranks(_load_and_compare, 1, region, out)
-    run_ranks(_load_and_compare, 2, region, out)
+    _saved_every_step_then_loaded_at_1_and_2(tmp_path, 1)
 
 
 def test_a_plan_matches_only_a_state_of_exactly_its_structure():
@@ -109,6 +101,21 @@ def _train_and_save(rank, world, region, out, device="cpu"):
     store.close()
 
 
+def _saved_every_step_then_loaded_at_1_and_2(tmp_path, world: int) -> tuple[str, str]:
+    """``_train_and_save`` at ``world`` ranks, its versions checked, then ``_load_and_compare``
+    at 1 and 2 ranks; returns the region and the reference state's path."""
+    region = _new_region(tmp_path, 256 << 20)
+    out = str(tmp_path / "full.pt")
+    run_ranks(_train_and_save, world, region, out)
+    with ckptfs.Store(region) as store:
+        versions = store.versions("gpt2")
+        assert versions[-1].step == 4 and versions[-1].latest
+        assert {v.step for v in versions if v.kept} == {2, 4}  # keep_every=2: the global versions kept
+    run_ranks(_load_and_compare, 1, region, out)
+    run_ranks(_load_and_compare, 2, region, out)
+    return region, out
+
+
 def _load_and_compare(rank, world, region, out, device="cpu"):
     model = sharded_gpt2(world, seed=1, device=device)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -138,15 +145,7 @@ def compare_full(rank, model, opt, state, out) -> None:
 
 @requires_fuse
 def test_a_transformer_saved_every_step_at_2_ranks_loads_at_1_and_2_and_mounts_whole(tmp_path):
-    region = _new_region(tmp_path, 256 << 20)
-    out = str(tmp_path / "full.pt")
-    run_ranks(_train_and_save, 2, region, out)
-    with ckptfs.Store(region) as store:
-        versions = store.versions("gpt2")
-        assert versions[-1].step == 4 and versions[-1].latest
-        assert {v.step for v in versions if v.kept} == {2, 4}  # keep_every=2: the global versions kept
-    run_ranks(_load_and_compare, 1, region, out)
-    run_ranks(_load_and_compare, 2, region, out)
+    region, out = _saved_every_step_then_loaded_at_1_and_2(tmp_path, 2)
     ref_model, _ = torch.load(out, weights_only=False)
     with mounted(region, str(tmp_path / "mnt")) as m:
         whole = torch.load(m / "gpt2/latest/checkpoint.pt", weights_only=True, mmap=True)["model"]

@@ -199,10 +199,9 @@ def _kv_store():
 
 def exchange(mine, group, what: str, arrival: Arrival | None = None) -> list:
     """Every rank's ``mine``, in rank order (just ``[mine]`` without torch.distributed or in a
-    group of one rank). ``what``
-    names the exchange in the error of one that fails (a rank died, or never came before the
-    group's timeout: named where ``arrival`` marked this round). (Under dcp.save DCP's own
-    gather fails next and reports the dead peer.)"""
+    group of one rank). ``what`` names the exchange in the error of one that fails (a rank died,
+    or never came before the group's timeout: named where ``arrival`` marked this round). (Under
+    dcp.save DCP's own gather fails next and reports the dead peer.)"""
     import torch.distributed as dist
 
     if group is None or dist.get_world_size(group) == 1:
