@@ -37,7 +37,6 @@ $PY -c 'import torch, ckptfs; print("torch", torch.__version__, "cuda", torch.cu
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")' | tee "$OUTDIR/env.txt"
 [ "$MODE" = build ] && exit 0
 if [ "$MODE" = open ]; then
-    export PYTHONUNBUFFERED=1
     rc=0
     # the peers dcp.async_save and torch.save cost ~100 s a round at f=1 (stop 38: +980 % and +1056 %):
     # here the checkpointer against the floor, at the f where the H100's disk keeps up and where not
