@@ -19,18 +19,21 @@ from ckptfs.reader import VersionData
 from ckptfs.writer.staging import StagingBuffer
 
 
-def restore(data: VersionData, map_location="cpu", verify: bool = True, into=None):
+def restore(data: VersionData, map_location="cpu", verify: bool = True, into=None,
+            fill: Callable[[list[torch.Tensor]], None] | None = None):
     """The saved object, with every tensor on ``map_location``; CorruptionError naming the
     first damaged tensor (when ``verify``). ``into``: an object of the same structure (the
     state dicts of the model and optimizer being resumed) whose tensors are overwritten in
     place instead (on their own devices; no new tensor memory); the result is the saved
-    object over those tensors."""
+    object over those tensors. ``fill``: what reads the stored tensors into the tensors made
+    here (one per record of ``data.manifest``, contiguous), for data that is not one version's
+    area (a multi-rank version's whole tensors: ckptfs.dist.whole); else ``read_into``."""
     # tens of thousands of tensors, pieces and CRCs are made here: see ckptfs.gcpause
     with paused_gc():
-        return _restore(data, map_location, verify, into)
+        return _restore(data, map_location, verify, into, fill)
 
 
-def _restore(data: VersionData, map_location, verify: bool, into):
+def _restore(data: VersionData, map_location, verify: bool, into, fill):
     m = data.manifest
     device = torch.device(map_location) if map_location is not None else torch.device("cpu")
     onto_device = into is None and device.type != "cpu"
@@ -40,7 +43,10 @@ def _restore(data: VersionData, map_location, verify: bool, into):
         tensors = staging_views(m.tensors, pin=device.type == "cuda")
     else:
         tensors = [torch.empty(r.shape, dtype=r.torch_dtype) for r in m.tensors]
-    read_into(data, tensors, verify, prefault=into is None)
+    if fill is not None:
+        fill(tensors)
+    else:
+        read_into(data, tensors, verify, prefault=into is None)
     if onto_device:
         # from pinned memory the copies are asynchronous: one wait for all of them
         tensors = [t.to(device, non_blocking=True) for t in tensors]

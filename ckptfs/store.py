@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -101,6 +102,25 @@ class Version:
                 self.close()
             except Exception:
                 pass
+
+
+_ANOTHER_SAVE = object()  # Store._load_version: the step's version is not the save asked for
+
+
+def _load_multi_rank_into(store, model: str, step: int, into):
+    """``Store.load(into=)`` without ``group`` of a multi-rank version: DCP's load in this process
+    alone, into ``into`` (ckptfs.dist.writer.load). In a job of many ranks it must be every
+    rank's load (``group=``), or the whole state without ``into``: ValueError."""
+    import torch.distributed as dist
+
+    from ckptfs.dist.writer import load
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(f"{model} step {step} was saved by many ranks: load it at every rank with group= "
+                         "(and into= this rank's state dict), or without into= for its whole state")
+    with warnings.catch_warnings():  # DCP's "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        return load(store, model, into, step=step)
 
 
 class Store:
@@ -291,8 +311,7 @@ class Store:
 
             return load(self, model, into, group=group, step=step, peers=peers)
         try:
-            with self.open_version(model, step) as version:
-                return version.load(map_location, verify, into)
+            return self._load_version(model, step, map_location, verify, into)
         except CorruptionError as damaged:
             if step is not None or not verify:
                 raise
@@ -302,16 +321,35 @@ class Store:
                 if latest is None or v.header.counter >= latest.header.counter:
                     continue  # only versions older than the damaged latest
                 try:
-                    with self.open_version(model, v.header.step) as version:
-                        if version.info.counter != v.header.counter:
-                            continue
-                        obj = version.load(map_location, verify, into)
+                    obj = self._load_version(model, v.header.step, map_location, verify, into, v.header.counter)
                 except (CorruptionError, NotFoundError):
+                    continue
+                if obj is _ANOTHER_SAVE:
                     continue
                 log.warning("%s; loaded step %d of %r instead, the newest intact version",
                             damaged, v.header.step, model)
                 return obj
             raise
+
+    def _load_version(self, model: str, step: int | None, map_location, verify: bool, into, counter: int | None = None):
+        """The saved object of one version (``Version.load``; of a multi-rank DCP version, its
+        whole state: ckptfs.dist.whole); ``_ANOTHER_SAVE`` if ``counter`` is given and the
+        version of ``step`` is not that save."""
+        from ckptfs.dist.names import is_global_version
+        from ckptfs.dist.whole import as_whole
+
+        version = self.open_version(model, step)
+        if counter is not None and version.info.counter != counter:
+            version.close()
+            return _ANOTHER_SAVE
+        if into is not None and is_global_version(version.manifest):
+            # a state of any layout, matched by key and resharded by DCP: this process alone
+            step = version.info.step
+            version.close()
+            return _load_multi_rank_into(self, model, step, into)
+        v, _ = as_whole(self, version)
+        with v:
+            return v.load(map_location, verify, into)
 
     def verify(self, model: str | None = None, step: int | None = None,
                progress: Callable[[int], None] | None = None) -> list[VerifyProblem]:

@@ -55,6 +55,8 @@ def _load_sharded(rank, world, regions, out):
     state = {"model": msd, "optim": osd, "epoch": 0}
     mine = _node_store(regions, rank, world)
     peers = [ckptfs.Store(r) for r in regions if r != mine.path]
+    with pytest.raises(ValueError, match="saved by many ranks: load it at every rank with group="):
+        mine.load("fsdp", into=state)  # without group= in a job of many ranks
     dcp.load(state, storage_reader=ckptfs.dcp.StorageReader(mine, "fsdp", peers=peers))
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     got = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -97,7 +99,36 @@ def test_fsdp2_saved_at_4_ranks_loads_at_2_at_1_and_at_4_again(tmp_path):
     # the mount: the unsharded model and optimizer state, whole, from the 4 ranks' parts
     full = {**{f"model.{k}": v for k, v in ref_model.items()},
             **{f"optim.state.{k}.{n}": v for k, entry in ref_optim["state"].items() for n, v in entry.items()}}
-    _check_whole_files(region, tmp_path / "mnt", "fsdp", full, ranks=4)
+    whole = _check_whole_files(region, tmp_path / "mnt", "fsdp", full, ranks=4,
+                               plain={"epoch": 4, "optim.param_groups": ref_optim["param_groups"]})
+    # the mounted checkpoint.pt is what DCP's own converter (format_utils.dcp_to_torch_save:
+    # an empty-state load planner, no process group) makes of the same checkpoint
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    converted: dict = {}
+    with ckptfs.Store(region) as store:
+        _load_state_dict(converted, storage_reader=ckptfs.dcp.StorageReader(store, "fsdp"),
+                         planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    _assert_same(whole, converted)
+
+
+def _assert_same(a, b, where="") -> None:
+    """``a`` and ``b`` are the same nested state: the same containers (type, keys, order of a
+    list), equal tensors, equal plain values."""
+    assert type(a) is type(b), (where, type(a), type(b))
+    if isinstance(a, dict):
+        assert list(a) == list(b) or set(a) == set(b), where
+        for k in a:
+            _assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}.{i}")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    else:
+        assert a == b, where
 
 
 def _save_replicated(rank, world, region, step):
@@ -232,6 +263,8 @@ def test_two_nodes_each_record_the_global_version_and_load_across_them(tmp_path)
     assert "rank(s) 2, 3 are in another node's region" in parts["whole_tensors"]
     # a rank that cannot reach the other node's region says which part it misses
     with ckptfs.Store(regions[0]) as store:
+        with pytest.raises(ckptfs.errors.NotFoundError, match=r"rank\(s\) 2, 3 are in another node's region"):
+            store.load("fsdp")
         model = toy_model()
         with pytest.raises(BaseException, match="another node's"):  # in DCP's CheckpointException
             dcp.load({"model": model.state_dict()}, storage_reader=ckptfs.dcp.StorageReader(store, "fsdp"))
@@ -404,10 +437,11 @@ def test_dtensors_sharded_on_either_dimension_or_replicated(tmp_path):
     _check_whole_files(region, tmp_path / "mnt", "dt", full)
 
 
-def _check_whole_files(region, mnt, model, full, ranks=2):
+def _check_whole_files(region, mnt, model, full, ranks=2, plain=None) -> dict:
     """The mount shows the multi-rank version's tensors whole: checkpoint.pt and state.safetensors
-    equal ``full`` (by dotted FQN), the zip entries' CRCs and metadata.json's are the whole
-    tensors' own (unzip -t), and dcp-parts.json names every rank's part."""
+    equal ``full`` (by dotted FQN), checkpoint.pt's other values ``plain`` (by dotted path), the
+    zip entries' CRCs and metadata.json's are the whole tensors' own (unzip -t), and
+    dcp-parts.json names every rank's part and leaves nothing out. Returns checkpoint.pt's state."""
     import subprocess
     import zlib
 
@@ -416,6 +450,7 @@ def _check_whole_files(region, mnt, model, full, ranks=2):
     with mounted(region, str(mnt)) as m:
         version = m / f"{model}/latest"
         pt = _dotted(torch.load(os.path.join(version, "checkpoint.pt"), weights_only=True, mmap=True))
+        state = torch.load(os.path.join(version, "checkpoint.pt"), weights_only=True)
         st = load_file(os.path.join(version, "state.safetensors"))
         meta = json.load(open(os.path.join(version, "metadata.json")))
         parts = json.load(open(os.path.join(version, "dcp-parts.json")))
@@ -432,13 +467,16 @@ def _check_whole_files(region, mnt, model, full, ranks=2):
             assert torch.equal(full[fqn][where], shard), name
             seen.add(fqn)
     assert seen == set(full)
-    assert set(pt) == set(st) == set(full)
+    assert {k: v for k, v in pt.items() if not isinstance(v, torch.Tensor)} == (plain or {})
+    assert {k for k, v in pt.items() if isinstance(v, torch.Tensor)} == set(st) == set(full)
     for k, v in full.items():
         assert torch.equal(pt[k], v) and torch.equal(st[k], v), k
     crcs = {t["name"]: t["crc32"] for t in meta["tensors"]}
     assert crcs == {k: f"{zlib.crc32(v.numpy().tobytes()):08x}" for k, v in full.items()}
     assert test.returncode == 0, test.stdout + test.stderr
     assert [p["rank"] for p in parts["ranks"]] == list(range(ranks)) and all(p["in_this_region"] for p in parts["ranks"])
+    assert parts["not_shown"] == []
+    return state
 
 
 def _dotted(obj, prefix="") -> dict:
@@ -515,6 +553,37 @@ def test_info_export_and_verify_of_a_multi_rank_version(store, capsys, tmp_path)
         back = {"w": torch.zeros(64, 32), "b": torch.zeros(10)}
         with pytest.raises(BaseException, match="'items.0' of .m.rank0 step 7 fails its checksum"):
             dcp.load(back, storage_reader=ckptfs.dcp.StorageReader(again, "m"))
+
+
+def test_a_multi_rank_version_loads_whole_in_one_process_with_its_plain_values(store, tmp_path, monkeypatch, capsys):
+    """Store.load of a DCP checkpoint in one process: its whole state, with the byte items that
+    are plain data (stored by the parts in the index's encoding, never unpickled), nested as
+    DCP's own unflattening does (lists, dicts of str keys); the rest left out with a warning,
+    and loaded by into= (through DCP). A part whose values hold a tensor reference is refused."""
+    from test_cli import run
+
+    w = torch.arange(6.0)
+    state = {"w": w, "epoch": 3, "groups": [{"lr": 0.1, "betas": (0.9, 0.99)}, {"lr": 0.2, "betas": (0.8, 0.9)}],
+             "sparse": {0: w + 1, 2: w + 2}, "cfg": {"tag": None, "ids": [1, 2], "on": True}, "z": 1j}
+    dcp.save(state, storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=1))
+    # DCP's key paths keep a list's indices and make every dict key a str (as dcp_to_torch_save)
+    expected = {**{k: v for k, v in state.items() if k != "z"}, "sparse": {"0": w + 1, "2": w + 2}}
+    with pytest.warns(UserWarning, match="m step 1: z left out"):
+        back = store.load("m")
+    _assert_same(dict(sorted(back.items())), dict(sorted(expected.items())))
+    into = {"w": torch.zeros(6), "epoch": 0, "groups": [{"lr": 0.0, "betas": (0.0, 0.0)}, {"lr": 0.0, "betas": ()}],
+            "sparse": {0: torch.zeros(6), 2: torch.zeros(6)}, "cfg": {"tag": 1, "ids": [], "on": False}, "z": 0}
+    assert store.load("m", into=into) is into
+    _assert_same(into, state)
+    assert run(capsys, "export", "--region", store.path, "m", str(tmp_path / "m.pt"))[0] == 0
+    _assert_same(dict(sorted(torch.load(tmp_path / "m.pt", weights_only=True).items())), dict(sorted(expected.items())))
+    # a part whose values are not plain data (a tensor reference into the part) is refused
+    real = ckptfs.dist.parts.part_state
+    monkeypatch.setattr(ckptfs.dist.parts, "part_state",
+                        lambda tensors, values: real(tensors, {k: torch.ones(1) for k in values}))
+    dcp.save(state, storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=2))
+    with pytest.raises(ckptfs.errors.CorruptionError, match="not plain data"):
+        store.load("m", step=2)
 
 
 # ------------------------------------------------------------------------------ parts given back, parts kept

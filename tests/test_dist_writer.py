@@ -4,6 +4,8 @@ with FSDP2 (``fully_shard``) of a small transformer (GPT-2 from a config) + Adam
 step with N in flight while training goes on, loads at other world sizes bit-exact against the
 unsharded state, the mount's whole files; a rank that never comes to a save is named, and ranks
 saving different keys commit nothing."""
+import io
+import json
 import time
 from datetime import timedelta
 
@@ -146,10 +148,23 @@ def compare_full(rank, model, opt, state, out) -> None:
 @requires_fuse
 def test_a_transformer_saved_every_step_at_2_ranks_loads_at_1_and_2_and_mounts_whole(tmp_path):
     region, out = _saved_every_step_then_loaded_at_1_and_2(tmp_path, 2)
-    ref_model, _ = torch.load(out, weights_only=False)
+    ref_model, ref_optim = torch.load(out, weights_only=False)
     with mounted(region, str(tmp_path / "mnt")) as m:
-        whole = torch.load(m / "gpt2/latest/checkpoint.pt", weights_only=True, mmap=True)["model"]
+        state = torch.load(m / "gpt2/latest/checkpoint.pt", weights_only=True, mmap=True)
+        whole = state["model"]
         assert set(whole) == set(ref_model) and all(torch.equal(whole[k], ref_model[k]) for k in ref_model)
+        # the plain values too (DCP's byte items, stored by the parts as plain data): a single
+        # process resumes the model and its optimizer from the mounted file alone
+        assert state["step"] == 4 and state["optim"]["param_groups"] == ref_optim["param_groups"]
+        assert json.load(open(m / "gpt2/latest/dcp-parts.json"))["not_shown"] == []
+        plain = tiny_gpt2(seed=5)
+        opt = torch.optim.AdamW(plain.parameters(), lr=0.5, weight_decay=0.0)
+        set_state_dict(plain, opt, model_state_dict=whole, optim_state_dict=state["optim"])
+        assert opt.param_groups[0]["lr"] == 0.01 and opt.param_groups[0]["weight_decay"] == 0.01
+        got = get_state_dict(plain, opt, options=StateDictOptions(full_state_dict=True))[1]
+        assert got["param_groups"] == ref_optim["param_groups"] and set(got["state"]) == set(ref_optim["state"])
+        for key, entry in ref_optim["state"].items():
+            assert all(torch.equal(got["state"][key][n], v) for n, v in entry.items()), key
         # tied weights (GPT-2's embedding and head): stored once, shared in checkpoint.pt, and
         # model.safetensors loads strict-clean, as a single process's save does
         assert whole["lm_head.weight"].data_ptr() == whole["transformer.wte.weight"].data_ptr()
@@ -221,6 +236,11 @@ def _resolves_as_dcp(rank, world, out):
     dcp_planner = DefaultSavePlanner()
     dcp_planner.set_up_planner(state, None, rank == 0)
     want, got = resolve_items(items, dcp_planner), resolver.resolve(state)
+    # the plain values of the byte items, by position, are the objects DCP's planner looks up
+    assert got.values.keys() == want.values.keys() and all(got.values[i] is want.values[i] for i in got.values)
+    named = {items[i].index.fqn: v for i, v in got.values.items()}
+    assert named["optim.param_groups.0.lr"] == 1e-3 and named["optim.param_groups.0.betas"] == (0.9, 0.999)
+    want, got = want.tensors, got.tensors
     kinds = {type(v).__name__ for v in state["model"].values()}
     assert "DTensor" in kinds and len(got) == len(want) == len(items)
     for item, a, b in zip(items, got, want):
@@ -231,19 +251,27 @@ def _resolves_as_dcp(rank, world, out):
     # tensor, while they pickle the same; a changed one to its new bytes, as DCP's
     byte_io = [i for i, item in enumerate(items) if item.type.name == "BYTE_IO"]
     assert byte_io
-    again = resolver.resolve(dict(zip(("model", "optim"), get_state_dict(model, opt))))
+    again = resolver.resolve(dict(zip(("model", "optim"), get_state_dict(model, opt)))).tensors
     assert all(again[i] is got[i] for i in byte_io)
     opt.param_groups[0]["lr"] = 5e-4
     state = dict(zip(("model", "optim"), get_state_dict(model, opt)))
     dcp_planner = DefaultSavePlanner()
     dcp_planner.set_up_planner(state, None, rank == 0)
     want, changed = resolve_items(items, dcp_planner), resolver.resolve(state)
+    assert changed.values == want.values and changed.values[[i for i in byte_io if items[i].index.fqn ==
+                                                             "optim.param_groups.0.lr"][0]] == 5e-4
+    want, changed = want.tensors, changed.tensors
     assert all(torch.equal(changed[i], want[i]) for i in byte_io)
     moved = [items[i].index.fqn for i in byte_io if not torch.equal(changed[i], got[i])]
     assert moved and all("lr" in fqn for fqn in moved), moved
     # a planner of its own, or a state the default planner does not flatten, is left to DCP
     assert ItemResolver(items, type("Mine", (DefaultSavePlanner,), {})()).paths is None
     assert ItemResolver(items, DefaultSavePlanner(flatten_state_dict=False)).paths is None
+    # a planner whose bytes are not torch.save of the value it looks up: its values are not taken
+    mine = type("Mine", (DefaultSavePlanner,), {"transform_object": lambda self, item, obj: io.BytesIO(b"x") if
+                                                item.type.name == "BYTE_IO" else obj})()
+    mine.set_up_planner(state, None, rank == 0)
+    assert resolve_items(items, mine).values == {}
     if rank == 0:
         out.put(len(items))
 

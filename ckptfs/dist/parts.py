@@ -43,9 +43,26 @@ def open_part(store, model: str, rank: int, counter: int, checked: set[int] | No
                           "this global version cannot be loaded, use an older one")
 
 
+def part_state(tensors: list, values: dict) -> dict:
+    """What a rank saves as its part of a step: ``items``, the tensor of each of its write items
+    in plan order (a byte item's ``torch.save`` bytes as uint8), and ``values``, {position: the
+    value} of the byte items that are plain data (stored in the index's own encoding, never
+    pickled: the whole checkpoint shows them)."""
+    return {"items": tensors, "values": values}
+
+
 def item_records(part) -> dict[int, int]:
     """{position in the part's item list: its tensor's index in the manifest}."""
     return {int(ref.key_path[1]): ref.tensor_index for ref in part.manifest.refs() if ref.key_path[:1] == ("items",)}
+
+
+def item_values(part) -> dict[int, dict]:
+    """{position in the part's item list: the skeleton node of its value} of the byte items whose
+    value the part holds (``part_state``; none in a part of a version before it)."""
+    for key, node in part.manifest.skeleton.get("dict", ()):
+        if key == {"str": "values"}:
+            return {k["int"]: v for k, v in node.get("dict", ()) if type(k.get("int")) is int}
+    return {}
 
 
 # ------------------------------------------------ the lifecycle: kept while written, then given back

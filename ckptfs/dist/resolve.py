@@ -14,18 +14,33 @@ ckptfs.dist.structure) by walking to the object and taking what
 the ``torch.save`` bytes of any other value. Anything else (a planner
 that is not exactly the default one, a ShardedTensor, a nested tensor subclass) resolves through
 a default planner set up with the state, as before.
+
+Either way a resolution also gives the *value* of each BYTE_IO item that is plain data (numbers,
+strings, None, and lists, tuples and dicts of them: an optimizer's ``param_groups``, an epoch):
+the part stores it beside the item's bytes in ckptfs's own encoding, so that the mount shows it
+in the whole checkpoint without unpickling anything (ckptfs.dist.whole).
 """
 from __future__ import annotations
 
 import io
 import pickle
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItemType
 from torch.distributed.checkpoint.utils import find_tensor_shard
 
-__all__ = ["ItemResolver", "as_tensor", "resolve_items"]
+__all__ = ["ItemResolver", "Resolved", "as_tensor", "resolve_items"]
+
+
+class Resolved(NamedTuple):
+    """A rank's items resolved for its part: each item's tensor (``as_tensor``), and, by
+    position, the value of each BYTE_IO item that is plain data as ckptfs stores it
+    (``storable_value``)."""
+
+    tensors: list[torch.Tensor]
+    values: dict[int, Any]
 
 
 def as_tensor(item, data) -> torch.Tensor:
@@ -38,9 +53,22 @@ def as_tensor(item, data) -> torch.Tensor:
     return data.detach() if data.requires_grad else data
 
 
-def resolve_items(items: list, planner: SavePlanner) -> list[torch.Tensor]:
-    """Each item's data through ``planner`` (set up with the state), as ``as_tensor``."""
-    return [as_tensor(item, planner.resolve_data(item)) for item in items]
+def resolve_items(items: list, planner: SavePlanner) -> Resolved:
+    """Each item's data through ``planner`` (set up with the state), as ``as_tensor``; the
+    values where the planner's bytes are ``torch.save`` of the object it looks up (a
+    DefaultSavePlanner that keeps its ``resolve_data`` and ``transform_object``: another
+    planner may save something else than the value, which is then left to its bytes)."""
+    tensors = [as_tensor(item, planner.resolve_data(item)) for item in items]
+    values = {}
+    kind = type(planner)
+    if (isinstance(planner, DefaultSavePlanner) and kind.resolve_data is DefaultSavePlanner.resolve_data
+            and kind.transform_object is DefaultSavePlanner.transform_object):
+        for pos, item in enumerate(items):
+            if item.type == WriteItemType.BYTE_IO:
+                obj = planner.lookup_object(item.index)
+                if storable_value(obj):
+                    values[pos] = obj
+    return Resolved(tensors, values)
 
 
 class ItemResolver:
@@ -55,21 +83,23 @@ class ItemResolver:
         self._default = DefaultSavePlanner()  # its transform_object needs no state
         self._bytes: dict[int, tuple[bytes, torch.Tensor]] = {}  # item -> (pickle of its value, its tensor)
 
-    def resolve(self, state: dict) -> list[torch.Tensor]:
+    def resolve(self, state: dict) -> Resolved:
         if self.paths is None:
             planner = DefaultSavePlanner()
             planner.set_up_planner(state, None, self.is_coordinator)
             return resolve_items(self.items, planner)
-        out = []
+        out, values = [], {}
         for i, (item, path) in enumerate(zip(self.items, self.paths)):
             obj = state
             for key in path:
                 obj = obj[key]
             if item.type == WriteItemType.BYTE_IO:
                 out.append(self._byte_io(i, item, obj))
+                if storable_value(obj):
+                    values[i] = obj
             else:
                 out.append(as_tensor(item, _lookup(item, obj)))
-        return out
+        return Resolved(out, values)
 
     def _byte_io(self, i: int, item, obj) -> torch.Tensor:
         """The bytes of BYTE_IO item ``i`` holding ``obj``: the last save's tensor again where
@@ -88,24 +118,31 @@ class ItemResolver:
 
 
 _PLAIN_TYPES = frozenset({int, float, complex, bool, str, bytes, type(None)})
+_STORABLE_TYPES = frozenset({int, float, bool, str, type(None)})  # a skeleton's scalars (ckptfs.flatten)
 
 
 def _plain_pickle(obj) -> bytes | None:
     """``pickle.dumps(obj)`` where ``obj`` is plain data (exact builtin types only: a subclass
     pickles by reference to its class, a tensor through storages), else None."""
-    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if _is_plain(obj, 0) else None
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if _is_plain(obj, 0, _PLAIN_TYPES) else None
 
 
-def _is_plain(obj, depth: int) -> bool:
+def storable_value(obj) -> bool:
+    """Whether ``obj`` is plain data that a part stores as it is: the exact types of a
+    skeleton's scalars, and lists, tuples and dicts of them, 8 levels deep at most."""
+    return _is_plain(obj, 0, _STORABLE_TYPES)
+
+
+def _is_plain(obj, depth: int, scalars: frozenset) -> bool:
     kind = type(obj)
-    if kind in _PLAIN_TYPES:
+    if kind in scalars:
         return True
     if depth >= 8:
         return False
     if kind is list or kind is tuple:
-        return all(_is_plain(v, depth + 1) for v in obj)
+        return all(_is_plain(v, depth + 1, scalars) for v in obj)
     if kind is dict:
-        return all(_is_plain(k, depth + 1) and _is_plain(v, depth + 1) for k, v in obj.items())
+        return all(_is_plain(k, depth + 1, scalars) and _is_plain(v, depth + 1, scalars) for k, v in obj.items())
     return False
 
 

@@ -39,7 +39,7 @@ from ckptfs.dist import parts
 from ckptfs.dist.codec import PlacedMetadata, encode_index, encode_metadata
 from ckptfs.dist.group import Arrival, check_agreement, coordination, exchange, meet_before_dcp, this_rank
 from ckptfs.dist.names import METADATA_FILE, part_model
-from ckptfs.dist.resolve import resolve_items
+from ckptfs.dist.resolve import Resolved, resolve_items
 from ckptfs.errors import CkptfsError
 
 __all__ = ["StorageWriter"]
@@ -139,20 +139,20 @@ class StorageWriter(_DCPWriter):
         _pool.submit(commit)
         return done
 
-    def write_part(self, items: list, tensors: list[torch.Tensor]):
-        """Start this rank's part of the step: ``tensors``, the data of ``items`` (this rank's
-        final save plan; ``ckptfs.dist.resolve``), saved as a kept version of the part model.
-        Returns (``tensors``, the part's SaveFuture) once its snapshot is taken: the state may
-        change from then on."""
+    def write_part(self, items: list, resolved: Resolved):
+        """Start this rank's part of the step: ``resolved``, the data of ``items`` (this rank's
+        final save plan; ``ckptfs.dist.resolve``), saved as a kept version of the part model
+        (``parts.part_state``). Returns (its tensors, the part's SaveFuture) once its snapshot
+        is taken: the state may change from then on."""
         name = part_model(self.model, self.rank)
         writer = _kept_writer(self.store, name, self.max_inflight)
         parts.started(self.store, name, self.step)
         try:
-            save = writer.save({"items": tensors}, step=self.step, keep=True)
+            save = writer.save(parts.part_state(resolved.tensors, resolved.values), step=self.step, keep=True)
         except BaseException:
             self.release_part()
             raise
-        return tensors, save
+        return resolved.tensors, save
 
     def release_part(self) -> None:
         """This rank's part of the step is no longer in flight (committed, or given up): from now

@@ -14,10 +14,12 @@ dim interleaves: one piece per chunk per index of the dims before it. Each whole
 (checkpoint.pt's zip entries, metadata.json) is combined from its chunks' CRCs where each piece
 is a whole chunk, and read once from the parts otherwise.
 
-Only tensors are shown: DCP's byte items (non-tensor values such as ``epoch``, optimizer
-hyper-parameters) are torch.save pickles, and ckptfs never unpickles; ``dcp-parts.json`` lists
-them with the parts. Where a part is in another node's region, no tensor is shown and
-``dcp-parts.json`` says which parts are where.
+DCP's byte items (non-tensor values such as ``epoch``, an optimizer's ``param_groups``) are
+torch.save pickles, which ckptfs never unpickles: the whole checkpoint shows the ones whose part
+also stored the value as plain data (ckptfs.dist.parts.part_state), and ``dcp-parts.json`` lists
+the others. The nesting is DCP's own unflattening's (``dcp_to_torch_save``): DCP's key paths keep
+a list's indices as ints and make every dict key a str. Where a part is in another node's region, nothing of the state is shown
+and ``dcp-parts.json`` says which parts are where.
 
 torch.distributed.checkpoint (its metadata types, and the codec that decodes them) is imported
 where a global version is met, not with this module: the mount and the CLI import it for every
@@ -34,9 +36,9 @@ from typing import NamedTuple
 
 from ckptfs.checksum import crc32, crc32_combine
 from ckptfs.dist.names import METADATA_FILE, is_global_version
-from ckptfs.dist.parts import item_records, open_part
-from ckptfs.errors import CorruptionError
-from ckptfs.manifest import ITEMSIZE, Manifest, TensorRecord, expected_nbytes
+from ckptfs.dist.parts import item_records, item_values, open_part
+from ckptfs.errors import CorruptionError, MalformedInputError, NotFoundError
+from ckptfs.manifest import ITEMSIZE, Manifest, TensorRecord, check_skeleton, expected_nbytes
 
 PARTS_FILE = "dcp-parts.json"
 PARTS_DIR = "parts"
@@ -75,6 +77,8 @@ class WholeLayout:
     starts: list[int] = field(default_factory=list)  # virtual offset of each whole tensor
     pieces: list[tuple[list[int], list[Piece]]] = field(default_factory=list)  # per tensor: (each at, pieces)
     checked: dict[int, set[int]] = field(default_factory=dict)  # part -> its tensors found intact
+    remote: tuple[int, ...] = ()  # the ranks whose parts are in another node's region (nothing whole is shown)
+    not_shown: tuple[str, ...] = ()  # the FQNs of the byte items whose values the parts did not store
 
 
 def plan_whole(store, version) -> WholeLayout | None:
@@ -92,23 +96,25 @@ def plan_whole(store, version) -> WholeLayout | None:
     places = part_places(meta)
     remote = [rank for rank, region, _ in places if region != here]
     m = version.manifest
-    layout = WholeLayout(m.model, tuple((rank, counter) for rank, region, counter in places if region == here))
+    layout = WholeLayout(m.model, tuple((rank, counter) for rank, region, counter in places if region == here),
+                         remote=tuple(remote))
     summary = {"ranks": [{"rank": rank, "region": region, "counter": counter, "in_this_region": region == here,
                           "files": f"{PARTS_DIR}/{rank_dirname(rank)}/" if region == here else None}
-                         for rank, region, counter in places],
-               "not_shown": sorted(fqn for fqn, md in meta.state_dict_metadata.items()
-                                   if not isinstance(md, TensorStorageMetadata))}
+                         for rank, region, counter in places]}
     opened = []
     try:
         for i, (rank, counter) in enumerate(layout.parts):  # the checks made here count for the reads
             opened.append(open_part(store, layout.model, rank, counter, checked=layout.checked.setdefault(i, set())))
         items = [item_records(p) for p in opened]
-        records, skeleton = (), {"dict": []}
+        records, skeleton, shown = (), {"dict": []}, set()
         if remote:  # some parts are out of reach: no whole tensor can be shown
             summary["whole_tensors"] = (f"absent: the parts of rank(s) {', '.join(map(str, remote))} are in "
                                         "another node's region")
         else:
-            records, skeleton = _plan_tensors(layout, meta, opened, items)
+            records, skeleton, shown = _plan_state(layout, meta, opened, items)
+        layout.not_shown = tuple(sorted(fqn for fqn, md in meta.state_dict_metadata.items()
+                                        if not isinstance(md, TensorStorageMetadata) and fqn not in shown))
+        summary["not_shown"] = list(layout.not_shown)
         _plan_parts(layout, meta, opened, items)
     finally:
         for p in opened:
@@ -124,18 +130,25 @@ def rank_dirname(rank: int) -> str:
     return f"rank-{rank:05d}"
 
 
-def _plan_tensors(layout: WholeLayout, meta, opened, items) -> tuple[tuple[TensorRecord, ...], dict]:
-    """(the whole tensors' records, their skeleton); fills in the layout's starts, pieces and
-    the end of the whole tensors in the virtual data area. ``items``: each part's item_records."""
+def _plan_state(layout: WholeLayout, meta, opened, items) -> tuple[tuple[TensorRecord, ...], dict, set[str]]:
+    """(the whole tensors' records, the skeleton of the state, the FQNs of the byte items shown
+    in it); fills in the layout's starts, pieces and the end of the whole tensors in the virtual
+    data area. ``items``: each part's item_records."""
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
     from ckptfs.flatten import DTYPE_NAMES
 
     part_of = {key: i for i, key in enumerate(layout.parts)}
+    values = [item_values(p) for p in opened]
     records, paths, offset = [], [], 0
     stored_as: dict[tuple, int] = {}  # the chunks' stored tensors -> the record that holds them
+    shown: set[str] = set()
     for fqn, md in meta.state_dict_metadata.items():
         if not isinstance(md, TensorStorageMetadata):
+            node = _byte_value(meta, fqn, part_of, values)
+            if node is not None:
+                paths.append((_path(meta, fqn), node))
+                shown.add(fqn)
             continue
         dtype = DTYPE_NAMES[md.properties.dtype]
         chunks = []
@@ -154,7 +167,7 @@ def _plan_tensors(layout: WholeLayout, meta, opened, items) -> tuple[tuple[Tenso
         # the whole tensor is then one record under both paths, as ties of a single process are
         same = (dtype, shape, tuple((c.part, c.tensor, c.offsets) for c in chunks))
         if chunks and same in stored_as:
-            paths.append((_path(meta, fqn), stored_as[same]))
+            paths.append((_path(meta, fqn), {"tensor": stored_as[same]}))
             continue
         stored_as[same] = len(records)
         nbytes = expected_nbytes(dtype, shape)
@@ -162,10 +175,26 @@ def _plan_tensors(layout: WholeLayout, meta, opened, items) -> tuple[tuple[Tenso
         records.append(TensorRecord(fqn, dtype, shape, offset, nbytes, _whole_crc(pieces, chunks, opened)))
         layout.pieces.append(([p.at for p in pieces], pieces))
         layout.starts.append(offset)
-        paths.append((_path(meta, fqn), len(records) - 1))
+        paths.append((_path(meta, fqn), {"tensor": len(records) - 1}))
         offset += nbytes
     layout.whole_bytes = offset
-    return tuple(records), _skeleton(paths)
+    return tuple(records), _skeleton(paths), shown
+
+
+def _byte_value(meta, fqn: str, part_of: dict, values: list[dict]) -> dict | None:
+    """The skeleton node of byte item ``fqn``'s value, where its part stored it, else None;
+    CorruptionError if the stored node is not plain data (a part's values hold no tensors)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    where = meta.storage_data.get(MetadataIndex(fqn))
+    i = part_of.get((where["rank"], where["counter"])) if isinstance(where, dict) else None
+    node = values[i].get(where["pos"]) if i is not None else None
+    if node is not None:
+        try:
+            check_skeleton(node, 0)  # no tensor reference is valid here
+        except MalformedInputError as e:
+            raise CorruptionError(f"{fqn}: the value stored by rank {where['rank']} is not plain data: {e}") from None
+    return node
 
 
 def _plan_parts(layout: WholeLayout, meta, opened, items) -> None:
@@ -187,12 +216,10 @@ def _plan_parts(layout: WholeLayout, meta, opened, items) -> None:
             if tuple(index.offset or ()) != (0,) * len(md.size) or rec.shape != tuple(md.size):
                 # a shard: its place in the whole tensor in its name
                 path = path[:-1] + (f"{path[-1]}@{','.join(map(str, index.offset or ()))}",)
-            if tensor in record_of:  # tied: the part stored it once
-                paths.append((path, record_of[tensor]))
-                continue
-            record_of[tensor] = len(records)
-            records.append(rec._replace(name=".".join(map(str, path)), offset=base + rec.offset))
-            paths.append((path, record_of[tensor]))
+            if tensor not in record_of:  # else tied: the part stored it once
+                record_of[tensor] = len(records)
+                records.append(rec._replace(name=".".join(map(str, path)), offset=base + rec.offset))
+            paths.append((path, {"tensor": record_of[tensor]}))
         layout.part_bases.append(base)
         layout.part_manifests.append((f"{PARTS_DIR}/{rank_dirname(rank)}/", Manifest(
             part.manifest.model, part.manifest.step, part.manifest.counter, part.manifest.time_ns,
@@ -266,13 +293,20 @@ def _whole_crc(pieces: list[Piece], chunks: list[_Chunk], opened) -> int:
     return crc
 
 
-def _skeleton(paths: list[tuple[tuple, int]]) -> dict:
-    """The nested state dict of the tensors ((key path, tensor index) of each entry: DCP's
-    planner data gives the key paths; a tensor under two paths is tied) as a skeleton; flat by
-    dotted name if the paths clash."""
+class _Leaf(NamedTuple):
+    node: dict  # a skeleton node: a tensor reference or a plain value
+
+
+def _skeleton(paths: list[tuple[tuple, dict]]) -> dict:
+    """The nested state of the entries ((key path, skeleton node) of each: DCP's planner data
+    gives the key paths; a tensor under two paths is tied) as a skeleton, nested as DCP's own
+    unflattening does it (``dcp_to_torch_save``): DCP's flattening keeps a list's indices as ints
+    and makes every dict key a str, so a level keyed by the ints 0..n-1 is a list (an
+    optimizer's ``param_groups``) and any other level a dict. Flat by dotted name if the paths
+    clash."""
     root: dict = {}
     try:
-        for path, i in paths:
+        for path, leaf in paths:
             node = root
             for key in path[:-1]:
                 node = node.setdefault(key, {})
@@ -280,13 +314,16 @@ def _skeleton(paths: list[tuple[tuple, int]]) -> dict:
                     raise ValueError
             if path[-1] in node:
                 raise ValueError
-            node[path[-1]] = i
+            node[path[-1]] = _Leaf(leaf)
     except (ValueError, TypeError):
-        root = {".".join(map(str, p)): i for p, i in paths}
+        root = {".".join(map(str, p)): _Leaf(leaf) for p, leaf in paths}
 
     def encode(value):
-        if isinstance(value, int):
-            return {"tensor": value}
+        if isinstance(value, _Leaf):
+            return value.node
+        keys = list(value)
+        if keys and all(type(k) is int for k in keys) and sorted(keys) == list(range(len(keys))):
+            return {"list": [encode(value[k]) for k in range(len(keys))]}
         return {"dict": [[{"int" if isinstance(k, int) else "str": k}, encode(v)] for k, v in value.items()]}
     return encode(root)
 
@@ -376,6 +413,44 @@ class WholeVersion:
     def confirm(self) -> None:
         for p in self._parts:
             p.confirm()
+
+    def load(self, map_location="cpu", verify: bool = True, into=None):
+        """The whole state, as ``Version.load`` gives a single process's (``Store.load``): whole
+        tensors and the plain values the parts stored. Every read is checked, ``verify`` or not
+        (each part's checked read path). NotFoundError if some parts are in another node's region."""
+        if self.layout.remote:
+            m = self.manifest
+            raise NotFoundError(
+                f"{m.model} step {m.step}: the parts of rank(s) {', '.join(map(str, self.layout.remote))} are in "
+                "another node's region; load it at the ranks (group=, peers=[their nodes' stores]) or "
+                "through ckptfs.dcp.StorageReader(store, model, peers=...)")
+        if self.layout.not_shown:
+            import warnings
+
+            warnings.warn(f"{self.manifest.model} step {self.manifest.step}: {', '.join(self.layout.not_shown)} left out "
+                          "(values that are not plain data are kept as pickles, which ckptfs never unpickles; "
+                          "into= loads them through DCP)", stacklevel=4)
+        from ckptfs.restore import restore
+
+        return restore(self, map_location, verify, into, fill=self._read_tensors)
+
+    def _read_tensors(self, tensors: list) -> None:
+        """Fill ``tensors`` (one per whole tensor, contiguous, on any device) from the parts."""
+        import torch
+        from torch.autograd.graph import increment_version
+
+        # host tensors are written by address: tell autograd, as a copy_ would (ckptfs.restore.copy_out)
+        increment_version([t for t in tensors if t.is_cpu])
+        for (_, pieces), record, t in zip(self.layout.pieces, self.manifest.tensors, tensors):
+            if not record.nbytes:
+                continue
+            dest = t.detach() if t.is_cpu else torch.empty(record.nbytes, dtype=torch.uint8)
+            out = memoryview(dest.view(-1).view(torch.uint8).numpy())
+            for p in pieces:
+                out[p.at:p.at + p.nbytes] = self._parts[p.part].read(p.offset, p.nbytes)
+            if not t.is_cpu:
+                t.detach().view(-1).view(torch.uint8).copy_(dest)
+        self.confirm()
 
     @property
     def data(self) -> "WholeVersion":
