@@ -18,8 +18,8 @@ DCP's byte items (non-tensor values such as ``epoch``, an optimizer's ``param_gr
 torch.save pickles, which ckptfs never unpickles: the whole checkpoint shows the ones whose part
 also stored the value as plain data (ckptfs.dist.parts.part_state), and ``dcp-parts.json`` lists
 the others. The nesting is DCP's own unflattening's (``dcp_to_torch_save``): DCP's key paths keep
-a list's indices as ints and make every dict key a str. Where a part is in another node's region, nothing of the state is shown
-and ``dcp-parts.json`` says which parts are where.
+a list's indices as ints and make every dict key a str. Where a part is in another node's region,
+nothing of the state is shown and ``dcp-parts.json`` says which parts are where.
 
 torch.distributed.checkpoint (its metadata types, and the codec that decodes them) is imported
 where a global version is met, not with this module: the mount and the CLI import it for every
@@ -427,9 +427,10 @@ class WholeVersion:
         if self.layout.not_shown:
             import warnings
 
-            warnings.warn(f"{self.manifest.model} step {self.manifest.step}: {', '.join(self.layout.not_shown)} left out "
-                          "(values that are not plain data are kept as pickles, which ckptfs never unpickles; "
-                          "into= loads them through DCP)", stacklevel=4)
+            m = self.manifest
+            warnings.warn(f"{m.model} step {m.step}: {', '.join(self.layout.not_shown)} left out (values that are "
+                          "not plain data are kept as pickles, which ckptfs never unpickles; into= loads them "
+                          "through DCP)", stacklevel=4)
         from ckptfs.restore import restore
 
         return restore(self, map_location, verify, into, fill=self._read_tensors)
