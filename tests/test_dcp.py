@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -553,6 +553,38 @@ def test_info_export_and_verify_of_a_multi_rank_version(store, capsys, tmp_path)
         back = {"w": torch.zeros(64, 32), "b": torch.zeros(10)}
         with pytest.raises(BaseException, match="'items.0' of .m.rank0 step 7 fails its checksum"):
             dcp.load(back, storage_reader=ckptfs.dcp.StorageReader(again, "m"))
+
+
+_plain = st.recursive(st.none() | st.booleans() | st.integers(-5, 5) | st.floats(allow_nan=False) | st.text(max_size=3),
+                      lambda inner: st.lists(inner, max_size=3) | st.tuples(inner, inner)
+                      | st.dictionaries(st.text(max_size=2), inner, max_size=2), max_leaves=6)
+_states = st.recursive(st.builds(torch.full, st.tuples(st.integers(1, 3)), st.floats(-9, 9)) | _plain,
+                       lambda inner: st.lists(inner, min_size=1, max_size=3)  # a dict's keys: str, or int
+                       | st.dictionaries(st.text("ab0", min_size=1, max_size=2), inner, min_size=1, max_size=3)
+                       | st.dictionaries(st.integers(0, 3), inner, min_size=1, max_size=3), max_leaves=10)
+
+
+@settings(max_examples=100, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink])
+@given(st.dictionaries(st.text("xyz", min_size=1, max_size=2), _states, min_size=1, max_size=3))
+def test_the_whole_states_nesting_is_dcps_own(state):
+    """The whole view's skeleton, built from DCP's key paths (planner data) with each byte
+    item's plain value, unflattens to exactly what DCP's own unflattening makes of the same
+    flattened state: lists stay lists, tuples tuples, dict keys become str."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
+
+    from ckptfs.dist.whole import _skeleton
+    from ckptfs.flatten import plain_node
+    from ckptfs.manifest import unflatten
+
+    flat, mappings = flatten_state_dict(state)
+    tensors, paths = [], []
+    for fqn, value in flat.items():
+        if isinstance(value, torch.Tensor):
+            paths.append((mappings[fqn], {"tensor": len(tensors)}))
+            tensors.append(value)
+        else:
+            paths.append((mappings[fqn], plain_node(value)))
+    _assert_same(unflatten(_skeleton(paths), tensors), unflatten_state_dict(flat, mappings))
 
 
 def test_a_multi_rank_version_loads_whole_in_one_process_with_its_plain_values(store, tmp_path, monkeypatch, capsys):

@@ -301,9 +301,10 @@ def _skeleton(paths: list[tuple[tuple, dict]]) -> dict:
     """The nested state of the entries ((key path, skeleton node) of each: DCP's planner data
     gives the key paths; a tensor under two paths is tied) as a skeleton, nested as DCP's own
     unflattening does it (``dcp_to_torch_save``): DCP's flattening keeps a list's indices as ints
-    and makes every dict key a str, so a level keyed by the ints 0..n-1 is a list (an
-    optimizer's ``param_groups``) and any other level a dict. Flat by dotted name if the paths
-    clash."""
+    and makes every dict key a str, so a level keyed by ints is a list (an optimizer's
+    ``param_groups``; None at an index with nothing under it, as DCP's ``set_element`` leaves
+    it), any other level a dict (also one of indices far beyond their number: not DCP's). Flat
+    by dotted name if the paths clash."""
     root: dict = {}
     try:
         for path, leaf in paths:
@@ -322,8 +323,9 @@ def _skeleton(paths: list[tuple[tuple, dict]]) -> dict:
         if isinstance(value, _Leaf):
             return value.node
         keys = list(value)
-        if keys and all(type(k) is int for k in keys) and sorted(keys) == list(range(len(keys))):
-            return {"list": [encode(value[k]) for k in range(len(keys))]}
+        if keys and all(type(k) is int and 0 <= k <= 2 * len(keys) + 16 for k in keys):
+            # as DCP's set_element: an index with nothing under it (a list's empty dict) is None
+            return {"list": [encode(value[k]) if k in value else {"none": None} for k in range(max(keys) + 1)]}
         return {"dict": [[{"int" if isinstance(k, int) else "str": k}, encode(v)] for k, v in value.items()]}
     return encode(root)
 
