@@ -21,6 +21,7 @@ import ckptfs
 from ckptfs.errors import MalformedInputError
 from ckptfs.testing.ranks import run_ranks, sharded, toy_model, train_steps
 from conftest_mount import mounted, requires_fuse
+from test_views import assert_same
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -110,25 +111,16 @@ def test_fsdp2_saved_at_4_ranks_loads_at_2_at_1_and_at_4_again(tmp_path):
     with ckptfs.Store(region) as store:
         _load_state_dict(converted, storage_reader=ckptfs.dcp.StorageReader(store, "fsdp"),
                          planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    _assert_same(whole, converted)
+    assert_same(converted, whole)
 
 
-def _assert_same(a, b, where="") -> None:
-    """``a`` and ``b`` are the same nested state: the same containers (type, keys, order of a
-    list), equal tensors, equal plain values."""
-    assert type(a) is type(b), (where, type(a), type(b))
-    if isinstance(a, dict):
-        assert list(a) == list(b) or set(a) == set(b), where
-        for k in a:
-            _assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{where}.{i}")
-    elif isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and torch.equal(a, b), where
-    else:
-        assert a == b, where
+def _sorted(obj):
+    """``obj`` with every dict's keys in sorted order (DCP's metadata orders the keys by FQN)."""
+    if isinstance(obj, dict):
+        return {k: _sorted(obj[k]) for k in sorted(obj)}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_sorted(v) for v in obj)
+    return obj
 
 
 def _save_replicated(rank, world, region, step):
@@ -584,7 +576,7 @@ def test_the_whole_states_nesting_is_dcps_own(state):
             tensors.append(value)
         else:
             paths.append((mappings[fqn], plain_node(value)))
-    _assert_same(unflatten(_skeleton(paths), tensors), unflatten_state_dict(flat, mappings))
+    assert_same(unflatten_state_dict(flat, mappings), unflatten(_skeleton(paths), tensors))
 
 
 def test_a_multi_rank_version_loads_whole_in_one_process_with_its_plain_values(store, tmp_path, monkeypatch, capsys):
@@ -602,13 +594,13 @@ def test_a_multi_rank_version_loads_whole_in_one_process_with_its_plain_values(s
     expected = {**{k: v for k, v in state.items() if k != "z"}, "sparse": {"0": w + 1, "2": w + 2}}
     with pytest.warns(UserWarning, match="m step 1: z left out"):
         back = store.load("m")
-    _assert_same(dict(sorted(back.items())), dict(sorted(expected.items())))
+    assert_same(_sorted(expected), _sorted(back))
     into = {"w": torch.zeros(6), "epoch": 0, "groups": [{"lr": 0.0, "betas": (0.0, 0.0)}, {"lr": 0.0, "betas": ()}],
             "sparse": {0: torch.zeros(6), 2: torch.zeros(6)}, "cfg": {"tag": 1, "ids": [], "on": False}, "z": 0}
     assert store.load("m", into=into) is into
-    _assert_same(into, state)
+    assert_same(state, into)
     assert run(capsys, "export", "--region", store.path, "m", str(tmp_path / "m.pt"))[0] == 0
-    _assert_same(dict(sorted(torch.load(tmp_path / "m.pt", weights_only=True).items())), dict(sorted(expected.items())))
+    assert_same(_sorted(expected), _sorted(torch.load(tmp_path / "m.pt", weights_only=True)))
     # a part whose values are not plain data (a tensor reference into the part) is refused
     real = ckptfs.dist.parts.part_state
     monkeypatch.setattr(ckptfs.dist.parts, "part_state",
