@@ -589,7 +589,16 @@ def test_a_multi_rank_version_loads_whole_in_one_process_with_its_plain_values(s
     w = torch.arange(6.0)
     state = {"w": w, "epoch": 3, "groups": [{"lr": 0.1, "betas": (0.9, 0.99)}, {"lr": 0.2, "betas": (0.8, 0.9)}],
              "sparse": {0: w + 1, 2: w + 2}, "cfg": {"tag": None, "ids": [1, 2], "on": True}, "z": 1j}
-    dcp.save(state, storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=1))
+    dcp.save(state, storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=1, extra={"config.json": {"n": 1}}))
+    # hf/ holds the saver's extras, not ckptfs's records of the ranks' parts
+    from ckptfs.dist.whole import as_whole, version_files
+    from ckptfs.views import files_for
+
+    whole, _ = as_whole(store, store.open_version("m"))
+    with whole:
+        names = set(version_files(whole, files_for))
+    assert {"config.json", "dcp-metadata.json", "dcp-parts.json", "hf/config.json"} <= names
+    assert not any(n.startswith("hf/dcp-") for n in names)
     # DCP's key paths keep a list's indices and make every dict key a str (as dcp_to_torch_save)
     expected = {**{k: v for k, v in state.items() if k != "z"}, "sparse": {"0": w + 1, "2": w + 2}}
     with pytest.warns(UserWarning, match="m step 1: z left out"):

@@ -5,6 +5,10 @@ versions through this module, and import the DCP machinery (``ckptfs.dist.storag
 from __future__ import annotations
 
 METADATA_FILE = "dcp-metadata.json"  # a global version's file: DCP's metadata, each item's place
+PARTS_FILE = "dcp-parts.json"  # the whole view's file: which rank's part is where, what is not shown
+# the files ckptfs itself puts in a multi-rank version directory, beside the saver's extras: not
+# part of a model directory (hf/ copies the extras only)
+RECORD_FILES = frozenset({METADATA_FILE, PARTS_FILE})
 
 
 def part_model(model: str, rank: int) -> str:

@@ -35,13 +35,12 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ckptfs.checksum import crc32, crc32_combine
-from ckptfs.dist.names import METADATA_FILE, is_global_version
+from ckptfs.dist.names import METADATA_FILE, PARTS_FILE, is_global_version
 from ckptfs.dist.parts import item_records, item_values, open_part
 from ckptfs.errors import CorruptionError, MalformedInputError, NotFoundError
 from ckptfs.gcpause import paused_gc
 from ckptfs.manifest import ITEMSIZE, Manifest, TensorRecord, check_skeleton, expected_nbytes
 
-PARTS_FILE = "dcp-parts.json"
 PARTS_DIR = "parts"
 
 

@@ -2,13 +2,15 @@
 
 ``files``: each extra file at the root of the version directory (``config.json`` beside
 ``checkpoint.pt``). ``hf``: where the extras hold a ``config.json``, a directory ``hf/`` that
-``transformers``' ``from_pretrained`` opens as it is: the extras, and ``model.safetensors`` with the
+``transformers``' ``from_pretrained`` opens as it is: the extras (not ckptfs's own records of a
+multi-rank version: ``dcp-metadata.json``, ``dcp-parts.json``), and ``model.safetensors`` with the
 tensors under the top-level key ``model`` named as in ``model.state_dict()`` (the whole state when
 the object has no such key), tied weights stored once (see ckptfs.views.safetensors). One file
 of any size: ``from_pretrained`` reads unsharded safetensors of every size.
 """
 from __future__ import annotations
 
+from ckptfs.dist.names import RECORD_FILES
 from ckptfs.manifest import Manifest
 from ckptfs.views.registry import register
 from ckptfs.views.safetensors import safetensors_view
@@ -34,7 +36,7 @@ def hf_files(manifest: Manifest) -> dict[str, View]:
     """``hf/<extra>`` and ``hf/model.safetensors`` where the extras hold a ``config.json``."""
     if HF_CONFIG not in dict(manifest.files):
         return {}
-    files = {f"{HF_DIR}/{name}": view for name, view in extra_files(manifest).items()}
+    files = {f"{HF_DIR}/{name}": view for name, view in extra_files(manifest).items() if name not in RECORD_FILES}
     has_model_key = any(ref.key_path[:1] == (MODEL_KEY,) for ref in manifest.refs())
     weights = safetensors_view(manifest, key=MODEL_KEY if has_model_key else None)
     if weights is not None:
