@@ -104,9 +104,6 @@ class Version:
                 pass
 
 
-_ANOTHER_SAVE = object()  # Store._load_version: the step's version is not the save asked for
-
-
 def _load_multi_rank_into(store, model: str, step: int, into):
     """``Store.load(into=)`` without ``group`` of a multi-rank version: DCP's load in this process
     alone, into ``into`` (ckptfs.dist.writer.load). In a job of many ranks it must be every
@@ -311,7 +308,7 @@ class Store:
 
             return load(self, model, into, group=group, step=step, peers=peers)
         try:
-            return self._load_version(model, step, map_location, verify, into)
+            return self._load_opened(self.open_version(model, step), map_location, verify, into)
         except CorruptionError as damaged:
             if step is not None or not verify:
                 raise
@@ -321,30 +318,28 @@ class Store:
                 if latest is None or v.header.counter >= latest.header.counter:
                     continue  # only versions older than the damaged latest
                 try:
-                    obj = self._load_version(model, v.header.step, map_location, verify, into, v.header.counter)
+                    version = self.open_version(model, v.header.step)
+                    if version.info.counter != v.header.counter:
+                        version.close()
+                        continue
+                    obj = self._load_opened(version, map_location, verify, into)
                 except (CorruptionError, NotFoundError):
-                    continue
-                if obj is _ANOTHER_SAVE:
                     continue
                 log.warning("%s; loaded step %d of %r instead, the newest intact version",
                             damaged, v.header.step, model)
                 return obj
             raise
 
-    def _load_version(self, model: str, step: int | None, map_location, verify: bool, into, counter: int | None = None):
-        """The saved object of one version (``Version.load``; of a multi-rank DCP version, its
-        whole state: ckptfs.dist.whole); ``_ANOTHER_SAVE`` if ``counter`` is given and the
-        version of ``step`` is not that save."""
+    def _load_opened(self, version: Version, map_location, verify: bool, into):
+        """The saved object of ``version`` (opened, closed here): ``Version.load``; of a
+        multi-rank DCP version, its whole state (ckptfs.dist.whole), or with ``into`` DCP's
+        load into it."""
         from ckptfs.dist.names import is_global_version
         from ckptfs.dist.whole import as_whole
 
-        version = self.open_version(model, step)
-        if counter is not None and version.info.counter != counter:
-            version.close()
-            return _ANOTHER_SAVE
         if into is not None and is_global_version(version.manifest):
             # a state of any layout, matched by key and resharded by DCP: this process alone
-            step = version.info.step
+            model, step = version.info.model, version.info.step
             version.close()
             return _load_multi_rank_into(self, model, step, into)
         v, _ = as_whole(self, version)
