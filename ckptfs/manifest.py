@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import struct
 import sys
 from array import array
 from collections import OrderedDict
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from ckptfs import _native
+from ckptfs.checksum import crc32_combine
 from ckptfs.errors import MalformedInputError, UnsupportedObjectError
 from ckptfs.gcpause import paused_gc
 from ckptfs.units import human_bytes
@@ -36,6 +38,10 @@ if TYPE_CHECKING:
 
 MANIFEST_FORMAT = 1
 TENSOR_ALIGN_BYTES = 64
+# A tensor larger than this also has the CRC32 of each block this size of its bytes (counted from
+# its first byte; the last block shorter), so that a read of part of it checks only the blocks
+# under the read: one row of a shard for a resharded load, a 4 KiB read through the mount.
+CRC_BLOCK_BYTES = 4 << 20
 
 # Every dtype torch has that is plain bytes in memory, and its bytes per element (the tables of
 # torch's dtype objects are ckptfs.flatten's: reading an index needs no torch, so neither do
@@ -60,6 +66,15 @@ class TensorRecord(NamedTuple):
     offset: int
     nbytes: int
     crc32: int = 0
+    block_crcs: tuple[int, ...] = ()  # block_count(nbytes, Manifest.crc_block_bytes) CRC32s, else none
+
+    def block_span(self, crc_block_bytes: int, start: int, end: int) -> range:
+        """The numbers of the blocks that hold bytes ``[start, end)`` of the tensor (counted from
+        its first byte, clipped to it), ``crc_block_bytes`` the manifest's; empty where it has
+        no blocks."""
+        if not self.block_crcs or end <= start:
+            return range(0)
+        return range(max(start, 0) // crc_block_bytes, min(-(-end // crc_block_bytes), len(self.block_crcs)))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -99,6 +114,7 @@ class Manifest:
     skeleton: dict
     data_bytes: int = 0
     files: tuple[tuple[str, str], ...] = ()  # small text files saved beside the object (name, text)
+    crc_block_bytes: int = 0  # the block size of the records' block_crcs; 0 where none has blocks
     # dumps_compact(skeleton) where the writer already has it (a cached save plan); not compared
     skeleton_json: str | None = field(default=None, compare=False, repr=False)
 
@@ -155,6 +171,8 @@ class Manifest:
         }
         if self.files:  # only when present: a manifest without files keeps its bytes
             doc["files"] = dict(self.files)
+        if self.crc_block_bytes:  # likewise: a manifest without blocks is as ckptfs wrote it before
+            doc["crc_block_bytes"] = self.crc_block_bytes
         head = dumps_compact(doc)
         if tensors_json is None:
             tensors_json = encode_tensors(self.tensors)
@@ -187,7 +205,14 @@ class Manifest:
                         or type(offset) is not int or type(nbytes) is not int or type(crc) is not str
                         or len(crc) != 8):
                     raise MalformedInputError(f"tensor record {t!r:.80} is not valid")
-                tensors.append(TensorRecord(name, dtype, tuple(shape), offset, nbytes, int(crc, 16)))
+                blocks = t.get(_BLOCKS_KEY)
+                if blocks is None:
+                    tensors.append(TensorRecord(name, dtype, tuple(shape), offset, nbytes, int(crc, 16)))
+                    continue
+                if type(blocks) is not str or not blocks or len(blocks) % 8:
+                    raise MalformedInputError(f"tensor record {name!r:.60} has malformed block CRCs")
+                tensors.append(TensorRecord(name, dtype, tuple(shape), offset, nbytes, int(crc, 16),
+                                            struct.unpack(f">{len(blocks) // 8}I", bytes.fromhex(blocks))))
             # the dimensions' types in one pass over all records (a generator per record costs)
             if any(type(d) is not int for t in tensors for d in t.shape):
                 bad = next(t for t in tensors if any(type(d) is not int for d in t.shape))
@@ -197,7 +222,8 @@ class Manifest:
                 raise MalformedInputError("manifest files must be an object")
             m = cls(_str(doc["model"]), _int(doc["step"]), _int(doc["counter"]), _int(doc["time_ns"]),
                     tuple(tensors), doc["skeleton"], _int(doc["data_bytes"]),
-                    tuple((check_file_name(_str(k)), _str(v)) for k, v in files.items()))
+                    tuple((check_file_name(_str(k)), _str(v)) for k, v in files.items()),
+                    _int(doc.get("crc_block_bytes", 0)))
             m.validate()
         except MalformedInputError:
             raise
@@ -207,12 +233,17 @@ class Manifest:
 
     def validate(self) -> None:
         """Check internal consistency: known dtypes, sizes matching shapes, extents in bounds,
-        unique tensor names, a well-formed skeleton whose tensor references exist."""
+        unique tensor names, a well-formed skeleton whose tensor references exist, block CRCs
+        (``_check_blocks``) where a tensor has or needs them."""
         if self.data_bytes < 0:
             raise MalformedInputError(f"negative data_bytes {self.data_bytes}")
         if len({t.name for t in self.tensors}) != len(self.tensors):
             raise MalformedInputError("two tensor records have the same name")
         _check_skeleton(self.skeleton, len(self.tensors), 0)
+        block = self.crc_block_bytes
+        if block and (block < 4096 or block & (block - 1)):
+            raise MalformedInputError(f"crc_block_bytes {block} is not a power of two of at least 4096")
+        unblocked = block or self.data_bytes  # no tensor is larger than the data
         for t in self.tensors:
             if t.dtype not in ITEMSIZE:
                 raise MalformedInputError(f"tensor {t.name!r} has unknown dtype {t.dtype!r}")
@@ -223,6 +254,35 @@ class Manifest:
                                           f"shape {list(t.shape)} of {t.dtype}")
             if t.offset + t.nbytes > self.data_bytes:
                 raise MalformedInputError(f"tensor {t.name!r} extends past the version's data")
+            if t.block_crcs or t.nbytes > unblocked:
+                _check_blocks(t, block)
+
+
+def _check_blocks(t: TensorRecord, crc_block_bytes: int) -> None:
+    """A tensor larger than a block has one CRC per block (and no other has any), and they
+    combine to its CRC32."""
+    n = block_count(t.nbytes, crc_block_bytes)
+    if len(t.block_crcs) != n:
+        raise MalformedInputError(f"tensor {t.name!r} has {len(t.block_crcs)} block CRCs, not {n}")
+    if n and combine_blocks(t.block_crcs, t.nbytes, crc_block_bytes) != t.crc32:
+        raise MalformedInputError(f"the block CRCs of tensor {t.name!r} do not make its CRC32")
+
+
+def block_count(nbytes: int, crc_block_bytes: int) -> int:
+    """How many block CRCs a tensor of ``nbytes`` has where the block size is ``crc_block_bytes``
+    (0: none): one per block where it is larger than one block, else none (its CRC32 is its one
+    block's)."""
+    if not crc_block_bytes or nbytes <= crc_block_bytes:
+        return 0
+    return -(-nbytes // crc_block_bytes)
+
+
+def combine_blocks(crcs, nbytes: int, crc_block_bytes: int) -> int:
+    """The CRC32 of a tensor of ``nbytes`` from those of its blocks."""
+    out, last = 0, len(crcs) - 1
+    for i, crc in enumerate(crcs):
+        out = crc if i == 0 else crc32_combine(out, crc, nbytes - i * crc_block_bytes if i == last else crc_block_bytes)
+    return out
 
 
 _ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True, allow_nan=False)
@@ -235,64 +295,89 @@ def dumps_compact(doc) -> str:
 
 
 def encode_tensors(records, crcs: list[int] | None = None) -> str:
-    """The manifest's ``tensors`` array; ``crcs`` replace the records' own CRC32s."""
+    """The manifest's ``tensors`` array; ``crcs`` replace the records' own CRC32s. A record's
+    block CRCs, where it has them, follow its CRC32 as one string of 8 hex digits per block."""
     if crcs is None:
         crcs = [t.crc32 for t in records]
-    return dumps_compact([{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "offset": t.offset,
-                    "nbytes": t.nbytes, "crc32": f"{crc:08x}"} for t, crc in zip(records, crcs, strict=True)])
+    items = []
+    for t, crc in zip(records, crcs, strict=True):
+        item = {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "offset": t.offset,
+                "nbytes": t.nbytes, "crc32": f"{crc:08x}"}
+        if t.block_crcs:
+            item[_BLOCKS_KEY] = "".join(f"{c:08x}" for c in t.block_crcs)
+        items.append(item)
+    return dumps_compact(items)
 
 
+_BLOCKS_KEY = "block_crc32"
 _CRC_FIELD = '"crc32":"'
+_BLOCKS_FIELD = f'"{_BLOCKS_KEY}":"'
 
 
 @dataclass(frozen=True)
 class EncodedTensors:
-    """``encode_tensors(records)`` made once, with the place of each record's CRC field, so a
-    commit fills in the CRCs without encoding the records again (a persist thread holds the
-    GIL while it encodes: milliseconds for an optimizer state, beside the training loop)."""
+    """``encode_tensors(records)`` made once, with the place of each record's CRC field and of
+    each of its block CRCs, so a commit fills in the CRCs without encoding the records again (a
+    persist thread holds the GIL while it encodes: milliseconds for an optimizer state, beside
+    the training loop)."""
 
     text: str
     crc_at: tuple[int, ...]  # where each record's 8 hex digits start in ``text``
+    block_at: tuple[int, ...] = ()  # where each block CRC's 8 digits start, records in order
 
     @classmethod
     def of(cls, records) -> "EncodedTensors":
         text = encode_tensors(records)
-        # Quotes inside a name are escaped, so the unescaped key can only be the field itself;
-        # it is the last field of each record, in record order.
+        # Quotes inside a name are escaped, so the unescaped keys can only be the fields
+        # themselves; a record's CRC32 comes before its block CRCs, records in order.
         at, start = [], 0
         while (found := text.find(_CRC_FIELD, start)) >= 0:
             at.append(found + len(_CRC_FIELD))
             start = at[-1]
-        if len(at) != len(records):
-            raise AssertionError(f"found {len(at)} CRC fields for {len(records)} tensor records")
-        return cls(text, tuple(at))
+        block_at, start = [], 0
+        while (found := text.find(_BLOCKS_FIELD, start)) >= 0:
+            first = found + len(_BLOCKS_FIELD)
+            start = text.index('"', first)
+            block_at.extend(range(first, start, 8))
+        if len(at) != len(records) or len(block_at) != sum(len(r.block_crcs) for r in records):
+            raise AssertionError(f"found {len(at)} CRC fields and {len(block_at)} block CRCs "
+                                 f"for {len(records)} tensor records")
+        return cls(text, tuple(at), tuple(block_at))
 
-    def with_crcs(self, crcs: list[int]) -> bytes:
-        """The same bytes as ``encode_tensors(records, crcs).encode()``; ``crcs`` unsigned 32-bit.
-        The hex digits of all the CRCs are made in one call and put in place by one vectorized
-        store: a loop over 40,000 fields took 18 ms of every commit, a %-format 7."""
-        import numpy as np
-
-        if len(crcs) != len(self.crc_at):
-            raise ValueError(f"{len(crcs)} CRCs for {len(self.crc_at)} tensor records")
-        try:
-            words = array("I", crcs)  # 4 bytes each on the platforms torch runs on
-        except OverflowError:
-            raise ValueError("a CRC32 is an unsigned 32-bit number") from None
-        if sys.byteorder == "little":
-            words.byteswap()  # big-endian bytes: their hex is each CRC's 8 digits, in order
+    def with_crcs(self, crcs: list[int], block_crcs: list[int] = ()) -> bytes:
+        """The same bytes as ``encode_tensors(records, crcs).encode()`` with the records' block
+        CRCs replaced by ``block_crcs`` (every record's in record order); each an unsigned
+        32-bit number. The hex digits of all the CRCs are made in one call and put in place by
+        one vectorized store: a loop over 40,000 fields took 18 ms of every commit, a %-format 7."""
+        if len(crcs) != len(self.crc_at) or len(block_crcs) != len(self.block_at):
+            raise ValueError(f"{len(crcs)} CRCs and {len(block_crcs)} block CRCs for {len(self.crc_at)} "
+                             f"tensor records with {len(self.block_at)} blocks")
         text, digits = self._digit_places
         out = text.copy()
-        out[digits] = np.frombuffer(words.tobytes().hex().encode("ascii"), dtype=np.uint8)
+        out[digits] = _hex_digits(list(crcs) + list(block_crcs) if block_crcs else crcs)
         return out.tobytes()
 
     @functools.cached_property
     def _digit_places(self):
-        """(``text`` as uint8, the flat index of every CRC field's 8 digits), made once."""
+        """(``text`` as uint8, the flat index of every CRC field's 8 digits, then of every block
+        CRC's), made once."""
         import numpy as np
 
-        at = np.array(self.crc_at, dtype=np.int64)
+        at = np.array(self.crc_at + self.block_at, dtype=np.int64)
         return np.frombuffer(self.text.encode("ascii"), dtype=np.uint8), (at[:, None] + np.arange(8)).ravel()
+
+
+def _hex_digits(crcs):
+    """The 8 lowercase hex digits of each of ``crcs`` (unsigned 32-bit), as one uint8 array."""
+    import numpy as np
+
+    try:
+        words = array("I", crcs)  # 4 bytes each on the platforms torch runs on
+    except OverflowError:
+        raise ValueError("a CRC32 is an unsigned 32-bit number") from None
+    if sys.byteorder == "little":
+        words.byteswap()  # big-endian bytes: their hex is each CRC's 8 digits, in order
+    return np.frombuffer(words.tobytes().hex().encode("ascii"), dtype=np.uint8)
 
 
 MAX_DEPTH = 200  # nesting of a saved object (and of a skeleton); deeper ones are refused

@@ -153,6 +153,71 @@ def test_manifest_bytes_exact():
         encode_tensors(recs, [1])
 
 
+def _blocked_manifest():
+    """A manifest of a 10,000-byte tensor with block CRCs of 4096-byte blocks (three: the last
+    1808 bytes) beside a 24-byte one without, their CRCs those of real bytes."""
+    import random
+    import zlib
+
+    data = random.Random(7).randbytes(10000)
+    blocks = tuple(zlib.crc32(data[i:i + 4096]) for i in range(0, 10000, 4096))
+    recs = (TensorRecord("w", "uint8", (10000,), 0, 10000, zlib.crc32(data), blocks),
+            TensorRecord("b", "float32", (2, 3), 10048, 24, 0xDEADBEEF))
+    return Manifest("m", 3, 42, 1, recs, {"list": [{"tensor": 0}, {"tensor": 1}]}, 10072, crc_block_bytes=4096)
+
+
+def test_manifest_with_block_crcs_bytes_exact():
+    """A tensor larger than a block carries one CRC32 per block after its own, as 8 hex digits
+    each in one string; the block size is in the head only where some tensor has blocks (a
+    manifest without keeps its bytes: test_manifest_bytes_exact)."""
+    m = _blocked_manifest()
+    w = m.tensors[0]
+    digits = "".join(f"{c:08x}" for c in w.block_crcs).encode()
+    assert len(digits) == 24
+    assert m.encode() == (
+        b'{"format":1,"model":"m","step":3,"counter":42,"time_ns":1,"data_bytes":10072,"crc_block_bytes":4096,'
+        b'"tensors":[{"name":"w","dtype":"uint8","shape":[10000],"offset":0,"nbytes":10000,'
+        b'"crc32":"' + f"{w.crc32:08x}".encode() + b'","block_crc32":"' + digits + b'"},'
+        b'{"name":"b","dtype":"float32","shape":[2,3],"offset":10048,"nbytes":24,"crc32":"deadbeef"}],'
+        b'"skeleton":{"list":[{"tensor":0},{"tensor":1}]}}')
+    assert Manifest.decode(m.encode()) == m
+    # the commit's splice: CRCs and block CRCs given apart from placeholder records
+    blank = dataclasses.replace(m, tensors=(w._replace(crc32=0, block_crcs=(0, 0, 0)), m.tensors[1]._replace(crc32=0)))
+    encoded = EncodedTensors.of(blank.tensors)
+    assert blank.encode(encoded.with_crcs([w.crc32, 0xDEADBEEF], list(w.block_crcs))) == m.encode()
+    assert blank.encoded_length(encoded.text) == len(m.encode())
+    with pytest.raises(ValueError):
+        encoded.with_crcs([w.crc32, 0xDEADBEEF], [1, 2])
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda d: d.replace(b'"crc_block_bytes":4096', b'"crc_block_bytes":3000'),  # not a power of two
+    lambda d: d.replace(b'"crc_block_bytes":4096', b'"crc_block_bytes":2048'),  # below a page
+    lambda d: d.replace(b'"crc_block_bytes":4096,', b''),  # blocks without a block size
+    lambda d: d.replace(b'"crc_block_bytes":4096', b'"crc_block_bytes":8192'),  # two blocks' worth, three given
+    lambda d: d.replace(b'"crc_block_bytes":4096', b'"crc_block_bytes":true'),
+    lambda d: d.replace(b'"block_crc32":"', b'"block_crc32":"00000000'),  # one block too many
+    lambda d: d.replace(b'"block_crc32":"', b'"block_crc32":"0000'),  # not whole CRCs
+    lambda d: _swap_blocks(d, b"zzzzzzzz"),  # not hex
+    lambda d: _swap_blocks(d),  # real CRCs in the wrong order: they do not make the tensor's
+    lambda d: d.replace(b'"block_crc32":"', b'"block_crc32":[],"x":"'),  # not a string
+])
+def test_manifest_rejects_inconsistent_block_crcs(mutate):
+    """Block CRCs that do not fit their tensor (count, block size, encoding) or do not make its
+    CRC32 are refused as malformed, as any other inconsistent index."""
+    with pytest.raises(MalformedInputError):
+        Manifest.decode(mutate(_blocked_manifest().encode()))
+
+
+def _swap_blocks(raw: bytes, first: bytes | None = None) -> bytes:
+    """``raw`` with the first two block CRCs swapped (each a CRC of real bytes, their
+    combination not the tensor's), or the first replaced by ``first``."""
+    at = raw.index(b'"block_crc32":"') + len(b'"block_crc32":"')
+    if first is not None:
+        return raw[:at] + first + raw[at + 8:]
+    return raw[:at] + raw[at + 8:at + 16] + raw[at:at + 8] + raw[at + 16:]
+
+
 @pytest.mark.parametrize("mutate", [
     lambda d: d.replace(b'"nbytes":24', b'"nbytes":25'),
     lambda d: d.replace(b'"float32"', b'"float99"'),
@@ -191,16 +256,19 @@ def test_encoded_tensors_fill_crcs_byte_exact(names):
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 9000), st.sampled_from([1, 64, 4096])), max_size=12),
-       st.sampled_from([4096, 8192, 12288]), st.integers(0, 2**32 - 1))
-def test_tensor_crcs_are_the_crcs_of_the_whole_tensors(sizes, chunk_bytes, seed):
+       st.sampled_from([4096, 8192, 12288]), st.sampled_from([0, 4096, 8192]), st.integers(0, 2**32 - 1))
+def test_tensor_crcs_are_the_crcs_of_the_whole_tensors(sizes, chunk_bytes, crc_block_bytes, seed):
     """Per-tensor CRCs made from the pieces' CRCs, chunk by chunk in data order, equal zlib's CRC
-    of each whole tensor, however the tensors (empty ones included) fall across the chunks; a
-    chunk's CRCs missing leaves only its own tensors' meaningless."""
+    of each whole tensor, however the tensors (empty ones included) fall across the chunks; so
+    do the block CRCs of the tensors larger than ``crc_block_bytes`` (their pieces cut at block
+    boundaries: none spans two blocks); a chunk's CRCs missing leaves only its own tensors'
+    meaningless."""
     import random
     import zlib
 
     from ckptfs.checksum import crc32_pieces
-    from ckptfs.chunks import plan_chunks, tensor_crcs
+    from ckptfs.chunks import block_crcs, block_pieces, plan_chunks, tensor_crcs
+    from ckptfs.manifest import block_count
 
     records, offset = [], 0
     for i, (nbytes, align) in enumerate(sizes):
@@ -208,10 +276,19 @@ def test_tensor_crcs_are_the_crcs_of_the_whole_tensors(sizes, chunk_bytes, seed)
         records.append(TensorRecord(f"t{i}", "uint8", (nbytes,), offset, nbytes))
         offset += nbytes
     data = random.Random(seed).randbytes(offset + 4096)
-    chunks = plan_chunks(records, offset, chunk_bytes)
+    chunks = plan_chunks(records, offset, chunk_bytes, crc_block_bytes)
+    for c in chunks:
+        for p in c.pieces:
+            if block_count(records[p.tensor].nbytes, crc_block_bytes):
+                assert p.tensor_start // crc_block_bytes == (p.tensor_start + p.length - 1) // crc_block_bytes
     crcs_of = {c.start: crc32_pieces(memoryview(data)[c.start:c.start + c.length], c.pieces) for c in chunks}
     assert tensor_crcs(chunks, crcs_of, len(records)) == [
         zlib.crc32(data[r.offset:r.offset + r.nbytes]) for r in records]
+    want = {i: {b: zlib.crc32(data[r.offset + b * crc_block_bytes:min(r.offset + (b + 1) * crc_block_bytes,
+                                                                       r.offset + r.nbytes)])
+                for b in range(block_count(r.nbytes, crc_block_bytes))}
+            for i, r in enumerate(records) if block_count(r.nbytes, crc_block_bytes)}
+    assert block_crcs(block_pieces(chunks, records, crc_block_bytes), crcs_of) == want
     if chunks:
         missing = chunks[len(chunks) // 2]
         del crcs_of[missing.start]

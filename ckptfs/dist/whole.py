@@ -230,7 +230,7 @@ def _plan_parts(layout: WholeLayout, meta, opened, items) -> None:
         layout.part_bases.append(base)
         layout.part_manifests.append((f"{PARTS_DIR}/{rank_dirname(rank)}/", Manifest(
             part.manifest.model, part.manifest.step, part.manifest.counter, part.manifest.time_ns,
-            tuple(records), _skeleton(paths), base + part.manifest.data_bytes, ())))
+            tuple(records), _skeleton(paths), base + part.manifest.data_bytes, (), part.manifest.crc_block_bytes)))
         base += part.manifest.data_bytes
     layout.data_bytes = base
 

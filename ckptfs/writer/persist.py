@@ -13,8 +13,7 @@ import threading
 import time
 from typing import Callable
 
-from ckptfs.chunks import Chunk, tensor_crcs
-from ckptfs.manifest import Manifest
+from ckptfs.chunks import Chunk, block_crcs, tensor_crcs
 from ckptfs.writer.job import Job, SaveResult
 from ckptfs.writer.progress import ProgressBoard
 from ckptfs.writer.snapshot import piece_crcs
@@ -208,11 +207,12 @@ class PersistPipeline:
         if job.error is not None:
             return
         claim, plan = job.claim, job.plan
-        manifest = Manifest(claim.model, job.step, claim.counter, claim.time_ns, plan.layout.records,
-                            plan.flat.skeleton, plan.layout.data_bytes, plan.files,
-                            skeleton_json=plan.flat.skeleton_json)
-        index = manifest.encode(plan.layout.tensors.with_crcs(
-            tensor_crcs(job.chunks, job.piece_crcs, len(plan.layout.records))))
+        layout = plan.layout
+        manifest = layout.manifest(claim.model, job.step, claim.counter, claim.time_ns, plan.flat, plan.files)
+        blocks = block_crcs(layout.block_pieces, job.piece_crcs)
+        index = manifest.encode(layout.tensors.with_crcs(
+            tensor_crcs(job.chunks, job.piece_crcs, len(layout.records)),
+            [crc for i in sorted(blocks) for _, crc in sorted(blocks[i].items())]))
         committed = claim.commit(index, manifest.data_bytes, keep=job.keep)
         self._finish(job, SaveResult(claim.model, job.step, claim.counter, claim.slot, manifest.data_bytes,
                                      committed.published, job.stall_s, time.perf_counter() - job.started), None)

@@ -9,10 +9,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ckptfs.chunks import Chunk, plan_chunks
+from ckptfs.chunks import BlockPiece, Chunk, block_pieces, plan_chunks
 from ckptfs.errors import CkptfsError
 from ckptfs.flatten import DTYPE_NAMES, Flattened, flatten
-from ckptfs.manifest import TENSOR_ALIGN_BYTES, EncodedTensors, Manifest, TensorRecord, align_up, dumps_compact
+from ckptfs.manifest import (CRC_BLOCK_BYTES, TENSOR_ALIGN_BYTES, EncodedTensors, Manifest, TensorRecord, align_up,
+                              block_count, dumps_compact)
 from ckptfs.region.format import COUNTER_MAX
 from ckptfs.region.ring import SlotLayout
 from ckptfs.writer.replan import Structure
@@ -26,6 +27,14 @@ class Layout:
     data_bytes: int
     chunks: list[Chunk]
     tensors: EncodedTensors  # the index's tensor array: its length sizes the index, commit fills its CRCs
+    crc_block_bytes: int = 0  # the manifest's (0: no tensor has block CRCs)
+    block_pieces: tuple[BlockPiece, ...] = ()  # the pieces whose CRCs make the block CRCs
+
+    def manifest(self, model: str, step: int, counter: int, time_ns: int, flat: Flattened,
+                 files: tuple[tuple[str, str], ...]) -> Manifest:
+        """The index of a save of this layout (its CRCs those of the records: see ``tensors``)."""
+        return Manifest(model, step, counter, time_ns, self.records, flat.skeleton, self.data_bytes, files,
+                        self.crc_block_bytes, skeleton_json=flat.skeleton_json)
 
 
 @dataclass(frozen=True)
@@ -73,8 +82,7 @@ class Planner:
             flat.skeleton_json = dumps_compact(flat.skeleton)
             self._structure = Structure.of(flat)
         layout = self._layout(flat)
-        probe = Manifest(self.model, step, COUNTER_MAX, time.time_ns(), layout.records, flat.skeleton,
-                         layout.data_bytes, files, skeleton_json=flat.skeleton_json)
+        probe = layout.manifest(self.model, step, COUNTER_MAX, time.time_ns(), flat, files)
         # The probe has the widest counter, so its index is at least as long as the real one:
         # its length fixes the slot layout, and the real index is encoded once, at commit.
         return SavePlan(step, flat, layout, probe.encoded_length(layout.tensors.text), files)
@@ -97,14 +105,19 @@ class Planner:
             return self.effective_chunk_bytes
 
 
-def lay_out(names: list[str], tensors: list[torch.Tensor], chunk_bytes_for) -> Layout:
-    """Tensor offsets (64-byte aligned, in object order) and the chunks that cover them;
-    ``chunk_bytes_for(data_bytes)`` gives the chunk size."""
-    records, offset = [], 0
+def lay_out(names: list[str], tensors: list[torch.Tensor], chunk_bytes_for,
+            crc_block_bytes: int = CRC_BLOCK_BYTES) -> Layout:
+    """Tensor offsets (64-byte aligned, in object order), the chunks that cover them and the
+    block CRCs each tensor will have; ``chunk_bytes_for(data_bytes)`` gives the chunk size."""
+    records, offset, blocked = [], 0, False
     for name, t in zip(names, tensors, strict=True):
         offset = align_up(offset, TENSOR_ALIGN_BYTES)
         nbytes = t.numel() * t.element_size()
-        records.append(TensorRecord(name, DTYPE_NAMES[t.dtype], tuple(t.shape), offset, nbytes))
+        blocks = block_count(nbytes, crc_block_bytes)
+        blocked = blocked or blocks > 0
+        records.append(TensorRecord(name, DTYPE_NAMES[t.dtype], tuple(t.shape), offset, nbytes, 0, (0,) * blocks))
         offset += nbytes
-    return Layout(tuple(records), offset, plan_chunks(records, offset, chunk_bytes_for(offset)),
-                  EncodedTensors.of(records))
+    crc_block_bytes = crc_block_bytes if blocked else 0
+    chunks = plan_chunks(records, offset, chunk_bytes_for(offset), crc_block_bytes)
+    return Layout(tuple(records), offset, chunks, EncodedTensors.of(records), crc_block_bytes,
+                  tuple(block_pieces(chunks, records, crc_block_bytes)))
