@@ -429,6 +429,39 @@ def test_dtensors_sharded_on_either_dimension_or_replicated(tmp_path):
     _check_whole_files(region, tmp_path / "mnt", "dt", full)
 
 
+def _load_rows_counting_reads(rank, world, region, out):
+    """Load the ``w`` saved by one process as a Shard(0) DTensor over ``world`` ranks, counting
+    the bytes this rank reads from the region."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.load(out)
+    state = {"w": distribute_tensor(torch.zeros_like(full["w"]), mesh, [Shard(0)])}
+    with ckptfs.Store(region) as store:
+        reads = []
+        real = store.region.backend.read_direct
+        store.region.backend.read_direct = lambda at, view: (reads.append(len(view)), real(at, view))[1]
+        dcp.load(state, storage_reader=ckptfs.dcp.StorageReader(store, "rows"))
+    assert torch.equal(state["w"].to_local(), full["w"].chunk(world)[rank])
+    # the stored tensor is 16 MiB in four blocks with CRCs of their own: this rank's rows are
+    # two of them, read and checked alone (the whole tensor before block CRCs)
+    assert 8 << 20 <= sum(reads) <= (8 << 20) + (64 << 10), reads
+
+
+def test_a_resharded_load_reads_only_the_blocks_of_its_rows(tmp_path):
+    """A rank that needs some rows of a stored tensor reads the blocks that hold them, each
+    checked against its own CRC, not the whole tensor (a W=4 shard read at W=2 needs a row or
+    two of its neighbour's shard)."""
+    region = str(tmp_path / "r.region")
+    out = str(tmp_path / "full.pt")
+    full = {"w": torch.randn(4096, 1024)}  # 16 MiB: four 4 MiB blocks of 1024 rows
+    torch.save(full, out)
+    with ckptfs.Store.create(region, size_bytes=64 << 20) as store:
+        dcp.save(full, storage_writer=ckptfs.dcp.StorageWriter(store, "rows", step=1))
+    run_ranks(_load_rows_counting_reads, 2, region, out)
+
+
 def _check_whole_files(region, mnt, model, full, ranks=2, plain=None) -> dict:
     """The mount shows the multi-rank version's tensors whole: checkpoint.pt and state.safetensors
     equal ``full`` (by dotted FQN), checkpoint.pt's other values ``plain`` (by dotted path), the
@@ -706,9 +739,9 @@ def test_a_load_reads_ahead_while_dcp_plans_and_lets_go_if_planning_fails(store,
     """StorageReader.prepare_local_plan opens the parts and starts reading their first chunks
     while DCP's planning runs; read_data checks those instead of reading them again. A planning
     that fails leaves nothing pinned once the reader is reset (DCP resets it at every load)."""
-    from ckptfs import reader as reader_module
+    from ckptfs import scan as scan_module
 
-    monkeypatch.setattr(reader_module, "READ_CHUNK_BYTES", 1 << 20)
+    monkeypatch.setattr(scan_module, "READ_CHUNK_BYTES", 1 << 20)
     state = {f"t{i}": torch.randn(1 << 18) for i in range(6)}  # 6 MiB: 6 chunks, all read ahead
     dcp.save(state, storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=1))
     reads = []

@@ -304,11 +304,92 @@ def test_a_scan_of_some_tensors_reads_only_their_pages(tmp_path, monkeypatch):
 
 
 @pytest.fixture
+def blocked(tmp_path):
+    """A version of one 12 MiB tensor ``w`` (3072 rows of 4 KiB: three 4 MiB blocks, each with
+    its own CRC) with one byte flipped 9 MiB in (in block 2), and an intact small ``b``."""
+    from ckptfs.manifest import CRC_BLOCK_BYTES
+
+    assert CRC_BLOCK_BYTES == 4 * MIB
+    state = {"w": torch.arange(3072 * 1024, dtype=torch.float32).view(3072, 1024), "b": torch.ones(10)}
+    path = str(tmp_path / "r.region")
+    _saved_with_a_flipped_bit(path, state, "w", 9 * MIB + 5)
+    with ckptfs.Store(path) as s:
+        yield s, state
+
+
+def test_a_range_of_a_tensor_with_blocks_checks_only_the_blocks_under_it(blocked, monkeypatch):
+    """A 4 KiB read into a large tensor (the mount, a tool sampling rows) checks the 4 MiB
+    block under it, not the tensor: served where its block is intact, refused naming the
+    tensor where it is not; the tensor is never checked whole on the way."""
+    store, state = blocked
+    with store.open_version("m") as v:
+        w = v.manifest.tensors[0]
+        assert v.manifest.crc_block_bytes == 4 * MIB and len(w.block_crcs) == 3
+        checked = []
+        real = store.region.backend.checksums
+        monkeypatch.setattr(store.region.backend, "checksums",
+                            lambda ranges, *a: (checked.extend(n for _, n in ranges), real(ranges, *a))[1])
+        monkeypatch.setattr(v.data, "_check_ahead", lambda offset: None)  # only the read's own checks
+        expect = state["w"].numpy().tobytes()
+        assert bytes(v.read(w.offset + 5 * MIB, 4096)) == expect[5 * MIB:5 * MIB + 4096]
+        assert bytes(v.read(w.offset + 100, 8)) == expect[100:108]
+        assert checked == [4 * MIB, 4 * MIB]  # blocks 1 and 0, once each
+        assert {(0, 0), (0, 1)} <= v.data._checked and 0 not in v.data._checked
+        with pytest.raises(CorruptionError, match="tensor 'w' of m step 1"):
+            v.read(w.offset + 8 * MIB + 1, 1)
+        assert bytes(v.read(w.offset + 3 * MIB, 2 * MIB)) == expect[3 * MIB:5 * MIB]  # blocks 0-1, checked
+        assert checked == [4 * MIB, 4 * MIB, 4 * MIB]
+
+
+def test_a_front_to_back_pass_over_a_tensor_with_blocks_refuses_at_the_damaged_block(blocked):
+    """A pass (export, cp) checks a tensor with blocks block by block on the way: the bytes
+    before the damaged block are handed out, the damaged block's end never is."""
+    store, _ = blocked
+    with store.open_version("m") as v:
+        w = v.manifest.tensors[0]
+        read, handed = v.data.sequential_reader(), 0
+        with pytest.raises(CorruptionError, match="tensor 'w'"):
+            for at in range(w.offset, w.offset + w.nbytes, MIB):
+                read(at, MIB)
+                handed += MIB
+        assert handed == 11 * MIB  # blocks 0-1 and the first three MiB of block 2
+
+
+def test_a_scan_of_rows_reads_and_checks_only_their_blocks(blocked, monkeypatch):
+    """``scan(only={i: (start, end)})`` (a resharded load's rows of a stored shard) reads the
+    pages of the blocks that hold those bytes and checks those blocks: the rows of an intact
+    block load while another block of the tensor is damaged; rows in the damaged block are
+    refused; ``verify`` (whole) reports the tensor."""
+    store, state = blocked
+    with store.open_version("m") as v:
+        reads = []
+        real = store.region.backend.read_direct
+        monkeypatch.setattr(store.region.backend, "read_direct",
+                            lambda at, view: (reads.append(len(view)), real(at, view)))
+        got = bytearray(4096 * 10)
+
+        def on_chunk(buf, chunk):
+            for p in chunk.pieces:
+                lo, hi = max(p.tensor_start, 4096 * 1030), min(p.tensor_start + p.length, 4096 * 1040)
+                if p.tensor == 0 and lo < hi:
+                    start = p.buffer_start + lo - p.tensor_start
+                    got[lo - 4096 * 1030:hi - 4096 * 1030] = buf.mapping[start:start + hi - lo]
+
+        assert v.data.scan(on_chunk, only={0: (4096 * 1030, 4096 * 1040)}) == []  # rows 1030-1039: block 1
+        assert sum(reads) == 4 * MIB, reads
+        assert bytes(got) == state["w"][1030:1040].numpy().tobytes()
+        assert (0, 1) in v.data._checked and 0 not in v.data._checked
+        bad = v.data.scan(None, only={0: (9 * MIB, 9 * MIB + 4096)})
+        assert [r.name for r, _ in bad] == ["w"]
+        assert [p.tensor for p in v.data.verify()] == ["w"]
+
+
+@pytest.fixture
 def chunked(tmp_path, monkeypatch):
     """A store whose model ``m`` holds 24 tensors of 1 MiB, read in chunks of 1 MiB (24 reads),
     with each read's offset recorded in ``reads`` and ``fail_at`` (a read number, counting from
     1) failing with an injected I/O error. Yields (store, state, reads, fail_at: a dict)."""
-    from ckptfs import reader
+    from ckptfs import scan as reader
     from ckptfs.errors import RegionIOError
 
     monkeypatch.setattr(reader, "READ_CHUNK_BYTES", MIB)

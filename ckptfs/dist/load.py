@@ -18,7 +18,7 @@ import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner
 
 from ckptfs.errors import CorruptionError
-from ckptfs.reader import ReadBuffers, scan_together
+from ckptfs.scan import ReadBuffers, scan_together
 from ckptfs.restore import copy_out
 
 
@@ -30,11 +30,23 @@ class _Target:
     direct: bool  # filled by the scan itself, else from the whole stored tensor afterwards
 
 
-def wanted_tensors(records, items: list[tuple[object, int]]) -> set[int]:
-    """The stored tensors that ``items`` ((ReadItem, stored tensor index)) need bytes of: the
-    tensors a part's scan reads, known from the load plan alone (PartRead reads the same)."""
-    return {index for item, index in items
-            if records[index].nbytes and (item.type == LoadItemType.BYTE_IO or all(n > 0 for n in item.lengths))}
+def wanted_tensors(records, items: list[tuple[object, int]]) -> dict[int, tuple[int, int] | None]:
+    """What a part's scan reads for ``items`` ((ReadItem, stored tensor index)), known from the
+    load plan alone: {stored tensor index: the byte range its items read (``_row_span``: whole
+    rows of dim 0; several items of one tensor, the range that covers them), or None for the
+    whole tensor}. PartRead reads the same where every piece goes straight into its target."""
+    out: dict[int, tuple[int, int] | None] = {}
+    for item, index in items:
+        record = records[index]
+        if not record.nbytes or (item.type != LoadItemType.BYTE_IO and not all(n > 0 for n in item.lengths)):
+            continue
+        span = _row_span(record, item) if item.type != LoadItemType.BYTE_IO else None
+        if span is None or (index in out and out[index] is None):
+            out[index] = None
+        else:
+            lo, hi = out.get(index, span)
+            out[index] = (min(lo, span[0]), max(hi, span[1]))
+    return out
 
 
 def read_parts(reads: list["PartRead"], buffers: ReadBuffers, ahead=None) -> None:
@@ -94,15 +106,16 @@ class PartRead:
         self.wholes: dict[int, torch.Tensor] = {}
 
     def scanner(self):
-        """The part's Scan (ckptfs.reader.Scan), with the whole copies made now; None if no
+        """The part's Scan (ckptfs.scan.Scan), with the whole copies made now; None if no
         stored byte is needed."""
         records = self.data.manifest.tensors
         sinks = {i: list(dests) for i, dests in self.sinks.items()}
         for index in self.whole_of:
             self.wholes[index] = torch.empty(records[index].nbytes, dtype=torch.uint8)
             sinks.setdefault(index, []).append((0, records[index].nbytes, self.wholes[index]))
-        if self.scan is None:
+        if self.scan is None or self.whole_of:  # a scan from the plan reads rows, not whole copies
             wanted = wanted_tensors(records, [(t.item, t.index) for t in self.targets])
+            wanted.update(dict.fromkeys(self.whole_of))
             return self.data.scanner(copy_out(sinks, records), only=wanted) if wanted else None
         self.scan.on_chunk = copy_out(sinks, records)
         return self.scan

@@ -24,7 +24,7 @@ from ckptfs.dist.names import METADATA_FILE, is_global_version
 from ckptfs.dist.parts import item_records, open_part
 from ckptfs.errors import CorruptionError, NotFoundError, no_version_yet
 from ckptfs.gcpause import GCHold, paused_gc
-from ckptfs.reader import ReadAhead, ReadBuffers
+from ckptfs.scan import ReadAhead, ReadBuffers
 
 
 OPEN_THREADS = 8  # the parts of a load opened at once
