@@ -58,7 +58,7 @@ class Version:
     ``data`` (ckptfs.reader.VersionData: checked, data-relative offsets)."""
 
     def __init__(self, store: "Store", slot_version: SlotVersion, manifest: Manifest, latest: bool,
-                 checked: set[int] | None = None):
+                 checked: set | None = None):
         self._store = store
         self._slot_version = slot_version
         self.manifest = manifest
@@ -257,10 +257,10 @@ class Store:
         return v, latest is not None and latest.slot == v.slot and latest.header.counter == v.header.counter
 
     # ------------------------------------------------------------------ reading
-    def open_version(self, model: str, step: int | None = None, *, checked: set[int] | None = None,
+    def open_version(self, model: str, step: int | None = None, *, checked: set | None = None,
                      manifest: Manifest | None = None) -> Version:
         """Pin and open a version (``step`` None: the latest). Close it to release the pin.
-        ``checked``: tensors already found intact by an earlier open of the same version (see
+        ``checked``: tensors (and blocks) already found intact by an earlier open of the same version (see
         ckptfs.reader.VersionData). ``manifest``: that earlier open's index (the mount keeps one
         per listed version), used when the pinned slot still holds the version it came from (the
         same save counter) instead of reading and decoding the index again: tens of ms per open

@@ -29,7 +29,7 @@ def checkpoint_bytes(store, model: str, step: int) -> tuple[int, int, int] | Non
     return nbytes, len({rank for rank, _, _ in parts}), len({rank for rank, region, _ in parts if region != here})
 
 
-def open_part(store, model: str, rank: int, counter: int, checked: set[int] | None = None):
+def open_part(store, model: str, rank: int, counter: int, checked: set | None = None):
     """The pinned part version of ``rank`` with ``counter``; CorruptionError if it is gone.
     ``checked``: as ``Store.open_version``'s."""
     name = part_model(model, rank)

@@ -169,7 +169,7 @@ class Tree:
         self._refreshed_at: float | None = None
         self._models: dict[str, _Model] = {}
         self._files: dict[tuple[str, int, int], dict[str, Any]] = {}  # (model, step, counter) -> views
-        self._checked: dict[tuple[str, int, int], set[int]] = {}  # same key -> tensors found intact
+        self._checked: dict[tuple[str, int, int], set] = {}  # same key -> tensors (and blocks) found intact
         self._manifests: dict[tuple[str, int, int], Any] = {}  # same key -> its decoded index
         self._layouts: dict[tuple[str, int, int], Any] = {}  # same key -> WholeLayout, or False: not multi-rank
         self._by_key: dict[tuple, Node] = {}
