@@ -26,6 +26,7 @@ CHECK_THREADS = 2  # those that copy out and checksum what they read,
 READ_BUFFERS = 6  # and the buffers between them
 Wanted = set[int] | Mapping[int, tuple[int, int] | None]  # a scan's ``only`` (see VersionData.scan)
 
+
 def _wanted_runs(chunk: Chunk, wanted_piece: Callable[[Piece], bool]) -> list[Chunk]:
     """The parts of ``chunk`` that hold the pieces for which ``wanted_piece`` is true,
     page-aligned, as chunks of their own (a gap of more than SKIP_GAP_BYTES between two wanted
@@ -83,9 +84,10 @@ class Scan:
         if self._progress:
             self._progress(chunk.length)
 
-    def bad(self) -> list[tuple[TensorRecord, int]]:
-        """(record, CRC as read) of each scanned tensor that fails its checksum; the intact ones
-        are remembered as checked."""
+    def bad(self) -> list[tuple[TensorRecord, int | None]]:
+        """(record, CRC as read) of each scanned tensor that fails its checksum (of one scanned
+        in part: of its first failing block); the intact ones (blocks) are remembered as
+        checked."""
         data, only, records = self.data, self.only, self.data.manifest.tensors
         crcs = tensor_crcs(self.chunks, self._crcs_of, len(records))
         bad = []
@@ -101,7 +103,7 @@ class Scan:
             bad += self._bad_blocks()
         return bad
 
-    def _bad_blocks(self) -> list[tuple[TensorRecord, int]]:
+    def _bad_blocks(self) -> list[tuple[TensorRecord, int | None]]:
         """``bad`` of the tensors scanned in part: their blocks read are checked one by one."""
         data, records = self.data, self.data.manifest.tensors
         block = data.manifest.crc_block_bytes
