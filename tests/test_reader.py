@@ -238,6 +238,8 @@ def test_a_read_checks_the_tensors_after_it_in_the_background(tmp_path, monkeypa
         with s.open_version("m") as v:
             a, b, c = v.manifest.tensors
             assert bytes(v.read(a.offset, 16)) == state["a"].numpy().tobytes()[:16]
+            assert not v.data._ahead  # one read is not yet a pass
+            assert bytes(v.read(a.offset + 16, 16)) == state["a"].numpy().tobytes()[16:32]
             _wait_ahead(v.data)
 
             def no_more_reads(*args):
@@ -246,6 +248,24 @@ def test_a_read_checks_the_tensors_after_it_in_the_background(tmp_path, monkeypa
             monkeypatch.setattr(s.region.backend, "checksums", no_more_reads)
             assert bytes(v.read(b.offset, b.nbytes)) == state["b"].numpy().tobytes()
             assert bytes(v.read(c.offset, c.nbytes)) == state["c"].numpy().tobytes()
+
+
+def test_random_reads_check_only_what_they_read(tmp_path, monkeypatch):
+    """Reads that do not continue one another (a tool sampling rows, torch.load(mmap=True)
+    touching a few tensors) start no check ahead: each checks its own tensors or blocks, and
+    the device serves them alone; the first read that continues a recent one does."""
+    state = {k: torch.full((MIB // 4,), float(i)) for i, k in enumerate("abcd")}
+    with ckptfs.Store.create(str(tmp_path / "r.region"), size_bytes=64 << 20) as s:
+        with s.writer("m") as w:
+            w.save(state, step=1).result()
+        with s.open_version("m") as v:
+            a, b, c, d = v.manifest.tensors
+            for record, at in ((c, 100), (a, 8), (d, 4000), (b, 12)):
+                v.read(record.offset + at, 16)
+            assert not v.data._ahead and v.data._checked == {0, 1, 2, 3}
+            v.data._checked.clear()
+            v.read(a.offset + 24, 100)  # continues the read of a at 8
+            assert set(v.data._ahead) == {1, 2, 3}
 
 
 def test_many_small_tensors_are_checked_in_one_pass_each_alike(tmp_path):
