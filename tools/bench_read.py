@@ -19,6 +19,7 @@ Each round times, alternating which side goes first:
 | cp warm | the same after two untimed ``cp`` (the file resident in the page cache) |
 | torch.load cold | ``torch.load(checkpoint.pt, weights_only=True)`` in a fresh process |
 | torch.load warm | the same after two untimed loads |
+| rows cold | open ``state.safetensors``, read its header and 32 reads of 4 KiB at random places of its data (the same places on both sides): a tool sampling rows, ``torch.load(mmap=True)`` touching a few tensors |
 
 The second read of a file is where the kernel moves its cached pages to the active LRU list, one
 page at a time for a FUSE file (FUSE caches 4 KiB pages; ext4 caches large folios, 16x fewer),
@@ -27,7 +28,10 @@ steady warm state the target is about.
 
 Targets (DESIGN.md): ``cp`` from the mount >= 0.8x the plain file's throughput (ratio = plain
 time / mount time), cold and warm; ``torch.load`` from the mount <= 1.25x the time of the plain
-file (ratio = mount time / plain time). Ratios are per round, the table shows their median.
+file (ratio = mount time / plain time). Ratios are per round, the table shows their median. The
+rows row is information (mount time / plain time): the mount checks every byte it serves, a
+random read of a large tensor the 4 MiB blocks under it (FORMAT.md, block CRCs), where the plain
+file reads its 4 KiB.
 
 Many tensors (issue 21): ``--tensors 40000 --size-gib 0.3125`` splits the state into that many
 tensors, and the ``listing`` row times ``ls -l`` of the version directory on a fresh mount each
@@ -44,6 +48,7 @@ import json
 import os
 import shutil
 import statistics
+import random
 import subprocess
 import sys
 import tempfile
@@ -71,6 +76,26 @@ def timed_load(path: str) -> float:
     """torch.load in a fresh process (import cost excluded: timed inside the child)."""
     out = subprocess.run([sys.executable, "-c", LOAD_SCRIPT, path], check=True, capture_output=True, text=True)
     return float(out.stdout.strip().splitlines()[-1])
+
+
+ROWS_SAMPLED = 32
+
+
+def timed_rows(path: str) -> float:
+    """Open ``path`` (a safetensors file), read its header, then ROWS_SAMPLED reads of 4 KiB at
+    random places of its data, the same places at every call."""
+    rng = random.Random(0)
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        header_bytes = int.from_bytes(os.pread(fd, 8, 0), "little")
+        os.pread(fd, header_bytes, 8)
+        start, end = 8 + header_bytes, os.fstat(fd).st_size
+        for _ in range(ROWS_SAMPLED):
+            os.pread(fd, 4096, rng.randrange(start, end - 4096))
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t0
 
 
 def build(workdir: str, size: int, n_tensors: int | None = None) -> str:
@@ -132,7 +157,8 @@ def unmount(proc: subprocess.Popen, mnt: str) -> None:
 
 # row, kind, untimed runs after dropping the caches (None: caches not dropped, cold)
 ROWS = [("cp cold", "cp", None), ("cp 2nd read", "cp", 1), ("cp warm", "cp", 2),
-        ("torch.load cold", "load", None), ("torch.load warm", "load", 2)]
+        ("torch.load cold", "load", None), ("torch.load warm", "load", 2), ("rows cold", "rows", None)]
+TIMED = {"cp": timed_cp, "load": timed_load, "rows": timed_rows}
 
 
 def measure(pairs: dict[str, tuple[str, str]], rounds: int, kinds: set[str], remount) -> dict:
@@ -152,7 +178,7 @@ def measure(pairs: dict[str, tuple[str, str]], rounds: int, kinds: set[str], rem
             order = ("mount", "plain") if r % 2 == 0 else ("plain", "mount")
             for side in order:
                 path = paths[0] if side == "mount" else paths[1]
-                fn = timed_cp if kind == "cp" else timed_load
+                fn = TIMED[kind]
                 if side == "mount":
                     remount()
                 drop_caches()
@@ -165,12 +191,12 @@ def measure(pairs: dict[str, tuple[str, str]], rounds: int, kinds: set[str], rem
 
 def report(samples: dict, nbytes: dict[str, int], cold_ok: bool) -> dict:
     targets = {"cp cold": (">=", 0.8), "cp 2nd read": (">=", None), "cp warm": (">=", 0.8),
-               "torch.load cold": ("<=", 1.25), "torch.load warm": ("<=", 1.25)}
+               "torch.load cold": ("<=", 1.25), "torch.load warm": ("<=", 1.25), "rows cold": ("<=", None)}
     out = {}
     print(f"\n{'row':<16} {'mount s':>9} {'plain s':>9} {'mount GB/s':>11} {'plain GB/s':>11} "
           f"{'ratio':>7} {'target':>8}  verdict")
     for row, s in samples.items():
-        kind = "cp" if row.startswith("cp") else "load"
+        kind = next(k for name, k, _ in ROWS if name == row)
         m, p = statistics.median(s["mount"]), statistics.median(s["plain"])
         # cp: throughput ratio (plain time / mount time); torch.load: time ratio (mount / plain)
         per_round = [(pp / mm if kind == "cp" else mm / pp) for mm, pp in zip(s["mount"], s["plain"])]
@@ -197,8 +223,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="256 MiB, 2 rounds")
     ap.add_argument("--dir", default="/tmp/ckptfs-bench", help="where the region and plain files go")
     ap.add_argument("--json", help="write every sample and ratio here")
-    ap.add_argument("--only", choices=["cp", "load", "listing"],
-                    help="measure only the cp rows, the torch.load rows or the listing row")
+    ap.add_argument("--only", choices=["cp", "load", "rows", "listing"],
+                    help="measure only the cp rows, the torch.load rows, the rows row or the listing row")
     ap.add_argument("--tensors", type=int, help="split the state into this many tensors (e.g. 40000)")
     args = ap.parse_args()
     size = 256 * MiB if args.quick else int(args.size_gib * GiB)
@@ -217,12 +243,14 @@ def main() -> None:
                  "load": (os.path.join(version, "checkpoint.pt"), os.path.join(workdir, "plain.pt"))}
         for mounted, plain in pairs.values():
             shutil.copyfile(mounted, plain)
+        pairs["rows"] = pairs["cp"]
         os.sync()
         nbytes = {k: os.path.getsize(v[1]) for k, v in pairs.items()}
+        nbytes["rows"] = ROWS_SAMPLED * 4096
         cold_ok = drop_caches()
         if not cold_ok:
             print("bench_read: cannot drop the page cache (not root?): cold rows are warm", file=sys.stderr)
-        kinds = {args.only} if args.only else {"cp", "load", "listing"}
+        kinds = {args.only} if args.only else {"cp", "load", "rows", "listing"}
         def remount():
             nonlocal proc
             unmount(proc, mnt)
