@@ -81,10 +81,18 @@ def _new_region(tmp_path, size_bytes: int = 64 << 20) -> str:
 def _train_and_save(rank, world, region, out, device="cpu"):
     """Train 4 steps on ``device``, saving every step with async_snapshot (2 in flight); rank 0
     writes the unsharded model and optimizer state of the last step to ``out``."""
+    from torch.distributed.checkpoint import utils as dcp_utils
+
     model = sharded_gpt2(world, device=device)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     store = ckptfs.Store(region)
     futures = []
+    wrappers, real_init = [], dcp_utils._DistWrapper.__init__
+
+    def recorded(self, group, use_dist, coordinator_rank):  # DCP's collectives, on or off
+        wrappers.append(use_dist)
+        real_init(self, group, use_dist, coordinator_rank)
+    dcp_utils._DistWrapper.__init__ = recorded
     with store.writer("gpt2", group=dist.group.WORLD, max_inflight=2, keep_every=2) as w:
         for step in range(1, 5):
             train_gpt2(model, opt, 1, seed=step, device=device)
@@ -97,6 +105,11 @@ def _train_and_save(rank, world, region, out, device="cpu"):
                 assert futures[-1].snapshotted.done()
         results = [f.result() for f in futures]
     assert [r.step for r in results] == [1, 2, 3, 4] and all(r.durable_s > 0 for r in results)
+    dcp_utils._DistWrapper.__init__ = real_init
+    # one dcp.save planned (the later saves reuse its plan); a group of one rank plans without
+    # collectives: DCP pickling its plans to gather them from itself was half of a first save
+    # at 40,000 tensors
+    assert wrappers == [world > 1], wrappers
     full = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         torch.save(full, out)

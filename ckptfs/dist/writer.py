@@ -171,12 +171,14 @@ class DistWriter:
 
     def _plan_and_write(self, state: dict, step: int, keys: str, storage: "_PartOnly") -> _Written:
         """dcp.save over ``storage``, whose write step only starts the part; the plan it made is
-        kept for the saves of the same structure."""
+        kept for the saves of the same structure. A group of one rank plans without DCP's
+        collectives (``no_dist``): gathering its plans from itself pickled them, half of a first
+        save at 40,000 tensors (17 -> 8 s)."""
         import torch.distributed.checkpoint as dcp
 
         structure = describe(state)
         try:
-            dcp.save(state, storage_writer=storage, process_group=self._group)
+            dcp.save(state, storage_writer=storage, process_group=self._group, no_dist=_world(self._group) == 1)
         except BaseException:
             if storage.written is not None:
                 storage.release_part()  # no commit follows: a later save may reclaim the part
@@ -337,3 +339,10 @@ def _gloo_group(group, timeout_s: float, purpose: str = "save"):
         raise ValueError("group= must be the whole job (dist.group.WORLD): every rank saves its part of a "
                          "checkpoint")
     return coordination(timeout_s, purpose)
+
+
+def _world(group) -> int:
+    """The number of ranks of ``group`` (1 without torch.distributed)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size(group) if group is not None else 1
