@@ -48,7 +48,7 @@ class Arrival:
         import torch.distributed as dist
 
         # a group of one rank has no one to wait for or name: no marks (each a store round trip)
-        self.kv = _kv_store() if group is not None and dist.get_world_size(group) > 1 else None
+        self.kv = _kv_store() if world_size(group) > 1 else None
         if self.kv is None:
             return
         with _arrivals_lock:
@@ -197,6 +197,14 @@ def _kv_store():
         return None
 
 
+def world_size(group) -> int:
+    """The number of ranks of ``group`` (a gloo group of ``coordination``; None: no
+    torch.distributed, one rank)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size(group) if group is not None else 1
+
+
 def exchange(mine, group, what: str, arrival: Arrival | None = None) -> list:
     """Every rank's ``mine``, in rank order (just ``[mine]`` without torch.distributed or in a
     group of one rank). ``what`` names the exchange in the error of one that fails (a rank died,
@@ -204,9 +212,10 @@ def exchange(mine, group, what: str, arrival: Arrival | None = None) -> list:
     dcp.save DCP's own gather fails next and reports the dead peer.)"""
     import torch.distributed as dist
 
-    if group is None or dist.get_world_size(group) == 1:
+    world = world_size(group)
+    if world == 1:
         return [mine]  # a job of one rank (two gloo all-gathers and two pickles saved, per save)
-    out = [None] * dist.get_world_size(group)
+    out = [None] * world
     try:
         dist.all_gather_object(out, mine, group=group)
     except RuntimeError as e:

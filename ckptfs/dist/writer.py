@@ -33,7 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ckptfs.dist.codec import encode_metadata
-from ckptfs.dist.group import Arrival, check_agreement, coordination, exchange, this_rank
+from ckptfs.dist.group import Arrival, check_agreement, coordination, exchange, this_rank, world_size
 from ckptfs.dist.reader import StorageReader
 from ckptfs.dist.resolve import ItemResolver, resolve_items
 from ckptfs.dist.storage import StorageWriter, write_results
@@ -178,7 +178,7 @@ class DistWriter:
 
         structure = describe(state)
         try:
-            dcp.save(state, storage_writer=storage, process_group=self._group, no_dist=_world(self._group) == 1)
+            dcp.save(state, storage_writer=storage, process_group=self._group, no_dist=world_size(self._group) == 1)
         except BaseException:
             if storage.written is not None:
                 storage.release_part()  # no commit follows: a later save may reclaim the part
@@ -316,7 +316,7 @@ def load(store, model: str, into: dict, *, group=None, step: int | None = None, 
         with paused_gc():  # DCP's planning and ours make and drop many objects: see ckptfs.gcpause
             # a group of one rank: DCP plans without its collectives (at 40,000 tensors 4.3-4.9 ->
             # 2.8-3.4 s a load), as _plan_and_write does
-            dcp.load(into, storage_reader=reader, process_group=gloo, no_dist=_world(gloo) == 1)
+            dcp.load(into, storage_reader=reader, process_group=gloo, no_dist=world_size(gloo) == 1)
     except CheckpointException as e:  # DCP's wrapping of every failed rank's error: say it as ckptfs's
         failures = {rank: error for rank, (error, _) in e.failures.items()}
         rank = this_rank()
@@ -341,10 +341,3 @@ def _gloo_group(group, timeout_s: float, purpose: str = "save"):
         raise ValueError("group= must be the whole job (dist.group.WORLD): every rank saves its part of a "
                          "checkpoint")
     return coordination(timeout_s, purpose)
-
-
-def _world(group) -> int:
-    """The number of ranks of ``group`` (1 without torch.distributed)."""
-    import torch.distributed as dist
-
-    return dist.get_world_size(group) if group is not None else 1
