@@ -200,16 +200,22 @@ class Store:
     def models(self) -> list[str]:
         return sorted(e.name for e in self.region.entries())
 
-    def versions(self, model: str, *, missing_ok: bool = False) -> list[VersionInfo]:
+    def versions(self, model: str, *, missing_ok: bool = False, hidden: bool = False) -> list[VersionInfo]:
         """Committed versions of ``model``, ascending by step (a step saved twice: the newer).
-        NotFoundError if there is no such model, unless ``missing_ok`` (then [])."""
+        ``hidden``: the versions a later save of their step hides too, in (step, counter) order:
+        an earlier save of a step (a failed attempt's part, a run rolled back) stays in its slot,
+        kept or not, until the ring reuses it. NotFoundError if there is no such model, unless
+        ``missing_ok`` (then [])."""
         entry = self._entry(model, missing_ok)
         if entry is None:
             return []
         latest = self.region.latest(entry)
+        committed = self.region.committed(entry)  # in counter order
+        if hidden:
+            return sorted(self._info(v, latest) for v in committed)
         by_step: dict[int, SlotVersion] = {}
-        for v in self.region.committed(entry):
-            by_step[v.header.step] = v  # committed() is in counter order: the newest wins
+        for v in committed:
+            by_step[v.header.step] = v  # the newest of each step wins
         return [self._info(v, latest) for _, v in sorted(by_step.items())]
 
     def latest(self, model: str, *, missing_ok: bool = False) -> VersionInfo | None:
@@ -240,14 +246,17 @@ class Store:
         is_latest = latest is not None and latest.slot == v.slot and latest.header.counter == h.counter
         return VersionInfo(v.entry.name, h.step, h.counter, v.slot, h.time_ns, h.data_bytes, is_latest, h.kept)
 
-    def _find(self, model: str, step: int | None) -> tuple[SlotVersion, bool]:
+    def _find(self, model: str, step: int | None, counter: int | None = None) -> tuple[SlotVersion, bool]:
+        """The version of ``step`` (None: latest) and whether it is latest; of a step saved
+        twice the newer, or the one whose counter is ``counter``."""
         entry = self.region.get(model)
         latest = self.region.latest(entry)
         if step is None:
             if latest is None:
                 raise no_version_yet(model)
             return latest, True
-        matches = [v for v in self.region.committed(entry) if v.header.step == step]
+        matches = [v for v in self.region.committed(entry)
+                   if v.header.step == step and (counter is None or v.header.counter == counter)]
         if not matches and any(m is not None and m.step == step for _, _, m in self.region.unreadable_slots(entry)):
             raise CorruptionError(f"version {step} of {model!r} is damaged: its slot header is unreadable, so its "
                                   "bytes cannot be trusted; load another version and run `ckptfs verify`")
@@ -258,8 +267,9 @@ class Store:
 
     # ------------------------------------------------------------------ reading
     def open_version(self, model: str, step: int | None = None, *, checked: set | None = None,
-                     manifest: Manifest | None = None) -> Version:
+                     manifest: Manifest | None = None, counter: int | None = None) -> Version:
         """Pin and open a version (``step`` None: the latest). Close it to release the pin.
+        ``counter``: of a step saved twice, that save's version (else the newer).
         ``checked``: tensors (and blocks) already found intact by an earlier open of the same version (see
         ckptfs.reader.VersionData). ``manifest``: that earlier open's index (the mount keeps one
         per listed version), used when the pinned slot still holds the version it came from (the
@@ -267,7 +277,7 @@ class Store:
         of a file at 40,000 tensors."""
         self.region.backend.check_present(for_write=False)
         for _ in range(PIN_RETRIES):
-            v, is_latest = self._find(model, step)
+            v, is_latest = self._find(model, step, counter)
             if self.region.pin(v):
                 try:
                     same = (manifest is not None and manifest.counter == v.header.counter
@@ -432,24 +442,26 @@ class Store:
         v, _ = self._find(model, step)
         self.region.remove_version(v)
 
-    def keep(self, model: str, step: int) -> None:
+    def keep(self, model: str, step: int, *, counter: int | None = None) -> None:
         """Keep a version (a milestone): the ring never reuses its slot until ``unkeep`` or
         ``remove``; the model takes another slot from free space in its place. A multi-rank (DCP)
         version's parts in this region are kept with it (CkptfsError, nothing kept, where one is
-        gone already); after its ``unkeep`` they go back at the model's next commit."""
+        gone already); after its ``unkeep`` they go back at the model's next commit. ``counter``:
+        as ``unkeep``'s."""
         from ckptfs.dist.parts import keep_parts
 
-        keep_parts(self, model, step)  # nothing for a model without part models
-        self._set_kept(model, step, True)
+        keep_parts(self, model, step, counter)  # nothing for a model without part models
+        self._set_kept(model, step, True, counter)
 
-    def unkeep(self, model: str, step: int) -> None:
+    def unkeep(self, model: str, step: int, *, counter: int | None = None) -> None:
         """Give a kept version back to the ring (it is reused once it is older than the versions
-        the ring keeps)."""
-        self._set_kept(model, step, False)
+        the ring keeps). ``counter``: of a step saved twice, that save's version (one that
+        ``versions(hidden=True)`` lists); else the newer."""
+        self._set_kept(model, step, False, counter)
 
-    def _set_kept(self, model: str, step: int, kept: bool) -> None:
+    def _set_kept(self, model: str, step: int, kept: bool, counter: int | None = None) -> None:
         for _ in range(PIN_RETRIES):
-            v, _ = self._find(model, step)
+            v, _ = self._find(model, step, counter)
             if mark_kept(self.region, v, kept):
                 return
         raise no_step(model, step)

@@ -342,6 +342,61 @@ def test_a_rank_killed_during_saves_leaves_the_newest_complete_step(tmp_path):
         assert kept == [(".k.rank0", 100), (".k.rank1", 100)]  # the rest reclaimed
 
 
+def test_a_step_saved_again_after_a_failed_attempt_gives_back_the_attempts_parts(tmp_path):
+    """A job preempted while it saved step 2 (rank 1 killed once its part was durable) resumes
+    from step 1 and saves step 2 again, then step 3. The first attempt's parts of step 2 are
+    hidden by the second's (a step saved twice lists the newer); they must still be given back,
+    not stay kept, unlisted, for good (each a slot of the size of a rank's state)."""
+    region = str(tmp_path / "r.region")
+    ckptfs.Store.create(region, size_bytes=128 << 20).close()
+    run_ranks(_save_with_a_kill, 2, region, 1, None)
+    codes = run_ranks(_save_with_a_kill, 2, region, 2, KILL_POINTS[2], may_die=frozenset({1}), timeout_s=120)
+    assert codes[1] == -9
+    with ckptfs.Store(region) as store:
+        assert store.latest("k").step == 1
+        attempt = {m: [v.counter for v in store.versions(m) if v.step == 2] for m in (".k.rank0", ".k.rank1")}
+        assert all(len(c) == 1 for c in attempt.values()), attempt  # each rank's part of the attempt is durable
+    run_ranks(_save_with_a_kill, 2, region, 2, None)
+    run_ranks(_save_with_a_kill, 2, region, 3, None)
+    with ckptfs.Store(region) as store:
+        assert store.latest("k").step == 3
+        every = {m: store.versions(m, hidden=True) for m in (".k.rank0", ".k.rank1")}
+        for m, versions in every.items():
+            # the attempt's part is still there (hidden by the second save of step 2), given back
+            assert [v.kept for v in versions if v.counter in attempt[m]] == [False], versions
+            assert [v.step for v in versions if v.kept] == [3], versions
+            assert [v.step for v in store.versions(m)] == [1, 2, 3]  # listed: the newer of each step
+        back = {"w0": torch.zeros(64, 64), "w1": torch.zeros(64, 64), "step": 0}
+        dcp.load(back, storage_reader=ckptfs.dcp.StorageReader(store, "k", step=2))
+        assert back["step"] == 2 and torch.equal(back["w1"], _kill_state(1, 2)["w1"])
+
+
+def _save_step_1_again(rank, world, region):
+    state = {f"w{rank}": torch.full((64, 64), 7.0 + rank), "step": 1}
+    with ckptfs.Store(region) as store:
+        dcp.save(state, storage_writer=ckptfs.dcp.StorageWriter(store, "k", step=1))
+        back = {f"w{rank}": torch.zeros(64, 64), "step": 0}
+        dcp.load(back, storage_reader=ckptfs.dcp.StorageReader(store, "k"))
+        assert torch.equal(back[f"w{rank}"], state[f"w{rank}"])
+
+
+def test_the_latest_step_saved_again_is_the_new_save_and_loads(tmp_path):
+    """A job that saves the step it resumed at (the latest) again: its parts hide the first
+    save's in the part models, so the step is recorded again, naming them. The first save's
+    global version named parts that no listing found any more: loading the step failed ('the
+    part of rank 0 ... is gone') although the save had succeeded."""
+    region = str(tmp_path / "r.region")
+    ckptfs.Store.create(region, size_bytes=128 << 20).close()
+    run_ranks(_save_with_a_kill, 2, region, 1, None)
+    run_ranks(_save_step_1_again, 2, region)
+    with ckptfs.Store(region) as store:
+        assert [v.step for v in store.versions("k")] == [1]
+        assert store.load("k")["w1"].eq(8.0).all()  # the whole checkpoint in one process, too
+    run_ranks(_save_with_a_kill, 2, region, 2, None)
+    with ckptfs.Store(region) as store:  # the first save's parts of step 1 went back at step 2's commit
+        assert [(v.step, v.kept) for v in store.versions(".k.rank1", hidden=True) if v.kept] == [(2, True)]
+
+
 def _save_disagreeing(rank, world, region, what):
     step = 7 + (rank if what == "step" else 0)
     model = "agree" + (str(rank) if what == "model" else "")

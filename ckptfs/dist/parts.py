@@ -25,7 +25,8 @@ def checkpoint_bytes(store, model: str, step: int) -> tuple[int, int, int] | Non
     nbytes = 0
     for rank, region, counter in parts:
         if region == here:
-            nbytes += sum(x.data_bytes for x in store.versions(part_model(model, rank)) if x.counter == counter)
+            versions = store.versions(part_model(model, rank), hidden=True)
+            nbytes += sum(x.data_bytes for x in versions if x.counter == counter)
     return nbytes, len({rank for rank, _, _ in parts}), len({rank for rank, region, _ in parts if region != here})
 
 
@@ -33,12 +34,12 @@ def open_part(store, model: str, rank: int, counter: int, checked: set | None = 
     """The pinned part version of ``rank`` with ``counter``; CorruptionError if it is gone.
     ``checked``: as ``Store.open_version``'s."""
     name = part_model(model, rank)
-    match = [v for v in store.versions(name) if v.counter == counter]
+    match = [v for v in store.versions(name, hidden=True) if v.counter == counter]
     if match:
-        v = store.open_version(name, match[0].step, checked=checked)
-        if v.info.counter == counter:
-            return v
-        v.close()
+        try:
+            return store.open_version(name, match[0].step, checked=checked, counter=counter)
+        except NotFoundError:
+            pass  # reused between the listing and the pin
     raise CorruptionError(f"the part of rank {rank} (counter {counter}) of {model!r} is gone from {name!r}; "
                           "this global version cannot be loaded, use an older one")
 
@@ -90,7 +91,7 @@ def release_abandoned(store, model: str, name: str, step: int) -> None:
     a job whose saves keep failing does not fill the region (the part of a failed step goes at
     the next step's commit)."""
     latest = store.latest(model, missing_ok=True)
-    versions = store.versions(name, missing_ok=True)
+    versions = store.versions(name, missing_ok=True, hidden=True)  # a failed attempt's part of a step saved again too
     with _in_flight_lock:
         busy = {s for path, n, s in _in_flight if path == store.path and n == name}
     milestones = named_parts(store, model, kept_only=True)
@@ -110,7 +111,7 @@ def reclaim(store, model: str, keep_step: int) -> None:
     milestones = named_parts(store, model, kept_only=True)
     gone = []  # part models without a part of this step: ranks the job no longer has here
     for name in part_models(store, model):
-        versions = store.versions(name, missing_ok=True)
+        versions = store.versions(name, missing_ok=True, hidden=True)
         _unkeep(store, name, [v for v in versions if v.step < keep_step and (name, v.counter) not in milestones])
         if all(v.step < keep_step for v in versions):
             gone.append(name)
@@ -124,23 +125,25 @@ def reclaim(store, model: str, keep_step: int) -> None:
                     pass  # a reader holds one of its versions (the next commit tries again), or it went
 
 
-def keep_parts(store, model: str, step: int) -> None:
-    """Keep the parts in ``store``'s region of global version ``step`` of ``model`` (nothing for
-    a version that is not one); CkptfsError, nothing kept, if one of them is gone."""
+def keep_parts(store, model: str, step: int, counter: int | None = None) -> None:
+    """Keep the parts in ``store``'s region of global version ``step`` of ``model`` (of a step
+    saved twice the newer, or the one whose counter is ``counter``; nothing for a version that
+    is not one); CkptfsError, nothing kept, if one of them is gone."""
     if not part_models(store, model):
         return  # a model of one process (its index is not decoded for nothing: 40,000 tensors, 0.2 s)
-    version = next((v for v in store.versions(model) if v.step == step), None)
+    version = next((v for v in reversed(store.versions(model, hidden=True))
+                    if v.step == step and counter in (None, v.counter)), None)
     wanted = _parts_of(store, model, version) if version is not None else None
     found = []
     for rank, counter in sorted(wanted or ()):
         name = part_model(model, rank)
-        match = [p for p in store.versions(name, missing_ok=True) if p.counter == counter]
+        match = [p for p in store.versions(name, missing_ok=True, hidden=True) if p.counter == counter]
         if not match:
             raise CkptfsError(f"step {step} of {model!r} cannot be kept: the part of rank {rank} is gone (its slot "
                               "was reused since); keep a newer step")
-        found.append((name, match[0].step))
-    for name, part_step in found:
-        store.keep(name, part_step)
+        found.append((name, match[0].step, counter))
+    for name, part_step, counter in found:
+        store.keep(name, part_step, counter=counter)
 
 
 def named_parts(store, model: str, *, kept_only: bool = False) -> set[tuple[str, int]]:
@@ -184,6 +187,6 @@ def _unkeep(store, name: str, versions) -> None:
     for v in versions:
         if v.kept:
             try:
-                store.unkeep(name, v.step)
+                store.unkeep(name, v.step, counter=v.counter)
             except NotFoundError:
                 pass  # reused meanwhile: nothing to give back

@@ -265,7 +265,9 @@ def _record_here(store, model: str, step: int, record: str, keep: bool = False, 
     one of this job's saves that finished first (an older save never wins), or else one of
     another job, or of an earlier run that got further than where this one resumed. The step
     would then never become latest, and this job's saves would all vanish: CkptfsError, saying
-    what to do."""
+    what to do. A step saved again (a job resumed at the step it saves next) is recorded again:
+    the new version names the new parts, which hide the earlier save's in the part models (an
+    earlier version not recorded again would name parts that no listing finds)."""
     latest = store.latest(model, missing_ok=True)
     key = (store.region.superblock.uuid.hex(), model)
     if latest is not None and latest.step > step and latest.step not in _recorded.get(key, ()):
@@ -273,7 +275,7 @@ def _record_here(store, model: str, step: int, record: str, keep: bool = False, 
             f"{model!r} in region {store.path} is already at step {latest.step} (another job's, or an earlier run "
             f"that got further), so step {step} would never become its latest: save under another model name, "
             f"or remove the versions after the step you resumed from (`ckptfs rm {model} STEP...`)")
-    if latest is not None and latest.step >= step:
+    if latest is not None and latest.step > step:
         return
     w = _kept_writer(store, model, 1)
     w.save({"dcp": {"step": step}}, step=step, extra={**(extra or {}), METADATA_FILE: record}, keep=keep).result()
