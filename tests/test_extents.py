@@ -107,6 +107,34 @@ def test_kept_versions_are_never_reused(store):
         store.keep("m", 3)
 
 
+def test_a_run_rolled_back_over_its_milestones_gives_the_hidden_ones_back(store, caplog):
+    """A job with keep_every=4 saves steps 1-9, then resumes from step 3 (a loss spike) and saves
+    4-9 again, in a new process's writer. Each step saved again hides the first run's version
+    (listings show the newer); the first run's milestones 4 and 8, hidden, went back to the
+    ring with a warning instead of holding their slots, unseen, for good."""
+    with store.writer("m", keep_every=4) as w:
+        for step in range(1, 10):
+            w.save({**state(step), "run": 1}, step).result()
+    first = {v.step: v.counter for v in store.versions("m") if v.kept}
+    assert sorted(first) == [4, 8]
+    with caplog.at_level("WARNING", logger="ckptfs"), store.writer("m", keep_every=4) as w:
+        for step in range(4, 10):
+            w.save({**state(step), "run": 2}, step).result()
+    said = [r.getMessage() for r in caplog.records if "saved again" in r.getMessage()]
+    assert len(said) == 2 and "step 4 of 'm'" in said[0] and "store.keep" not in said[0]  # the new 4 is kept
+    every = store.versions("m", hidden=True)
+    assert not [v for v in every if v.counter in first.values() and v.kept]  # given back (and reused, or not yet)
+    assert [v.step for v in every if v.kept] == [4, 8]  # the second run's
+    assert [v.step for v in store.versions("m")] == [4, 5, 6, 7, 8, 9]
+    assert all(store.load("m", step)["run"] == 2 for step in (4, 8, 9))
+    assert store.status()["models"][0]["kept_steps"] == [4, 8]
+    # a step saved twice without being kept the first time: nothing to give back, nothing said
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ckptfs"), store.writer("m") as w:
+        w.save(state(9), 9).result()
+    assert not [r for r in caplog.records if "saved again" in r.getMessage()]
+
+
 def test_keep_and_unkeep_on_the_command_line(store, capsys):
     from test_cli import run
 

@@ -145,7 +145,9 @@ class StorageWriter(_DCPWriter):
         (``parts.part_state``). Returns (its tensors, the part's SaveFuture) once its snapshot
         is taken: the state may change from then on."""
         name = part_model(self.model, self.rank)
-        writer = _kept_writer(self.store, name, self.max_inflight)
+        # a part hidden by a later save of its step may still be named by the global latest (a
+        # step saved again whose global commit fails): parts.py gives parts back, not the writer
+        writer = _kept_writer(self.store, name, self.max_inflight, give_back_hidden=False)
         parts.started(self.store, name, self.step)
         try:
             save = writer.save(parts.part_state(resolved.tensors, resolved.values), step=self.step, keep=True)
@@ -309,16 +311,17 @@ def _store_at(path: str):
         return store
 
 
-def _kept_writer(store, model: str, max_inflight: int):
+def _kept_writer(store, model: str, max_inflight: int, give_back_hidden: bool = True):
     """One writer per part model (or global model) and open region in this process, reused by
-    every step (its staging pool and ring stay warm); a store opened again gets a new one."""
+    every step (its staging pool and ring stay warm); a store opened again gets a new one.
+    ``give_back_hidden``: as the Writer's."""
     key = (store.path, model)
     with _writers_lock:
         w = _writers.get(key)
         if w is None or w._closed or w.region is not store.region or w.model_removed():
             if w is not None and not w._closed:
                 _close_stale(w)
-            w = store.writer(model, max_inflight=max_inflight)
+            w = store.writer(model, max_inflight=max_inflight, give_back_hidden=give_back_hidden)
             _writers[key] = w
         return w
 

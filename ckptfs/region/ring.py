@@ -45,6 +45,7 @@ from ckptfs.region.extents import KEPT, Extents
 from ckptfs.region.format import (HEADER_COPY_OFFSETS, PAGE_BYTES, SLOT_COMMITTED, SLOT_HEADER_BYTES, SLOT_KEPT,
                                   SLOT_WRITING, ModelEntry, SlotHeader, pack_latest, slot_layout, unpack_latest)
 from ckptfs.region.locks import LockSpace, slot_lock_offset
+from ckptfs.region.slots import SlotVersion
 
 log = logging.getLogger("ckptfs")
 
@@ -196,6 +197,18 @@ class Ring:
                 continue
             return now, slot, header
         return None
+
+    def give_back_hidden(self, step: int, counter: int) -> list[SlotVersion]:
+        """After the commit of version ``counter`` of ``step``: the kept versions of the same step
+        with older counters, which it hides (a listing shows the newer of a step saved twice), are
+        given back to the ring (``mark_kept``), as nothing could list, unkeep or load them any
+        more; returns them."""
+        hidden = [v for v in self.region.committed(self.entry)
+                  if v.header.step == step and v.header.counter < counter and v.header.kept]
+        for v in hidden:
+            if mark_kept(self.region, v, False):
+                self._note_age(v.slot, v.header.counter)
+        return hidden
 
     def usable_slots(self, entry: ModelEntry, need: int) -> int:
         """How many slots of ``entry`` could take a version of ``need`` bytes: large enough and

@@ -80,12 +80,19 @@ class Writer:
     slots grow by themselves when a save outgrows them), ``keep_every`` (every save whose step
     is a multiple of it is kept, as ``save(..., keep=True)``), ``timeout_s`` (longest wait for a
     free slot, staging buffer or permit before BusyError).
+
+    A step saved again (a job rolled back to an earlier version) hides the earlier version of that
+    step: listings, loads and the mount show the newer. An earlier one that was kept would hold
+    its slot, unseen, for good: it is given back to the ring, with a warning
+    (``give_back_hidden=False`` leaves it kept: the part models of a multi-rank checkpoint, whose
+    parts ckptfs.dist.parts gives back once no global version names them).
     """
 
     def __init__(self, region: Region, model: str, *, max_inflight: int = 2,
                  persist_threads: int = DEFAULT_PERSIST_THREADS, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  staging_budget_bytes: int | None = None, slots: int | None = None,
-                 slot_bytes: int | None = None, keep_every: int | None = None, timeout_s: float = 120.0):
+                 slot_bytes: int | None = None, keep_every: int | None = None, timeout_s: float = 120.0,
+                 give_back_hidden: bool = True):
         validate_model_name(model)
         check_positive("max_inflight", max_inflight)
         check_positive("persist_threads", persist_threads)
@@ -113,6 +120,9 @@ class Writer:
         self.keep_every = keep_every
         self._slots = slots
         self._slot_bytes = slot_bytes
+        self._give_back_hidden = give_back_hidden
+        self._highest_step: int | None = None  # of the versions committed: a step above it hides none
+        self._steps_lock = threading.Lock()
         self._setup_lock = threading.Lock()  # lazy set-up may race when save() is called from threads
         self._planner = Planner(model, chunk_bytes)
         self._progress = ProgressBoard(region.superblock.uuid, model)
@@ -136,6 +146,7 @@ class Writer:
             if entry is not None:
                 self._ring = region.ring(entry, timeout_s=timeout_s)
                 self._ring.extents.reshape(slots, slot_bytes)
+                self._highest_step = max((v.header.step for v in region.committed(entry)), default=None)
             self._start_prefill(entry)
         except BaseException:
             # an I/O error reading the model's slots: nothing was saved, and nothing of this
@@ -367,7 +378,27 @@ class Writer:
                 job.future.snapshotted.set_exception(error)
             job.future.set_exception(error)
         else:
+            self._hidden_given_back(result, job.keep)
             job.future.set_result(result)
+
+    def _hidden_given_back(self, result: SaveResult, kept: bool) -> None:
+        """After a commit: the kept versions of its step that it hides go back to the ring (see
+        the class), each with a warning. Only a step not above every step committed so far can
+        hide one (a training loop's steps grow: they pay nothing). A failure is only logged: the
+        save itself is durable and committed."""
+        with self._steps_lock:
+            seen = self._highest_step
+            self._highest_step = result.step if seen is None else max(seen, result.step)
+        if not self._give_back_hidden or seen is None or result.step > seen:
+            return
+        try:
+            advice = "" if kept else f"; keep the new one with store.keep({self.model!r}, {result.step})"
+            for _ in self._ring.give_back_hidden(result.step, result.counter):
+                log.warning("ckptfs: step %d of %r was saved again: the earlier version of that step, a kept one, is "
+                            "hidden by the new one and goes back to the ring%s", result.step, self.model, advice)
+        except CkptfsError as e:
+            log.warning("ckptfs: the kept version of %r step %d that a new save of it hides could not be given back: "
+                        "%s", self.model, result.step, e)
 
     # ------------------------------------------------------------------ ring and staging
     def _ring_for(self, plan: SavePlan) -> Ring:
