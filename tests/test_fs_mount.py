@@ -218,6 +218,29 @@ def test_version_whose_slot_is_reused_disappears(toy, store):
     assert os.stat(os.path.join(model_dir, vdir(2), "checkpoint.pt")).st_ino == ino
 
 
+def test_a_step_saved_again_shows_its_new_files_within_a_second(toy, store):
+    """A job rolled back saves a step the mount shows already: a path to one of its files leads
+    to the new save's file within a second. The version directory kept its inode, so the
+    kernel's cached names of the old files (5 s) led to the old, gone, inodes: ENOENT for 5 s."""
+    model_dir = toy / "again"
+    save_versions(store, "again", [1, 2])
+    path = os.path.join(model_dir, vdir(2), "checkpoint.pt")
+    wait_for(lambda: os.path.exists(path), what="again/step-00000002")
+    old = os.stat(path).st_ino
+    assert torch.load(path, weights_only=True)["x"][0] == 2
+    with store.writer("again") as w:
+        w.save({"x": torch.full((1000,), 22.0), "step": 2}, 2).result()
+
+    def new_bytes() -> bool:
+        try:
+            return torch.load(path, weights_only=True)["x"][0] == 22
+        except FileNotFoundError:  # the old directory's cached entry, for up to LISTING_TTL
+            return False
+    assert wait_for(new_bytes, what="the new step 2") < APPEAR_S
+    assert os.stat(path).st_ino != old
+    assert listing(model_dir) == ["latest", vdir(1), vdir(2)]
+
+
 def test_rm_r_removes_a_version_but_not_latest_or_pinned(toy, store):
     model_dir = toy / "rmme"
     save_versions(store, "rmme", [1, 2, 3])

@@ -73,10 +73,10 @@ class FakeStore:
             raise E.NotFoundError(model)
         return sorted(self.table[model].values(), key=lambda i: i.step)
 
-    def open_version(self, model, step=None, checked=None, manifest=None):
+    def open_version(self, model, step=None, checked=None, manifest=None, counter=None):
         self.given_manifests.append(manifest)
         info = self.table.get(model, {}).get(step)
-        if info is None:
+        if info is None or counter not in (None, info.counter):
             raise E.NotFoundError(f"{model} {step}")
         self.pins[(model, step)] = self.pins.get((model, step), 0) + 1
         return FakeVersion(self, info)
@@ -160,14 +160,16 @@ def test_inodes_stable_across_refreshes_and_new_for_a_recommitted_step(env):
     store.commit("gpt", 40)
     assert path(tree, "gpt", "step-00000020").ino == d.ino
     assert path(tree, "gpt", "step-00000020", "checkpoint.pt").ino == f.ino
-    # step 20 removed and saved again: same directory inode, new file inodes (new bytes)
+    # step 20 removed and saved again: new directory and file inodes (new bytes); the kernel's
+    # cached names of the old files, under the old directory, lead nowhere
     store.table["gpt"].pop(20)
     store.commit("gpt", 20)
     clock.now += 10
-    assert path(tree, "gpt", "step-00000020").ino == d.ino
+    d2 = path(tree, "gpt", "step-00000020")
     f2 = path(tree, "gpt", "step-00000020", "checkpoint.pt")
-    assert f2.ino != f.ino and tree.attr(f2).size == 2 + 1000
+    assert d2.ino != d.ino and f2.ino != f.ino and tree.attr(f2).size == 2 + 1000
     assert err(tree.attr, f) == errno.ENOENT  # the old file is gone, not silently the new one
+    assert err(tree.attr, d) == errno.ENOENT and err(tree.lookup, d.ino, "checkpoint.pt") == errno.ENOENT
 
 
 def test_listing_is_refreshed_at_most_every_half_second(env):

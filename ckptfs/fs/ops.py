@@ -8,8 +8,9 @@ Caching contract with the kernel:
 
 * files of a version are immutable, so their entries and attributes are cached for
   ``IMMUTABLE_TTL``; directories and ``latest`` for ``LISTING_TTL``, so that a new version, a new
-  ``latest`` target and a version that went away show within about a second (a path to a file
-  is walked through its version directory, whose entry is revalidated that often);
+  ``latest`` target, a version that went away and a step saved again show within about a second
+  (a path to a file is walked through its version directory, whose entry is revalidated that
+  often, and whose inode is new for a step saved again: see ckptfs.fs.tree, Inodes);
 * files are opened with ``keep_cache`` and without ``direct_io``: the kernel page cache serves
   repeated reads, and ``mmap`` of a mounted file works.
 """

@@ -16,10 +16,13 @@ Contracts:
   new version appears within about a second and a version whose slot was reused disappears as
   soon as the snapshot no longer holds it. Only committed versions are shown (``store.versions``).
 * **Inodes** are allocated on first sight and never reused or changed for the life of the mount:
-  a model, ``<model>/latest`` and ``<model>/step-N`` keep their inode; a file's inode is keyed by
-  ``(model, step, counter, name)``, so it is stable for a given version and a step that is
-  committed again later (after a removal) gets new file inodes: their bytes differ, and the
-  kernel page cache of the old ones (``keep_cache``) must not be served for them.
+  a model and ``<model>/latest`` keep their inode; a version directory's and its files' inodes
+  are keyed by the version's save counter too (``(model, step, counter[, name])``), so they are
+  stable for a given version, and a step that is committed again later (saved again, or after a
+  removal) gets new ones: its bytes differ, the kernel page cache of the old files
+  (``keep_cache``) must not be served for them, and the kernel's cached names of the old files
+  (``IMMUTABLE_TTL``) must not lead to them. The version directory's entry is revalidated every
+  ``LISTING_TTL``; its new inode makes the kernel drop the old one's names.
 * **Files** of a version are computed once per version from its manifest (one short pin through
   ``store.open_version``) and cached while the version is listed. They come from the views
   registry (``ckptfs.views.registry``), all views or those the mount selects (``-o views=``); a
@@ -79,7 +82,7 @@ class Node:
     kind: Kind
     model: str = ""
     step: int = -1
-    counter: int = -1  # FILE and SUBDIR: the counter of the version they belong to
+    counter: int = -1  # VERSION, FILE and SUBDIR: the counter of the version they are or belong to
     name: str = ""  # FILE and SUBDIR: the path inside the version directory ("hf/config.json")
 
     @property
@@ -263,7 +266,10 @@ class Tree:
         return self._node(("latest", model), kind=Kind.LATEST, model=model)
 
     def _version_node(self, model: str, step: int) -> Node:
-        return self._node(("version", model, step), kind=Kind.VERSION, model=model, step=step)
+        """The directory of the version listed at ``step`` now (its counter: see Inodes)."""
+        counter = self._version(model, step).counter
+        return self._node(("version", model, step, counter), kind=Kind.VERSION, model=model, step=step,
+                          counter=counter)
 
     def _file_node(self, model: str, step: int, counter: int, name: str) -> Node:
         return self._node(("file", model, step, counter, name), kind=Kind.FILE, model=model,
@@ -312,7 +318,7 @@ class Tree:
                 if version is not None:
                     views = self._views_of(version, info)
                 else:
-                    with self._whole(key, self.store.open_version(model, step)) as pinned:
+                    with self._whole(key, self.store.open_version(model, step, counter=info.counter)) as pinned:
                         views = self._views_of(pinned, info)
                         version = pinned
             self._files[key] = views
@@ -344,8 +350,9 @@ class Tree:
             raise FileNotFoundError(errno.ENOENT, f"{node.model} has no committed version")
         if node.kind is Kind.VERSION or node.in_version:
             info = self._version(node.model, node.step)
-            if node.in_version and (info.counter != node.counter
-                                    or self._in_version_node(node.model, node.step, node.name) is not node):
+            if info.counter != node.counter:  # the step was committed again since
+                raise FileNotFoundError(errno.ENOENT, f"{node.name or version_dirname(node.step)} is gone")
+            if node.in_version and self._in_version_node(node.model, node.step, node.name) is not node:
                 raise FileNotFoundError(errno.ENOENT, f"{node.name} is gone")
 
     # ---------------------------------------------------------------- name space
