@@ -438,9 +438,17 @@ class Store:
 
     # ------------------------------------------------------------------ removal
     def remove(self, model: str, step: int) -> None:
-        """Remove one version; BusyError if it is latest, pinned or being written."""
+        """Remove a version; BusyError if it is latest, pinned or being written. Of a step saved
+        more than once, every save of it: the earlier ones, which the newer hid, would show again
+        (BusyError for one a reader holds)."""
         v, _ = self._find(model, step)
         self.region.remove_version(v)
+        for older in reversed(self.region.committed(v.entry)):
+            if older.header.step == step and older.header.counter < v.header.counter:
+                try:
+                    self.region.remove_version(older)
+                except NotFoundError:
+                    pass  # its slot was reused meanwhile
 
     def keep(self, model: str, step: int, *, counter: int | None = None) -> None:
         """Keep a version (a milestone): the ring never reuses its slot until ``unkeep`` or

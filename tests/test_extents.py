@@ -135,6 +135,27 @@ def test_a_run_rolled_back_over_its_milestones_gives_the_hidden_ones_back(store,
     assert not [r for r in caplog.records if "saved again" in r.getMessage()]
 
 
+def test_rm_of_a_step_saved_twice_removes_both_saves(store, capsys):
+    """`ckptfs rm m 3` of a step a rolled-back run saved again said 'removed', and step 3 was
+    still listed: the first run's save of it, which the second had hidden, showed again."""
+    from test_cli import run
+
+    with store.writer("m", slots=8) as w:
+        for step in range(1, 6):
+            w.save(state(step), step).result()
+    with store.writer("m") as w:
+        for step in (3, 4):
+            w.save({**state(step), "run": 2}, step).result()
+    assert [v.step for v in store.versions("m", hidden=True)] == [1, 2, 3, 3, 4, 4, 5]
+    code, out, _ = run(capsys, "rm", "--region", store.path, "m", "3")
+    assert code == 0 and "removed m step 3" in out
+    assert [v.step for v in store.versions("m", hidden=True)] == [1, 2, 4, 4, 5]
+    with pytest.raises(ckptfs.errors.NotFoundError):
+        store.load("m", 3)
+    store.remove("m", 2)  # a step saved once: as before
+    assert [v.step for v in store.versions("m")] == [1, 4, 5]
+
+
 def test_keep_and_unkeep_on_the_command_line(store, capsys):
     from test_cli import run
 
