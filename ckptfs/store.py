@@ -437,16 +437,19 @@ class Store:
         return out
 
     # ------------------------------------------------------------------ removal
-    def remove(self, model: str, step: int) -> None:
-        """Remove a version; BusyError if it is latest, pinned or being written. Of a step saved
-        more than once, every save of it: the earlier ones, which the newer hid, would show again
+    def remove(self, model: str, step: int, *, allow_latest: bool = False) -> None:
+        """Remove a version; BusyError if it is pinned or being written, or latest unless
+        ``allow_latest``: then the model rolls back, its latest becoming the newest version of
+        an older step (a job resumed from it saves the steps after it again; a multi-rank
+        checkpoint's global version is removed on each node's region). Of a step saved more
+        than once, every save of it: the earlier ones, which the newer hid, would show again
         (BusyError for one a reader holds)."""
         v, _ = self._find(model, step)
-        self.region.remove_version(v)
+        self.region.remove_version(v, allow_latest=allow_latest)
         for older in reversed(self.region.committed(v.entry)):
             if older.header.step == step and older.header.counter < v.header.counter:
                 try:
-                    self.region.remove_version(older)
+                    self.region.remove_version(older, allow_latest=allow_latest)
                 except NotFoundError:
                     pass  # its slot was reused meanwhile
 

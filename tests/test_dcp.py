@@ -371,6 +371,37 @@ def test_a_step_saved_again_after_a_failed_attempt_gives_back_the_attempts_parts
         assert back["step"] == 2 and torch.equal(back["w1"], _kill_state(1, 2)["w1"])
 
 
+def _save_refused_as_older(rank, world, region, step):
+    with ckptfs.Store(region) as store:
+        with pytest.raises(BaseException, match=r"already at step \d+.*ckptfs rm --allow-latest k"):
+            dcp.save(_kill_state(rank, step), storage_writer=ckptfs.dcp.StorageWriter(store, "k", step=step))
+
+
+def test_a_job_rolled_back_removes_the_later_steps_and_saves_them_again(tmp_path):
+    """A multi-rank job resumed from step 4 of 6 (a loss spike): its save of step 5 is refused
+    (the region is at step 6: an older step would never become latest), with the way out;
+    once steps 5 and 6 are removed (the latest on request), it saves 5 again and loads it."""
+    region = str(tmp_path / "r.region")
+    ckptfs.Store.create(region, size_bytes=128 << 20).close()
+    for step in (4, 5, 6):
+        run_ranks(_save_with_a_kill, 2, region, step, None)
+    run_ranks(_save_refused_as_older, 2, region, 5)
+    with ckptfs.Store(region) as store:
+        for step in (6, 5):
+            store.remove("k", step, allow_latest=True)
+        assert store.latest("k").step == 4
+    for step in (5, 6, 7):  # the parts of the removed steps go back at the commits of the steps after them
+        run_ranks(_save_with_a_kill, 2, region, step, None)
+    with ckptfs.Store(region) as store:
+        assert [v.step for v in store.versions("k")][-3:] == [5, 6, 7] and store.latest("k").step == 7
+        back = {"w0": torch.zeros(64, 64), "w1": torch.zeros(64, 64), "step": 0}
+        dcp.load(back, storage_reader=ckptfs.dcp.StorageReader(store, "k", step=5))
+        assert back["step"] == 5 and torch.equal(back["w0"], _kill_state(0, 5)["w0"])
+        assert store.verify() == []
+        for m in (".k.rank0", ".k.rank1"):
+            assert [v.step for v in store.versions(m, hidden=True) if v.kept] == [7]
+
+
 def _save_step_1_again(rank, world, region):
     state = {f"w{rank}": torch.full((64, 64), 7.0 + rank), "step": 1}
     with ckptfs.Store(region) as store:

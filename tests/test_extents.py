@@ -14,6 +14,7 @@ import torch
 import ckptfs
 from ckptfs.errors import OldFormatError
 from ckptfs.region.extents import GIVE_BACK_AFTER_COMMITS
+from ckptfs.region.format import unpack_latest
 from ckptfs.testing.crashsim import same
 from conftest import fill_region
 
@@ -154,6 +155,53 @@ def test_rm_of_a_step_saved_twice_removes_both_saves(store, capsys):
         store.load("m", 3)
     store.remove("m", 2)  # a step saved once: as before
     assert [v.step for v in store.versions("m")] == [1, 4, 5]
+
+
+def test_the_latest_removed_on_request_rolls_the_model_back(store, capsys):
+    """A job that wants to resume from an earlier step and drop the later ones (a loss spike):
+    the latest is removed only on request, and latest moves back to the newest version left;
+    the later saves go on from there. A crash between the pointer's move and the removal of the
+    version leaves that version latest, complete, never a pointer to an invalid slot."""
+    from test_cli import run
+
+    with store.writer("m", slots=8) as w:
+        for step in range(1, 6):
+            w.save(state(step), step).result()
+    with pytest.raises(ckptfs.errors.BusyError, match=r"allow_latest=True"):
+        store.remove("m", 5)
+    code, _, err = run(capsys, "rm", "--region", store.path, "m", "5")
+    assert code != 0 and "--allow-latest" in err and len(err.strip().splitlines()) == 1
+    code, out, _ = run(capsys, "rm", "--region", store.path, "--allow-latest", "m", "4", "5")
+    assert code == 0 and out.splitlines() == ["removed m step 5", "removed m step 4", "latest of m: step 3"]
+    assert [(v.step, v.latest) for v in store.versions("m", hidden=True)] == [(1, False), (2, False), (3, True)]
+    with store.writer("m") as w:
+        w.save({**state(4), "run": 2}, 4).result()
+    assert store.latest("m").step == 4 and store.load("m")["run"] == 2
+    assert store.verify("m") == []
+
+    # a crash once the pointer moved back, before the version's header went: it is latest again
+    region = store.region
+    entry = region.get("m")
+    latest = region.latest(entry)
+    real_write = region.backend.write
+
+    def crash_at_the_header(offset, buf):
+        if offset == entry.slot_offset(latest.slot):
+            raise OSError(5, "the machine stopped here")
+        return real_write(offset, buf)
+    region.backend.write = crash_at_the_header
+    try:
+        with pytest.raises(OSError, match="stopped here"):
+            store.remove("m", 4, allow_latest=True)
+    finally:
+        region.backend.write = real_write
+    step3 = next(v for v in store.versions("m") if v.step == 3)
+    assert unpack_latest(region.latest_word(entry)) == (step3.counter, step3.slot)  # the pointer moved back ...
+    with ckptfs.Store(store.path) as again:  # ... and the complete step 4 still counts as latest
+        assert again.latest("m").step == 4 and again.load("m")["run"] == 2
+        with again.writer("m") as w:  # which the next writer publishes
+            w.save(state(5), 5).result()
+        assert [v.step for v in again.versions("m")] == [1, 2, 3, 4, 5]
 
 
 def test_keep_and_unkeep_on_the_command_line(store, capsys):

@@ -127,11 +127,14 @@ def verify(region, step, model):
               help="Remove MODEL itself with every version (a multi-rank model with its ranks' parts).")
 @click.option("--step", "step_options", type=STEP, multiple=True,
               help="A version to remove (repeatable; the same as a STEPS argument).")
+@click.option("--allow-latest", is_flag=True,
+              help="Remove the latest version too, rolling MODEL back: its latest becomes the newest version "
+                   "left (a job resumed from it saves the later steps again).")
 @click.argument("model")
 @click.argument("steps", nargs=-1, type=STEP)
-def rm(region, all_, step_options, model, steps):
-    """Remove versions STEPS of MODEL (1200 or step-00001200; not the latest, not while pinned),
-    or the model with --all."""
+def rm(region, all_, step_options, allow_latest, model, steps):
+    """Remove versions STEPS of MODEL (1200 or step-00001200; not while pinned; the latest only
+    with --allow-latest), or the model with --all."""
     steps = tuple(step_options) + tuple(steps)
     if all_ == bool(steps):
         raise click.UsageError("give the STEPS to remove, or --all (and no steps) to remove the whole model")
@@ -139,9 +142,12 @@ def rm(region, all_, step_options, model, steps):
         if all_:
             store.remove_model(model)
             click.echo(f"removed {model}")
-        for s in steps:
-            store.remove(model, s)
+        for s in sorted(set(steps), reverse=True):  # the newest first: latest moves back once per step
+            store.remove(model, s, allow_latest=allow_latest)
             click.echo(f"removed {model} step {s}")
+        if allow_latest and steps:
+            latest = store.latest(model, missing_ok=True)
+            click.echo(f"latest of {model}: " + (f"step {latest.step}" if latest is not None else "none"))
         return 0
 
 

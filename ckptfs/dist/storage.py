@@ -276,7 +276,8 @@ def _record_here(store, model: str, step: int, record: str, keep: bool = False, 
         raise CkptfsError(
             f"{model!r} in region {store.path} is already at step {latest.step} (another job's, or an earlier run "
             f"that got further), so step {step} would never become its latest: save under another model name, "
-            f"or remove the versions after the step you resumed from (`ckptfs rm {model} STEP...`)")
+            f"or remove the versions after the step you resumed from, in every node's region (`ckptfs rm "
+            f"--allow-latest {model} STEP...`)")
     if latest is not None and latest.step > step:
         return
     w = _kept_writer(store, model, 1)

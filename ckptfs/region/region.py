@@ -25,7 +25,7 @@ from ckptfs.region.format import (COUNTER_MAX, COUNTER_WORD_OFFSET, LATEST_WORD_
 from ckptfs.region.events import Subscribers
 from ckptfs.region.locks import LockSpace, slot_lock_offset
 from ckptfs.region.mkfs import format_in_place, format_new_file, make_sparse_file, refuse_to_overwrite
-from ckptfs.region.ring import Committed, Ring
+from ckptfs.region.ring import Committed, Ring, move_latest_back
 from ckptfs.region.slots import SlotReader, SlotVersion
 from ckptfs.region.table import ModelTable, validate_model_name  # noqa: F401 - part of this module's API
 from ckptfs.units import human_bytes
@@ -191,24 +191,31 @@ class Region(ModelTable, SlotReader):
         """Whether another open description pins or claims the slot (for status and rm)."""
         return self.pins.is_locked_by_others(slot_lock_offset(entry.index, slot))
 
-    def remove_version(self, version: SlotVersion) -> None:
-        """Invalidate a committed version that is neither latest, pinned nor being written."""
+    def remove_version(self, version: SlotVersion, *, allow_latest: bool = False) -> None:
+        """Invalidate a committed version that is neither pinned nor being written, nor latest
+        unless ``allow_latest`` (a rollback: the latest pointer moves back first, see
+        ``ring.move_latest_back``)."""
         entry = version.entry
         latest = unpack_latest(self.latest_word(entry))
-        if latest is not None and latest[1] == version.slot:
-            raise BusyError(f"step {version.header.step} is the latest version of {entry.name!r}; "
-                            "it cannot be removed (save a newer one first)")
+        if latest is not None and latest[1] == version.slot and not allow_latest:
+            raise BusyError(f"step {version.header.step} is the latest version of {entry.name!r}; it is removed only "
+                            "on request, to roll the model back to its newest older version: " + in_words(
+                                python="store.remove(model, step, allow_latest=True)",
+                                cli="`ckptfs rm --allow-latest`"))
         off = slot_lock_offset(entry.index, version.slot)
         if not self.pins.try_exclusive(off):
             raise BusyError(f"step {version.header.step} of {entry.name!r} is open or being written; "
                             "close readers and try again")
         try:
             header = self.read_header(entry, version.slot)
-            latest = unpack_latest(self.latest_word(entry))
+            word = self.latest_word(entry)
+            latest = unpack_latest(word)
             if header is None or header.counter != version.header.counter:
                 raise NotFoundError(f"step {version.header.step} of {entry.name!r} is already gone")
             if latest is not None and latest[1] == version.slot:
-                raise BusyError(f"step {version.header.step} became the latest version of {entry.name!r}")
+                if not allow_latest:
+                    raise BusyError(f"step {version.header.step} became the latest version of {entry.name!r}")
+                move_latest_back(self, version, word)
             self.backend.write(entry.slot_offset(version.slot), aligned_buffer(SLOT_HEADER_BYTES))
             self.backend.barrier()
         finally:

@@ -1,7 +1,8 @@
 """The slot lifecycle of one model's ring: claim -> begin -> write -> commit -> publish, or abort.
 
 This module is the only code that writes slot headers, takes claim locks, issues the barriers
-of a commit and moves the latest pointer. The order it keeps (docs/FORMAT.md, PCcheck §3.1):
+of a commit and moves the latest pointer (forward in ``publish``; back only in
+``move_latest_back``, the removal of the latest version). The order it keeps (docs/FORMAT.md, PCcheck §3.1):
 
   1. ``Ring.claim``: a slot large enough that is neither latest, kept, pinned nor claimed (an
      exclusive lock byte, re-checked against latest and kept once held), the one holding the
@@ -395,6 +396,26 @@ class Claim:
         page = aligned_buffer(nbytes)
         page[:len(data)] = data
         self.ring.region.write_slot(self.entry, self.slot, slot_offset, page)
+
+
+def move_latest_back(region, version, seen: int) -> None:
+    """The latest pointer, which names ``version`` (``seen``: its word as read, the version's
+    slot locked exclusively by the caller), moved back to the newest committed version of
+    another step below it whose index verifies, or to none, durably: the removal of the latest
+    version (a rollback; the earlier saves of its step go with it, ``Store.remove``), whose
+    header the caller invalidates only then. A crash between the two leaves the
+    version latest (a committed version newer than the pointer's counts as latest:
+    ``SlotReader.latest``), never a pointer to an invalid slot. BusyError, nothing changed, if
+    a save published meanwhile (the pointer no longer reads ``seen``)."""
+    entry, counter = version.entry, version.header.counter
+    target = next((v for v in reversed(region.committed(entry))
+                   if v.header.counter < counter and v.header.step != version.header.step and region.index_ok(v)),
+                  None)
+    desired = pack_latest(target.header.counter, target.slot) if target is not None else 0
+    if not region.cas_latest(entry, seen, desired)[0]:
+        raise BusyError(f"a save of {entry.name!r} was committed while step {version.header.step} was being "
+                        "removed; look at the versions again and remove it then")
+    region.persist_words(entry)
 
 
 def rewrite_header(region, entry, slot: int, header: SlotHeader) -> None:
