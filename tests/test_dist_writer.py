@@ -391,7 +391,7 @@ def test_a_job_whose_steps_are_behind_the_models_latest_is_told_not_lost(store, 
 
     dcp.save({"w": torch.ones(4)}, storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=1000))
     monkeypatch.setattr(storage, "_recorded", {})  # a new job: it recorded nothing yet
-    with pytest.raises(BaseException, match=r"already at step 1000 .*`ckptfs rm m STEP\.\.\.`"):
+    with pytest.raises(BaseException, match=r"already at step 1000 .*`ckptfs rm --allow-latest m STEP\.\.\.`"):
         dcp.save({"w": torch.zeros(4)}, storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=10))
     assert [v.step for v in store.versions("m")] == [1000]
 

@@ -174,6 +174,19 @@ def test_the_latest_removed_on_request_rolls_the_model_back(store, capsys):
     code, out, _ = run(capsys, "rm", "--region", store.path, "--allow-latest", "m", "4", "5")
     assert code == 0 and out.splitlines() == ["removed m step 5", "removed m step 4", "latest of m: step 3"]
     assert [(v.step, v.latest) for v in store.versions("m", hidden=True)] == [(1, False), (2, False), (3, True)]
+    # a save of the model still running that has claimed the slot of the version that would become
+    # latest: refused, nothing changed (the pointer would name a slot being rewritten)
+    from ckptfs.region.locks import LockSpace, slot_lock_offset
+
+    entry, two = store.region.get("m"), next(v for v in store.versions("m") if v.step == 2)
+    claims = LockSpace(store.path)
+    assert claims.try_exclusive(slot_lock_offset(entry.index, two.slot))
+    try:
+        with pytest.raises(ckptfs.errors.BusyError, match="stop the job's writers"):
+            store.remove("m", 3, allow_latest=True)
+    finally:
+        claims.close()
+    assert store.latest("m").step == 3 and store.load("m", 3)["step"] == 3
     with store.writer("m") as w:
         w.save({**state(4), "run": 2}, 4).result()
     assert store.latest("m").step == 4 and store.load("m")["run"] == 2

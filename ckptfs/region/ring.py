@@ -405,17 +405,28 @@ def move_latest_back(region, version, seen: int) -> None:
     version (a rollback; the earlier saves of its step go with it, ``Store.remove``), whose
     header the caller invalidates only then. A crash between the two leaves the
     version latest (a committed version newer than the pointer's counts as latest:
-    ``SlotReader.latest``), never a pointer to an invalid slot. BusyError, nothing changed, if
-    a save published meanwhile (the pointer no longer reads ``seen``)."""
+    ``SlotReader.latest``), never a pointer to an invalid slot. The new latest is pinned
+    meanwhile, as by a reader: a save that claimed its slot a moment before (a writer of the
+    model still running) would rewrite the version the pointer then names. BusyError, nothing
+    changed, if such a save holds it, or if a save published meanwhile (the pointer no longer
+    reads ``seen``)."""
     entry, counter = version.entry, version.header.counter
     target = next((v for v in reversed(region.committed(entry))
                    if v.header.counter < counter and v.header.step != version.header.step and region.index_ok(v)),
                   None)
-    desired = pack_latest(target.header.counter, target.slot) if target is not None else 0
-    if not region.cas_latest(entry, seen, desired)[0]:
-        raise BusyError(f"a save of {entry.name!r} was committed while step {version.header.step} was being "
-                        "removed; look at the versions again and remove it then")
-    region.persist_words(entry)
+    if target is not None and not region.pin(target):
+        raise BusyError(f"step {target.header.step} of {entry.name!r}, which would become latest, is being "
+                        f"rewritten by a save: stop the job's writers of {entry.name!r}, then remove step "
+                        f"{version.header.step}")
+    try:
+        desired = pack_latest(target.header.counter, target.slot) if target is not None else 0
+        if not region.cas_latest(entry, seen, desired)[0]:
+            raise BusyError(f"a save of {entry.name!r} was committed while step {version.header.step} was being "
+                            "removed; look at the versions again and remove it then")
+        region.persist_words(entry)
+    finally:
+        if target is not None:
+            region.unpin(target)
 
 
 def rewrite_header(region, entry, slot: int, header: SlotHeader) -> None:
