@@ -135,15 +135,15 @@ def keep_parts(store, model: str, step: int, counter: int | None = None) -> None
                     if v.step == step and counter in (None, v.counter)), None)
     wanted = _parts_of(store, model, version) if version is not None else None
     found = []
-    for rank, counter in sorted(wanted or ()):
+    for rank, part_counter in sorted(wanted or ()):
         name = part_model(model, rank)
-        match = [p for p in store.versions(name, missing_ok=True, hidden=True) if p.counter == counter]
+        match = [p for p in store.versions(name, missing_ok=True, hidden=True) if p.counter == part_counter]
         if not match:
             raise CkptfsError(f"step {step} of {model!r} cannot be kept: the part of rank {rank} is gone (its slot "
                               "was reused since); keep a newer step")
-        found.append((name, match[0].step, counter))
-    for name, part_step, counter in found:
-        store.keep(name, part_step, counter=counter)
+        found.append((name, match[0].step, part_counter))
+    for name, part_step, part_counter in found:
+        store.keep(name, part_step, counter=part_counter)
 
 
 def named_parts(store, model: str, *, kept_only: bool = False) -> set[tuple[str, int]]:

@@ -199,17 +199,18 @@ class Ring:
             return now, slot, header
         return None
 
-    def give_back_hidden(self, step: int, counter: int) -> list[SlotVersion]:
+    def give_back_hidden(self, step: int, counter: int) -> tuple[list[SlotVersion], int]:
         """After the commit of version ``counter`` of ``step``: the kept versions of the same step
         with older counters, which it hides (a listing shows the newer of a step saved twice), are
         given back to the ring (``mark_kept``), as nothing could list, unkeep or load them any
-        more; returns them."""
-        hidden = [v for v in self.region.committed(self.entry)
-                  if v.header.step == step and v.header.counter < counter and v.header.kept]
+        more. Returns them, and the highest step of the model's committed versions (from the same
+        read of the headers)."""
+        committed = self.region.committed(self.entry)
+        hidden = [v for v in committed if v.header.step == step and v.header.counter < counter and v.header.kept]
         for v in hidden:
             if mark_kept(self.region, v, False):
                 self._note_age(v.slot, v.header.counter)
-        return hidden
+        return hidden, max((v.header.step for v in committed), default=step)
 
     def usable_slots(self, entry: ModelEntry, need: int) -> int:
         """How many slots of ``entry`` could take a version of ``need`` bytes: large enough and
@@ -410,10 +411,8 @@ def move_latest_back(region, version, seen: int) -> None:
     model still running) would rewrite the version the pointer then names. BusyError, nothing
     changed, if such a save holds it, or if a save published meanwhile (the pointer no longer
     reads ``seen``)."""
-    entry, counter = version.entry, version.header.counter
-    target = next((v for v in reversed(region.committed(entry))
-                   if v.header.counter < counter and v.header.step != version.header.step and region.index_ok(v)),
-                  None)
+    entry = version.entry
+    target = region.newest_intact(entry, above_counter=0, below=version)
     if target is not None and not region.pin(target):
         raise BusyError(f"step {target.header.step} of {entry.name!r}, which would become latest, is being "
                         f"rewritten by a save: stop the job's writers of {entry.name!r}, then remove step "

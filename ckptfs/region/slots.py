@@ -138,12 +138,18 @@ class SlotReader:
             return None, f"the latest pointer names slot {slot} counter {counter}, which does not hold it"
         return None, f"the index of the latest version (step {version.header.step}, slot {slot}) fails its checksum"
 
-    def newest_intact(self, entry: ModelEntry, above_counter: int) -> SlotVersion | None:
+    def newest_intact(self, entry: ModelEntry, above_counter: int, *, below: SlotVersion | None = None
+                      ) -> SlotVersion | None:
         """The committed version with the highest counter above ``above_counter`` whose index
-        verifies, or None: the one rule of which complete version is newer than the pointer."""
+        verifies, or None: the one rule of which complete version is newer than the pointer.
+        ``below``: only versions older than it, of another step (the latest once ``below``, the
+        latest, is removed: ``ring.move_latest_back``)."""
         for version in reversed(self.committed(entry)):
             if version.header.counter <= above_counter:
                 return None
+            if below is not None and (version.header.counter >= below.header.counter
+                                      or version.header.step == below.header.step):
+                continue
             if self.index_ok(version):
                 return version
         return None

@@ -121,7 +121,7 @@ class Writer:
         self._slots = slots
         self._slot_bytes = slot_bytes
         self._give_back_hidden = give_back_hidden
-        self._highest_step: int | None = None  # of the versions committed: a step above it hides none
+        self._highest_step: int | None = None  # of the versions committed (None: not known yet)
         self._steps_lock = threading.Lock()
         self._setup_lock = threading.Lock()  # lazy set-up may race when save() is called from threads
         self._planner = Planner(model, chunk_bytes)
@@ -146,7 +146,6 @@ class Writer:
             if entry is not None:
                 self._ring = region.ring(entry, timeout_s=timeout_s)
                 self._ring.extents.reshape(slots, slot_bytes)
-                self._highest_step = max((v.header.step for v in region.committed(entry)), default=None)
             self._start_prefill(entry)
         except BaseException:
             # an I/O error reading the model's slots: nothing was saved, and nothing of this
@@ -383,22 +382,27 @@ class Writer:
 
     def _hidden_given_back(self, result: SaveResult, kept: bool) -> None:
         """After a commit: the kept versions of its step that it hides go back to the ring (see
-        the class), each with a warning. Only a step not above every step committed so far can
-        hide one (a training loop's steps grow: they pay nothing). A failure is only logged: the
-        save itself is durable and committed."""
+        the class), each with a warning. Only a step not above every step this writer saw
+        committed can hide one: the first commit looks (reading the headers the ring holds,
+        on this persist thread, not at the writer's opening), and then a training loop whose
+        steps grow pays nothing. A failure is only logged: the save itself is durable and
+        committed."""
         with self._steps_lock:
             seen = self._highest_step
             self._highest_step = result.step if seen is None else max(seen, result.step)
-        if not self._give_back_hidden or seen is None or result.step > seen:
+        if not self._give_back_hidden or (seen is not None and result.step > seen):
             return
         try:
             advice = "" if kept else f"; keep the new one with store.keep({self.model!r}, {result.step})"
-            for _ in self._ring.give_back_hidden(result.step, result.counter):
+            hidden, highest = self._ring.give_back_hidden(result.step, result.counter)
+            with self._steps_lock:
+                self._highest_step = max(self._highest_step, highest)
+            for _ in hidden:
                 log.warning("ckptfs: step %d of %r was saved again: the earlier version of that step, a kept one, is "
                             "hidden by the new one and goes back to the ring%s", result.step, self.model, advice)
-        except CkptfsError as e:
-            log.warning("ckptfs: the kept version of %r step %d that a new save of it hides could not be given back: "
-                        "%s", self.model, result.step, e)
+        except Exception as e:  # noqa: BLE001 - an I/O error here must not keep the future from completing
+            log.warning("ckptfs: the kept versions of %r step %d that a new save of it hides could not be looked "
+                        "for or given back: %s", self.model, result.step, e)
 
     # ------------------------------------------------------------------ ring and staging
     def _ring_for(self, plan: SavePlan) -> Ring:
