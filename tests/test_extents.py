@@ -136,6 +136,20 @@ def test_a_run_rolled_back_over_its_milestones_gives_the_hidden_ones_back(store,
     assert not [r for r in caplog.records if "saved again" in r.getMessage()]
 
 
+def test_a_failed_look_for_hidden_milestones_leaves_the_save_committed(store, caplog, monkeypatch):
+    """The look at a first commit (reading the model's headers) failing with an I/O error: the
+    save is durable and committed all the same, its future completes, the failure is logged."""
+    from ckptfs.region.ring import Ring
+
+    def unreadable(self, step, counter):
+        raise OSError(5, "Input/output error")
+    monkeypatch.setattr(Ring, "give_back_hidden", unreadable)
+    with caplog.at_level("WARNING", logger="ckptfs"), store.writer("m") as w:
+        assert w.save(state(1), 1).result(timeout=30).step == 1
+    assert store.latest("m").step == 1
+    assert any("could not be looked for" in r.getMessage() for r in caplog.records)
+
+
 def test_rm_of_a_step_saved_twice_removes_both_saves(store, capsys):
     """`ckptfs rm m 3` of a step a rolled-back run saved again said 'removed', and step 3 was
     still listed: the first run's save of it, which the second had hidden, showed again."""
