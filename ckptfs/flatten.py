@@ -163,7 +163,7 @@ class _Walk:
             self._seen[key] = len(self.tensors)
         name = unique_name(self._dotted() or "tensor", self._taken)
         self._taken.add(name)
-        self.tensors.append(t)  # detached where its bytes are taken (writer._byte_source)
+        self.tensors.append(t)  # detached where its bytes are taken (snapshot.byte_source)
         self.names.append(name)
         self.signature.append((name, dtype_name, tuple(shape)))
         self.devices.add(device)

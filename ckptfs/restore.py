@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 from torch.autograd.graph import increment_version
 
-from ckptfs.chunks import Chunk
+from ckptfs.chunks import Chunk, copy_runs
 from ckptfs.errors import CorruptionError, UnsupportedObjectError
 from ckptfs.flatten import flatten
 from ckptfs.gcpause import paused_gc
@@ -118,8 +118,9 @@ def copy_out(sinks: Sinks, records) -> Callable[[StagingBuffer, Chunk], None]:
         if every_whole:
             targets.scatter(buf.mapping, chunk.pieces)
             return
-        spans = [p for p in chunk.pieces if host[p.tensor] is not None]
-        for p in chunk.pieces:
+        runs = copy_runs(chunk.pieces)
+        spans = [p for p in runs if host[p.tensor] is not None]
+        for p in runs:
             for lo, hi, dest in partial.get(p.tensor, ()):
                 a, b = max(lo, p.tensor_start), min(hi, p.tensor_start + p.length)
                 if a < b:

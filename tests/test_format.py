@@ -327,3 +327,21 @@ def test_crc32_pieces_equal_zlibs_with_isal_and_without():
             crc32_pieces(data, [Piece(9, 0, 1, 0), bad])
     with pytest.raises(TypeError):
         crc32_pieces(data, [(0, 0, 1)])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 20000), st.sampled_from([1, 64, 4096])), max_size=12),
+       st.sampled_from([4096, 8192, 12288]), st.sampled_from([4096, 8192]))
+def test_copy_runs_are_the_pieces_without_block_cuts(sizes, chunk_bytes, crc_block_bytes):
+    """A chunk's pieces cut at block boundaries, merged back into copies, are its pieces as
+    planned without blocks: one copy per tensor per chunk, the bytes and places unchanged."""
+    from ckptfs.chunks import copy_runs, plan_chunks
+
+    records, offset = [], 0
+    for i, (nbytes, align) in enumerate(sizes):
+        offset = (offset + align - 1) // align * align
+        records.append(TensorRecord(f"t{i}", "uint8", (nbytes,), offset, nbytes))
+        offset += nbytes
+    cut = plan_chunks(records, offset, chunk_bytes, crc_block_bytes)
+    whole = plan_chunks(records, offset, chunk_bytes, 0)
+    assert [copy_runs(c.pieces) for c in cut] == [c.pieces for c in whole]

@@ -79,7 +79,9 @@ def copy_chunk_pieces(buf_tensor: torch.Tensor, pieces, sources,
     for device, device_pieces in by_device.items():
         with torch.cuda.stream(streams[device]):
             for p in device_pieces:
-                src = sources[p.tensor][p.tensor_start:p.tensor_start + p.length]
+                src = sources[p.tensor]
+                if p.tensor_start or p.length != src.numel():  # a slice costs as much as the copy's queueing
+                    src = src[p.tensor_start:p.tensor_start + p.length]
                 buf_tensor[p.buffer_start:p.buffer_start + p.length].copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(streams[device])

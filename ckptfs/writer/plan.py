@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ckptfs.chunks import BlockPiece, Chunk, block_pieces, plan_chunks
+from ckptfs.chunks import BlockPiece, Chunk, Piece, block_pieces, copy_runs, plan_chunks
 from ckptfs.errors import CkptfsError
 from ckptfs.flatten import DTYPE_NAMES, Flattened, flatten
 from ckptfs.manifest import (CRC_BLOCK_BYTES, TENSOR_ALIGN_BYTES, EncodedTensors, Manifest, TensorRecord, align_up,
@@ -29,6 +29,7 @@ class Layout:
     tensors: EncodedTensors  # the index's tensor array: its length sizes the index, commit fills its CRCs
     crc_block_bytes: int = 0  # the manifest's (0: no tensor has block CRCs)
     block_pieces: tuple[BlockPiece, ...] = ()  # the pieces whose CRCs make the block CRCs
+    copy_runs: tuple[tuple[Piece, ...], ...] = ()  # per chunk, its pieces as copies (chunks.copy_runs)
 
     def manifest(self, model: str, step: int, counter: int, time_ns: int, flat: Flattened,
                  files: tuple[tuple[str, str], ...]) -> Manifest:
@@ -120,4 +121,5 @@ def lay_out(names: list[str], tensors: list[torch.Tensor], chunk_bytes_for,
     crc_block_bytes = crc_block_bytes if blocked else 0
     chunks = plan_chunks(records, offset, chunk_bytes_for(offset), crc_block_bytes)
     return Layout(tuple(records), offset, chunks, EncodedTensors.of(records), crc_block_bytes,
-                  tuple(block_pieces(chunks, records, crc_block_bytes)))
+                  tuple(block_pieces(chunks, records, crc_block_bytes)),
+                  tuple(copy_runs(chunk.pieces) for chunk in chunks))

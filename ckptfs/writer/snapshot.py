@@ -25,12 +25,17 @@ def byte_source(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as a flat uint8 tensor, without a copy when it is contiguous."""
     # Conjugate / negative views are lazy bits on top of the storage: materialize them, as the
     # bytes must hold the values the caller sees.
-    t = t.detach().resolve_conj().resolve_neg()
+    # Each step only where it changes something: 1.9 us a tensor instead of 4.6 (the spans of
+    # 40,000 tensors are made with it); on an H100 it left the stall of GPT-2 + AdamW unchanged.
+    if t.requires_grad:
+        t = t.detach()
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
     if not t.is_contiguous():
         t = t.contiguous()
-    if t.numel() == 0:
-        return torch.empty(0, dtype=torch.uint8, device=t.device)
-    return t.reshape(-1).view(torch.uint8)
+    if t.dim() != 1:
+        t = t.reshape(-1)
+    return t.view(torch.uint8)
 
 
 def _needs_gpu_copy(t: torch.Tensor) -> bool:
@@ -118,10 +123,10 @@ class Snapshotter:
             streams = self._side_streams.ordered_after_caller(devices, mark)
             sources = _LazySources(job.plan.flat.tensors, streams)
             pending = []
-            for chunk in job.chunks:
+            for chunk, runs in zip(job.chunks, job.plan.layout.copy_runs, strict=True):
                 buf = self._buffer(job, pool)
                 try:
-                    events = copy_chunk_pieces(buf.tensor, chunk.pieces, sources, streams)
+                    events = copy_chunk_pieces(buf.tensor, runs, sources, streams)
                 except BaseException:
                     _release_after_copies(pool, buf)
                     raise
@@ -200,7 +205,7 @@ class _HostSpans:
                 stale.update(self.chunks_of[i])
         for c in stale:
             self.spans[c] = [(p.buffer_start, self.hosts[p.tensor], p.tensor_start, p.length)
-                             for p in self.layout.chunks[c].pieces]
+                             for p in self.layout.copy_runs[c]]
 
     def drop_copies(self) -> None:
         """After a snapshot: let go of the copies made for it (a non-contiguous tensor's), which
