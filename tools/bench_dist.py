@@ -47,6 +47,7 @@ import _bench_common as bc  # noqa: E402
 
 MODEL = "bench"
 RAW_THREADS = 2  # the writer's persist threads (DEFAULT_PERSIST_THREADS)
+REGION_BYTES = 24 << 30  # sparse: what the timed saves write of it
 
 
 def _model(args, world: int):
@@ -61,6 +62,16 @@ def _model(args, world: int):
     for block in model.transformer.h:
         fully_shard(block, mesh=mesh)
     return fully_shard(model, mesh=mesh)
+
+
+def _state_bytes(args) -> int:
+    """The bytes of one save of the whole state (all ranks): the model's fp32 parameters and
+    AdamW's two moments, counted on the meta device (nothing allocated)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=max(1, args.width // 64)))
+    return 3 * sum(p.numel() * 4 for p in model.parameters())
 
 
 def _state(args, world: int):
@@ -309,13 +320,15 @@ def main() -> None:
             sys.exit(f"--device cuda: one rank per GPU, and this machine has {gpus}: pass --worlds up to {gpus}")
         backend = "cpu:gloo,cuda:nccl"
     os.makedirs(args.dir, exist_ok=True)
+    # the region (its three models' slots fill it), DCP's two FileSystemWriter copies and the raw file
+    bc.require_free(args.dir, REGION_BYTES + 3 * _state_bytes(args), "bench_dist")
     workdir = tempfile.mkdtemp(prefix="bench_dist-", dir=args.dir)
     print(f"bench_dist: GPT-2 {args.layers} x {args.width} under FSDP2 + AdamW, ranks on {args.device} "
           f"({'one GPU each, NCCL for the model, ' if args.device == 'cuda' else ''}gloo for the checkpoint); "
           f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f}")
     try:
         for world in worlds:
-            ckptfs.Store.create(os.path.join(workdir, f"region-{world}"), size_bytes=24 << 30).close()
+            ckptfs.Store.create(os.path.join(workdir, f"region-{world}"), size_bytes=REGION_BYTES).close()
             out = mp_context().Queue()
             run_ranks(_save_rank, world, args, workdir, out, world == max(worlds), timeout_s=3600, backend=backend)
             _report(world, out.get())

@@ -367,6 +367,13 @@ def _raw_read_of_version(b: Bench, store, model: str, buf: bc.AlignedBuffer) -> 
     return bc.odirect_read(store.path, base + nbytes - start, buf, offset=start)
 
 
+def region_bytes(a: argparse.Namespace, nbytes: int) -> int:
+    """The size of the benchmark's region: ``--region-gib``, or room for the ring's slots."""
+    inflight = a.max_inflight or 2
+    size = int(a.region_gib * bc.GiB) if a.region_gib else int(nbytes * (inflight + 3) * 1.15) + 256 * bc.MiB
+    return (size + bc.MiB - 1) // bc.MiB * bc.MiB
+
+
 def m_ckptfs(b: Bench, state: Any) -> Iterator[dict]:
     import ckptfs
 
@@ -374,10 +381,8 @@ def m_ckptfs(b: Bench, state: Any) -> Iterator[dict]:
     wkw = bc.writer_kwargs(a.max_inflight, a.persist_threads,
                            a.chunk_mib * bc.MiB if a.chunk_mib else None,
                            a.staging_mib * bc.MiB if a.staging_mib else None)
-    inflight = wkw.get("max_inflight", 2)
     region = b.path("region.ckptfs")
-    size = int(a.region_gib * bc.GiB) if a.region_gib else int(b.nbytes * (inflight + 3) * 1.15) + 256 * bc.MiB
-    size = (size + bc.MiB - 1) // bc.MiB * bc.MiB
+    size = region_bytes(a, b.nbytes)
     model = "bench"
     b.cold_first_stall_s = _first_stall(b, state, size, wkw, prepare=False)
     b.first_stalls = [_first_stall(b, state, size, wkw, prepare=True) for _ in range(FIRST_SAVES - 1)]
@@ -651,6 +656,9 @@ def run_state(sname: str, a: argparse.Namespace, root: str, skip: set[str]) -> d
     nbytes = bc.state_nbytes(state)
     print(f"\n=== state {label}: {nbytes / bc.GB:.3f} GB in {len(list(bc.iter_tensors(state)))} tensors "
           f"(built in {time.perf_counter() - t_build:.1f} s)", flush=True)
+    # every method's files are there at once: the region, and a copy of the state per peer (the raw
+    # file, torch.save, safetensors, DCP, DCP async), as each keeps its own between rounds
+    bc.require_free(a.dir, region_bytes(a, nbytes) + 5 * nbytes, "bench_save")
     b = Bench(label, nbytes, a, root)
     buf = bc.AlignedBuffer(a.block_mib * bc.MiB)
     ok, why = bc.ckptfs_status()
