@@ -32,6 +32,25 @@ def test_save_cuda_tensors_and_load_back(store):
     assert torch.equal(on_device["model"]["w"], state["model"]["w"])
 
 
+def test_tensors_larger_than_a_crc_block_copied_whole_and_loaded_into_gpu_tensors(store):
+    """Tensors of several 4 MiB CRC blocks, within one chunk and across chunks: the snapshot
+    copies each run of a tensor's pieces at once (chunks.copy_runs) and a load into GPU tensors
+    (``into=``) does the same the other way; the bytes and every block CRC (verify) hold."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    state = {"big": torch.randn(3 * (1 << 20) + 3000, device="cuda", generator=g),  # 3 blocks and a bit
+             "small": torch.randn(77, device="cuda", generator=g),
+             "across": torch.randn(5 << 20, device="cuda", generator=g)}  # 20 MiB: across 16 MiB chunks
+    with store.writer("blocks", chunk_bytes=16 << 20) as w:
+        w.save(state, step=1).result()
+    assert store.verify("blocks") == []
+    into = {k: torch.full_like(v, float("nan")) for k, v in state.items()}
+    store.load("blocks", into=into)
+    for k, v in state.items():
+        assert torch.equal(into[k], v), k
+    back = store.load("blocks")
+    assert all(torch.equal(back[k], v.cpu()) for k, v in state.items())
+
+
 def test_load_onto_the_gpu_of_every_dtype_and_odd_shape(store):
     """A load onto a GPU stages the version in views of one pinned block and copies each tensor
     over: every dtype, scalars, empty and many small tensors come back as the CPU load does."""
