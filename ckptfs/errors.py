@@ -74,6 +74,15 @@ class CorruptionError(CkptfsError):
     """Stored bytes do not match their checksums."""
 
 
+class PartGoneError(CkptfsError):
+    """A part that a multi-rank version names is gone from its rank's part model (its slot was
+    reused): that version cannot be kept or become latest. ``rank``: whose part."""
+
+    def __init__(self, message: str, rank: int):
+        super().__init__(message)
+        self.rank = rank
+
+
 class RegionIOError(CkptfsError):
     """An I/O operation on the region failed (the device, a full or read-only filesystem, a
     region removed underneath). ``errno`` is the system's; ``operation`` names the call."""

@@ -11,8 +11,8 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from ckptfs.errors import (BusyError, CorruptionError, NotFoundError, RegionFormatError, in_words, no_step,
-                           no_version_yet)
+from ckptfs.errors import (BusyError, CkptfsError, CorruptionError, NotFoundError, PartGoneError, RegionFormatError,
+                           in_words, no_step, no_version_yet)
 from ckptfs.manifest import Manifest
 from ckptfs.region.format import COUNTER_MAX, SUPERBLOCK_BYTES, Superblock
 from ckptfs.region.holders import lock_holders
@@ -443,15 +443,46 @@ class Store:
         an older step (a job resumed from it saves the steps after it again; a multi-rank
         checkpoint's global version is removed on each node's region). Of a step saved more
         than once, every save of it: the earlier ones, which the newer hid, would show again
-        (BusyError for one a reader holds)."""
-        v, _ = self._find(model, step)
+        (BusyError for one a reader holds). A multi-rank version's parts in this region go back
+        to their rings; a rollback first keeps those of the version that becomes latest
+        (CkptfsError, nothing removed, where one is gone: see docs/DISTRIBUTED.md)."""
+        from ckptfs.dist import parts
+
+        v, is_latest = self._find(model, step)
+        saves = [v] + [older for older in reversed(self.region.committed(v.entry))
+                       if older.header.step == step and older.header.counter < v.header.counter]
+        # the parts of a multi-rank version (read before it goes), given back once it is gone
+        named = parts.parts_named(self, model, [(x.header.step, x.header.counter) for x in saves])
+        if is_latest and allow_latest and named:
+            self._keep_parts_of_next_latest(model, v)
         self.region.remove_version(v, allow_latest=allow_latest)
-        for older in reversed(self.region.committed(v.entry)):
-            if older.header.step == step and older.header.counter < v.header.counter:
-                try:
-                    self.region.remove_version(older, allow_latest=allow_latest)
-                except NotFoundError:
-                    pass  # its slot was reused meanwhile
+        for older in saves[1:]:
+            try:
+                self.region.remove_version(older, allow_latest=allow_latest)
+            except NotFoundError:
+                pass  # its slot was reused meanwhile
+        parts.give_back_parts(self, named)
+
+    def _keep_parts_of_next_latest(self, model: str, latest: SlotVersion) -> None:
+        """Before a multi-rank model's latest is removed: keep the parts of the version that
+        becomes latest, as the parts of a latest are (released once a newer step commits). Given
+        back to their rings when a newer step superseded it, they are reused by the saves of a
+        job resumed from it once the region is full, and while those fail, no version loads.
+        CkptfsError, nothing removed, where one of them is gone."""
+        from ckptfs.dist import parts
+
+        target = self.region.newest_intact(latest.entry, 0, below=latest)
+        if target is None:
+            return
+        t = target.header.step
+        try:
+            parts.keep_parts(self, model, t, target.header.counter)
+        except PartGoneError as e:
+            raise CkptfsError(
+                f"step {latest.header.step} of {model!r} is latest, and step {t}, which would become latest, cannot "
+                f"be loaded (its part of rank {e.rank} is gone); remove step {t} too: " + in_words(
+                    python=f"store.remove({model!r}, {t}) first", cli=f"`ckptfs rm --allow-latest {model} {t} "
+                    f"{latest.header.step}`")) from None
 
     def keep(self, model: str, step: int, *, counter: int | None = None) -> None:
         """Keep a version (a milestone): the ring never reuses its slot until ``unkeep`` or

@@ -390,6 +390,9 @@ def test_a_job_rolled_back_removes_the_later_steps_and_saves_them_again(tmp_path
         for step in (6, 5):
             store.remove("k", step, allow_latest=True)
         assert store.latest("k").step == 4
+        for m in (".k.rank0", ".k.rank1"):  # the new latest's parts kept, as a latest's are; the removed 6's not
+            kept = [v.step for v in store.versions(m, hidden=True) if v.kept]  # (and the refused attempt's of 5)
+            assert 4 in kept and 6 not in kept
     for step in (5, 6, 7):  # the parts of the removed steps go back at the commits of the steps after them
         run_ranks(_save_with_a_kill, 2, region, step, None)
     with ckptfs.Store(region) as store:
@@ -799,6 +802,44 @@ def test_a_kept_global_step_keeps_its_parts(tmp_path):
     for step in (1, 5):
         run_ranks(_load_step, 2, region, step)
         run_ranks(_load_step, 1, region, step)
+
+
+def test_removed_global_versions_give_back_their_parts_and_a_rollback_keeps_the_new_latests(tmp_path, capsys):
+    """Removing a multi-rank version gives its parts back to their rings: a removed milestone's
+    stayed kept for good once the job had ended. A rollback keeps the parts of the version that
+    becomes latest, as a latest's are: given back when a newer step superseded it, they were
+    the first the resumed job's saves overwrote, leaving, while those failed, no version that
+    loads. Where one of them is gone the rollback is refused, naming the step to remove too;
+    ``ckptfs rm`` removes the latest last, so that both in one command roll back past it."""
+    from ckptfs.cli import main as cli_main
+
+    region = str(tmp_path / "r.region")
+    ckptfs.Store.create(region, size_bytes=128 << 20).close()
+    run_ranks(_save_sharded_steps, 2, region, range(1, 7), {1, 2})
+    names = (".m.rank0", ".m.rank1")
+
+    def kept(store):
+        return {n: [v.step for v in store.versions(n, hidden=True) if v.kept] for n in names}
+
+    with ckptfs.Store(region) as store:
+        assert [v.step for v in store.versions("m")] == [1, 2, 4, 5, 6]
+        assert kept(store) == {n: [1, 2, 6] for n in names}
+        store.remove("m", 2)
+        assert kept(store) == {n: [1, 6] for n in names}
+        store.remove("m", 6, allow_latest=True)
+        assert store.latest("m").step == 5 and kept(store) == {n: [1, 5] for n in names}
+        store.remove(".m.rank1", 4)  # as if its slot had been reused
+        with pytest.raises(ckptfs.errors.CkptfsError, match=r"step 5 of 'm' is latest, and step 4, which would become "
+                           r"latest, cannot be loaded \(its part of rank 1 is gone\); remove step 4 too"):
+            store.remove("m", 5, allow_latest=True)
+        assert store.latest("m").step == 5 and kept(store) == {n: [1, 5] for n in names}
+    with pytest.raises(SystemExit) as e:
+        cli_main(["rm", "--region", region, "--allow-latest", "m", "5", "4"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.splitlines() == ["removed m step 4", "removed m step 5", "latest of m: step 1"]
+    with ckptfs.Store(region) as store:
+        assert kept(store) == {n: [1] for n in names}
+    run_ranks(_load_step, 2, region, 1)
 
 
 def test_removing_a_multi_rank_model_removes_its_parts(store):

@@ -185,8 +185,12 @@ def test_the_latest_removed_on_request_rolls_the_model_back(store, capsys):
         store.remove("m", 5)
     code, _, err = run(capsys, "rm", "--region", store.path, "m", "5")
     assert code != 0 and "--allow-latest" in err and len(err.strip().splitlines()) == 1
+    code, _, err = run(capsys, "rm", "--region", store.path, "m", "4", "5")
+    assert code != 0 and "--allow-latest" in err
+    assert [v.step for v in store.versions("m")] == [1, 2, 3, 4, 5]  # refused before anything was removed
     code, out, _ = run(capsys, "rm", "--region", store.path, "--allow-latest", "m", "4", "5")
-    assert code == 0 and out.splitlines() == ["removed m step 5", "removed m step 4", "latest of m: step 3"]
+    # the latest last: it moves back once, to the newest version left
+    assert code == 0 and out.splitlines() == ["removed m step 4", "removed m step 5", "latest of m: step 3"]
     assert [(v.step, v.latest) for v in store.versions("m", hidden=True)] == [(1, False), (2, False), (3, True)]
     # a save of the model still running that has claimed the slot of the version that would become
     # latest: refused, nothing changed (the pointer would name a slot being rewritten)

@@ -142,13 +142,25 @@ def rm(region, all_, step_options, allow_latest, model, steps):
         if all_:
             store.remove_model(model)
             click.echo(f"removed {model}")
-        for s in sorted(set(steps), reverse=True):  # the newest first: latest moves back once per step
+        for s in _removal_order(store, model, steps, allow_latest):
             store.remove(model, s, allow_latest=allow_latest)
             click.echo(f"removed {model} step {s}")
         if allow_latest and steps:
             latest = store.latest(model, missing_ok=True)
             click.echo(f"latest of {model}: " + (f"step {latest.step}" if latest is not None else "none"))
         return 0
+
+
+def _removal_order(store, model: str, steps, allow_latest: bool) -> list[int]:
+    """The steps in the order they are removed: the latest last, so that it moves back once, to
+    the newest version left (not to one about to go, whose parts may be gone); without
+    --allow-latest first, so that its refusal comes before anything is removed."""
+    order = sorted(set(steps))
+    latest = store.latest(model, missing_ok=True)
+    if latest is not None and latest.step in order:
+        order.remove(latest.step)
+        order = order + [latest.step] if allow_latest else [latest.step] + order
+    return order
 
 
 @cli.command()

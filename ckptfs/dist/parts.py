@@ -6,9 +6,10 @@ can name it any more: superseded by a newer global step, or of a step that never
 from __future__ import annotations
 
 import threading
+from typing import NamedTuple
 
 from ckptfs.dist.names import METADATA_FILE, part_model, part_models
-from ckptfs.errors import BusyError, CkptfsError, CorruptionError, NotFoundError
+from ckptfs.errors import BusyError, CorruptionError, NotFoundError, PartGoneError
 
 
 def checkpoint_bytes(store, model: str, step: int) -> tuple[int, int, int] | None:
@@ -128,7 +129,7 @@ def reclaim(store, model: str, keep_step: int) -> None:
 def keep_parts(store, model: str, step: int, counter: int | None = None) -> None:
     """Keep the parts in ``store``'s region of global version ``step`` of ``model`` (of a step
     saved twice the newer, or the one whose counter is ``counter``; nothing for a version that
-    is not one); CkptfsError, nothing kept, if one of them is gone."""
+    is not one); PartGoneError, nothing kept, if one of them is gone."""
     if not part_models(store, model):
         return  # a model of one process (its index is not decoded for nothing: 40,000 tensors, 0.2 s)
     version = next((v for v in reversed(store.versions(model, hidden=True))
@@ -139,11 +140,37 @@ def keep_parts(store, model: str, step: int, counter: int | None = None) -> None
         name = part_model(model, rank)
         match = [p for p in store.versions(name, missing_ok=True, hidden=True) if p.counter == part_counter]
         if not match:
-            raise CkptfsError(f"step {step} of {model!r} cannot be kept: the part of rank {rank} is gone (its slot "
-                              "was reused since); keep a newer step")
+            raise PartGoneError(f"step {step} of {model!r} cannot be kept: the part of rank {rank} is gone (its "
+                                "slot was reused since); keep a newer step", rank)
         found.append((name, match[0].step, part_counter))
     for name, part_step, part_counter in found:
         store.keep(name, part_step, counter=part_counter)
+
+
+def parts_named(store, model: str, saves: list[tuple[int, int]]) -> set[tuple[str, int]]:
+    """(part model, counter) of the parts in ``store``'s region that the global versions
+    ``saves`` ((step, counter) each) of ``model`` name; empty for a model without part models."""
+    if not part_models(store, model):
+        return set()
+    out: set[tuple[str, int]] = set()
+    for step, counter in saves:
+        out |= {(part_model(model, rank), c) for rank, c in _parts_of(store, model, _Save(step, counter)) or ()}
+    return out
+
+
+def give_back_parts(store, named: set[tuple[str, int]]) -> None:
+    """Unkeep the parts ``named`` ((part model, counter) each, ``parts_named``): once the global
+    versions that named them are removed, no load can use them, and kept, no ring reuses them."""
+    by_model: dict[str, set[int]] = {}
+    for name, counter in named:
+        by_model.setdefault(name, set()).add(counter)
+    for name, counters in by_model.items():
+        _unkeep(store, name, [v for v in store.versions(name, missing_ok=True, hidden=True) if v.counter in counters])
+
+
+class _Save(NamedTuple):
+    step: int
+    counter: int
 
 
 def named_parts(store, model: str, *, kept_only: bool = False) -> set[tuple[str, int]]:
