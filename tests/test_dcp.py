@@ -405,6 +405,27 @@ def test_a_job_rolled_back_removes_the_later_steps_and_saves_them_again(tmp_path
             assert [v.step for v in store.versions(m, hidden=True) if v.kept] == [7]
 
 
+def test_a_job_restarted_again_and_again_at_one_step_does_not_fill_the_region(tmp_path):
+    """A rank dies in every save of step 5 and the job is restarted each time: each attempt's
+    parts were left kept until a later step committed, which never came; in a 64 MiB region of
+    4 MiB parts the sixth attempt found no slot and every save after it, a healthy one too,
+    waited 120 s and failed. Each process now gives back the earlier runs' abandoned parts at
+    its first part (parts.release_earlier_runs)."""
+    region = str(tmp_path / "r.region")
+    ckptfs.Store.create(region, size_bytes=128 << 20).close()
+    run_ranks(_save_with_a_kill, 2, region, 4, None)
+    for _ in range(4):
+        codes = run_ranks(_save_with_a_kill, 2, region, 5, KILL_POINTS[2], may_die=frozenset({1}), timeout_s=120)
+        assert codes[1] == -9
+    with ckptfs.Store(region) as store:
+        for name in (".k.rank0", ".k.rank1"):
+            kept = [(v.step, v.counter) for v in store.versions(name, hidden=True) if v.kept]
+            assert [step for step, _ in kept] in ([4, 5], [4]), kept  # the latest's, and the last attempt's
+    run_ranks(_save_with_a_kill, 2, region, 5, None)
+    with ckptfs.Store(region) as store:
+        assert store.latest("k").step == 5 and store.verify() == []
+
+
 def _save_step_1_again(rank, world, region):
     state = {f"w{rank}": torch.full((64, 64), 7.0 + rank), "step": 1}
     with ckptfs.Store(region) as store:

@@ -100,6 +100,23 @@ def release_abandoned(store, model: str, name: str, step: int) -> None:
                           and v.step not in busy and (name, v.counter) not in milestones])
 
 
+_first_parts: set[tuple[str, str]] = set()  # (region, part model) this process has begun a part of
+
+
+def release_earlier_runs(store, model: str, name: str, step: int) -> None:
+    """Before this process's first part of part model ``name`` (its part of ``step``): unkeep
+    the parts of steps up to ``step`` that earlier processes of the rank left kept and no global
+    version needs (``release_abandoned``'s rule). A job restarted again and again at one step
+    (a rank dying in every save) left each attempt's part kept until a later step committed,
+    which never came: the attempts filled the region, then every save waited for a slot. Later
+    parts of this process leave it to ``release_abandoned`` after each commit."""
+    with _in_flight_lock:
+        if (store.path, name) in _first_parts:
+            return
+        _first_parts.add((store.path, name))
+    release_abandoned(store, model, name, step + 1)
+
+
 def reclaim(store, model: str, keep_step: int) -> None:
     """After global step ``keep_step`` is committed in ``store``'s region: unkeep every part of
     ``model`` there older than it (superseded, or of a step that never completed), so that the

@@ -148,6 +148,7 @@ class StorageWriter(_DCPWriter):
         # a part hidden by a later save of its step may still be named by the global latest (a
         # step saved again whose global commit fails): parts.py gives parts back, not the writer
         writer = _kept_writer(self.store, name, self.max_inflight, give_back_hidden=False)
+        parts.release_earlier_runs(self.store, self.model, name, self.step)
         parts.started(self.store, name, self.step)
         try:
             save = writer.save(parts.part_state(resolved.tensors, resolved.values), step=self.step, keep=True)
