@@ -408,7 +408,7 @@ def test_a_job_rolled_back_removes_the_later_steps_and_saves_them_again(tmp_path
 def test_a_job_restarted_again_and_again_at_one_step_does_not_fill_the_region(tmp_path):
     """A rank dies in every save of step 5 and the job is restarted each time: each attempt's
     parts were left kept until a later step committed, which never came; in a 64 MiB region of
-    4 MiB parts the sixth attempt found no slot and every save after it, a healthy one too,
+    4 MiB parts the seventh attempt found no slot and every save after it, a healthy one too,
     waited 120 s and failed. Each process now gives back the earlier runs' abandoned parts at
     its first part (parts.release_earlier_runs)."""
     region = str(tmp_path / "r.region")
