@@ -452,7 +452,7 @@ class Store:
         saves = [v] + [older for older in reversed(self.region.committed(v.entry))
                        if older.header.step == step and older.header.counter < v.header.counter]
         # the parts of a multi-rank version (read before it goes), given back once it is gone
-        named = parts.parts_named(self, model, [(x.header.step, x.header.counter) for x in saves])
+        named = parts.named_by(self, model, [(x.header.step, x.header.counter) for x in saves])
         if is_latest and allow_latest and named:
             self._keep_parts_of_next_latest(model, v)
         self.region.remove_version(v, allow_latest=allow_latest)

@@ -164,11 +164,11 @@ def keep_parts(store, model: str, step: int, counter: int | None = None) -> None
         store.keep(name, part_step, counter=part_counter)
 
 
-def parts_named(store, model: str, saves: list[tuple[int, int]]) -> set[tuple[str, int]]:
+def named_by(store, model: str, saves: list[tuple[int, int]]) -> set[tuple[str, int]]:
     """(part model, counter) of the parts in ``store``'s region that the global versions
     ``saves`` ((step, counter) each) of ``model`` name; empty for a model without part models."""
     if not part_models(store, model):
-        return set()
+        return set()  # a model of one process: its versions' indexes are not decoded for nothing
     out: set[tuple[str, int]] = set()
     for step, counter in saves:
         out |= {(part_model(model, rank), c) for rank, c in _parts_of(store, model, _Save(step, counter)) or ()}
@@ -176,7 +176,7 @@ def parts_named(store, model: str, saves: list[tuple[int, int]]) -> set[tuple[st
 
 
 def give_back_parts(store, named: set[tuple[str, int]]) -> None:
-    """Unkeep the parts ``named`` ((part model, counter) each, ``parts_named``): once the global
+    """Unkeep the parts ``named`` ((part model, counter) each, ``named_by``): once the global
     versions that named them are removed, no load can use them, and kept, no ring reuses them."""
     by_model: dict[str, set[int]] = {}
     for name, counter in named:
@@ -193,11 +193,8 @@ class _Save(NamedTuple):
 def named_parts(store, model: str, *, kept_only: bool = False) -> set[tuple[str, int]]:
     """(part model, counter) of the parts in ``store``'s region that the global versions of
     ``model`` there name (the kept ones only, with ``kept_only``)."""
-    out: set[tuple[str, int]] = set()
-    for v in store.versions(model, missing_ok=True):
-        if not kept_only or v.kept:
-            out |= {(part_model(model, rank), counter) for rank, counter in _parts_of(store, model, v) or ()}
-    return out
+    return named_by(store, model, [(v.step, v.counter) for v in store.versions(model, missing_ok=True)
+                                   if not kept_only or v.kept])
 
 
 _parts: dict[tuple[str, str, int], frozenset] = {}  # (region, model, counter) -> _parts_of that version
