@@ -18,7 +18,8 @@ from ckptfs.region.format import COUNTER_MAX, SUPERBLOCK_BYTES, Superblock
 from ckptfs.region.holders import lock_holders
 from ckptfs.region.locks import slot_lock_offset
 from ckptfs.region.region import Region, SlotVersion
-from ckptfs.region.ring import mark_kept
+from ckptfs.region.slots import hidden_by
+from ckptfs.region.ring import latest_after_removal, mark_kept
 from ckptfs.writer.progress import read_progress
 
 if TYPE_CHECKING:  # the reader and the writer need torch, which listing a region does not
@@ -449,8 +450,7 @@ class Store:
         from ckptfs.dist import parts
 
         v, is_latest = self._find(model, step)
-        saves = [v] + [older for older in reversed(self.region.committed(v.entry))
-                       if older.header.step == step and older.header.counter < v.header.counter]
+        saves = [v] + list(reversed(hidden_by(self.region.committed(v.entry), step, v.header.counter)))
         # the parts of a multi-rank version (read before it goes), given back once it is gone
         named = parts.named_by(self, model, [(x.header.step, x.header.counter) for x in saves])
         if is_latest and allow_latest and named:
@@ -471,7 +471,7 @@ class Store:
         CkptfsError, nothing removed, where one of them is gone."""
         from ckptfs.dist import parts
 
-        target = self.region.newest_intact(latest.entry, 0, below=latest)
+        target = latest_after_removal(self.region, latest)
         if target is None:
             return
         t = target.header.step

@@ -447,6 +447,11 @@ def test_the_latest_step_saved_again_is_the_new_save_and_loads(tmp_path):
     with ckptfs.Store(region) as store:
         assert [v.step for v in store.versions("k")] == [1]
         assert store.load("k")["w1"].eq(8.0).all()  # the whole checkpoint in one process, too
+        from ckptfs.dist.parts import named_by
+
+        first, again = [(v.step, v.counter) for v in store.versions("k", hidden=True)]
+        # the hidden first save's parts are found by its counter (what a removal of the step gives back)
+        assert named_by(store, "k", [first]) and named_by(store, "k", [first]).isdisjoint(named_by(store, "k", [again]))
     run_ranks(_save_with_a_kill, 2, region, 2, None)
     with ckptfs.Store(region) as store:  # the first save's parts of step 1 went back at step 2's commit
         assert [(v.step, v.kept) for v in store.versions(".k.rank1", hidden=True) if v.kept] == [(2, True)]

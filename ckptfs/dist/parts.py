@@ -6,7 +6,6 @@ can name it any more: superseded by a newer global step, or of a step that never
 from __future__ import annotations
 
 import threading
-from typing import NamedTuple
 
 from ckptfs.dist.names import METADATA_FILE, part_model, part_models
 from ckptfs.errors import BusyError, CorruptionError, NotFoundError, PartGoneError
@@ -151,7 +150,7 @@ def keep_parts(store, model: str, step: int, counter: int | None = None) -> None
         return  # a model of one process (its index is not decoded for nothing: 40,000 tensors, 0.2 s)
     version = next((v for v in reversed(store.versions(model, hidden=True))
                     if v.step == step and counter in (None, v.counter)), None)
-    wanted = _parts_of(store, model, version) if version is not None else None
+    wanted = _parts_of(store, model, version.step, version.counter) if version is not None else None
     found = []
     for rank, part_counter in sorted(wanted or ()):
         name = part_model(model, rank)
@@ -171,7 +170,7 @@ def named_by(store, model: str, saves: list[tuple[int, int]]) -> set[tuple[str, 
         return set()  # a model of one process: its versions' indexes are not decoded for nothing
     out: set[tuple[str, int]] = set()
     for step, counter in saves:
-        out |= {(part_model(model, rank), c) for rank, c in _parts_of(store, model, _Save(step, counter)) or ()}
+        out |= {(part_model(model, rank), c) for rank, c in _parts_of(store, model, step, counter) or ()}
     return out
 
 
@@ -185,11 +184,6 @@ def give_back_parts(store, named: set[tuple[str, int]]) -> None:
         _unkeep(store, name, [v for v in store.versions(name, missing_ok=True, hidden=True) if v.counter in counters])
 
 
-class _Save(NamedTuple):
-    step: int
-    counter: int
-
-
 def named_parts(store, model: str, *, kept_only: bool = False) -> set[tuple[str, int]]:
     """(part model, counter) of the parts in ``store``'s region that the global versions of
     ``model`` there name (the kept ones only, with ``kept_only``)."""
@@ -200,17 +194,16 @@ def named_parts(store, model: str, *, kept_only: bool = False) -> set[tuple[str,
 _parts: dict[tuple[str, str, int], frozenset] = {}  # (region, model, counter) -> _parts_of that version
 
 
-def _parts_of(store, model: str, version) -> frozenset | None:
-    """(rank, counter) of the parts in ``store``'s region that ``version`` (a VersionInfo of
-    ``model``) names (empty for a version that is not a global one; None if it is gone). Read
-    once per process: a version never changes, and its counter is never reused."""
+def _parts_of(store, model: str, step: int, counter: int) -> frozenset | None:
+    """(rank, counter) of the parts in ``store``'s region that the version ``counter`` of
+    ``step`` of ``model`` names (a save hidden by a later one of its step too; empty for a
+    version that is not a global one; None if it is gone). Read once per process: a version
+    never changes, and its counter is never reused."""
     here = store.region.superblock.uuid.hex()
-    key = (here, model, version.counter)
+    key = (here, model, counter)
     if key not in _parts:
         try:
-            with store.open_version(model, version.step) as g:
-                if g.info.counter != version.counter:
-                    return None  # the step saved again since: not this version any more
+            with store.open_version(model, step, counter=counter) as g:
                 text = dict(g.manifest.files).get(METADATA_FILE)
         except NotFoundError:
             return None  # reused meanwhile: it names nothing any more

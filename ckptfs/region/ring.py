@@ -46,7 +46,7 @@ from ckptfs.region.extents import KEPT, Extents
 from ckptfs.region.format import (HEADER_COPY_OFFSETS, PAGE_BYTES, SLOT_COMMITTED, SLOT_HEADER_BYTES, SLOT_KEPT,
                                   SLOT_WRITING, ModelEntry, SlotHeader, pack_latest, slot_layout, unpack_latest)
 from ckptfs.region.locks import LockSpace, slot_lock_offset
-from ckptfs.region.slots import SlotVersion
+from ckptfs.region.slots import SlotVersion, hidden_by
 
 log = logging.getLogger("ckptfs")
 
@@ -206,7 +206,7 @@ class Ring:
         more. Returns them, and the highest step of the model's committed versions (from the same
         read of the headers)."""
         committed = self.region.committed(self.entry)
-        hidden = [v for v in committed if v.header.step == step and v.header.counter < counter and v.header.kept]
+        hidden = [v for v in hidden_by(committed, step, counter) if v.header.kept]
         for v in hidden:
             if mark_kept(self.region, v, False):
                 self._note_age(v.slot, v.header.counter)
@@ -412,7 +412,7 @@ def move_latest_back(region, version, seen: int) -> None:
     changed, if such a save holds it, or if a save published meanwhile (the pointer no longer
     reads ``seen``)."""
     entry = version.entry
-    target = region.newest_intact(entry, above_counter=0, below=version)
+    target = latest_after_removal(region, version)
     if target is not None and not region.pin(target):
         raise BusyError(f"step {target.header.step} of {entry.name!r}, which would become latest, is being "
                         f"rewritten by a save: stop the job's writers of {entry.name!r}, then remove step "
@@ -426,6 +426,13 @@ def move_latest_back(region, version, seen: int) -> None:
     finally:
         if target is not None:
             region.unpin(target)
+
+
+def latest_after_removal(region, version) -> SlotVersion | None:
+    """The version that becomes latest when ``version``, the latest, is removed
+    (``move_latest_back``): the newest committed version of another step below it whose index
+    verifies, or None."""
+    return region.newest_intact(version.entry, above_counter=0, below=version)
 
 
 def rewrite_header(region, entry, slot: int, header: SlotHeader) -> None:

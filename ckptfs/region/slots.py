@@ -28,6 +28,12 @@ class SlotVersion:
         return self.entry.slot_offset(self.slot) + self.header.data_offset
 
 
+def hidden_by(committed: list[SlotVersion], step: int, counter: int) -> list[SlotVersion]:
+    """Those of ``committed`` that the save ``counter`` of ``step`` hides: the earlier saves of
+    its step (a listing shows the newest save of a step)."""
+    return [v for v in committed if v.header.step == step and v.header.counter < counter]
+
+
 class SlotReader:
     """Region's slot-reading operations; needs ``backend``, ``pins`` and ``latest_word`` from the
     Region it is part of."""
