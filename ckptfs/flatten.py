@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ckptfs import leaves
 from ckptfs.errors import UnsupportedObjectError
 from ckptfs.gcpause import paused_gc
 from ckptfs.manifest import ITEMSIZE, MAX_DEPTH, unique_name
@@ -33,7 +34,8 @@ class Flattened:
 
 
 def plain_node(value: Any) -> dict:
-    """The skeleton node of a plain value (str, int, float, bool, None)."""
+    """The skeleton node of a plain value (str, int, float, bool, None) or of a leaf of
+    ckptfs.leaves (UnsupportedObjectError if it cannot be stored)."""
     return _Walk().node(value)
 
 
@@ -170,7 +172,11 @@ class _Walk:
         return len(self.tensors) - 1
 
     def _other(self, obj) -> dict:
-        """Subclasses of the plain types (IntEnum, str enums...) as their base value; else an error."""
+        """torch's and numpy's small objects (ckptfs.leaves); subclasses of the plain types
+        (IntEnum, str enums...) as their base value; else an error."""
+        node = leaves.encode(obj, self._where())
+        if node is not None:
+            return node
         if isinstance(obj, int):
             return {"int": int(obj)}
         if isinstance(obj, float):
@@ -184,8 +190,8 @@ class _Walk:
                 f"{self._where()}: {type(obj).__name__} is not supported; convert it to a list or tuple")
         raise UnsupportedObjectError(
             f"{self._where()}: {type(obj).__module__}.{type(obj).__qualname__} cannot be stored; ckptfs stores "
-            "tensors, dicts, lists, tuples, str, int, float, bool and None (convert it, e.g. to a "
-            "tensor or a plain value)")
+            "tensors, dicts, lists, tuples, str, int, float, bool, None, torch.Size, torch.dtype, torch.device "
+            "and small numpy arrays and scalars (convert it, e.g. to a tensor or a plain value)")
 
     def _dotted(self) -> str:
         return ".".join([p if isinstance(p, str) else str(p) for p in self._path])

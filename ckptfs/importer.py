@@ -11,7 +11,8 @@ store) and leaves the region untouched -- no writer is created, no model ring al
   read from a private mapping of the file (no copy before the writer's own snapshot) and saved as
   a flat ``{name: tensor}`` dict in header order (or ``{key: {...}}`` with ``key=``).
 * torch files: ``torch.load(weights_only=True)``, which refuses any global outside torch's
-  allowlist (``os.system``, arbitrary classes); every failure becomes MalformedInputError.
+  allowlist (``os.system``, arbitrary classes) and numpy's numeric arrays and scalars
+  (ckptfs.leaves); every failure becomes MalformedInputError.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ckptfs import leaves
 from ckptfs.errors import CkptfsError, MalformedInputError, UnsupportedObjectError
 from ckptfs.flatten import DTYPES
 from ckptfs.manifest import check_skeleton, expected_nbytes, map_tensor_refs, unflatten
@@ -221,7 +223,8 @@ def load_torch_file(path: str) -> Any:
     if magic == b"PK\x03\x04" and not is_zip:
         raise _reject(path, "truncated or damaged: a zip archive (torch.save format) without its central directory")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=is_zip)
+        with torch.serialization.safe_globals(leaves.numpy_safe_globals()):  # numeric arrays (an RNG state)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=is_zip)
     except pickle.UnpicklingError as exc:
         raise _reject(path, f"refused by torch.load(weights_only=True): {_unpickler_reason(str(exc))}") from None
     except Exception as exc:  # noqa: BLE001 - hostile input may fail anywhere in torch.load

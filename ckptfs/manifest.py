@@ -8,7 +8,8 @@ A saved object is split in two (``flatten``):
 Skeleton nodes are one-key JSON objects:
   ``{"tensor": i}``, ``{"dict": [[k, v], ...]}``, ``{"odict": [[k, v], ...]}``, ``{"list": [...]}``,
   ``{"tuple": [...]}``, ``{"str": s}``, ``{"int": n}``, ``{"float": float.hex()}``,
-  ``{"bool": b}``, ``{"none": null}``
+  ``{"bool": b}``, ``{"none": null}``, and the leaves of ckptfs.leaves (torch.Size, torch.dtype,
+  torch.device, small numpy arrays and scalars)
 where dict keys ``k`` are nodes too, so that ``optimizer.state_dict()``'s integer keys stay ints.
 
 The manifest (records + skeleton + identity of the version) is encoded as JSON with fixed-width
@@ -27,7 +28,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
-from ckptfs import _native
+from ckptfs import _native, leaves
 from ckptfs.checksum import crc32_combine
 from ckptfs.errors import MalformedInputError, UnsupportedObjectError
 from ckptfs.gcpause import paused_gc
@@ -519,7 +520,7 @@ def _check_skeleton(node, ntensors: int, depth: int) -> None:
             if depth >= MAX_DEPTH or type(index) is not int or not 0 <= index < ntensors:
                 _check_skeleton(v, ntensors, depth + 1)
     else:
-        raise MalformedInputError(f"unknown skeleton node kind {kind!r:.40}")
+        leaves.check(kind, value)  # or MalformedInputError: an unknown kind
 
 
 def _torch_version() -> str:
@@ -585,7 +586,7 @@ def unflatten(skeleton: dict, tensors: list) -> Any:
         return float.fromhex(value)
     if kind == "str":
         return str(value)
-    raise MalformedInputError(f"unknown skeleton node kind {kind!r}")
+    return leaves.decode(kind, value)
 
 
 def _tensor_refs(node: dict, path: tuple[str, ...], out: list) -> None:

@@ -90,6 +90,11 @@ def assert_same(a, b, path="obj"):
             assert_same(x, y, f"{path}[{i}]")
     elif isinstance(a, float) and a != a:
         assert b != b, f"{path}: nan != {b}"
+    elif type(a).__module__ == "numpy":  # an array or a scalar: dtype, shape, order and bytes
+        assert (a.dtype, a.shape) == (b.dtype, b.shape) and a.tobytes() == b.tobytes(), f"{path}: {a!r} != {b!r}"
+        assert a.dtype is b.dtype or a.dtype.isnative is b.dtype.isnative, f"{path}: byte order"
+        if hasattr(a, "flags"):
+            assert a.flags.f_contiguous == b.flags.f_contiguous and a.flags.c_contiguous == b.flags.c_contiguous, path
     else:
         assert a == b, f"{path}: {a!r} != {b!r}"
 

@@ -11,6 +11,7 @@ import sys
 import time
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save as st_save, save_file
@@ -427,6 +428,54 @@ def test_import_of_an_exported_state_safetensors_keeps_the_nesting(capsys, fresh
     assert code == 1 and "ckptfs.skeleton" in one_error_line(err) and "nothing was imported" in err
     with ckptfs.Store(fresh_region) as s:
         assert "nest4" not in s.models()
+
+
+def full_training_checkpoint(seed: int) -> dict:
+    """What a hand-written training loop saves beside the model and the optimizer: the scheduler,
+    the AMP scaler, every RNG's state (numpy's an array), numpy metrics, torch's small objects."""
+    import random
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=50)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        sched.step()
+    return {"model": model.state_dict(), "optim": opt.state_dict(), "sched": sched.state_dict(),
+            "scaler": torch.amp.GradScaler("cpu").state_dict(), "epoch": seed,
+            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.RandomState(seed).get_state(),
+                    "python": random.Random(seed).getstate()},
+            "best": {"loss": np.float32(0.5 / (seed + 1)), "at": np.int64(seed), "improved": np.bool_(seed % 2)},
+            "amp": {"dtype": torch.bfloat16, "device": torch.device("cpu"), "shape": torch.Size([4, 8])}}
+
+
+def test_a_full_training_checkpoint_saves_loads_exports_and_imports(capsys, fresh_region, tmp_path):
+    """numpy's RNG state and metrics, torch's Size, dtype and device in a training checkpoint:
+    Store.load, torch.load of checkpoint.pt (as of torch.save's file), metadata.json, and the
+    import of the exported state.safetensors and of a torch.save file all give them back."""
+    with ckptfs.Store(fresh_region) as s, s.writer("full") as w:
+        for step in (1, 2):  # the second through the cached plan, with new values
+            w.save(full_training_checkpoint(step), step=step).result()
+        assert_same(s.load("full", 1), full_training_checkpoint(1))
+        assert_same(s.load("full"), full_training_checkpoint(2))
+    out = tmp_path / "out"
+    assert run(capsys, "export", "--region", fresh_region, "full", f"{out}/")[0] == 0
+    assert_same(torch.load(out / "checkpoint.pt", weights_only=False), full_training_checkpoint(2))
+    torch.save(full_training_checkpoint(2), tmp_path / "torch_save.pt")
+    for path in (out / "checkpoint.pt", tmp_path / "torch_save.pt"):  # torch refuses both alike
+        with pytest.raises(pickle.UnpicklingError, match="numpy"):
+            torch.load(path, weights_only=True)
+    meta = json.loads((out / "metadata.json").read_text())["object"]
+    assert meta["best"] == {"loss": float(np.float32(0.5 / 3)), "at": 2, "improved": False}
+    assert meta["amp"] == {"dtype": "torch.bfloat16", "device": "cpu", "shape": [4, 8]}
+    assert meta["rng"]["numpy"][:2] == ["MT19937", "<ndarray <u4 (624,)>"]
+    for name, path in (("from_export", out / "state.safetensors"), ("from_torch", tmp_path / "torch_save.pt")):
+        assert run(capsys, "import", "--region", fresh_region, name, path)[0] == 0
+        with ckptfs.Store(fresh_region) as s:
+            assert_same(s.load(name), full_training_checkpoint(2))
 
 
 def test_rm(capsys, fresh_region):

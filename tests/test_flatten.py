@@ -1,13 +1,16 @@
 """Tier 1: flatten, the split of a saved object into skeleton + tensors (no region involved)."""
+import base64
 import collections
 import enum
 
+import numpy as np
 import pytest
 import torch
 
-from ckptfs.errors import UnsupportedObjectError
+from ckptfs.errors import MalformedInputError, UnsupportedObjectError
 from ckptfs.flatten import flatten
-from ckptfs.manifest import MAX_DEPTH, unflatten
+from ckptfs.manifest import MAX_DEPTH, check_skeleton, unflatten
+from conftest import assert_same
 
 
 def nested(depth: int, leaf):
@@ -103,3 +106,71 @@ def test_the_index_dtype_sizes_are_torchs():
 
     assert {name: getattr(torch, name).itemsize for name in ITEMSIZE} == ITEMSIZE
     assert set(DTYPES) == set(ITEMSIZE) and all(DTYPE_NAMES[d] == n for n, d in DTYPES.items())
+
+
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode("ascii")
+
+
+def test_torch_and_numpy_objects_are_leaves_that_come_back_as_they_were():
+    """What training checkpoints carry beside tensors: numpy's RNG state, numpy metrics, torch's
+    Size, dtype and device objects. Each is a JSON leaf (ckptfs.leaves) and comes back with its
+    type, dtype, byte order and memory order."""
+    fortran = np.asfortranarray(np.arange(6.0).reshape(2, 3))
+    obj = {"size": torch.Size([2, 3]), "dtype": torch.bfloat16, "cpu": torch.device("cpu"),
+           "gpu": torch.device("cuda", 1), "rng": np.random.RandomState(7).get_state(), "fortran": fortran,
+           "be": np.arange(3, dtype=">i4"), "metric": np.float64(0.25), "argmax": np.int64(3), "flag": np.bool_(True),
+           "empty": np.zeros((0, 2), np.float16), "zero_dim": np.array(5, np.uint8), "name": np.str_("run")}
+    flat = flatten(obj)
+    nodes = {k["str"]: v for k, v in flat.skeleton["dict"]}
+    assert nodes["size"] == {"size": [2, 3]} and nodes["dtype"] == {"dtype": "bfloat16"}
+    assert nodes["cpu"] == {"device": ["cpu", None]} and nodes["gpu"] == {"device": ["cuda", 1]}
+    assert nodes["be"] == {"ndarray": {"dtype": ">i4", "shape": [3], "fortran": False,
+                                       "data": _b64(b"\0\0\0\0\0\0\0\1\0\0\0\2")}}
+    assert nodes["fortran"] == {"ndarray": {"dtype": "<f8", "shape": [2, 3], "fortran": True,
+                                            "data": _b64(fortran.tobytes(order="F"))}}
+    assert nodes["metric"] == {"npscalar": {"dtype": "<f8", "data": _b64(np.float64(0.25).tobytes())}}
+    assert nodes["flag"] == {"npscalar": {"dtype": "|b1", "data": _b64(b"\1")}}
+    assert nodes["name"] == {"str": "run"}  # a str subclass, as its base value
+    assert flat.tensors == []
+    back = unflatten(flat.skeleton, [])
+    del obj["name"], back["name"]
+    assert_same(obj, back)
+    assert back["fortran"].flags.f_contiguous and not back["fortran"].flags.c_contiguous
+    assert back["rng"][1].flags.writeable  # its own memory, not the index's
+    restored = np.random.RandomState()
+    restored.set_state(back["rng"])
+    assert restored.randint(1 << 30) == np.random.RandomState(7).randint(1 << 30)
+
+
+@pytest.mark.parametrize("obj, match", [
+    ({"a": np.array([1, "x"], dtype=object)}, r"^a: numpy dtype object cannot be stored"),
+    ({"a": np.zeros(2, dtype=[("x", "<i4")])}, r"^a: numpy dtype .* cannot be stored"),
+    ({"a": [np.datetime64("2020-01-01")]}, r"^a\.0: numpy dtype datetime64\[D\] cannot be stored"),
+    ({"a": np.zeros(200_000)}, r"^a: a numpy array of 1600000 bytes .*torch\.from_numpy"),
+    ({"a": np.ma.masked_array([1, 2])}, r"^a: MaskedArray is not supported; convert it with np\.asarray"),
+    ({"a": torch.qint8}, r"^a: dtype torch\.qint8 cannot be stored"),
+])
+def test_torch_and_numpy_objects_that_cannot_be_stored_are_refused_by_path(obj, match):
+    with pytest.raises(UnsupportedObjectError, match=match):
+        flatten(obj)
+
+
+@pytest.mark.parametrize("node", [
+    {"size": [2, -1]}, {"size": "2"}, {"size": [True]}, {"dtype": "qint8"}, {"dtype": ["float16"]},
+    {"device": ["cuda", -1]}, {"device": ["CUDA", 0]}, {"device": ["cpu"]}, {"device": ["cpu; rm", None]},
+    {"ndarray": {"dtype": "<u4", "shape": [2], "fortran": False, "data": _b64(b"\0" * 4)}},  # too short
+    {"ndarray": {"dtype": "<u4", "shape": [1], "fortran": False, "data": "!!!!!!!!"}},  # not base64
+    {"ndarray": {"dtype": "<u4", "shape": [1], "fortran": False, "data": "AAAA=AA="}},  # padding inside
+    {"ndarray": {"dtype": "|O8", "shape": [1], "fortran": False, "data": _b64(b"\0" * 8)}},
+    {"ndarray": {"dtype": "<u4", "shape": [1], "fortran": 0, "data": _b64(b"\0" * 4)}},
+    {"ndarray": {"dtype": "<u4", "shape": [1], "data": _b64(b"\0" * 4)}},
+    {"ndarray": {"dtype": "<u4", "shape": [1 << 40], "fortran": False, "data": ""}},
+    {"npscalar": {"dtype": "<f8", "data": _b64(b"\0" * 4)}}, {"npscalar": {"dtype": "<U1", "data": _b64(b"a\0\0\0")}},
+    {"npscalar": {"dtype": "<f8", "data": _b64(b"\0" * 8), "shape": []}},
+])
+def test_malformed_leaf_nodes_are_refused_on_read(node):
+    """An index is input: a leaf node that flatten could not have written is refused before
+    anything is built from it (``check_skeleton``, on every decode of an index)."""
+    with pytest.raises(MalformedInputError):
+        check_skeleton({"dict": [[{"str": "k"}, node]]}, 0)

@@ -3,6 +3,7 @@ change of structure is caught and re-planned, never written with a stale layout.
 import math
 from collections import OrderedDict
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,7 +20,10 @@ def training_state(n: int = 6, lr: float = 0.1, epoch: int = 1) -> dict:
     return {"model": model,
             "optim": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(4, 3)}},
                       "param_groups": [{"lr": lr, "betas": (0.9, 0.999), "amsgrad": False, "name": None}]},
-            "epoch": epoch, "tag": "run-1"}
+            "epoch": epoch, "tag": "run-1",
+            # leaves of ckptfs.leaves: an RNG state that changes with every save, torch's objects
+            "rng": {"numpy": np.random.RandomState(abs(epoch)).get_state(), "metric": np.float32(epoch / 4)},
+            "amp": {"dtype": torch.bfloat16, "device": torch.device("cpu"), "shape": torch.Size([4, 3])}}
 
 
 def same_as_flatten(obj) -> bool:
@@ -66,6 +70,13 @@ def changed_states():
     yield "int key for str key", edit(lambda s: s["optim"].__setitem__("state", {"0": s["optim"]["state"][0]}))
     yield "bool key for int key", edit(lambda s: s["optim"].__setitem__("state", {True: s["optim"]["state"][0]}))
     yield "tensor for plain", edit(lambda s: s.__setitem__("epoch", torch.tensor(1)))
+    yield "numpy float for float", edit(lambda s: s["optim"]["param_groups"][0].__setitem__("lr", np.float64(0.1)))
+    yield "list for RNG state", edit(lambda s: s["rng"].__setitem__("numpy", list(s["rng"]["numpy"])))
+    yield "int for numpy scalar", edit(lambda s: s["rng"].__setitem__("metric", 3))
+    yield "numpy int for numpy float", edit(lambda s: s["rng"].__setitem__("metric", np.int32(3)))
+    yield "Size for tuple", edit(lambda s: s["optim"]["param_groups"][0].__setitem__("betas", torch.Size([1, 2])))
+    yield "tuple for Size", edit(lambda s: s["amp"].__setitem__("shape", (4, 3)))
+    yield "str for dtype", edit(lambda s: s["amp"].__setitem__("dtype", "bfloat16"))
 
 
 @pytest.mark.parametrize("name,obj", list(changed_states()), ids=[n for n, _ in changed_states()])
@@ -96,12 +107,16 @@ def test_saves_through_a_cached_plan_hold_the_current_bytes_and_structure(store)
                 t.add_(1)  # in place, as an optimizer step
             state["optim"]["param_groups"][0]["lr"] = 0.1 * 0.9 ** step
             state["epoch"] = step
+            state["rng"]["numpy"] = np.random.RandomState(step).get_state()
+            state["amp"]["dtype"] = (torch.bfloat16, torch.float16)[step % 2]
             w.save(state, step=step).result()
             expected[step] = OrderedDict((k, v.clone()) for k, v in state["model"].items())
             expected[step] = (expected[step], state["optim"]["param_groups"][0]["lr"], step)
     for step, (model, lr, epoch) in expected.items():
         back = store.load("m", step)
         assert_same(back["model"], model)
+        assert_same(back["rng"]["numpy"], np.random.RandomState(step).get_state())
+        assert back["amp"]["dtype"] is (torch.bfloat16, torch.float16)[step % 2]
         assert back["model"]["head.weight"] is back["model"]["layer0.weight"]
         assert back["optim"]["param_groups"][0]["lr"] == lr and back["epoch"] == epoch
         assert math.isclose(lr, 0.1 * 0.9 ** step)
@@ -113,6 +128,10 @@ def test_a_refusal_after_a_cached_plan_still_names_its_path(store):
         bad = training_state()
         bad["optim"]["param_groups"][0]["lr"] = object()
         with pytest.raises(ckptfs.errors.UnsupportedObjectError, match=r"optim\.param_groups\.0\.lr"):
+            w.save(bad, step=2)
+        bad = training_state()
+        bad["rng"]["numpy"] = np.zeros(1 << 18)  # an array past what the index takes inline
+        with pytest.raises(ckptfs.errors.UnsupportedObjectError, match=r"^rng\.numpy: a numpy array of 2097152 bytes"):
             w.save(bad, step=2)
         w.save(training_state(), step=3).result()
     assert [v.step for v in store.versions("m")] == [1, 3]

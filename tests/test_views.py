@@ -20,6 +20,7 @@ import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
@@ -116,6 +117,8 @@ def assert_same(expected, actual, path="obj"):
     elif isinstance(expected, float):
         assert (math.isnan(actual) and math.isnan(expected)) or (
             actual == expected and math.copysign(1, actual) == math.copysign(1, expected)), path
+    elif type(expected).__module__ == "numpy":
+        assert (actual.dtype, actual.shape, actual.tobytes()) == (expected.dtype, expected.shape, expected.tobytes()), path
     else:
         assert actual == expected, path
 
@@ -578,9 +581,29 @@ def reference_pickle(manifest):
 _TENSOR_POOL = [t for i, dtype in enumerate(DTYPES.values())
                 for t in [sample(dtype, (2, 3), seed=i), sample(dtype, (1,), seed=i).reshape(()),
                           sample(dtype, (0, 2)), sample(dtype, (1, 1, 1, 300)), sample(dtype, (70000,))]]
+# numpy's dtypes that ckptfs stores, both byte orders (a big-endian dtype is no singleton)
+_NUMPY_CODES = ["|b1", "|i1", "|u1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8", "<f2", "<f4", "<f8", "<c8", "<c16",
+                ">f8", ">i4"]
+
+
+def numpy_sample(code: str, shape: tuple, fortran: bool, seed: int):
+    """A numpy array of ``code`` and ``shape`` with random bytes (bools 0 or 1), Fortran-ordered
+    where asked."""
+    dtype = np.dtype(code)
+    n = math.prod(shape) * dtype.itemsize
+    raw = np.random.default_rng(seed).integers(0, 2 if code == "|b1" else 256, size=n, dtype=np.uint8).tobytes()
+    a = np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
+    return np.asfortranarray(a) if fortran else a
+
+
+_numpy_arrays = st.builds(numpy_sample, st.sampled_from(_NUMPY_CODES), st.lists(st.integers(0, 3), max_size=3).map(tuple),
+                          st.booleans(), st.integers(0, 1000))
+_torch_objects = st.sampled_from([torch.Size([]), torch.Size([2, 3]), torch.float16, torch.bfloat16, torch.int64,
+                                  torch.float8_e4m3fn, torch.device("cpu"), torch.device("cuda", 1), torch.device("cuda")])
 _leaves = st.one_of(st.none(), st.booleans(), st.integers(-(1 << 70), 1 << 70), st.integers(-300, 70000),
-                    st.floats(allow_nan=True), st.text(max_size=3), st.sampled_from(["a", "cpu", "storage", ""]),
-                    st.integers(0, len(_TENSOR_POOL) - 1).map(lambda i: _TENSOR_POOL[i]))
+                    st.floats(allow_nan=True), st.text(max_size=3), st.sampled_from(["a", "cpu", "storage", "", "b", "<"]),
+                    st.integers(0, len(_TENSOR_POOL) - 1).map(lambda i: _TENSOR_POOL[i]),
+                    _torch_objects, _numpy_arrays, _numpy_arrays.filter(lambda a: a.size > 0).map(lambda a: a.reshape(-1)[0]))
 _keys = st.one_of(st.text(max_size=4), st.integers(-5, 300), st.booleans(), st.none())
 _objects = st.recursive(_leaves, lambda inner: st.one_of(
     st.lists(inner, max_size=5), st.lists(inner, max_size=5).map(tuple),
@@ -843,7 +866,8 @@ def test_metadata_json_is_what_json_dumps_writes(names):
 
 def json_safe(value):
     """The oracle of metadata.json's ``object``: the plain part made JSON-safe as documented
-    (tuples as lists, non-finite floats as strings, keys as str() with #n on a collision)."""
+    (tuples as lists, non-finite floats as strings, keys as str() with #n on a collision, torch's
+    and numpy's objects as _object_json says)."""
     if isinstance(value, dict):
         out = {}
         for k, v in value.items():
@@ -858,6 +882,13 @@ def json_safe(value):
         return [json_safe(v) for v in value]
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
+    if isinstance(value, (torch.dtype, torch.device)):  # torch.Size is a tuple
+        return str(value)
+    if isinstance(value, np.ndarray):
+        return f"<ndarray {value.dtype.str} {value.shape}>"
+    if isinstance(value, np.generic):  # a numpy scalar: its number (a complex as its str)
+        number = value.item()
+        return json_safe(str(number) if isinstance(number, complex) else number)
     return value
 
 

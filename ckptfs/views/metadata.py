@@ -6,7 +6,7 @@ import math
 from json.encoder import encode_basestring_ascii
 from datetime import datetime, timezone
 
-from ckptfs import _native
+from ckptfs import _native, leaves
 from ckptfs.manifest import Manifest, unflatten, unique_name
 from ckptfs.views.registry import register
 from ckptfs.views.segments import Literal, View
@@ -71,7 +71,8 @@ def _object_json(manifest: Manifest) -> str:
     """The ``object`` value as ``json.dumps(..., indent=2)`` writes it at depth 1, straight from
     the skeleton (json.dumps with an indent runs its pure-Python encoder): the saved object with
     each tensor as ``"<tensor NAME>"``, tuples as lists, non-finite floats as the strings "nan",
-    "inf", "-inf", and non-string dict keys as their ``str()``; a key that collides with an
+    "inf", "-inf", torch.Size as a list, a dtype as ``"torch.float16"``, a device as ``"cuda:0"``,
+    a numpy scalar as its number, a numpy array as ``"<ndarray <u4 (624,)>"``, and non-string dict keys as their ``str()``; a key that collides with an
     earlier one of its dict gets ``#1``, ``#2``... appended, so no entry is lost."""
     out: list[str] = []
     _write_node(manifest.skeleton, 1, out, [t.name for t in manifest.tensors])
@@ -105,8 +106,23 @@ def _write_node(node: dict, level: int, out: list[str], names: list[str]) -> Non
             out.append((inner if i == 0 else "," + inner) + encode_basestring_ascii(name) + ": ")
             _write_node(item, level + 1, out, names)
         out.append("\n" + "  " * level + "}")
+    elif kind in leaves.KINDS:
+        _write_node(_plain_node(leaves.plain_value(kind, value)), level, out, names)
     else:
         raise ValueError(f"unknown skeleton node kind {kind!r}")
+
+
+def _plain_node(value) -> dict:
+    """The skeleton node of a stand-in from leaves.plain_value (a list of ints, a number, a str)."""
+    if isinstance(value, list):
+        return {"list": [{"int": n} for n in value]}
+    if isinstance(value, bool):
+        return {"bool": value}
+    if isinstance(value, int):
+        return {"int": value}
+    if isinstance(value, float):
+        return {"float": value.hex()}
+    return {"str": value}
 
 
 def _float_json(hex_text: str) -> str:

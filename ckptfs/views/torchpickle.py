@@ -27,8 +27,9 @@ from __future__ import annotations
 import functools
 import pickle
 import struct
+import sys
 
-from ckptfs import _native
+from ckptfs import _native, leaves
 from ckptfs.manifest import Manifest, tensor_leaf
 
 PICKLE_PROTOCOL = 2
@@ -48,6 +49,26 @@ UNTYPED_STORAGE = ("torch.storage", "UntypedStorage")
 REBUILD_TENSOR_V2 = ("torch._utils", "_rebuild_tensor_v2")
 REBUILD_TENSOR_V3 = ("torch._utils", "_rebuild_tensor_v3")
 ORDERED_DICT = ("collections", "OrderedDict")
+TORCH_SIZE = ("torch", "Size")
+TORCH_DEVICE = ("torch", "device")
+NUMPY_NDARRAY = ("numpy", "ndarray")
+NUMPY_DTYPE = ("numpy", "dtype")
+CODECS_ENCODE = ("_codecs", "encode")  # protocol 2 has no bytes opcode: encode(text, "latin1")
+EMPTY_BYTES = ("__builtin__", "bytes")  # b"": bytes()
+
+
+@functools.lru_cache(maxsize=None)
+def numpy_core() -> str:
+    """The module numpy's arrays and scalars pickle their constructors from: ``numpy._core.
+    multiarray`` since numpy 2 (which still loads ``numpy.core`` ones), ``numpy.core.multiarray``
+    before. Read from the installed numpy's version, without importing it (the mount needs no numpy)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major = int(version("numpy").split(".")[0])
+    except (PackageNotFoundError, ValueError):
+        major = 2
+    return "numpy._core.multiarray" if major >= 2 else "numpy.core.multiarray"
 
 
 def dtype_global(dtype: str) -> tuple[str, str]:
@@ -56,6 +77,7 @@ def dtype_global(dtype: str) -> tuple[str, str]:
 
 
 _BATCH = 1000  # pickle's BATCHSIZE
+_LITTLE_ENDIAN = sys.byteorder == "little"
 _TUPLE_N = {1: b"\x85", 2: b"\x86", 3: b"\x87"}  # TUPLE1..3
 
 
@@ -208,8 +230,118 @@ class _Writer:
             self.out += b")R"  # OrderedDict()
             self.put()
             self.save_odict_items(value)
+        elif kind in leaves.KINDS:
+            self.save_leaf(kind, value)
         else:
             raise ValueError(f"unknown skeleton node kind {kind!r}")
+
+    # -- torch's and numpy's small objects (ckptfs.leaves), as their own __reduce__ pickles them.
+    # What pickle memoizes by identity is modelled on the objects leaves.decode builds: torch
+    # dtypes, numpy's native dtypes, its bool scalars, bytes of 0 or 1 byte and 1-character strs are
+    # singletons (BINGET when met again); other strs, tuples and arrays are new objects.
+    def save_leaf(self, kind: str, value) -> None:
+        if kind == "dtype":
+            self.save_global(dtype_global(value))
+            return
+        if kind == "size":
+            self.save_global(TORCH_SIZE)
+            self.save_int_tuple(tuple(value))
+            self.out += b"\x85"  # TUPLE1: the args
+            self.put()
+        elif kind == "device":
+            self.save_global(TORCH_DEVICE)
+            self.save_new_str(value[0])
+            if value[1] is not None:
+                self.save_int(value[1])
+            self.out += b"\x86" if value[1] is not None else b"\x85"
+            self.put()
+        elif kind == "npscalar":
+            singleton = ("npscalar", value["data"]) if value["dtype"] == "|b1" else None  # np.True_, np.False_
+            if self.get_named(singleton):
+                return
+            self.save_global((numpy_core(), "scalar"))
+            self.save_numpy_dtype(value["dtype"])
+            self.save_bytes(leaves.raw_bytes(value))
+            self.out += b"\x86"
+            self.put()
+            self.out += b"R"
+            n = self.put()
+            if singleton:
+                self.named_memo[singleton] = n
+            return
+        else:  # ndarray: _reconstruct(ndarray, (0,), b"b"), then its state by BUILD
+            self.save_global((numpy_core(), "_reconstruct"))
+            self.save_global(NUMPY_NDARRAY)
+            self.out += b"K\x00\x85"  # (0,)
+            self.put()
+            self.save_bytes(b"b")
+            self.out += b"\x87"
+            self.put()
+            self.out += b"R"
+            self.put()
+            self.out += b"(K\x01"  # MARK, version 1
+            self.save_int_tuple(tuple(value["shape"]))
+            self.save_numpy_dtype(value["dtype"])
+            self.out += b"\x88" if value["fortran"] else b"\x89"
+            self.save_bytes(leaves.raw_bytes(value))
+            self.out += b"t"
+            self.put()
+            self.out += b"b"  # BUILD
+            return
+        self.out += b"R"
+        self.put()
+
+    def get_named(self, key) -> bool:
+        """BINGET of a singleton already pickled under ``key`` (True), or False."""
+        n = self.named_memo.get(key) if key is not None else None
+        if n is None:
+            return False
+        self.get(n)
+        return True
+
+    def save_numpy_dtype(self, code: str) -> None:
+        """numpy.dtype(code[1:], False, True) with its state (3, byte order, None, None, None,
+        -1, -1, 0); the dtypes of the native byte order are singletons."""
+        singleton = ("npdtype", code) if code[0] in "|" + ("<" if _LITTLE_ENDIAN else ">") else None
+        if self.get_named(singleton):
+            return
+        self.save_global(NUMPY_DTYPE)
+        self.save_new_str(code[1:])
+        self.out += b"\x89\x88\x87"  # False, True, TUPLE3
+        self.put()
+        self.out += b"R"
+        n = self.put()
+        self.out += b"(K\x03"
+        self.save_str(code[0])  # a 1-character str: a singleton
+        self.out += b"NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK\x00t"
+        self.put()
+        self.out += b"b"
+        if singleton:
+            self.named_memo[singleton] = n
+
+    def save_bytes(self, data: bytes) -> None:
+        """bytes as protocol 2 pickles them: ``bytes()`` for b"" and ``_codecs.encode(text,
+        "latin1")`` for the others; bytes of 0 or 1 byte are singletons."""
+        singleton = ("bytes", data) if len(data) <= 1 else None
+        if self.get_named(singleton):
+            return
+        if not data:
+            self.save_global(EMPTY_BYTES)
+            self.out += b")R"
+        else:
+            self.save_global(CODECS_ENCODE)
+            text = data.decode("latin1")
+            if len(text) == 1:
+                self.save_str(text)  # a 1-character str: a singleton, memoized by identity
+            else:
+                self.save_new_str(text)
+            self.save_str("latin1")  # the Pickler's own interned "latin1"
+            self.out += b"\x86"
+            self.put()
+            self.out += b"R"
+        n = self.put()
+        if singleton:
+            self.named_memo[singleton] = n
 
     def save_items(self, pairs: list) -> None:
         """Dict items in order: runs of the usual ones (a str key, a tensor whose dtype has its

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from ckptfs import leaves
+from ckptfs.errors import UnsupportedObjectError
 from ckptfs.flatten import Flattened, plain_node
 from ckptfs.gcpause import paused_gc
 from ckptfs.manifest import dumps_compact, unflatten
@@ -35,7 +37,7 @@ class _Node:
     it (else its skeleton node and encoding are reused as they are)."""
 
     __slots__ = ("kind", "keys", "key_types", "key_nodes", "children", "leaf", "node", "_text", "plain",
-                 "all_tensors")
+                 "all_tensors", "leaf_type")
 
     def __init__(self, kind: str, node: dict):
         self.kind, self.node = kind, node
@@ -44,8 +46,11 @@ class _Node:
         self.children: list[_Node] = []
         self.leaf = -1  # tensor leaf: its index among the leaves; plain leaf: among the plain values
         self._text: str | None = None
-        self.plain = kind in _PLAIN_TYPES
+        self.plain = kind in _PLAIN_TYPES or kind in leaves.KINDS
         self.all_tensors = False
+        # a leaf of ckptfs.leaves: the type its object must have (its node is made again at
+        # every save: an RNG state changes every time, and an array has no plain equality)
+        self.leaf_type: type | None = None
 
     @property
     def text(self) -> str:
@@ -94,6 +99,10 @@ class Structure:
             elif kind in _PLAIN_TYPES:
                 n.leaf = len(plain)
                 plain.append(unflatten(node, []))
+            elif kind in leaves.KINDS:
+                n.leaf = len(plain)
+                plain.append(None)
+                n.leaf_type = type(unflatten(node, []))
             elif kind in ("dict", "odict"):
                 n.keys = tuple(unflatten(k, []) for k, _ in value)
                 if not all(type(k) is str for k in n.keys):
@@ -124,7 +133,10 @@ class Structure:
             tensors = self._check_leaves(leaves)
         except (_Changed, AttributeError, RuntimeError, TypeError):
             return None
-        skeleton, text = self._rebuild(self._root, plain)
+        try:
+            skeleton, text = self._rebuild(self._root, plain)
+        except UnsupportedObjectError:  # e.g. an array grown too large: flatten names where
+            return None
         return Flattened(skeleton, tensors, self._names, self._signature, self._devices_seen, skeleton_json=text)
 
     def _walk(self, n: _Node, obj: Any, leaves: list, plain: list) -> None:
@@ -133,6 +145,10 @@ class Structure:
             leaves.append(obj)
         elif kind in _PLAIN_TYPES:
             if type(obj) is not _PLAIN_TYPES[kind]:
+                raise _Changed
+            plain.append(obj)
+        elif n.leaf_type is not None:
+            if type(obj) is not n.leaf_type:
                 raise _Changed
             plain.append(obj)
         elif kind in ("dict", "odict"):
@@ -181,7 +197,7 @@ class Structure:
             return n.node, n.text
         if n.leaf >= 0:
             value, cached = plain[n.leaf], self._plain[n.leaf]
-            if value == cached and type(value) is type(cached) and value == value:
+            if n.leaf_type is None and value == cached and type(value) is type(cached) and value == value:
                 return n.node, n.text
             node = plain_node(value)
             return node, dumps_compact(node)
