@@ -262,12 +262,7 @@ class _Writer:
             self.save_global((numpy_core(), "scalar"))
             self.save_numpy_dtype(value["dtype"])
             self.save_bytes(leaves.raw_bytes(value))
-            self.out += b"\x86"
-            self.put()
-            self.out += b"R"
-            n = self.put()
-            if singleton:
-                self.named_memo[singleton] = n
+            self.reduce2(singleton)
             return
         else:  # ndarray: _reconstruct(ndarray, (0,), b"b"), then its state by BUILD
             self.save_global((numpy_core(), "_reconstruct"))
@@ -328,17 +323,23 @@ class _Writer:
         if not data:
             self.save_global(EMPTY_BYTES)
             self.out += b")R"
+            self.named_memo[singleton] = self.put()
+            return
+        self.save_global(CODECS_ENCODE)
+        text = data.decode("latin1")
+        if len(text) == 1:
+            self.save_str(text)  # a 1-character str: a singleton, memoized by identity
         else:
-            self.save_global(CODECS_ENCODE)
-            text = data.decode("latin1")
-            if len(text) == 1:
-                self.save_str(text)  # a 1-character str: a singleton, memoized by identity
-            else:
-                self.save_new_str(text)
-            self.save_str("latin1")  # the Pickler's own interned "latin1"
-            self.out += b"\x86"
-            self.put()
-            self.out += b"R"
+            self.save_new_str(text)
+        self.save_str("latin1")  # the Pickler's own interned "latin1"
+        self.reduce2(singleton)
+
+    def reduce2(self, singleton) -> None:
+        """TUPLE2 of the two arguments just written and REDUCE, the result memoized (under
+        ``singleton`` too, where it is one)."""
+        self.out += b"\x86"
+        self.put()
+        self.out += b"R"
         n = self.put()
         if singleton:
             self.named_memo[singleton] = n
