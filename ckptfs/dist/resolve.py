@@ -31,6 +31,9 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItemType
 from torch.distributed.checkpoint.utils import find_tensor_shard
 
+from ckptfs import leaves
+from ckptfs.errors import UnsupportedObjectError
+
 __all__ = ["ItemResolver", "Resolved", "as_tensor", "resolve_items"]
 
 
@@ -129,20 +132,27 @@ def _plain_pickle(obj) -> bytes | None:
 
 def storable_value(obj) -> bool:
     """Whether ``obj`` is plain data that a part stores as it is: the exact types of a
-    skeleton's scalars, and lists, tuples and dicts of them, 8 levels deep at most."""
-    return _is_plain(obj, 0, _STORABLE_TYPES)
+    skeleton's scalars and the objects of ckptfs.leaves that it can store (torch.Size, a dtype,
+    numpy's RNG state...), and lists, tuples and dicts of them, 8 levels deep at most."""
+    return _is_plain(obj, 0, _STORABLE_TYPES, with_leaves=True)
 
 
-def _is_plain(obj, depth: int, scalars: frozenset) -> bool:
+def _is_plain(obj, depth: int, scalars: frozenset, with_leaves: bool = False) -> bool:
     kind = type(obj)
     if kind in scalars:
         return True
+    if with_leaves and kind.__module__.startswith(("torch", "numpy")) and not issubclass(kind, torch.Tensor):
+        try:
+            return leaves.encode(obj, "") is not None
+        except UnsupportedObjectError:
+            return False
     if depth >= 8:
         return False
     if kind is list or kind is tuple:
-        return all(_is_plain(v, depth + 1, scalars) for v in obj)
+        return all(_is_plain(v, depth + 1, scalars, with_leaves) for v in obj)
     if kind is dict:
-        return all(_is_plain(k, depth + 1, scalars) and _is_plain(v, depth + 1, scalars) for k, v in obj.items())
+        return all(_is_plain(k, depth + 1, scalars) and _is_plain(v, depth + 1, scalars, with_leaves)
+                   for k, v in obj.items())
     return False
 
 
