@@ -33,9 +33,35 @@ def restore(data: VersionData, map_location="cpu", verify: bool = True, into=Non
         return _restore(data, map_location, verify, into, fill)
 
 
+def load_device(map_location) -> torch.device:
+    """The device of ``map_location`` (None: the CPU) once it is known to be usable here; a
+    ValueError, in the words of the argument, before anything is read otherwise. torch.load's
+    dict and function forms map the devices a file records; a version records none (its
+    tensors load onto the CPU unless asked), so they are refused with what to pass instead."""
+    if map_location is None:
+        return torch.device("cpu")
+    if isinstance(map_location, dict) or callable(map_location):
+        raise ValueError(f"map_location={map_location!r:.60}: ckptfs loads onto one device (a str such as 'cuda:1' or "
+                         "a torch.device; the CPU by default); a version does not record the devices it was saved "
+                         "from, so torch.load's dict and function forms have nothing to map")
+    try:
+        device = torch.device(map_location)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"map_location={map_location!r:.60} is not a device: {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"map_location={map_location!r}: torch.cuda.is_available() is False on this machine; load "
+                         "onto the CPU (the default, map_location='cpu') and move the tensors where they are needed")
+    if device.type not in ("cpu", "meta"):
+        try:
+            torch.empty(0, device=device)
+        except (RuntimeError, AssertionError) as e:  # a backend this torch lacks, an index past the devices
+            raise ValueError(f"map_location={map_location!r}: {str(e).splitlines()[0]}") from None
+    return device
+
+
 def _restore(data: VersionData, map_location, verify: bool, into, fill):
     m = data.manifest
-    device = torch.device(map_location) if map_location is not None else torch.device("cpu")
+    device = load_device(map_location)
     onto_device = into is None and device.type != "cpu"
     if into is not None:
         tensors = matching_tensors(m, into)

@@ -363,3 +363,21 @@ def test_ring_geometry_of_an_existing_model_takes_effect(store):
     assert store.load("geo")["w"][0] == 1
 
 
+
+
+def test_map_location_that_cannot_be_used_is_refused_in_its_own_words(store):
+    """torch.load's dict and function forms, a device string torch does not know, CUDA on a
+    machine without it: a ValueError naming map_location= and what to pass, before any read."""
+    with store.writer("m") as w:
+        w.save({"w": torch.arange(4.0)}, step=1).result()
+    bad = [({"cuda:0": "cpu"}, r"map_location=\{'cuda:0': 'cpu'\}: ckptfs loads onto one device"),
+           (lambda storage, location: storage, r"dict and function forms have nothing to map"),
+           ("bogus", r"map_location='bogus' is not a device")]
+    if not torch.cuda.is_available():
+        bad.append(("cuda:0", r"map_location='cuda:0': torch.cuda.is_available\(\) is False on this machine; load onto "
+                              r"the CPU"))
+    for map_location, match in bad:
+        with pytest.raises(ValueError, match=match):
+            store.load("m", map_location=map_location)
+    assert store.load("m", map_location=torch.device("cpu"))["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert store.load("m", map_location=None)["w"].device.type == "cpu"
