@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ckptfs import leaves
+from ckptfs.leaves import KINDS as LEAF_KINDS
 from ckptfs.errors import UnsupportedObjectError
 from ckptfs.flatten import Flattened, plain_node
 from ckptfs.gcpause import paused_gc
@@ -46,7 +46,7 @@ class _Node:
         self.children: list[_Node] = []
         self.leaf = -1  # tensor leaf: its index among the leaves; plain leaf: among the plain values
         self._text: str | None = None
-        self.plain = kind in _PLAIN_TYPES or kind in leaves.KINDS
+        self.plain = kind in _PLAIN_TYPES or kind in LEAF_KINDS
         self.all_tensors = False
         # a leaf of ckptfs.leaves: the type its object must have (its node is made again at
         # every save: an RNG state changes every time, and an array has no plain equality)
@@ -99,7 +99,7 @@ class Structure:
             elif kind in _PLAIN_TYPES:
                 n.leaf = len(plain)
                 plain.append(unflatten(node, []))
-            elif kind in leaves.KINDS:
+            elif kind in LEAF_KINDS:
                 n.leaf = len(plain)
                 plain.append(None)
                 n.leaf_type = type(unflatten(node, []))
