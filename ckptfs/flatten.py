@@ -52,6 +52,7 @@ def flatten(obj: Any) -> Flattened:
 
 
 _KEY_TYPES = (str, int, float, bool, type(None))
+_PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
 class _Walk:
@@ -146,6 +147,8 @@ class _Walk:
         return {kind: items}
 
     def _tensor(self, t: torch.Tensor) -> int:
+        if type(t) not in _PLAIN_TENSOR_TYPES:
+            t = self._plain_tensor(t)
         if t.layout != torch.strided:
             raise UnsupportedObjectError(f"{self._where()}: {t.layout} tensors are not supported; use .to_dense()")
         dtype = t.dtype
@@ -171,6 +174,23 @@ class _Walk:
         self.devices.add(device)
         return len(self.tensors) - 1
 
+    def _plain_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """A tensor subclass over storage of its own as a plain tensor over the same memory (it
+        is stored, and loads, as a torch.Tensor); a wrapper subclass (DTensor, torchao's quantized
+        and float8 tensors) is refused: its data is not one strided storage."""
+        from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+        if not is_traceable_wrapper_subclass(t):
+            return t.as_subclass(torch.Tensor)
+        kind = type(t)
+        if kind.__name__ == "DTensor":
+            raise UnsupportedObjectError(
+                f"{self._where()}: a DTensor is sharded over ranks: save it from every rank together, with "
+                "store.writer(model, group=...) or dcp.save with ckptfs.dcp.StorageWriter")
+        raise UnsupportedObjectError(
+            f"{self._where()}: {kind.__module__}.{kind.__qualname__} is a tensor subclass whose data is not one "
+            "plain tensor; save a plain tensor instead (e.g. its dequantized or full form)")
+
     def _other(self, obj) -> dict:
         """torch's and numpy's small objects (ckptfs.leaves); subclasses of the plain types
         (IntEnum, str enums...) as their base value; else an error."""
@@ -188,6 +208,10 @@ class _Walk:
         if isinstance(obj, (list, tuple)):
             raise UnsupportedObjectError(
                 f"{self._where()}: {type(obj).__name__} is not supported; convert it to a list or tuple")
+        if callable(getattr(obj, "state_dict", None)):  # a module, an optimizer, a scheduler, a scaler
+            raise UnsupportedObjectError(
+                f"{self._where()}: {type(obj).__module__}.{type(obj).__qualname__} cannot be stored; save its "
+                "state_dict() instead (and load it back with load_state_dict)")
         raise UnsupportedObjectError(
             f"{self._where()}: {type(obj).__module__}.{type(obj).__qualname__} cannot be stored; ckptfs stores "
             "tensors, dicts, lists, tuples, str, int, float, bool, None, torch.Size, torch.dtype, torch.device "

@@ -481,3 +481,25 @@ def test_two_nodes_reusing_a_plan_record_every_step_on_both(tmp_path):
     for r in regions:
         with ckptfs.Store(r) as store:
             assert [v.step for v in store.versions("m")][-1] == 3
+
+
+def _dtensor_without_group(rank, world, region):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    w = distribute_tensor(torch.ones(4, 2), init_device_mesh("cpu", (world,)), [Shard(0)])
+    with ckptfs.Store(region) as store, store.writer("m") as writer:
+        with pytest.raises(ckptfs.errors.UnsupportedObjectError, match=r"^model\.w: a DTensor is sharded over ranks: "
+                                                                       r"save it from every rank together, with "
+                                                                       r"store\.writer\(model, group=\.\.\.\)"):
+            writer.save({"model": {"w": w}}, step=1)
+        assert store.models() == []
+
+
+def test_a_dtensor_saved_without_group_is_refused_with_the_way(tmp_path):
+    """A sharded job's state saved through a one-process writer (no group=) failed inside the
+    snapshot with '.numpy() is not supported for tensor subclasses'; now the save is refused at
+    once, naming the tensor and group=."""
+    region = str(tmp_path / "r.region")
+    ckptfs.Store.create(region, size_bytes=64 << 20).close()
+    run_ranks(_dtensor_without_group, 1, region)

@@ -11,6 +11,7 @@ from ckptfs.errors import MalformedInputError, UnsupportedObjectError
 from ckptfs.flatten import flatten
 from ckptfs.manifest import MAX_DEPTH, check_skeleton, unflatten
 from conftest import assert_same
+from torch.testing._internal.two_tensor import TwoTensor  # a wrapper subclass, as DTensor and torchao's
 
 
 def nested(depth: int, leaf):
@@ -75,6 +76,11 @@ def test_plain_subclasses_are_stored_as_their_base_value():
     ({"a": torch.ones(2, device="meta")}, r"^a: meta tensors have no data"),
     ({0: {1.5: {None: object()}}}, r"^0\.1\.5\.None: builtins\.object"),
     (object(), r"^<root>: builtins\.object"),
+    ({"model": torch.nn.Linear(2, 2)}, r"^model: torch\.nn\.modules\.linear\.Linear cannot be stored; save its "
+                                       r"state_dict\(\) instead"),
+    ({"opt": torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)}, r"^opt: .*SGD .*state_dict\(\) instead"),
+    ({"q": [TwoTensor(torch.ones(2), torch.zeros(2))]}, r"^q\.0: torch\.testing\._internal\.two_tensor\.TwoTensor is a "
+                                                        r"tensor subclass whose data is not one plain tensor"),
 ])
 def test_refusals_name_the_path(obj, match):
     with pytest.raises(UnsupportedObjectError, match=match):
@@ -174,3 +180,13 @@ def test_malformed_leaf_nodes_are_refused_on_read(node):
     anything is built from it (``check_skeleton``, on every decode of an index)."""
     with pytest.raises(MalformedInputError):
         check_skeleton({"dict": [[{"str": "k"}, node]]}, 0)
+
+
+def test_a_tensor_subclass_over_its_own_storage_is_stored_as_a_plain_tensor():
+    class Tagged(torch.Tensor):
+        pass
+
+    t = torch.arange(4.0).as_subclass(Tagged)
+    flat = flatten({"t": t, "again": t})
+    assert [type(x) for x in flat.tensors] == [torch.Tensor] and flat.tensors[0].data_ptr() == t.data_ptr()
+    assert flat.skeleton == {"dict": [[{"str": "t"}, {"tensor": 0}], [{"str": "again"}, {"tensor": 0}]]}
