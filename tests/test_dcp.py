@@ -223,11 +223,36 @@ def test_a_store_closed_and_opened_again_in_one_process_saves_and_loads(store):
         assert torch.equal(back["w"], torch.full((4,), 2.0))
 
 
-def test_reading_a_plain_version_through_dcp_says_what_it_is(store):
-    with store.writer("plain") as w:
-        w.save({"w": torch.ones(2)}, step=1).result()
-    with pytest.raises(ckptfs.errors.NotFoundError, match="not a DCP checkpoint"):
-        ckptfs.dcp.StorageReader(store, "plain").read_metadata()
+def test_a_one_process_version_reads_through_dcp_as_dcp_would_have_saved_it(store):
+    """DCP metadata made from a one-process version's index: DCP's FQNs, each tensor one whole
+    chunk, each other value a byte item holding torch.save of it; dcp.load fills a state dict of
+    the same structure. What DCP cannot express is refused with the way."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    w = torch.arange(6.0).reshape(2, 3)
+    with store.writer("plain") as writer:
+        writer.save({"model": {"w": w, "tied": w}, "opt": {"groups": [{"lr": 0.5, "betas": (0.9, 0.99)}]},
+                     "layers": [torch.ones(2), torch.zeros(1)], "step": 4}, step=1).result()
+    md = ckptfs.dcp.StorageReader(store, "plain").read_metadata()
+    assert set(md.state_dict_metadata) == {"model.w", "model.tied", "opt.groups.0.lr", "opt.groups.0.betas",
+                                           "layers.0", "layers.1", "step"}
+    tensor = md.state_dict_metadata["model.w"]
+    assert isinstance(tensor, TensorStorageMetadata) and tensor.size == torch.Size([2, 3])
+    assert [(c.offsets, c.sizes) for c in tensor.chunks] == [(torch.Size([0, 0]), torch.Size([2, 3]))]
+    assert isinstance(md.state_dict_metadata["opt.groups.0.betas"], BytesStorageMetadata)
+    into = {"model": {"w": torch.zeros(2, 3), "tied": torch.zeros(2, 3)}, "opt": {"groups": [{"lr": 0.0, "betas": ()}]},
+            "layers": [torch.zeros(2), torch.ones(1)], "step": 0}
+    dcp.load(into, storage_reader=ckptfs.dcp.StorageReader(store, "plain"), no_dist=True)
+    assert_same(into, {"model": {"w": w, "tied": w}, "opt": {"groups": [{"lr": 0.5, "betas": (0.9, 0.99)}]},
+                       "layers": [torch.ones(2), torch.zeros(1)], "step": 4})
+    with store.writer("list") as writer:
+        writer.save([torch.ones(1)], step=1).result()
+        writer.save({"pair": (torch.ones(1), torch.zeros(1))}, step=2).result()
+    with pytest.raises(ckptfs.errors.NotFoundError, match=r"step 2 of 'list' holds tensors inside 'pair' \(a tuple "
+                                                          r"of tensors\).*load it with Store\.load"):
+        ckptfs.dcp.StorageReader(store, "list").read_metadata()
+    with pytest.raises(ckptfs.errors.NotFoundError, match=r"step 1 of 'list' holds a list, not a state dict"):
+        ckptfs.dcp.StorageReader(store, "list", step=1).read_metadata()
     with pytest.raises(ckptfs.errors.NotFoundError):
         ckptfs.dcp.StorageReader(store, "nothing").read_metadata()
     assert os.path.basename(ckptfs.dist.part_model("gpt2", 3)) == ".gpt2.rank3"

@@ -503,3 +503,36 @@ def test_a_dtensor_saved_without_group_is_refused_with_the_way(tmp_path):
     region = str(tmp_path / "r.region")
     ckptfs.Store.create(region, size_bytes=64 << 20).close()
     run_ranks(_dtensor_without_group, 1, region)
+
+
+def _load_one_process_version_sharded(rank, world, region, out, how):
+    model = sharded_gpt2(world, seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    train_gpt2(model, opt, 1, seed=99)  # other values and optimizer state, to be overwritten
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd, "step": 0}
+    with ckptfs.Store(region) as store:
+        if how == "dcp":
+            dcp.load(state, storage_reader=ckptfs.dcp.StorageReader(store, "gpt2"))
+        else:
+            assert store.load("gpt2", group=dist.group.WORLD, into=state) is state
+    assert state["step"] == 3
+    compare_full(rank, model, opt, state, out)
+
+
+@pytest.mark.parametrize("how", ["store", "dcp"])
+def test_a_version_saved_by_one_process_loads_sharded_at_2_ranks(tmp_path, how):
+    """A job that saved from one process (store.writer without group=: one GPU, or rank 0 of
+    DDP) resumes as FSDP2 at 2 ranks: its DCP metadata is made from its index, DCP reshards.
+    Failed with 'step 3 of 'gpt2' is not a DCP checkpoint (it has no dcp-metadata.json)'."""
+    region = _new_region(tmp_path, 256 << 20)
+    out = str(tmp_path / "full.pt")
+    model = tiny_gpt2(seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    with ckptfs.Store(region) as store, store.writer("gpt2") as w:
+        for step in range(1, 4):
+            train_gpt2(model, opt, 1, seed=step)
+            full = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+            w.save({"model": full[0], "optim": full[1], "step": step}, step=step)
+    torch.save(full, out)
+    run_ranks(_load_one_process_version_sharded, 2, region, out, how)

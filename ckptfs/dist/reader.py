@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 from concurrent.futures import ThreadPoolExecutor
 
 from torch.distributed.checkpoint import StorageReader as _DCPReader
@@ -22,6 +23,7 @@ from ckptfs.dist.group import coordination, exchange, meet_before_dcp
 from ckptfs.dist.load import PartRead, read_parts, wanted_tensors
 from ckptfs.dist.names import METADATA_FILE, is_global_version
 from ckptfs.dist.parts import item_records, open_part
+from ckptfs.dist.single import ONE_PROCESS, one_process_metadata, open_one_process
 from ckptfs.errors import CorruptionError, NotFoundError, no_version_yet
 from ckptfs.gcpause import GCHold, paused_gc
 from ckptfs.scan import ReadAhead, ReadBuffers
@@ -91,8 +93,13 @@ class StorageReader(_DCPReader):
                                     "records; `ckptfs ls` lists the steps")
             raise no_version_yet(self.model)
         step = max(agreed)
-        with global_version(self.store, self.model, step) as v:
-            text = dict(v.manifest.files)[METADATA_FILE]
+        with self.store.open_version(self.model, step) as v:
+            if is_global_version(v.manifest):
+                text = dict(v.manifest.files)[METADATA_FILE]
+                metadata = None
+            else:  # saved by one process: its metadata made from its index (ckptfs.dist.single)
+                metadata = one_process_metadata(v, self.store.region.superblock.uuid.hex())
+                text = v.manifest.encode().decode("utf-8", "surrogateescape")
         # every node's record of the step must be the same checkpoint: a node whose region holds
         # the model of another job at the same step would load a mixture
         digests = exchange((self.store.path, hashlib.sha256(text.encode()).hexdigest()), group,
@@ -104,7 +111,7 @@ class StorageReader(_DCPReader):
             raise CorruptionError(f"the nodes' regions hold different checkpoints as step {step} of {self.model!r} "
                                   f"({' / '.join(', '.join(sorted(set(p))) for p in kinds.values())}): one of them "
                                   "belongs to another job; load with the regions of this job only")
-        self.metadata = decode_metadata(text)
+        self.metadata = decode_metadata(text) if metadata is None else metadata
         return self.metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
@@ -147,6 +154,8 @@ class StorageReader(_DCPReader):
             reads = [PartRead(data, items, planner, scan) for data, items, scan in ahead.parts]
             read_parts(reads, ahead.buffers, ahead.reading)
             ahead.reading = None
+        for item, raw in ahead.values:  # a one-process version's values, pickled from its index
+            planner.load_bytes(item, io.BytesIO(raw))
 
     def _drop_ahead(self) -> None:
         ahead, self._ahead = self._ahead, None
@@ -175,8 +184,12 @@ class _LoadAhead:
         try:
             storage = reader.metadata.storage_data
             by_part: dict[tuple, list] = {}
+            self.values = []  # (ReadItem, bytes) of a one-process version's values
             for item in plan.items:
                 where = storage[item.storage_index]
+                if "bytes" in where:
+                    self.values.append((item, where["bytes"]))
+                    continue
                 by_part.setdefault((where["region"], where["rank"], where["counter"]), []).append((item, where["pos"]))
             # the parts opened at once: each is a few cold reads of headers and an index
             pool = ThreadPoolExecutor(min(OPEN_THREADS, len(by_part) or 1), thread_name_prefix="ckptfs-open")
@@ -210,23 +223,16 @@ def _open_part(reader: StorageReader, key: tuple[str, int, int], items: list):
     of the part ``key`` (region, rank, counter) for ``items`` ((ReadItem, position in the
     part's item list)); the part is closed again if anything fails."""
     region, rank, counter = key
-    part = open_part(reader._store_of(region, rank), reader.model, rank, counter)
+    store = reader._store_of(region, rank)
+    if rank == ONE_PROCESS:  # the version itself: an item's position is its stored tensor's index
+        part = open_one_process(store, reader.model, counter)
+    else:
+        part = open_part(store, reader.model, rank, counter)
     try:
-        stored = item_records(part)
-        items = [(item, stored[pos]) for item, pos in items]
+        if rank != ONE_PROCESS:
+            stored = item_records(part)
+            items = [(item, stored[pos]) for item, pos in items]
         return part, part.data, items, part.data.scanner(only=wanted_tensors(part.manifest.tensors, items))
     except BaseException:
         part.close()
         raise
-
-
-def global_version(store, model: str, step: int | None):
-    """The pinned global version of ``model`` at ``step`` (None: the newest)."""
-    if step is None and store.latest(model, missing_ok=True) is None:
-        raise no_version_yet(model)
-    v = store.open_version(model, step)
-    if not is_global_version(v.manifest):
-        v.close()
-        raise NotFoundError(f"step {v.info.step} of {model!r} is not a DCP checkpoint (it has no {METADATA_FILE}); "
-                            "load it with Store.load")
-    return v
