@@ -89,20 +89,20 @@ class StorageReader(_DCPReader):
                                                               f"the agreement on a step of {self.model!r} to load")])
         if not agreed:
             if self.step is not None:
-                raise NotFoundError(f"step {self.step} of {self.model!r} is not a DCP checkpoint that every node "
-                                    "records; `ckptfs ls` lists the steps")
+                raise NotFoundError(f"step {self.step} of {self.model!r} is not a version that every node records; "
+                                    "`ckptfs ls` lists the steps")
             raise no_version_yet(self.model)
         step = max(agreed)
         with self.store.open_version(self.model, step) as v:
             if is_global_version(v.manifest):
                 text = dict(v.manifest.files)[METADATA_FILE]
-                metadata = None
+                metadata, record = None, text.encode()
             else:  # saved by one process: its metadata made from its index (ckptfs.dist.single)
                 metadata = one_process_metadata(v, self.store.region.superblock.uuid.hex())
-                text = v.manifest.encode().decode("utf-8", "surrogateescape")
+                record = v.manifest.encode()
         # every node's record of the step must be the same checkpoint: a node whose region holds
         # the model of another job at the same step would load a mixture
-        digests = exchange((self.store.path, hashlib.sha256(text.encode()).hexdigest()), group,
+        digests = exchange((self.store.path, hashlib.sha256(record).hexdigest()), group,
                            f"the comparison of step {step} of {self.model!r} across the nodes")
         if len({d for _, d in digests}) > 1:
             kinds: dict[str, list[str]] = {}
@@ -111,7 +111,7 @@ class StorageReader(_DCPReader):
             raise CorruptionError(f"the nodes' regions hold different checkpoints as step {step} of {self.model!r} "
                                   f"({' / '.join(', '.join(sorted(set(p))) for p in kinds.values())}): one of them "
                                   "belongs to another job; load with the regions of this job only")
-        self.metadata = decode_metadata(text) if metadata is None else metadata
+        self.metadata = metadata if metadata is not None else decode_metadata(text)
         return self.metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
