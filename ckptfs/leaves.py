@@ -34,6 +34,7 @@ from ckptfs.errors import MalformedInputError, UnsupportedObjectError
 KINDS = frozenset({"size", "dtype", "device", "ndarray", "npscalar"})
 MAX_NDARRAY_BYTES = 1 << 20  # inline in the index, which every open of the version reads whole
 _MAX_NDIM = 64  # numpy's own limit
+_MAX_DEVICE_INDEX = 127  # torch's device index is 8 bits: torch.device("cuda", 128) is cuda:-128
 _NUMPY_DTYPE = re.compile(r"(\|(b1|i1|u1)|[<>](i[248]|u[248]|f[248]|c8|c16))\Z")
 _DEVICE_TYPE = re.compile(r"[a-z][a-z0-9_]{0,31}\Z")
 # struct codes of the numpy dtypes (without the byte order), for values shown without numpy
@@ -122,7 +123,8 @@ def check(kind: str, value: Any) -> None:
             raise MalformedInputError(f"skeleton dtype node holds {value!r:.40}")
     elif kind == "device":
         if (not isinstance(value, list) or len(value) != 2 or not isinstance(value[0], str)
-                or not _DEVICE_TYPE.match(value[0]) or not (value[1] is None or _is_count(value[1]))):
+                or not _DEVICE_TYPE.match(value[0])
+                or not (value[1] is None or (_is_count(value[1]) and value[1] <= _MAX_DEVICE_INDEX))):
             raise MalformedInputError(f"skeleton device node holds {value!r:.40}")
     elif kind in ("ndarray", "npscalar"):
         fields = {"dtype", "data", "shape", "fortran"} if kind == "ndarray" else {"dtype", "data"}

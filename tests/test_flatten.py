@@ -164,7 +164,7 @@ def test_torch_and_numpy_objects_that_cannot_be_stored_are_refused_by_path(obj, 
 
 @pytest.mark.parametrize("node", [
     {"size": [2, -1]}, {"size": "2"}, {"size": [True]}, {"dtype": "qint8"}, {"dtype": ["float16"]},
-    {"device": ["cuda", -1]}, {"device": ["CUDA", 0]}, {"device": ["cpu"]}, {"device": ["cpu; rm", None]},
+    {"device": ["cuda", -1]}, {"device": ["cuda", 128]}, {"device": ["CUDA", 0]}, {"device": ["cpu"]}, {"device": ["cpu; rm", None]},
     {"ndarray": {"dtype": "<u4", "shape": [2], "fortran": False, "data": _b64(b"\0" * 4)}},  # too short
     {"ndarray": {"dtype": "<u4", "shape": [1], "fortran": False, "data": "!!!!!!!!"}},  # not base64
     {"ndarray": {"dtype": "<u4", "shape": [1], "fortran": False, "data": "AAAA=AA="}},  # padding inside
