@@ -51,7 +51,7 @@ def flatten(obj: Any) -> Flattened:
     return Flattened(skeleton, walk.tensors, walk.names, tuple(walk.signature), frozenset(walk.devices))
 
 
-_KEY_TYPES = (str, int, float, bool, type(None))
+_KEY_TYPES = (bool, str, int, float, type(None))  # bool first: it is an int too
 _PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
@@ -121,8 +121,11 @@ class _Walk:
             elif key_kind is int:
                 key, text = {"int": k}, k
             elif isinstance(k, _KEY_TYPES):
+                # a subclass of a plain type (an enum, numpy's float64) as its base value: a key
+                # is a plain value in the index, never a leaf of ckptfs.leaves
+                base = next(t for t in _KEY_TYPES if isinstance(k, t))
                 path.append("<key>")
-                key = self.node(k)  # a subclass of a plain type is stored as its base value
+                key = self.node(k if base is type(None) else base(k))
                 path.pop()
                 text = k if isinstance(k, str) else repr(k)
             else:
@@ -180,9 +183,15 @@ class _Walk:
         and float8 tensors) is refused: its data is not one strided storage."""
         from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-        if not is_traceable_wrapper_subclass(t):
-            return t.as_subclass(torch.Tensor)
         kind = type(t)
+        if torch.nn.parameter.is_lazy(t):
+            raise UnsupportedObjectError(
+                f"{self._where()}: an uninitialized parameter of a lazy module has no data yet; run a forward "
+                "pass before saving")
+        # a subclass with a dispatch of its own (a wrapper: DTensor, torchao's, one made with
+        # _make_wrapper_subclass) is not the memory of a plain tensor
+        if not is_traceable_wrapper_subclass(t) and kind.__torch_dispatch__ is torch.Tensor.__torch_dispatch__:
+            return t.as_subclass(torch.Tensor)
         if kind.__name__ == "DTensor":
             raise UnsupportedObjectError(
                 f"{self._where()}: a DTensor is sharded over ranks: save it from every rank together, with "

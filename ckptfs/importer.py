@@ -22,6 +22,7 @@ import mmap
 import os
 import pickle
 import struct
+import threading
 import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -211,6 +212,9 @@ def nested(path: str, tensors: "OrderedDict[str, torch.Tensor]", metadata: dict[
     return unflatten(skeleton, list(tensors.values()))
 
 
+_SAFE_GLOBALS_LOCK = threading.Lock()
+
+
 def load_torch_file(path: str) -> Any:
     """``torch.load(path, weights_only=True)`` onto the CPU; any failure -- a forbidden global,
     a truncated or corrupt archive, not a torch file at all -- is MalformedInputError."""
@@ -223,7 +227,9 @@ def load_torch_file(path: str) -> Any:
     if magic == b"PK\x03\x04" and not is_zip:
         raise _reject(path, "truncated or damaged: a zip archive (torch.save format) without its central directory")
     try:
-        with torch.serialization.safe_globals(leaves.numpy_safe_globals()):  # numeric arrays (an RNG state)
+        # numeric numpy arrays (an RNG state) allowed for this load only: torch's allowlist is
+        # the process's, so ckptfs's imports take it one at a time
+        with _SAFE_GLOBALS_LOCK, torch.serialization.safe_globals(leaves.numpy_safe_globals()):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=is_zip)
     except pickle.UnpicklingError as exc:
         raise _reject(path, f"refused by torch.load(weights_only=True): {_unpickler_reason(str(exc))}") from None

@@ -27,6 +27,7 @@ import binascii
 import math
 import re
 import struct
+import sys
 from typing import Any
 
 from ckptfs.errors import MalformedInputError, UnsupportedObjectError
@@ -34,6 +35,7 @@ from ckptfs.errors import MalformedInputError, UnsupportedObjectError
 KINDS = frozenset({"size", "dtype", "device", "ndarray", "npscalar"})
 MAX_NDARRAY_BYTES = 1 << 20  # inline in the index, which every open of the version reads whole
 _MAX_NDIM = 64  # numpy's own limit
+_NATIVE = "<" if sys.byteorder == "little" else ">"
 _MAX_DEVICE_INDEX = 127  # torch's device index is 8 bits: torch.device("cuda", 128) is cuda:-128
 _NUMPY_DTYPE = re.compile(r"(\|(b1|i1|u1)|[<>](i[248]|u[248]|f[248]|c8|c16))\Z")
 _DEVICE_TYPE = re.compile(r"[a-z][a-z0-9_]{0,31}\Z")
@@ -56,15 +58,26 @@ def encode(obj: Any, where: str) -> dict | None:
     from ckptfs.flatten import DTYPE_NAMES
 
     if type(obj) is torch.Size:
-        return {"size": [int(n) for n in obj]}
+        return _checked({"size": [int(n) for n in obj]}, obj, where)
     if isinstance(obj, torch.dtype):
         name = DTYPE_NAMES.get(obj)
         if name is None:
             raise UnsupportedObjectError(f"{where}: dtype {obj} cannot be stored; store its name as a str")
         return {"dtype": name}
     if isinstance(obj, torch.device):
-        return {"device": [obj.type, obj.index]}
+        return _checked({"device": [obj.type, obj.index]}, obj, where)
     return None
+
+
+def _checked(node: dict, obj: Any, where: str) -> dict:
+    """``node`` where ``check`` admits it (what a load will read), else UnsupportedObjectError:
+    nothing is saved that its load would refuse."""
+    (kind, value), = node.items()
+    try:
+        check(kind, value)
+    except MalformedInputError as e:
+        raise UnsupportedObjectError(f"{where}: {obj!r:.60} cannot be stored ({e})") from None
+    return node
 
 
 def _encode_numpy(obj: Any, where: str) -> dict | None:
@@ -81,13 +94,14 @@ def _encode_numpy(obj: Any, where: str) -> dict | None:
         # numpy's own pickle: Fortran order where the array is Fortran- and not C-contiguous
         fortran = bool(obj.flags.f_contiguous and not obj.flags.c_contiguous)
         data = obj.tobytes(order="F" if fortran else "C")
-        return {"ndarray": {"dtype": code, "shape": [int(n) for n in obj.shape], "fortran": fortran,
-                            "data": base64.b64encode(data).decode("ascii")}}
+        return _checked({"ndarray": {"dtype": code, "shape": [int(n) for n in obj.shape], "fortran": fortran,
+                                     "data": base64.b64encode(data).decode("ascii")}}, obj, where)
     if isinstance(obj, (str, bytes)):  # np.str_, np.bytes_: a str is stored as its base value
         return None
     if isinstance(obj, np.generic):
         code = _numpy_dtype_code(obj.dtype, where)
-        return {"npscalar": {"dtype": code, "data": base64.b64encode(obj.tobytes()).decode("ascii")}}
+        return _checked({"npscalar": {"dtype": code, "data": base64.b64encode(obj.tobytes()).decode("ascii")}},
+                        obj, where)
     return None
 
 
@@ -99,7 +113,9 @@ def numpy_safe_globals() -> list:
 
     core = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray
     codes = ["|b1", "|i1", "|u1"] + [f"<{k}{n}" for k in "iu" for n in (2, 4, 8)] + ["<f2", "<f4", "<f8", "<c8", "<c16"]
-    return [core._reconstruct, core.scalar, np.ndarray, np.dtype, *{type(np.dtype(c)) for c in codes}]
+    # a file torch.save wrote under numpy 1 names numpy.core.multiarray (numpy 2's is numpy._core)
+    old_names = [(core._reconstruct, "numpy.core.multiarray._reconstruct"), (core.scalar, "numpy.core.multiarray.scalar")]
+    return [core._reconstruct, core.scalar, *old_names, np.ndarray, np.dtype, *{type(np.dtype(c)) for c in codes}]
 
 
 def _numpy_dtype_code(dtype, where: str) -> str:
@@ -135,17 +151,26 @@ def check(kind: str, value: Any) -> None:
                                   or len(shape) > _MAX_NDIM or not all(_is_count(n) for n in shape)):
             raise MalformedInputError(f"skeleton ndarray node has shape {shape!r:.40}")
         code = value["dtype"]
-        if not isinstance(code, str) or not _NUMPY_DTYPE.match(code):
+        if not isinstance(code, str) or not _NUMPY_DTYPE.match(code) or (
+                kind == "npscalar" and code[0] not in ("|", _NATIVE)):  # a scalar's dtype is native
             raise MalformedInputError(f"skeleton {kind} node has numpy dtype {code!r:.20}")
+        itemsize = int(code[2:])
+        expected = math.prod(shape) * itemsize
+        if expected > MAX_NDARRAY_BYTES or math.prod(max(n, 1) for n in shape) * itemsize >= 1 << 62:
+            raise MalformedInputError(f"skeleton {kind} node of shape {shape!r:.40} is too large")
         data = value["data"]
-        expected = math.prod(shape) * int(code[2:])
-        if not isinstance(data, str) or len(data) != 4 * -(-expected // 3) or expected > MAX_NDARRAY_BYTES:
+        if not isinstance(data, str) or len(data) != 4 * -(-expected // 3):
             raise MalformedInputError(f"skeleton {kind} node holds {len(data) if isinstance(data, str) else data!r:.20} "
                                       f"characters of data for {expected} bytes")
         try:
-            base64.b64decode(data, validate=True)
+            raw = base64.b64decode(data, validate=True)
         except binascii.Error:
             raise MalformedInputError(f"skeleton {kind} node's data is not base64") from None
+        # canonical base64 of exactly the bytes: what encode wrote, nothing a pickle would differ on
+        if len(raw) != expected or base64.b64encode(raw).decode("ascii") != data:
+            raise MalformedInputError(f"skeleton {kind} node's data is not the base64 of {expected} bytes")
+        if kind == "npscalar" and code == "|b1" and raw not in (b"\0", b"\1"):
+            raise MalformedInputError("skeleton npscalar node holds a bool that is neither 0 nor 1")
     else:
         raise MalformedInputError(f"unknown skeleton node kind {kind!r:.40}")
 
@@ -170,7 +195,10 @@ def decode(kind: str, value: Any) -> Any:
     if kind == "size":
         return torch.Size(value)
     if kind == "dtype":
-        return getattr(torch, value)
+        dtype = getattr(torch, value, None)
+        if not isinstance(dtype, torch.dtype):
+            raise MalformedInputError(f"torch {torch.__version__} has no dtype {value!r}: load it with a newer torch")
+        return dtype
     if kind == "device":
         try:
             return torch.device(*value) if value[1] is not None else torch.device(value[0])

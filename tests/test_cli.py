@@ -478,6 +478,25 @@ def test_a_full_training_checkpoint_saves_loads_exports_and_imports(capsys, fres
             assert_same(s.load(name), full_training_checkpoint(2))
 
 
+def test_import_of_a_torch_file_written_under_numpy_1(capsys, fresh_region, tmp_path):
+    """A torch.save file of numpy 1 names numpy.core.multiarray (numpy 2 writes numpy._core):
+    its numpy RNG state imports as well; an object array stays refused."""
+    import io
+
+    buf = io.BytesIO()
+    state = {"rng": np.random.RandomState(1).get_state(), "best": np.float32(2.0), "w": torch.ones(2)}
+    torch.save(state, buf, _use_new_zipfile_serialization=False)  # one pickle stream: names editable in place
+    raw = buf.getvalue().replace(b"numpy._core.multiarray", b"numpy.core.multiarray")
+    assert b"numpy.core.multiarray" in raw
+    (tmp_path / "np1.pt").write_bytes(raw)
+    assert run(capsys, "import", "--region", fresh_region, "np1", tmp_path / "np1.pt")[0] == 0
+    with ckptfs.Store(fresh_region) as s:
+        assert_same(s.load("np1"), state)
+    torch.save({"o": np.array([1, "a"], dtype=object)}, tmp_path / "object.pt")
+    code, _, err = run(capsys, "import", "--region", fresh_region, "obj", tmp_path / "object.pt")
+    assert code == 1 and "ObjectDType" in one_error_line(err) and "nothing was imported" in err
+
+
 def test_rm(capsys, fresh_region):
     assert run(capsys, "rm", "--region", fresh_region, TOY_MODEL, "step-00000100")[0] == 0
     with ckptfs.Store(fresh_region) as s:

@@ -156,6 +156,8 @@ def test_torch_and_numpy_objects_are_leaves_that_come_back_as_they_were():
     ({"a": np.zeros(200_000)}, r"^a: a numpy array of 1600000 bytes .*torch\.from_numpy"),
     ({"a": np.ma.masked_array([1, 2])}, r"^a: MaskedArray is not supported; convert it with np\.asarray"),
     ({"a": torch.qint8}, r"^a: dtype torch\.qint8 cannot be stored"),
+    ({"a": [torch.Size([-1])]}, r"^a\.0: torch\.Size\(\[-1\]\) cannot be stored \(skeleton size node"),
+    ({"lazy": torch.nn.LazyLinear(2).weight}, r"^lazy: an uninitialized parameter of a lazy module has no data yet"),
 ])
 def test_torch_and_numpy_objects_that_cannot_be_stored_are_refused_by_path(obj, match):
     with pytest.raises(UnsupportedObjectError, match=match):
@@ -174,6 +176,12 @@ def test_torch_and_numpy_objects_that_cannot_be_stored_are_refused_by_path(obj, 
     {"ndarray": {"dtype": "<u4", "shape": [1 << 40], "fortran": False, "data": ""}},
     {"npscalar": {"dtype": "<f8", "data": _b64(b"\0" * 4)}}, {"npscalar": {"dtype": "<U1", "data": _b64(b"a\0\0\0")}},
     {"npscalar": {"dtype": "<f8", "data": _b64(b"\0" * 8), "shape": []}},
+    {"ndarray": {"dtype": "<i2", "shape": [1], "fortran": False, "data": "AAAA"}},  # 3 bytes for 2
+    {"npscalar": {"dtype": "|u1", "data": "AAA="}},  # 2 bytes for 1
+    {"npscalar": {"dtype": "|u1", "data": "AB=="}},  # not canonical: the base64 of b"\0" is "AA=="
+    {"ndarray": {"dtype": "<f8", "shape": [0, 1 << 62], "fortran": False, "data": ""}},  # numpy: too big
+    {"npscalar": {"dtype": ">i4", "data": _b64(b"\0" * 4)}},  # a scalar's dtype is native
+    {"npscalar": {"dtype": "|b1", "data": _b64(b"\2")}},
 ])
 def test_malformed_leaf_nodes_are_refused_on_read(node):
     """An index is input: a leaf node that flatten could not have written is refused before
@@ -190,3 +198,12 @@ def test_a_tensor_subclass_over_its_own_storage_is_stored_as_a_plain_tensor():
     flat = flatten({"t": t, "again": t})
     assert [type(x) for x in flat.tensors] == [torch.Tensor] and flat.tensors[0].data_ptr() == t.data_ptr()
     assert flat.skeleton == {"dict": [[{"str": "t"}, {"tensor": 0}], [{"str": "again"}, {"tensor": 0}]]}
+
+
+def test_subclassed_plain_keys_are_stored_as_their_base_value():
+    """numpy's float64 is a float: as a dict key it is stored as one (a key is a plain value in
+    the index; a numpy leaf there made a version that saved and then never loaded)."""
+    flat = flatten({np.float64(1.5): 1, np.str_("k"): 2, True: 3})
+    assert [k for k, _ in flat.skeleton["dict"]] == [{"float": (1.5).hex()}, {"str": "k"}, {"bool": True}]
+    check_skeleton(flat.skeleton, 0)
+    assert unflatten(flat.skeleton, []) == {1.5: 1, "k": 2, True: 3}

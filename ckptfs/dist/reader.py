@@ -165,7 +165,8 @@ class StorageReader(_DCPReader):
     def _store_of(self, region: str, rank: int):
         store = self.regions.get(region)
         if store is None:
-            raise NotFoundError(f"the part of rank {rank} of {self.model!r} is in region {region} (another node's), "
+            what = f"the part of rank {rank}" if rank != ONE_PROCESS else "the version (saved by one process)"
+            raise NotFoundError(f"{what} of {self.model!r} is in region {region} (another node's), "
                                 "which this rank cannot read: pass that region's store in peers=, or load where "
                                 "the parts are (a shared tier to drain them to is not built yet)")
         return store
