@@ -38,6 +38,10 @@ def one_process_metadata(version, region: str) -> Metadata:
                             "load it with Store.load")
     flat, mappings = flatten_state_dict(obj)
     entries, storage = {}, {}
+    # a model's tensors share a few dtypes and shapes: their metadata objects are made once each
+    # (DCP reads them, never changes them), at 40,000 tensors half of the time
+    properties: dict = {}
+    chunks: dict = {}
     for fqn, value in flat.items():
         index = index_of.get(id(value))
         if index is None:
@@ -45,12 +49,16 @@ def one_process_metadata(version, region: str) -> Metadata:
             storage[MetadataIndex(fqn)] = {"bytes": _value_bytes(value, fqn, what)}
             continue
         record = m.tensors[index]
-        size = torch.Size(record.shape)
-        origin = torch.Size([0] * len(size))
-        entries[fqn] = TensorStorageMetadata(TensorProperties(dtype=record.torch_dtype), size,
-                                             [ChunkStorageMetadata(origin, size)])
-        storage[MetadataIndex(fqn, origin, 0)] = {"region": region, "rank": ONE_PROCESS, "counter": m.counter,
-                                                  "pos": index}
+        props = properties.get(record.dtype)
+        if props is None:
+            props = properties[record.dtype] = TensorProperties(dtype=record.torch_dtype)
+        chunk = chunks.get(record.shape)
+        if chunk is None:
+            size = torch.Size(record.shape)
+            chunk = chunks[record.shape] = ChunkStorageMetadata(torch.Size([0] * len(size)), size)
+        entries[fqn] = TensorStorageMetadata(props, chunk.sizes, [chunk])
+        storage[MetadataIndex(fqn, chunk.offsets, 0)] = {"region": region, "rank": ONE_PROCESS,
+                                                         "counter": m.counter, "pos": index}
     return Metadata(state_dict_metadata=entries, planner_data=mappings, storage_data=storage)
 
 
