@@ -227,5 +227,6 @@ class PersistPipeline:
         self.unpark(job)  # the parked buffers go back to the pool
         if job.claim is not None:  # else a claim that ends from now on is aborted by the claimer
             job.claim.abort()
-        log.error("save of %s step %d failed: %s", job.model, job.step, error)
+        # str() of some errors is empty (KeyboardInterrupt): the type says what happened
+        log.error("save of %s step %d failed: %s", job.model, job.step, str(error) or type(error).__name__)
         self._finish(job, None, error)
