@@ -131,6 +131,7 @@ class Writer:
         self._outstanding: set[SaveFuture] = set()
         self._outstanding_lock = threading.Lock()
         self._closed = False
+        self._thread = threading.local()  # .saving: this thread is inside save() (_not_within_save)
         # Background snapshots (async_snapshot) run in call order on one thread of their own.
         self._snapshot_queue: queue.SimpleQueue = queue.SimpleQueue()
         self._snapshot_thread: threading.Thread | None = None
@@ -180,6 +181,24 @@ class Writer:
         """
         if self._closed:
             raise CkptfsError("this writer is closed; open a new one with store.writer(...)")
+        self._not_within_save("save()")
+        self._thread.saving = True
+        try:
+            return self._save(obj, step, async_snapshot, extra, keep)
+        finally:
+            self._thread.saving = False
+
+    def _not_within_save(self, what: str) -> None:
+        """CkptfsError where this thread is inside one of this writer's save() calls: a signal
+        handler (a preemption's SIGTERM) that saves or closes interrupts it, and would wait
+        for the save it interrupted, which cannot go on until the handler returns."""
+        if getattr(self._thread, "saving", False):
+            raise CkptfsError(
+                f"{what} was called while a save() of this writer runs on the same thread (from a signal handler?), "
+                "and would wait for that save, which cannot go on until it returns: in the handler set a flag, "
+                "and save from the training loop when it sees it")
+
+    def _save(self, obj, step: int, async_snapshot: bool, extra: dict | None, keep: bool | None) -> SaveFuture:
         keep = is_kept(step, keep, self.keep_every)
         files = encode_files(extra)
         started = time.perf_counter()
@@ -235,6 +254,7 @@ class Writer:
 
     def wait(self) -> list[SaveResult]:
         """Block until every save so far is committed; re-raises the first failure."""
+        self._not_within_save("wait()")
         with self._outstanding_lock:
             pending = list(self._outstanding)
         results, first_error = [], None
@@ -263,6 +283,7 @@ class Writer:
         """Wait for every save, then stop the workers and free the staging memory."""
         if self._closed:
             return
+        self._not_within_save("close()")
         try:
             self.wait()
         finally:
