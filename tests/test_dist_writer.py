@@ -536,3 +536,27 @@ def test_a_version_saved_by_one_process_loads_sharded_at_2_ranks(tmp_path, how):
             w.save({"model": full[0], "optim": full[1], "step": step}, step=step)
     torch.save(full, out)
     run_ranks(_load_one_process_version_sharded, 2, region, out, how)
+
+
+def _load_where_one_node_cannot(rank, world, regions):
+    import time
+
+    with ckptfs.Store(regions[rank]) as mine:
+        back = {"w": torch.zeros(4), "pair": None}
+        started = time.monotonic()
+        expected = r"holds tensors inside 'pair'" if rank == 1 else r"failed on another rank, reading .*b\.region"
+        with pytest.raises(BaseException, match=expected):
+            dcp.load(back, storage_reader=ckptfs.dcp.StorageReader(mine, "m", timeout_s=60))
+        assert time.monotonic() - started < 30  # not after timeout_s, waiting for the rank that failed
+        assert torch.equal(back["w"], torch.zeros(4))
+
+
+def test_a_node_that_cannot_read_the_step_fails_every_rank_at_once(tmp_path):
+    """Two nodes at step 5; node b's version cannot be served to DCP (a tuple of tensors): its
+    rank fails with that, the other at once with where and why (it waited for the comparison
+    until timeout_s)."""
+    regions = [str(tmp_path / "a.region"), str(tmp_path / "b.region")]
+    for region, pair in zip(regions, [1, (torch.ones(1), torch.ones(1))]):
+        with ckptfs.Store.create(region, size_bytes=64 << 20) as store, store.writer("m") as w:
+            w.save({"w": torch.ones(4), "pair": pair}, step=5).result()
+    run_ranks(_load_where_one_node_cannot, 2, regions)

@@ -24,7 +24,7 @@ from ckptfs.dist.load import PartRead, read_parts, wanted_tensors
 from ckptfs.dist.names import METADATA_FILE, is_global_version
 from ckptfs.dist.parts import item_records, open_part
 from ckptfs.dist.single import ONE_PROCESS, one_process_metadata, open_one_process
-from ckptfs.errors import CorruptionError, NotFoundError, no_version_yet
+from ckptfs.errors import CkptfsError, CorruptionError, NotFoundError, no_version_yet
 from ckptfs.gcpause import GCHold, paused_gc
 from ckptfs.scan import ReadAhead, ReadBuffers
 
@@ -93,26 +93,44 @@ class StorageReader(_DCPReader):
                                     "`ckptfs ls` lists the steps")
             raise no_version_yet(self.model)
         step = max(agreed)
-        with self.store.open_version(self.model, step) as v:
-            if is_global_version(v.manifest):
-                text = dict(v.manifest.files)[METADATA_FILE]
-                metadata, record = None, text.encode()
-            else:  # saved by one process: its metadata made from its index (ckptfs.dist.single)
-                metadata = one_process_metadata(v, self.store.region.superblock.uuid.hex())
-                record = v.manifest.encode()
-        # every node's record of the step must be the same checkpoint: a node whose region holds
-        # the model of another job at the same step would load a mixture
-        digests = exchange((self.store.path, hashlib.sha256(record).hexdigest()), group,
-                           f"the comparison of step {step} of {self.model!r} across the nodes")
-        if len({d for _, d in digests}) > 1:
-            kinds: dict[str, list[str]] = {}
-            for path, d in digests:
-                kinds.setdefault(d, []).append(path)
+        metadata, record, failure = self._read_step(step)
+        self._compare_nodes(step, record, failure, group)
+        self.metadata = metadata
+        return metadata
+
+    def _read_step(self, step: int) -> tuple[Metadata | None, bytes, CkptfsError | None]:
+        """(the DCP Metadata of ``step``, the bytes the nodes compare, None), or (None, b"", the
+        CkptfsError that stopped this rank: said to the others, which would wait for it)."""
+        try:
+            with self.store.open_version(self.model, step) as v:
+                if is_global_version(v.manifest):
+                    text = dict(v.manifest.files)[METADATA_FILE]
+                    return decode_metadata(text), text.encode(), None
+                # saved by one process: its metadata made from its index (ckptfs.dist.single)
+                return one_process_metadata(v, self.store.region.superblock.uuid.hex()), v.manifest.encode(), None
+        except CkptfsError as e:
+            return None, b"", e
+
+    def _compare_nodes(self, step: int, record: bytes, failure: CkptfsError | None, group) -> None:
+        """Every rank's outcome of ``_read_step``: this rank's failure, another's, or nodes whose
+        regions hold different checkpoints as ``step`` (a node whose region holds the model of
+        another job at the same step would load a mixture) raise, on every rank."""
+        outcomes = exchange((self.store.path, hashlib.sha256(record).hexdigest(),
+                             None if failure is None else f"{type(failure).__name__}: {failure}"), group,
+                            f"the comparison of step {step} of {self.model!r} across the nodes")
+        if failure is not None:
+            raise failure
+        failed = [(path, why) for path, _, why in outcomes if why is not None]
+        if failed:
+            raise CkptfsError(f"the load of step {step} of {self.model!r} failed on another rank, reading "
+                              f"{failed[0][0]} ({failed[0][1]})")
+        kinds: dict[str, list[str]] = {}
+        for path, digest, _ in outcomes:
+            kinds.setdefault(digest, []).append(path)
+        if len(kinds) > 1:
             raise CorruptionError(f"the nodes' regions hold different checkpoints as step {step} of {self.model!r} "
                                   f"({' / '.join(', '.join(sorted(set(p))) for p in kinds.values())}): one of them "
                                   "belongs to another job; load with the regions of this job only")
-        self.metadata = metadata if metadata is not None else decode_metadata(text)
-        return self.metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
         self.metadata = metadata
