@@ -74,7 +74,7 @@ def _checked(node: dict, obj: Any, where: str) -> dict:
     nothing is saved that its load would refuse."""
     (kind, value), = node.items()
     try:
-        check(kind, value)
+        check(kind, value, data=False)  # the fields; the data is encode's own base64
     except MalformedInputError as e:
         raise UnsupportedObjectError(f"{where}: {obj!r:.60} cannot be stored ({e})") from None
     return node
@@ -100,8 +100,8 @@ def _encode_numpy(obj: Any, where: str) -> dict | None:
         return None
     if isinstance(obj, np.generic):
         code = _numpy_dtype_code(obj.dtype, where)
-        return _checked({"npscalar": {"dtype": code, "data": base64.b64encode(obj.tobytes()).decode("ascii")}},
-                        obj, where)
+        raw = (b"\1" if obj else b"\0") if code == "|b1" else obj.tobytes()  # a bool's byte may be any non-zero
+        return _checked({"npscalar": {"dtype": code, "data": base64.b64encode(raw).decode("ascii")}}, obj, where)
     return None
 
 
@@ -127,8 +127,9 @@ def _numpy_dtype_code(dtype, where: str) -> str:
     return code
 
 
-def check(kind: str, value: Any) -> None:
-    """Raise MalformedInputError unless ``{kind: value}`` is a well-formed node of this module."""
+def check(kind: str, value: Any, *, data: bool = True) -> None:
+    """Raise MalformedInputError unless ``{kind: value}`` is a well-formed node of this module.
+    ``data`` False: an array's bytes are taken as they are (``encode`` made them, canonical)."""
     if kind == "size":
         if not isinstance(value, list) or len(value) > _MAX_NDIM or not all(_is_count(n) for n in value):
             raise MalformedInputError(f"skeleton size node holds {value!r:.40}")
@@ -158,21 +159,26 @@ def check(kind: str, value: Any) -> None:
         expected = math.prod(shape) * itemsize
         if expected > MAX_NDARRAY_BYTES or math.prod(max(n, 1) for n in shape) * itemsize >= 1 << 62:
             raise MalformedInputError(f"skeleton {kind} node of shape {shape!r:.40} is too large")
-        data = value["data"]
-        if not isinstance(data, str) or len(data) != 4 * -(-expected // 3):
-            raise MalformedInputError(f"skeleton {kind} node holds {len(data) if isinstance(data, str) else data!r:.20} "
-                                      f"characters of data for {expected} bytes")
-        try:
-            raw = base64.b64decode(data, validate=True)
-        except binascii.Error:
-            raise MalformedInputError(f"skeleton {kind} node's data is not base64") from None
-        # canonical base64 of exactly the bytes: what encode wrote, nothing a pickle would differ on
-        if len(raw) != expected or base64.b64encode(raw).decode("ascii") != data:
-            raise MalformedInputError(f"skeleton {kind} node's data is not the base64 of {expected} bytes")
-        if kind == "npscalar" and code == "|b1" and raw not in (b"\0", b"\1"):
-            raise MalformedInputError("skeleton npscalar node holds a bool that is neither 0 nor 1")
+        if data:
+            _check_data(kind, code, value["data"], expected)
     else:
         raise MalformedInputError(f"unknown skeleton node kind {kind!r:.40}")
+
+
+def _check_data(kind: str, code: str, data: Any, expected: int) -> None:
+    """An array's or scalar's data: canonical base64 of exactly ``expected`` bytes."""
+    if not isinstance(data, str) or len(data) != 4 * -(-expected // 3):
+        raise MalformedInputError(f"skeleton {kind} node holds {len(data) if isinstance(data, str) else data!r:.20} "
+                                  f"characters of data for {expected} bytes")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except binascii.Error:
+        raise MalformedInputError(f"skeleton {kind} node's data is not base64") from None
+    # canonical base64 of exactly the bytes: what encode wrote, nothing a pickle would differ on
+    if len(raw) != expected or base64.b64encode(raw).decode("ascii") != data:
+        raise MalformedInputError(f"skeleton {kind} node's data is not the base64 of {expected} bytes")
+    if kind == "npscalar" and code == "|b1" and raw not in (b"\0", b"\1"):
+        raise MalformedInputError("skeleton npscalar node holds a bool that is neither 0 nor 1")
 
 
 def _is_count(n: Any) -> bool:

@@ -22,6 +22,10 @@ from ckptfs.region.slots import hidden_by
 from ckptfs.region.ring import latest_after_removal, mark_kept
 from ckptfs.writer.progress import read_progress
 
+def _save_gone(model: str, counter: int) -> NotFoundError:
+    return NotFoundError(f"{model!r} no longer holds the save with counter {counter}: its slot was reused")
+
+
 if TYPE_CHECKING:  # the reader and the writer need torch, which listing a region does not
     from ckptfs.reader import VerifyProblem
     from ckptfs.writer.writer import Writer
@@ -249,15 +253,18 @@ class Store:
 
     def _find(self, model: str, step: int | None, counter: int | None = None) -> tuple[SlotVersion, bool]:
         """The version of ``step`` (None: latest) and whether it is latest; of a step saved
-        twice the newer, or the one whose counter is ``counter``."""
+        twice the newer, or the one whose counter is ``counter`` (with ``step`` None: the save
+        ``counter`` whatever its step, a part or version named by its counter alone)."""
         entry = self.region.get(model)
         latest = self.region.latest(entry)
-        if step is None:
+        if step is None and counter is None:
             if latest is None:
                 raise no_version_yet(model)
             return latest, True
         matches = [v for v in self.region.committed(entry)
-                   if v.header.step == step and (counter is None or v.header.counter == counter)]
+                   if step in (None, v.header.step) and counter in (None, v.header.counter)]
+        if not matches and step is None:
+            raise _save_gone(model, counter)
         if not matches and any(m is not None and m.step == step for _, _, m in self.region.unreadable_slots(entry)):
             raise CorruptionError(f"version {step} of {model!r} is damaged: its slot header is unreadable, so its "
                                   "bytes cannot be trusted; load another version and run `ckptfs verify`")
@@ -270,7 +277,8 @@ class Store:
     def open_version(self, model: str, step: int | None = None, *, checked: set | None = None,
                      manifest: Manifest | None = None, counter: int | None = None) -> Version:
         """Pin and open a version (``step`` None: the latest). Close it to release the pin.
-        ``counter``: of a step saved twice, that save's version (else the newer).
+        ``counter``: of a step saved twice, that save's version (else the newer); alone, the
+        save with that counter (NotFoundError once its slot was reused).
         ``checked``: tensors (and blocks) already found intact by an earlier open of the same version (see
         ckptfs.reader.VersionData). ``manifest``: that earlier open's index (the mount keeps one
         per listed version), used when the pinned slot still holds the version it came from (the
@@ -288,9 +296,9 @@ class Store:
                     self.region.unpin(v)
                     raise
                 return Version(self, v, index, is_latest, checked)
-            if step is not None:
+            if step is not None or counter is not None:
                 # That version was claimed for rewriting between the listing and the pin.
-                raise no_step(model, step)
+                raise no_step(model, step) if step is not None else _save_gone(model, counter)
             time.sleep(0.001)
         raise BusyError(f"could not pin the latest version of {model!r}: it kept changing; try again")
 

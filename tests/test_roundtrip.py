@@ -421,3 +421,17 @@ def test_a_save_from_a_signal_handler_that_interrupts_a_save_fails_at_once(store
         assert len(calls) == 3
         w.save(state, step=3).result()
     assert [v.step for v in store.versions("m")] == [1, 3]
+
+
+def test_open_version_by_its_counter_alone(store):
+    """A part or a one-process version is named by its save counter: open_version(counter=)
+    finds that save whatever its step, and says so once its slot was reused."""
+    with store.writer("m") as w:
+        for step in (1, 2, 2):
+            w.save({"w": torch.full((3,), float(step))}, step=step).result()
+    saves = store.versions("m", hidden=True)
+    for info in saves:
+        with store.open_version("m", counter=info.counter) as v:
+            assert (v.info.step, v.info.counter) == (info.step, info.counter)
+    with pytest.raises(NotFoundError, match="no longer holds the save with counter 99"):
+        store.open_version("m", counter=99)

@@ -34,12 +34,10 @@ def open_part(store, model: str, rank: int, counter: int, checked: set | None = 
     """The pinned part version of ``rank`` with ``counter``; CorruptionError if it is gone.
     ``checked``: as ``Store.open_version``'s."""
     name = part_model(model, rank)
-    match = [v for v in store.versions(name, hidden=True) if v.counter == counter]
-    if match:
-        try:
-            return store.open_version(name, match[0].step, checked=checked, counter=counter)
-        except NotFoundError:
-            pass  # reused between the listing and the pin
+    try:
+        return store.open_version(name, checked=checked, counter=counter)
+    except NotFoundError:
+        pass  # its slot was reused
     raise CorruptionError(f"the part of rank {rank} (counter {counter}) of {model!r} is gone from {name!r}; "
                           "this global version cannot be loaded, use an older one")
 

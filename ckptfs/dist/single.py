@@ -83,8 +83,8 @@ def _holds_tensor(value) -> bool:
 
 def open_one_process(store, model: str, counter: int):
     """The pinned one-process version of ``model`` with ``counter`` (NotFoundError if it went)."""
-    match = [v for v in store.versions(model, hidden=True) if v.counter == counter]
-    if not match:
+    try:
+        return store.open_version(model, counter=counter)
+    except NotFoundError:
         raise NotFoundError(f"the version of {model!r} being loaded (counter {counter}) is gone: the ring reused "
-                            "its slot; load again (a newer version)")
-    return store.open_version(model, match[0].step, counter=counter)
+                            "its slot; load again (a newer version)") from None
