@@ -38,14 +38,15 @@ $PY -c 'import torch, ckptfs; print("torch", torch.__version__, "cuda", torch.cu
 [ "$MODE" = build ] && exit 0
 if [ "$MODE" = open ]; then
     rc=0
+    # the tests first: they hold what has never run on hardware
+    timeout 85 $PY -m pytest -q -p no:cacheprovider -o addopts="" tests/test_gpu.py -rs > "$OUTDIR/test_gpu.log" 2>&1 || rc=1
+    tail -3 "$OUTDIR/test_gpu.log"
     # the peers dcp.async_save and torch.save cost ~100 s a round at f=1 (stop 38: +980 % and +1056 %):
     # here the checkpointer against the floor, at the f where the H100's disk keeps up (5) and where
     # not (1); each row ~20 s with its baseline loops (stop 42: f=1,2,5 x 2 rounds ran past 240 s)
     timeout 240 $PY tools/bench_train.py --device cuda --f 1,5 --methods ckptfs,raw --rounds 2 --json "$OUTDIR/bench_train.json" \
         > "$OUTDIR/bench_train.log" 2>&1 || rc=1
     tail -12 "$OUTDIR/bench_train.log"
-    timeout 85 $PY -m pytest -q -p no:cacheprovider -o addopts="" tests/test_gpu.py -rs > "$OUTDIR/test_gpu.log" 2>&1 || rc=1
-    tail -3 "$OUTDIR/test_gpu.log"
     timeout 95 $PY tools/bench_save.py --device cuda --states gpt2 --repeat 3 --skip safetensors,dcp,dcp_async,extra \
         > "$OUTDIR/bench_save.log" 2>&1 || rc=1
     grep -A14 "^targets" "$OUTDIR/bench_save.log"
