@@ -215,6 +215,11 @@ def scan_together(scans: list[Scan], buffers: "ReadBuffers", ahead: ReadAhead | 
     with ThreadPoolExecutor(min(CHECK_THREADS, len(work)), thread_name_prefix="ckptfs-check") as checkers:
         for chunk, scan, read in pre:
             checks.append(checkers.submit(check, scan, read, chunk))
+        # the reads ahead end before this scan's readers start: started meanwhile, they took the
+        # buffers the reads ahead were still waiting for, while the checkers waited for those
+        # reads in order, and nothing moved again
+        for _, _, read in pre:
+            read.exception()
 
         def read(chunk: Chunk, scan: Scan) -> None:
             if not failed.is_set():

@@ -959,6 +959,29 @@ def test_a_load_reads_ahead_while_dcp_plans_and_lets_go_if_planning_fails(store,
     assert all(torch.equal(again[k], state[k]) for k in state)
 
 
+def test_a_load_with_byte_items_uses_its_reads_ahead(store, monkeypatch):
+    """Byte items (an optimizer's param_groups, an epoch) are copied whole before DCP takes
+    them: a part holding some stays in the pipeline with its reads ahead (they were let go and
+    every chunk read again, in every load of an optimizer's state)."""
+    from ckptfs import scan as scan_module
+
+    monkeypatch.setattr(scan_module, "READ_CHUNK_BYTES", 1 << 20)
+    state = {f"t{i}": torch.randn(1 << 18) for i in range(4)}
+    state["optim"] = {"param_groups": [{"lr": 0.25, "betas": (0.9, 0.95)}], "epoch": 3}
+    dcp.save(state, storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=1))
+    reads = []
+    real = store.region.backend.read_direct
+    monkeypatch.setattr(store.region.backend, "read_direct",
+                        lambda at, view: (reads.append((at, threading.current_thread().name)), real(at, view)))
+    back = {f"t{i}": torch.zeros(1 << 18) for i in range(4)}
+    back["optim"] = {"param_groups": [{"lr": 0.0, "betas": (0.0, 0.0)}], "epoch": 0}
+    dcp.load(back, storage_reader=ckptfs.dcp.StorageReader(store, "m"))
+    assert all(torch.equal(back[f"t{i}"], state[f"t{i}"]) for i in range(4))
+    assert back["optim"] == state["optim"]
+    assert len(reads) == len(set(reads)) <= scan_module.READ_BUFFERS, reads  # each read once, all ahead
+    assert all(thread.startswith("ckptfs-read-ahead") for _, thread in reads), reads
+
+
 def test_a_load_pauses_the_gc_from_its_start_to_its_reads_end(store, monkeypatch):
     """From DCP's start of a load (its read of checkpoint_id) to the end of read_data the
     cyclic GC is paused (DCP's planning, between the reader's calls, started a full collection of

@@ -459,3 +459,44 @@ def test_a_scan_stops_reading_when_a_chunk_cannot_be_used(chunked):
     with s.open_version("m") as v, pytest.raises(ValueError, match="injected"):
         v.data.scan(on_chunk)
     assert len(reads) < 16, len(reads)  # of 24 chunks
+
+
+_AHEAD_THEN_SCAN = r"""
+import sys, threading, time, torch, ckptfs
+from ckptfs import scan as S
+S.READ_CHUNK_BYTES = 1 << 20
+store = ckptfs.Store.create(sys.argv[1], size_bytes=128 << 20)
+state = {f"t{i}": torch.full((1 << 18,), float(i)) for i in range(16)}  # 16 chunks of 1 MiB
+with store.writer("m") as w:
+    w.save(state, step=1).result()
+real = store.region.backend.read_direct
+
+def read_direct(at, view):  # the reads ahead are slow: the scan's own readers start meanwhile
+    if threading.current_thread().name.startswith("ckptfs-read-ahead"):
+        time.sleep(0.3)
+    return real(at, view)
+store.region.backend.read_direct = read_direct
+seen = {}
+with store.open_version("m") as v, S.ReadBuffers() as buffers:
+    scan = v.data.scanner(lambda buf, chunk: seen.update({p.tensor: bytes(buf.mapping[p.buffer_start:p.buffer_start + 4])
+                                                          for p in chunk.pieces}))
+    ahead = S.ReadAhead([scan], buffers)
+    S.scan_together([scan], buffers, ahead)
+    assert scan.bad() == []
+assert sorted(seen) == list(range(16)), seen
+print("scanned", len(seen))
+"""
+
+
+def test_a_scan_after_its_read_ahead_finishes_while_the_reads_ahead_wait(tmp_path):
+    """A scan started while its ReadAhead's reads are still under way (a load whose planning
+    is quick: one rank, DCP's planning of a model alone) completes: the scan's own readers
+    took the buffers the reads ahead were waiting for, while the checkers waited for those
+    reads in order, and the load hung for good (a subprocess, so that a hang fails the test
+    instead of holding the test run)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _AHEAD_THEN_SCAN, str(tmp_path / "r.region")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "scanned 16" in done.stdout, done.stderr[-2000:]

@@ -49,27 +49,38 @@ def wanted_tensors(records, items: list[tuple[object, int]]) -> dict[int, tuple[
     return out
 
 
+PIPELINED_WHOLE_BYTES = 64 << 20  # the whole copies the parts read in one pipeline may hold together
+
+
 def read_parts(reads: list["PartRead"], buffers: ReadBuffers, ahead=None) -> None:
-    """Do ``reads`` (of parts kept open meanwhile): those whose pieces all go straight into their
-    targets in one pipeline (``scan_together``: no wait at each part's end, the many small reads
-    of a part that holds a few wanted tensors beside the large ones of another), then each
-    that needs whole copies of stored tensors alone, so that only one part's copies are in
-    memory at a time. ``ahead``: a ReadAhead of the parts' scans (``PartRead.scan``), used where
-    every part is read straight into its targets, else cancelled."""
-    direct = [r for r in reads if not r.whole_bytes]
-    if ahead is not None and len(direct) < len(reads):
+    """Do ``reads`` (of parts kept open meanwhile): in one pipeline (``scan_together``: no wait
+    at each part's end, the many small reads of a part that holds a few wanted tensors beside
+    the large ones of another) those whose pieces go straight into their targets, or whose
+    whole copies of stored tensors are small (byte items: every optimizer's param_groups), up
+    to PIPELINED_WHOLE_BYTES of copies in all; then each other part alone, so that only one
+    part's copies are in memory at a time. ``ahead``: a ReadAhead of the parts' scans
+    (``PartRead.scan``), used where every part is in the pipeline with that scan, else
+    cancelled (its reads are made again)."""
+    pipelined, alone = [], []
+    room = PIPELINED_WHOLE_BYTES
+    for r in reads:
+        if r.whole_bytes <= room:
+            pipelined.append(r)
+            room -= r.whole_bytes
+        else:
+            alone.append(r)
+    scans = [r.scanner() for r in pipelined]
+    if ahead is not None and (alone or any(scan not in (None, r.scan) for r, scan in zip(pipelined, scans))):
         ahead.cancel()
         ahead = None
-    scans = [r.scanner() for r in direct]
     scan_together([scan for scan in scans if scan is not None], buffers, ahead)
-    for r, scan in zip(direct, scans):
+    for r, scan in zip(pipelined, scans):
         r.finish(scan)
-    for r in reads:
-        if r.whole_bytes:
-            scan = r.scanner()
-            if scan is not None:
-                scan_together([scan], buffers)
-            r.finish(scan)
+    for r in alone:
+        scan = r.scanner()
+        if scan is not None:
+            scan_together([scan], buffers)
+        r.finish(scan)
 
 
 class PartRead:
@@ -104,19 +115,24 @@ class PartRead:
                 self.whole_of.add(index)
         self.whole_bytes = sum(records[i].nbytes for i in self.whole_of)
         self.wholes: dict[int, torch.Tensor] = {}
+        # what the scan made from the plan reads (the same rule, from the same items)
+        self._planned = wanted_tensors(records, items) if scan is not None else None
 
     def scanner(self):
         """The part's Scan (ckptfs.scan.Scan), with the whole copies made now; None if no
-        stored byte is needed."""
+        stored byte is needed. The scan made from the plan (``scan``) where it reads exactly
+        what is needed: it does unless a tensor copied whole was planned in rows."""
         records = self.data.manifest.tensors
         sinks = {i: list(dests) for i, dests in self.sinks.items()}
         for index in self.whole_of:
             self.wholes[index] = torch.empty(records[index].nbytes, dtype=torch.uint8)
             sinks.setdefault(index, []).append((0, records[index].nbytes, self.wholes[index]))
-        if self.scan is None or self.whole_of:  # a scan from the plan reads rows, not whole copies
-            wanted = wanted_tensors(records, [(t.item, t.index) for t in self.targets])
-            wanted.update(dict.fromkeys(self.whole_of))
-            return self.data.scanner(copy_out(sinks, records), only=wanted) if wanted else None
+        wanted = wanted_tensors(records, [(t.item, t.index) for t in self.targets])
+        wanted.update({i: None for i in self.whole_of if records[i].nbytes})
+        if not wanted:
+            return None
+        if self.scan is None or wanted != self._planned:
+            return self.data.scanner(copy_out(sinks, records), only=wanted)
         self.scan.on_chunk = copy_out(sinks, records)
         return self.scan
 
