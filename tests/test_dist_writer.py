@@ -361,6 +361,72 @@ def test_a_rank_that_never_calls_dcp_save_or_load_fails_the_others_naming_it(tmp
     run_ranks(_one_rank_never_calls_dcp_save, 2, region)
 
 
+def _two_models_commit_in_crossed_order(rank, world, region):
+    """A model's writer and its EMA's in one process: rank 0 commits the EMA's step first,
+    rank 1 the model's (a slower commit on each); with one group for both their exchanges met
+    each other's ("the ranks do not save the same model", or gloo's abort of the process)."""
+    from ckptfs.dist import storage
+
+    real = storage.StorageWriter._commit
+
+    def slower(self, *args, **kwargs):
+        if (rank, self.model) in ((0, "model"), (1, "ema")):
+            time.sleep(0.5)
+        return real(self, *args, **kwargs)
+    storage.StorageWriter._commit = slower
+    store = ckptfs.Store(region)
+    with store.writer("model", group=dist.group.WORLD, timeout_s=20) as w, \
+            store.writer("ema", group=dist.group.WORLD, timeout_s=20) as e:
+        saves = []
+        for step in (1, 2, 3):
+            saves.append(w.save({"w": torch.full((1000,), float(rank + step))}, step=step))
+            saves.append(e.save({"ema": {"w": torch.full((10,), float(step))}}, step=step))
+        assert [f.result().step for f in saves] == [1, 1, 2, 2, 3, 3]
+    assert store.latest("model").step == store.latest("ema").step == 3
+    store.close()
+
+
+def test_the_writers_of_two_models_in_one_process_commit_apart(tmp_path):
+    region = _new_region(tmp_path)
+    run_ranks(_two_models_commit_in_crossed_order, 2, region)
+    with ckptfs.Store(region) as store:
+        assert torch.equal(store.load("ema")["ema"]["w"], torch.full((10,), 3.0))
+        # a plain tensor is replicated state to DCP: one rank's bytes are written
+        assert store.load("model")["w"][0].item() in (3.0, 4.0)
+
+
+_ENDS_DURING_A_SNAPSHOT = r"""
+import os, sys, time, torch, torch.distributed as dist, ckptfs
+from ckptfs.dist import writer as W
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+dist.init_process_group("gloo", rank=0, world_size=1)
+w = ckptfs.Store(sys.argv[1]).writer("m", group=dist.group.WORLD)
+w.save({"x": torch.ones(10)}, step=1).result()
+real = W.DistWriter._snapshot
+W.DistWriter._snapshot = lambda self, *a: (time.sleep(0.5), real(self, *a))[1]
+w.save({"x": torch.full((10,), 2.0)}, step=2, async_snapshot=True)
+print("the script ends with step 2 in flight", flush=True)
+"""
+
+
+def test_a_script_that_ends_during_an_async_snapshot_still_commits_it(tmp_path):
+    """As Writer's: a job's script that ends with a save in flight, its writer not closed, gets
+    it committed. The commit executor was stopped by concurrent.futures' exit hook while the
+    snapshot still ran; the step stayed a part, uncommitted, and nobody was told."""
+    import subprocess
+    import sys
+
+    from ckptfs.testing.ranks import free_port
+
+    region = _new_region(tmp_path)
+    done = subprocess.run([sys.executable, "-c", _ENDS_DURING_A_SNAPSHOT, region, str(free_port())],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "ends with step 2" in done.stdout, done.stderr[-2000:]
+    with ckptfs.Store(region) as store:
+        assert [v.step for v in store.versions("m")] == [1, 2]
+        assert torch.equal(store.load("m")["x"], torch.full((10,), 2.0))
+
+
 def _different_keys(rank, world, region):
     with ckptfs.Store(region) as store, store.writer("m", group=dist.group.WORLD, timeout_s=30) as w:
         w.save({"w": torch.ones(4)}, step=1).result()

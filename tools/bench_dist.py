@@ -111,7 +111,7 @@ def _save_rank(rank, world, args, workdir, out, keep: bool) -> None:
     import ckptfs
     from ckptfs.dist.group import coordination
 
-    gloo = coordination(600)
+    gloo = coordination(600, MODEL, "bench")
     state = _state(args, world)
     local = _local_tensors(state)
     nbytes = sum(t.numel() * t.element_size() for t in local)
@@ -205,7 +205,7 @@ def _load_rank(rank, world, args, workdir, saved_world, out) -> None:
     from ckptfs.dist.group import coordination
     from ckptfs.gcpause import paused_gc
 
-    gloo = coordination(600)
+    gloo = coordination(600, MODEL, "bench")
     state = _state(args, world)
     region = os.path.join(workdir, f"region-{saved_world}")
     samples = []

@@ -13,23 +13,26 @@ from datetime import timedelta
 
 from ckptfs.errors import CkptfsError
 
-_groups: dict[tuple[float, str], object] = {}
+_groups: dict[tuple[float, str, str], object] = {}
 
 
-def coordination(timeout_s: float, purpose: str = "save"):
+def coordination(timeout_s: float, model: str, purpose: str = "save"):
     """The gloo group the checkpoint's ranks coordinate through (None without torch.distributed):
-    one of its own per process and ``purpose``, made collectively at the first save or load of
-    every rank, so that its collectives run from background threads beside the training's own (an
-    async save while FSDP all-gathers on the job's group) and never wait behind its NCCL traffic.
-    A group's collectives must come in the same order on every rank, so two threads that each
-    keep their own order (a writer's snapshots and its commits) each take a group of their own."""
+    one of its own per process, ``model`` and ``purpose``, made collectively at the first save or
+    load of it on every rank, so that its collectives run from background threads beside the
+    training's own (an async save while FSDP all-gathers on the job's group) and never wait
+    behind its NCCL traffic. A group's collectives must come in the same order on every rank, so
+    two threads that each keep their own order each take a group of their own: a writer's
+    snapshots and its commits, and the writers of two models in one process (a model and its
+    EMA: one's commit met the other's on another rank, and gloo aborted the process)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    group = _groups.get((timeout_s, purpose))
+    key = (timeout_s, model, purpose)
+    group = _groups.get(key)
     if group is None:
-        group = _groups[(timeout_s, purpose)] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        group = _groups[key] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     return group
 
 

@@ -105,7 +105,7 @@ class StorageWriter(_DCPWriter):
         # every rank runs this, in the same order: the place to make the coordination group
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank", this_rank())
-        self._group = self.group if self.group is not None else coordination(self.timeout_s)
+        self._group = self.group if self.group is not None else coordination(self.timeout_s, self.model)
 
     @property
     def checkpoint_id(self) -> str:

@@ -27,8 +27,10 @@ writer's contract of a single process, for many:
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -41,6 +43,25 @@ from ckptfs.dist.structure import describe, matches
 from ckptfs.errors import BusyError, CkptfsError
 from ckptfs.gcpause import paused_gc
 from ckptfs.writer.job import check_positive, is_kept
+
+
+log = logging.getLogger("ckptfs")
+_open_writers: "weakref.WeakSet[DistWriter]" = weakref.WeakSet()
+
+
+def _commit_in_flight_at_exit() -> None:
+    """A script that ends without closing its writer still gets its saves committed, as
+    Writer's. Run among threading's exit hooks, before concurrent.futures' (they run in reverse
+    order of registration, and that module was imported first), which stop every executor: an
+    atexit hook came too late, and a snapshot still running found its commit refused."""
+    for writer in list(_open_writers):
+        try:
+            writer.close()
+        except BaseException as e:  # noqa: BLE001 - report and go on with the others
+            log.error("ckptfs: a save of %s failed at exit: %s", writer.model, e)
+
+
+threading._register_atexit(_commit_in_flight_at_exit)  # noqa: SLF001 - concurrent.futures' own way
 
 
 @dataclass(frozen=True)
@@ -93,8 +114,8 @@ class DistWriter:
         self.max_inflight = max_inflight
         self.timeout_s = timeout_s
         self.keep_every = keep_every
-        self._group = _gloo_group(group, timeout_s)  # the snapshots' agreement and DCP's planning
-        self._commit_group = _gloo_group(group, timeout_s, "commit")
+        self._group = _gloo_group(group, timeout_s, model)  # the snapshots' agreement and DCP's planning
+        self._commit_group = _gloo_group(group, timeout_s, model, "commit")
         self._slots = threading.BoundedSemaphore(max_inflight)
         self._lock = threading.Lock()
         self._snapshots = ThreadPoolExecutor(1, thread_name_prefix=f"ckptfs-dist-snapshot-{model}")
@@ -103,6 +124,7 @@ class DistWriter:
         self._plan: _Plan | None = None
         self._last_snapshot: Future | None = None
         self._closed = False
+        _open_writers.add(self)
 
     def save(self, state: dict, step: int, *, async_snapshot: bool = False, keep: bool | None = None,
              extra: dict | None = None) -> Future:
@@ -136,8 +158,13 @@ class DistWriter:
                 raise
             stall_s = 0.0 if async_snapshot else time.perf_counter() - started
             future.snapshotted.set_result(time.perf_counter() - started)
-            # in snapshot order, so in the same order of steps on every rank
-            self._commits.submit(self._commit, future, written, step, started, stall_s)
+            try:  # in snapshot order, so in the same order of steps on every rank
+                self._commits.submit(self._commit, future, written, step, started, stall_s)
+            except BaseException as e:  # noqa: BLE001 - e.g. the interpreter ending: said, not lost
+                self._done(future)
+                future.set_exception(CkptfsError(f"step {step} of {self.model!r} was snapshotted but never "
+                                                 f"committed: {e}"))
+                log.error("ckptfs: step %d of %s was snapshotted but never committed: %s", step, self.model, e)
 
         task = self._snapshots.submit(snapshot)
         if not async_snapshot:
@@ -310,7 +337,7 @@ def load(store, model: str, into: dict, *, group=None, step: int | None = None, 
     if into is None:
         raise ValueError("a load of many ranks needs into= (the state dict to load in place, e.g. "
                          "{'model': model.state_dict(), 'optim': optimizer.state_dict()})")
-    gloo = _gloo_group(group, timeout_s)
+    gloo = _gloo_group(group, timeout_s, model, "load")
     reader = StorageReader(store, model, step, peers=peers, timeout_s=timeout_s, group=gloo)
     try:
         with paused_gc():  # DCP's planning and ours make and drop many objects: see ckptfs.gcpause
@@ -328,8 +355,8 @@ def load(store, model: str, into: dict, *, group=None, step: int | None = None, 
     return into
 
 
-def _gloo_group(group, timeout_s: float, purpose: str = "save"):
-    """The gloo group the ranks of ``group`` coordinate through (for ``purpose``, see
+def _gloo_group(group, timeout_s: float, model: str, purpose: str = "save"):
+    """The gloo group the ranks of ``group`` coordinate through for ``model`` and ``purpose`` (see
     ``coordination``): ckptfs's own over every rank (``group`` None or the world), None without
     torch.distributed."""
     import torch.distributed as dist
@@ -340,4 +367,4 @@ def _gloo_group(group, timeout_s: float, purpose: str = "save"):
             dist.get_process_group_ranks(group) != list(range(dist.get_world_size())):
         raise ValueError("group= must be the whole job (dist.group.WORLD): every rank saves its part of a "
                          "checkpoint")
-    return coordination(timeout_s, purpose)
+    return coordination(timeout_s, model, purpose)
