@@ -981,6 +981,14 @@ def test_a_load_with_byte_items_uses_its_reads_ahead(store, monkeypatch):
     assert len(reads) == len(set(reads)) <= scan_module.READ_BUFFERS, reads  # each read once, all ahead
     assert all(thread.startswith("ckptfs-read-ahead") for _, thread in reads), reads
 
+    # into bfloat16: each tensor copied whole to be converted, and still read once, ahead
+    reads.clear()
+    half = {f"t{i}": torch.zeros(1 << 18, dtype=torch.bfloat16) for i in range(4)}
+    dcp.load(half, storage_reader=ckptfs.dcp.StorageReader(store, "m"))
+    assert all(torch.equal(half[f"t{i}"], state[f"t{i}"].to(torch.bfloat16)) for i in range(4))
+    assert len(reads) == len(set(reads)) == 4, reads
+    assert all(thread.startswith("ckptfs-read-ahead") for _, thread in reads), reads
+
 
 def test_a_load_pauses_the_gc_from_its_start_to_its_reads_end(store, monkeypatch):
     """From DCP's start of a load (its read of checkpoint_id) to the end of read_data the

@@ -41,6 +41,8 @@ def wanted_tensors(records, items: list[tuple[object, int]]) -> dict[int, tuple[
         if not record.nbytes or (item.type != LoadItemType.BYTE_IO and not all(n > 0 for n in item.lengths)):
             continue
         span = _row_span(record, item) if item.type != LoadItemType.BYTE_IO else None
+        if span == (0, record.nbytes):
+            span = None  # all of it: one form, so that a scan made from the plan is found the same
         if span is None or (index in out and out[index] is None):
             out[index] = None
         else:
