@@ -74,9 +74,10 @@ class CorruptionError(CkptfsError):
     """Stored bytes do not match their checksums."""
 
 
-class PartGoneError(CkptfsError):
+class PartGoneError(NotFoundError):
     """A part that a multi-rank version names is gone from its rank's part model (its slot was
-    reused): that version cannot be kept or become latest. ``rank``: whose part."""
+    reused): that version can no longer be loaded, kept or become latest, as if it were
+    removed. ``rank``: whose part."""
 
     def __init__(self, message: str, rank: int):
         super().__init__(message)

@@ -839,6 +839,35 @@ def test_a_job_resumed_at_fewer_ranks_gives_back_the_parts_of_the_others(tmp_pat
     run_ranks(_load_step, 2, region, 6)
 
 
+@requires_fuse
+def test_a_global_step_whose_parts_are_gone_is_not_listed_and_is_not_found(tmp_path):
+    """A step other than the latest holds its parts only until a newer step commits and the
+    ranks' rings reuse them; its global version may stay in its own ring a while (a reader held
+    it). Such a version is not listed (``ckptfs ls``, the mount), and a read of it is "not
+    found" with the way (it was listed, and its read an I/O error in the mount, found with a
+    reader following latest while a job saved)."""
+    from click.testing import CliRunner
+
+    from ckptfs.cli import cli
+    from ckptfs.dist.parts import loadable
+
+    region = str(tmp_path / "r.region")
+    ckptfs.Store.create(region, size_bytes=128 << 20).close()
+    run_ranks(_save_sharded_steps, 2, region, range(1, 5))
+    with ckptfs.Store(region) as store:
+        steps = [v.step for v in store.versions("m")]
+        assert 3 in steps and steps[-1] == 4, steps
+        store.remove(".m.rank1", 3)  # as the ring reuses its slot
+        assert [v.step for v in loadable(store, "m", store.versions("m"))] == [s for s in steps if s != 3]
+        with pytest.raises(ckptfs.errors.PartGoneError, match="load the latest, or keep a step"):
+            store.load("m", step=3)
+    listed = CliRunner().invoke(cli, ["--region", region, "ls", "m"])
+    assert listed.exit_code == 0 and "\n3 " not in listed.output and "\n4 " in listed.output, listed.output
+    with mounted(region, str(tmp_path / "mnt")) as m:
+        assert "step-00000003" not in os.listdir(m / "m") and "step-00000004" in os.listdir(m / "m")
+        assert torch.load(m / "m/latest/checkpoint.pt", weights_only=True)
+
+
 def test_a_kept_global_step_keeps_its_parts(tmp_path):
     """A milestone of a multi-rank checkpoint (``keep=True``, or ``Store.keep`` later) stays
     loadable while the job saves on: its parts are kept with it."""

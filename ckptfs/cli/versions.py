@@ -7,6 +7,7 @@ import click
 
 from ckptfs.cli.common import (STEP, cli, info_dict, json_option, open_store, part_models, progress,
                                region_option, table, version_step, when)
+from ckptfs.dist.parts import loadable
 from ckptfs.units import human_bytes
 
 
@@ -21,10 +22,11 @@ def ls_(region, as_json, show_all, model):
     with open_store(region) as store:
         if model is None:
             rows = []
-            for name in store.models():
+            names = store.models()
+            for name in names:
                 if name.startswith(".") and not show_all:
                     continue  # hidden, as in the mount: ranks' parts (.MODEL.rankN)
-                versions = store.versions(name)
+                versions = loadable(store, name, store.versions(name), names)
                 latest = next((v for v in versions if v.latest), None)
                 rows.append({"model": name, "versions": len(versions),
                              "latest_step": latest.step if latest else None,
@@ -36,7 +38,7 @@ def ls_(region, as_json, show_all, model):
                 table([[r["model"], r["versions"], "-" if r["latest_step"] is None else r["latest_step"], r["size"]]
                         for r in rows], ["MODEL", "VERSIONS", "LATEST", "SIZE"])
             return 0
-        versions = store.versions(model)
+        versions = loadable(store, model, store.versions(model))
         if as_json:
             click.echo(json.dumps([info_dict(v) for v in versions], indent=1))
         else:

@@ -16,10 +16,12 @@ def part_model(model: str, rank: int) -> str:
     return f".{model}.rank{rank}"
 
 
-def part_models(store, model: str) -> list[str]:
-    """The part models of ``model`` in ``store``'s region (those ``part_model`` names)."""
+def part_models(store, model: str, models: list[str] | None = None) -> list[str]:
+    """The part models of ``model`` in ``store``'s region (those ``part_model`` names), among
+    ``models`` where the caller listed them already."""
     prefix = part_model(model, 0)[:-1]
-    return [m for m in store.models() if m.startswith(prefix) and m[len(prefix):].isdigit()]
+    return [m for m in (store.models() if models is None else models)
+            if m.startswith(prefix) and m[len(prefix):].isdigit()]
 
 
 def is_global_version(manifest) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 
 from ckptfs.dist.names import METADATA_FILE, part_model, part_models
-from ckptfs.errors import BusyError, CorruptionError, NotFoundError, PartGoneError
+from ckptfs.errors import BusyError, NotFoundError, PartGoneError
 
 
 def checkpoint_bytes(store, model: str, step: int) -> tuple[int, int, int] | None:
@@ -38,8 +38,30 @@ def open_part(store, model: str, rank: int, counter: int, checked: set | None = 
         return store.open_version(name, checked=checked, counter=counter)
     except NotFoundError:
         pass  # its slot was reused
-    raise CorruptionError(f"the part of rank {rank} (counter {counter}) of {model!r} is gone from {name!r}; "
-                          "this global version cannot be loaded, use an older one")
+    raise PartGoneError(f"the part of rank {rank} (counter {counter}) of {model!r} is gone from {name!r}: a step "
+                        "other than the latest holds its parts only until a newer step commits and the ranks "
+                        "need the space; load the latest, or keep a step to hold its parts "
+                        "(Store.keep, `ckptfs keep`)", rank)
+
+
+def loadable(store, model: str, versions: list, models: list[str] | None = None) -> list:
+    """``versions`` (VersionInfo of ``model``, as ``Store.versions``) less those that no load
+    can read any more: the global versions other than the latest whose parts in this region
+    are gone (given back once a newer step committed, then their slots reused). The mount and
+    ``ckptfs ls`` list these; a model of one process is listed as it is. ``models``: the
+    region's models, where the caller listed them already."""
+    names = part_models(store, model, models)
+    if not names:
+        return versions
+    present = {name: {v.counter for v in store.versions(name, missing_ok=True, hidden=True)} for name in names}
+    out = []
+    for v in versions:
+        if not v.latest:
+            parts = _parts_of(store, model, v.step, v.counter)
+            if parts is None or any(c not in present.get(part_model(model, rank), ()) for rank, c in parts):
+                continue
+        out.append(v)
+    return out
 
 
 def part_state(tensors: list, values: dict) -> dict:

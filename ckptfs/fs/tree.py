@@ -54,6 +54,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ckptfs.dist.parts import loadable
 from ckptfs.fs.errors import read_only
 from ckptfs.fs.names import version_dirname
 from ckptfs.gcpause import paused_gc
@@ -206,9 +207,10 @@ class Tree:
         if not force and self._refreshed_at is not None and now - self._refreshed_at < self._refresh_interval:
             return
         models: dict[str, _Model] = {}
-        for name in sorted(self.store.models()):
+        names = sorted(self.store.models())
+        for name in names:
             try:
-                infos = self.store.versions(name)
+                infos = loadable(self.store, name, self.store.versions(name), names)
             except Exception as exc:  # noqa: BLE001 - removed between models() and versions()
                 log.debug("listing %r: %s", name, exc)
                 continue
