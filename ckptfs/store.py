@@ -328,7 +328,7 @@ class Store:
             return load(self, model, into, group=group, step=step, peers=peers)
         try:
             return self._load_opened(self.open_version(model, step), map_location, verify, into)
-        except CorruptionError as damaged:
+        except (CorruptionError, PartGoneError) as damaged:  # damaged, or a part of it is
             if step is not None or not verify:
                 raise
             entry = self.region.get(model)

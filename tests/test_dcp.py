@@ -840,7 +840,7 @@ def test_a_job_resumed_at_fewer_ranks_gives_back_the_parts_of_the_others(tmp_pat
 
 
 @requires_fuse
-def test_a_global_step_whose_parts_are_gone_is_not_listed_and_is_not_found(tmp_path):
+def test_a_global_step_whose_parts_are_gone_is_not_listed_and_is_not_found(tmp_path, caplog):
     """A step other than the latest holds its parts only until a newer step commits and the
     ranks' rings reuse them; its global version may stay in its own ring a while (a reader held
     it). Such a version is not listed (``ckptfs ls``, the mount), and a read of it is "not
@@ -866,6 +866,13 @@ def test_a_global_step_whose_parts_are_gone_is_not_listed_and_is_not_found(tmp_p
     with mounted(region, str(tmp_path / "mnt")) as m:
         assert "step-00000003" not in os.listdir(m / "m") and "step-00000004" in os.listdir(m / "m")
         assert torch.load(m / "m/latest/checkpoint.pt", weights_only=True)
+    with ckptfs.Store(region) as store:  # the latest's own part gone (damage): an older one loads
+        store.remove(".m.rank1", 4, allow_latest=True)
+        with caplog.at_level("WARNING", logger="ckptfs"):
+            back = store.load("m")
+        assert "loaded step 2 of 'm' instead" in caplog.text and back
+        with pytest.raises(ckptfs.errors.PartGoneError):
+            store.load("m", step=4)
 
 
 def test_a_kept_global_step_keeps_its_parts(tmp_path):
