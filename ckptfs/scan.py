@@ -193,9 +193,10 @@ def scan_together(scans: list[Scan], buffers: "ReadBuffers", ahead: ReadAhead | 
     buffers.fit(work[-1][0].length)
     pre = []
     if ahead is not None:
+        if [(c, s) for c, s, _ in ahead.items] != work[:len(ahead.items)]:
+            # a bug of the caller: nothing was read for it (the reads stay the ahead's, to cancel)
+            raise ValueError("a ReadAhead of other scans")
         pre, ahead.items = ahead.items, []
-        if [(c, s) for c, s, _ in pre] != work[:len(pre)]:
-            raise ValueError("a ReadAhead of other scans")  # a bug of the caller: nothing was read for it
     rest = work[len(pre):]
     checks = []
     failed = threading.Event()  # a check failed: the reads not started are not made
