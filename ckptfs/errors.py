@@ -79,7 +79,7 @@ class PartGoneError(NotFoundError):
     reused): that version can no longer be loaded, kept or become latest, as if it were
     removed. ``rank``: whose part."""
 
-    def __init__(self, message: str, rank: int):
+    def __init__(self, message: str, rank: int | None = None):
         super().__init__(message)
         self.rank = rank
 

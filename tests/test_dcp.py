@@ -875,6 +875,25 @@ def test_a_global_step_whose_parts_are_gone_is_not_listed_and_is_not_found(tmp_p
             store.load("m", step=4)
 
 
+def test_a_listing_keeps_a_version_whose_record_cannot_be_read(monkeypatch):
+    """``parts.loadable`` hides the versions whose parts are gone; a version whose record it
+    cannot read (damaged, or not ckptfs's metadata) stays listed, as before, rather than failing
+    the listing (``ckptfs ls`` of the region, the mount's whole model)."""
+    from types import SimpleNamespace
+
+    from ckptfs.dist import parts
+
+    class Store:
+        def versions(self, name, missing_ok=False, hidden=False):
+            return [SimpleNamespace(counter=7)]
+
+    def unreadable(store, model, step, counter):
+        raise ckptfs.errors.CorruptionError("damaged record")
+    monkeypatch.setattr(parts, "_parts_of", unreadable)
+    versions = [SimpleNamespace(step=1, counter=1, latest=False), SimpleNamespace(step=2, counter=2, latest=True)]
+    assert parts.loadable(Store(), "m", versions, ["m", ".m.rank0"]) == versions
+
+
 def test_a_kept_global_step_keeps_its_parts(tmp_path):
     """A milestone of a multi-rank checkpoint (``keep=True``, or ``Store.keep`` later) stays
     loadable while the job saves on: its parts are kept with it."""

@@ -427,6 +427,30 @@ def test_a_script_that_ends_during_an_async_snapshot_still_commits_it(tmp_path):
         assert torch.equal(store.load("m")["x"], torch.full((10,), 2.0))
 
 
+def test_a_forked_child_does_not_wait_at_exit_for_its_parents_saves():
+    """A DataLoader worker forked while a save is in flight ends with a copy of the writer: the
+    exit hook that commits a script's saves waits only for the saves of its own process (the
+    child waited for good on the copy of the parent's future)."""
+    import multiprocessing
+    from concurrent.futures import Future
+
+    from ckptfs.dist.writer import DistWriter
+
+    w = DistWriter(None, "m")
+    in_flight = Future()
+    w._pending.add(in_flight)
+    try:
+        child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(0.1,))
+        child.start()
+        child.join(timeout=30)
+        assert child.exitcode == 0, "the child did not end"
+    finally:
+        if child.is_alive():
+            child.kill()
+        in_flight.set_result(None)
+        w.close()
+
+
 def _different_keys(rank, world, region):
     with ckptfs.Store(region) as store, store.writer("m", group=dist.group.WORLD, timeout_s=30) as w:
         w.save({"w": torch.ones(4)}, step=1).result()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 
 from ckptfs.dist.names import METADATA_FILE, part_model, part_models
-from ckptfs.errors import BusyError, NotFoundError, PartGoneError
+from ckptfs.errors import BusyError, CkptfsError, NotFoundError, PartGoneError
 
 
 def checkpoint_bytes(store, model: str, step: int) -> tuple[int, int, int] | None:
@@ -31,7 +31,7 @@ def checkpoint_bytes(store, model: str, step: int) -> tuple[int, int, int] | Non
 
 
 def open_part(store, model: str, rank: int, counter: int, checked: set | None = None):
-    """The pinned part version of ``rank`` with ``counter``; CorruptionError if it is gone.
+    """The pinned part version of ``rank`` with ``counter``; PartGoneError if it is gone.
     ``checked``: as ``Store.open_version``'s."""
     name = part_model(model, rank)
     try:
@@ -57,7 +57,10 @@ def loadable(store, model: str, versions: list, models: list[str] | None = None)
     out = []
     for v in versions:
         if not v.latest:
-            parts = _parts_of(store, model, v.step, v.counter)
+            try:
+                parts = _parts_of(store, model, v.step, v.counter)
+            except CkptfsError:  # a damaged record: listed, as before, and its read says what is wrong
+                parts = frozenset()
             if parts is None or any(c not in present.get(part_model(model, rank), ()) for rank, c in parts):
                 continue
         out.append(v)

@@ -81,10 +81,11 @@ class StorageReader(_DCPReader):
             raise
 
     def _read_metadata(self) -> Metadata:
+        # the group first: made collectively, it must not wait for a rank that failed before it
+        group = self.group if self.group is not None else coordination(self.timeout_s, self.model, "load")
         steps = {v.step for v in self.store.versions(self.model, missing_ok=True)}
         if self.step is not None:
             steps &= {self.step}
-        group = self.group if self.group is not None else coordination(self.timeout_s, self.model, "load")
         agreed = set.intersection(*[set(s) for s in exchange(sorted(steps), group,
                                                               f"the agreement on a step of {self.model!r} to load")])
         if not agreed:

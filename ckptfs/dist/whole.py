@@ -83,8 +83,8 @@ class WholeLayout:
 
 def plan_whole(store, version) -> WholeLayout | None:
     """The whole-tensor layout of ``version`` (pinned) if it is a DCP global version, else None.
-    Opens (and closes) its parts in ``store``'s region; CorruptionError if one is gone or does
-    not hold what the metadata says."""
+    Opens (and closes) its parts in ``store``'s region; PartGoneError if one is gone,
+    CorruptionError if one does not hold what the metadata says."""
     if not is_global_version(version.manifest):
         return None
     # the metadata's JSON and the layout are a few objects per tensor: at 40,000 tensors the

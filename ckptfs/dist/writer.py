@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 import time
 import weakref
@@ -53,15 +54,26 @@ def _commit_in_flight_at_exit() -> None:
     """A script that ends without closing its writer still gets its saves committed, as
     Writer's. Run among threading's exit hooks, before concurrent.futures' (they run in reverse
     order of registration, and that module was imported first), which stop every executor: an
-    atexit hook came too late, and a snapshot still running found its commit refused."""
-    for writer in list(_open_writers):
+    atexit hook came too late, and a snapshot still running found its commit refused. Only this
+    process's own writers: a forked child (a DataLoader worker) ends with copies of its parent's,
+    whose saves it would wait for in vain. A save that fails here is logged: nobody reads its
+    future any more."""
+    for writer in [w for w in list(_open_writers) if w._pid == os.getpid()]:
+        with writer._lock:
+            pending = list(writer._pending)
         try:
             writer.close()
         except BaseException as e:  # noqa: BLE001 - report and go on with the others
             log.error("ckptfs: a save of %s failed at exit: %s", writer.model, e)
+        for future in pending:
+            if future.done() and not future.cancelled() and future.exception() is not None:
+                log.error("ckptfs: a save of %s failed at exit: %s", writer.model, future.exception())
 
 
-threading._register_atexit(_commit_in_flight_at_exit)  # noqa: SLF001 - concurrent.futures' own way
+try:
+    threading._register_atexit(_commit_in_flight_at_exit)  # noqa: SLF001 - concurrent.futures' own way
+except RuntimeError:  # imported while the interpreter ends: no save of it can be in flight
+    pass
 
 
 @dataclass(frozen=True)
@@ -124,6 +136,7 @@ class DistWriter:
         self._plan: _Plan | None = None
         self._last_snapshot: Future | None = None
         self._closed = False
+        self._pid = os.getpid()  # see _commit_in_flight_at_exit
         _open_writers.add(self)
 
     def save(self, state: dict, step: int, *, async_snapshot: bool = False, keep: bool | None = None,
