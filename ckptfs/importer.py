@@ -264,18 +264,103 @@ def detect_format(path: str) -> str:
                               "name it .safetensors or .pt, or pass --format")
 
 
+HF_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")  # save_pretrained's shards
+HF_SINGLE = ("model.safetensors", "pytorch_model.bin")
+HF_EXTRAS = ("config.json", "generation_config.json")  # kept with the version: its hf/ directory
+
+
+def hf_directory(path: str) -> tuple[list[str], dict[str, str] | None, dict[str, str]]:
+    """What a Hugging Face model directory (``save_pretrained``'s) holds: its weight files (the
+    shards its index names, in order, or its one ``model.safetensors`` / ``pytorch_model.bin``),
+    the index's weight map ({tensor: shard file}; None without an index) and the extra files to
+    keep with the version ({name: text}: config.json, generation_config.json).
+    MalformedInputError where it holds none of these, or its index is not one."""
+    index = next((os.path.join(path, n) for n in HF_INDEXES if os.path.isfile(os.path.join(path, n))), None)
+    weight_map = None
+    if index is not None:
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f, object_pairs_hook=_no_duplicates)["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError, MalformedInputError) as exc:
+            raise _reject(index, f"not a weight index ({exc})") from None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) and v and os.path.basename(v) == v and v not in (".", "..")
+                for k, v in weight_map.items()):
+            raise _reject(index, "its weight_map must map tensor names to file names in its directory")
+        files = [os.path.join(path, v) for v in dict.fromkeys(weight_map.values())]
+        for f in files:
+            if not os.path.isfile(f):
+                raise _reject(index, f"it names {os.path.basename(f)!r}, which the directory does not hold")
+    else:
+        files = [os.path.join(path, n) for n in HF_SINGLE if os.path.isfile(os.path.join(path, n))][:1]
+        if not files:
+            raise MalformedInputError(f"{path}: a directory without model weights: import a file, or a Hugging "
+                                      f"Face model directory ({' or '.join(HF_SINGLE)}, or shards with "
+                                      f"{' or '.join(HF_INDEXES)})")
+    extra = {}
+    for name in HF_EXTRAS:
+        try:
+            with open(os.path.join(path, name), encoding="utf-8") as f:
+                extra[name] = f.read()
+        except FileNotFoundError:
+            continue
+        except (OSError, UnicodeDecodeError) as exc:
+            raise _reject(os.path.join(path, name), f"unreadable ({exc})") from None
+    return files, weight_map, extra
+
+
+def _load_weights(files: list[str], weight_map: dict[str, str] | None, fmt: str | None, sources: list) -> Any:
+    """The object of one weight file, or the tensors of several shards merged by name (each
+    shard holding exactly what ``weight_map`` says it does). Safetensors files opened here are
+    appended to ``sources`` (for the caller to close once saved)."""
+    merged: OrderedDict[str, torch.Tensor] = OrderedDict()
+    for path in files:
+        if (fmt or detect_format(path)) == "safetensors":
+            source = SafetensorsFile(path)
+            sources.append(source)
+            obj = nested(path, source.tensors(), source.header.metadata)
+        elif (fmt or detect_format(path)) == "torch":
+            obj = load_torch_file(path)
+        else:
+            raise CkptfsError(f"unknown format {fmt!r}; use safetensors or torch")
+        if len(files) == 1 and weight_map is None:
+            return obj
+        if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                for k, v in obj.items()):
+            raise _reject(path, "a shard must hold tensors by name")
+        for name, tensor in obj.items():
+            if name in merged:
+                raise _reject(path, f"tensor {name!r} is in two shards")
+            if weight_map is not None and weight_map.get(name) != os.path.basename(path):
+                raise _reject(path, f"it holds {name!r}, which its index places elsewhere")
+            merged[name] = tensor
+    missing = [name for name in weight_map or () if name not in merged]
+    if missing:
+        raise MalformedInputError(f"{files[0]}: the index names {len(missing)} tensors no shard holds "
+                                  f"(first {missing[0]!r})")
+    return merged
+
+
 def import_file(store, model: str, path: str, *, step: int | None = None, fmt: str | None = None,
                 key: str | None = None):
     """Import ``path`` as version ``step`` of ``model`` (default: one past the latest step, or 0)
-    and wait until it is durable. Returns the new VersionInfo.
+    and wait until it is durable. Returns the new VersionInfo. ``path``: a safetensors or torch
+    file, or a Hugging Face model directory (``hf_directory``: its shards merged into one state,
+    its config.json kept, so that the mount shows the version's ``hf/``).
 
     ``key`` nests the imported tensors under that top-level key (``{key: tensors}``), e.g.
     ``model`` so that the mount shows ``model.safetensors``. Raises MalformedInputError /
     CkptfsError before anything is written; the writer's ``save`` does the remaining checks
     (UnsupportedObjectError, CheckpointTooLargeError) before it writes."""
-    if not os.path.isfile(path):
-        raise CkptfsError(f"{path}: no such file")
-    fmt = fmt or detect_format(path)
+    if os.path.isdir(path):
+        if fmt is not None:
+            raise CkptfsError(f"{path}: a directory; the format applies to a file (each of its files is "
+                              "recognized by its name)")
+        files, weight_map, extra = hf_directory(path)
+    elif os.path.isfile(path):
+        files, weight_map, extra = [path], None, None
+    else:
+        raise CkptfsError(f"{path}: no such file or directory")
     if step is None:
         latest = store.latest(model, missing_ok=True)
         step = 0 if latest is None else latest.step + 1
@@ -284,20 +369,15 @@ def import_file(store, model: str, path: str, *, step: int | None = None, fmt: s
     if any(v.step == step for v in store.versions(model, missing_ok=True)):
         raise CkptfsError(f"{model} already has step {step}; pick another --step or remove it first")
 
-    if fmt == "safetensors":
-        source = SafetensorsFile(path)
-        obj: Any = nested(path, source.tensors(), source.header.metadata)
-    elif fmt == "torch":
-        source = None
-        obj = load_torch_file(path)
-    else:
-        raise CkptfsError(f"unknown format {fmt!r}; use safetensors or torch")
+    sources: list[SafetensorsFile] = []
+    obj: Any = None
     try:
+        obj = _load_weights(files, weight_map, fmt, sources)
         if key is not None:
             obj = {key: obj}
         writer = store.writer(model)
         try:
-            writer.save(obj, step).result()
+            writer.save(obj, step, extra=extra).result()
             writer.wait()
         finally:
             writer.close()
@@ -305,6 +385,6 @@ def import_file(store, model: str, path: str, *, step: int | None = None, fmt: s
         raise UnsupportedObjectError(f"{path}: {exc}; nothing was imported") from None
     finally:
         obj = None
-        if source is not None:
+        for source in sources:
             source.close()
     return next(v for v in store.versions(model) if v.step == step)

@@ -452,3 +452,89 @@ def test_import_of_mutated_files(import_store, fmt, at, junk, truncate):
         return
     assert info.model == "imported"
     store.remove_model("imported")
+
+
+def _hf_directory(path, shards: bool = True) -> dict:
+    """A tiny GPT-2 saved as Hugging Face saves it (shards and their index, or one file);
+    returns its state as from_pretrained would load it."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=300, n_positions=32))
+    model.save_pretrained(path, max_shard_size="60KB" if shards else "5GB")
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("shards", [True, False])
+def test_import_of_a_hugging_face_directory(tmp_path, shards):
+    """``ckptfs import MODEL DIR`` of save_pretrained's output: the shards' tensors as one
+    version (the one file's, without shards), its config.json kept, so that the version's hf/
+    directory holds what from_pretrained needs."""
+    from ckptfs.views import files_for
+
+    src = str(tmp_path / "hf")
+    state = _hf_directory(src, shards)
+    assert os.path.exists(os.path.join(src, "model.safetensors.index.json")) == shards
+    with ckptfs.Store.create(str(tmp_path / "r.region"), size_bytes=64 << 20) as store:
+        v = importer.import_file(store, "gpt2", src)
+        back = store.load("gpt2")
+        saved = {k for k in state if k != "lm_head.weight"}  # tied to wte: save_pretrained stores it once
+        assert set(back) == saved and all(torch.equal(back[k], state[k]) for k in saved)
+        with store.open_version("gpt2", v.step) as opened:
+            files = dict(opened.manifest.files)
+            assert files["config.json"] == open(os.path.join(src, "config.json")).read()
+            assert {"hf/config.json", "hf/model.safetensors"} <= set(files_for(opened.manifest))
+
+
+def _hostile_directories():
+    def index_of(src):
+        with open(os.path.join(src, "model.safetensors.index.json")) as f:
+            return json.load(f)
+
+    def rewrite(src, index):
+        with open(os.path.join(src, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f)
+
+    def outside(src):
+        index = index_of(src)
+        index["weight_map"][next(iter(index["weight_map"]))] = "../escape.safetensors"
+        rewrite(src, index)
+
+    def missing_shard(src):
+        index = index_of(src)
+        os.remove(os.path.join(src, next(iter(index["weight_map"].values()))))
+
+    def misplaced(src):
+        index = index_of(src)
+        names = sorted(set(index["weight_map"].values()))
+        name = next(k for k, v in index["weight_map"].items() if v == names[0])
+        index["weight_map"][name] = names[1]
+        rewrite(src, index)
+
+    def unheld(src):
+        index = index_of(src)
+        index["weight_map"]["ghost.weight"] = next(iter(index["weight_map"].values()))
+        rewrite(src, index)
+
+    def not_an_index(src):
+        with open(os.path.join(src, "model.safetensors.index.json"), "w") as f:
+            f.write('{"weight_map": [1, 2]}')
+
+    def no_weights(src):
+        for name in os.listdir(src):
+            if "safetensors" in name:
+                os.remove(os.path.join(src, name))
+    return {"outside": outside, "missing shard": missing_shard, "misplaced": misplaced, "unheld": unheld,
+            "not an index": not_an_index, "no weights": no_weights}
+
+
+@pytest.mark.parametrize("damage", sorted(_hostile_directories()))
+def test_import_of_a_damaged_hugging_face_directory_writes_nothing(tmp_path, damage):
+    src = str(tmp_path / "hf")
+    _hf_directory(src)
+    _hostile_directories()[damage](src)
+    with ckptfs.Store.create(str(tmp_path / "r.region"), size_bytes=64 << 20) as store:
+        with pytest.raises(MalformedInputError) as refused:
+            importer.import_file(store, "gpt2", src)
+        assert "\n" not in str(refused.value)
+        assert store.versions("gpt2", missing_ok=True) == []

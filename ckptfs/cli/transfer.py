@@ -123,11 +123,15 @@ def _export_file(view, data, dest: str) -> int:
               help="Default: from the extension, else from the first bytes.")
 @click.option("--key", metavar="KEY", help="Store the tensors of a .safetensors under this top-level key.")
 @click.argument("model")
-@click.argument("file", type=click.Path(dir_okay=False))
+@click.argument("file", type=click.Path())
 def import_(region, step, fmt, key, model, file):
     """Import FILE (.safetensors, or a torch.save file) as a new version of MODEL.
 
-    The file is validated completely first; malformed or hostile input is refused with nothing
+    FILE may be a Hugging Face model directory (save_pretrained's: model.safetensors, or its
+    shards and their index; pytorch_model.bin too): its tensors become one version, its
+    config.json is kept with it (the mount shows it as hf/, for from_pretrained).
+
+    The input is validated completely first; malformed or hostile input is refused with nothing
     written. Torch files are read with torch.load(weights_only=True)."""
     from ckptfs.importer import import_file
 
