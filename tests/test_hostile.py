@@ -538,3 +538,23 @@ def test_import_of_a_damaged_hugging_face_directory_writes_nothing(tmp_path, dam
             importer.import_file(store, "gpt2", src)
         assert "\n" not in str(refused.value)
         assert store.versions("gpt2", missing_ok=True) == []
+
+
+def test_import_of_a_directory_of_torch_shards(tmp_path):
+    """The older layout of save_pretrained: pytorch_model-0000N-of-0000M.bin and their index,
+    each shard read with torch.load(weights_only=True)."""
+    src = tmp_path / "hf"
+    src.mkdir()
+    state = {"a.weight": torch.randn(4, 3), "a.bias": torch.randn(4), "b.weight": torch.randn(2, 4)}
+    shards = {"pytorch_model-00001-of-00002.bin": ["a.weight", "a.bias"], "pytorch_model-00002-of-00002.bin": ["b.weight"]}
+    for name, keys in shards.items():
+        torch.save({k: state[k] for k in keys}, src / name)
+    (src / "pytorch_model.bin.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: name for name, keys in shards.items() for k in keys}}))
+    (src / "config.json").write_text('{"model_type": "toy"}')
+    with ckptfs.Store.create(str(tmp_path / "r.region"), size_bytes=64 << 20) as store:
+        importer.import_file(store, "toy", str(src), key="model")
+        back = store.load("toy")
+        assert set(back) == {"model"} and all(torch.equal(back["model"][k], v) for k, v in state.items())
+        with store.open_version("toy") as v:
+            assert dict(v.manifest.files) == {"config.json": '{"model_type": "toy"}'}
