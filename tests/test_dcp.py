@@ -615,7 +615,10 @@ def _check_whole_files(region, mnt, model, full, ranks=2, plain=None) -> dict:
 
     with mounted(region, str(mnt)) as m:
         version = m / f"{model}/latest"
-        pt = _dotted(torch.load(os.path.join(version, "checkpoint.pt"), weights_only=True, mmap=True))
+        # copied while mounted: a page of an mmap'd tensor first touched after the unmount is a
+        # bus error (it was, once, in a fresh venv's run, where the pages were not yet resident)
+        pt = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in
+              _dotted(torch.load(os.path.join(version, "checkpoint.pt"), weights_only=True, mmap=True)).items()}
         state = torch.load(os.path.join(version, "checkpoint.pt"), weights_only=True)
         st = load_file(os.path.join(version, "state.safetensors"))
         meta = json.load(open(os.path.join(version, "metadata.json")))
