@@ -315,11 +315,12 @@ def _load_weights(files: list[str], weight_map: dict[str, str] | None, fmt: str 
     appended to ``sources`` (for the caller to close once saved)."""
     merged: OrderedDict[str, torch.Tensor] = OrderedDict()
     for path in files:
-        if (fmt or detect_format(path)) == "safetensors":
+        kind = fmt or detect_format(path)
+        if kind == "safetensors":
             source = SafetensorsFile(path)
             sources.append(source)
             obj = nested(path, source.tensors(), source.header.metadata)
-        elif (fmt or detect_format(path)) == "torch":
+        elif kind == "torch":
             obj = load_torch_file(path)
         else:
             raise CkptfsError(f"unknown format {fmt!r}; use safetensors or torch")

@@ -22,10 +22,6 @@ from ckptfs.region.slots import hidden_by
 from ckptfs.region.ring import latest_after_removal, mark_kept
 from ckptfs.writer.progress import read_progress
 
-def _save_gone(model: str, counter: int) -> NotFoundError:
-    return NotFoundError(f"{model!r} no longer holds the save with counter {counter}: its slot was reused")
-
-
 if TYPE_CHECKING:  # the reader and the writer need torch, which listing a region does not
     from ckptfs.reader import VerifyProblem
     from ckptfs.writer.writer import Writer
@@ -123,6 +119,10 @@ def _load_multi_rank_into(store, model: str, step: int, into):
     with warnings.catch_warnings():  # DCP's "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         return load(store, model, into, step=step)
+
+
+def _save_gone(model: str, counter: int) -> NotFoundError:
+    return NotFoundError(f"{model!r} no longer holds the save with counter {counter}: its slot was reused")
 
 
 class Store:

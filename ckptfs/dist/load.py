@@ -117,8 +117,8 @@ class PartRead:
                 self.whole_of.add(index)
         self.whole_bytes = sum(records[i].nbytes for i in self.whole_of)
         self.wholes: dict[int, torch.Tensor] = {}
-        # what the scan made from the plan reads (the same rule, from the same items)
-        self._planned = wanted_tensors(records, items) if scan is not None else None
+        # what the targets read, by the rule the scan made from the plan followed (same items)
+        self._wanted = wanted_tensors(records, items)
 
     def scanner(self):
         """The part's Scan (ckptfs.scan.Scan), with the whole copies made now; None if no
@@ -129,11 +129,10 @@ class PartRead:
         for index in self.whole_of:
             self.wholes[index] = torch.empty(records[index].nbytes, dtype=torch.uint8)
             sinks.setdefault(index, []).append((0, records[index].nbytes, self.wholes[index]))
-        wanted = wanted_tensors(records, [(t.item, t.index) for t in self.targets])
-        wanted.update({i: None for i in self.whole_of if records[i].nbytes})
+        wanted = {**self._wanted, **{i: None for i in self.whole_of if records[i].nbytes}}
         if not wanted:
             return None
-        if self.scan is None or wanted != self._planned:
+        if self.scan is None or wanted != self._wanted:
             return self.data.scanner(copy_out(sinks, records), only=wanted)
         self.scan.on_chunk = copy_out(sinks, records)
         return self.scan
