@@ -367,11 +367,15 @@ class Store:
 
     def verify(self, model: str | None = None, step: int | None = None,
                progress: Callable[[int], None] | None = None) -> list[VerifyProblem]:
-        """Check every tensor of the selected versions against its CRC; [] means all good."""
+        """Check every tensor of the selected versions against its CRC; [] means all good. Of
+        a ``model`` saved by many ranks (DCP), each version's parts in this region are checked
+        with it; a part that is gone is a problem of the latest, and of a ``step`` asked for
+        (the other steps whose parts are gone are not listed: ``ckptfs ls``)."""
+        from ckptfs.dist.parts import part_problems
         from ckptfs.reader import VerifyProblem, VersionData
 
         problems: list[VerifyProblem] = []
-        models = [model] if model is not None else self.models()
+        models = [model] if model is not None else self.models()  # the whole region: parts are models
         if model is None:
             problems += self._region_problems()
         for name in models:
@@ -381,12 +385,17 @@ class Store:
                 raise no_step(name, step)
             if step is None:
                 problems += self._model_problems(entry)
+            latest = self.region.latest(entry)
             for v in targets:
                 if not self.region.pin(v):
                     continue  # reused since listing: nothing left to verify
                 try:
                     manifest = self.region.read_manifest(v)
                     problems += VersionData(self.region, v.data_base, manifest).verify(progress)
+                    if model is not None:
+                        is_latest = latest is not None and latest.header.counter == v.header.counter
+                        problems += part_problems(self, name, v.header.step, v.header.counter, progress,
+                                                  skip_gone=step is None and not is_latest)
                 except CorruptionError as e:
                     problems.append(VerifyProblem(name, v.header.step, None, str(e)))
                 finally:

@@ -889,13 +889,15 @@ def test_a_job_resumed_at_fewer_ranks_gives_back_the_parts_of_the_others(tmp_pat
 
 
 @requires_fuse
-def test_a_global_step_whose_parts_are_gone_is_not_listed_and_is_not_found(tmp_path, caplog):
+def test_a_global_step_whose_parts_are_gone_is_not_listed_and_is_not_found(tmp_path, caplog, capsys):
     """A step other than the latest holds its parts only until a newer step commits and the
     ranks' rings reuse them; its global version may stay in its own ring a while (a reader held
     it). Such a version is not listed (``ckptfs ls``, the mount), and a read of it is "not
     found" with the way (it was listed, and its read an I/O error in the mount, found with a
     reader following latest while a job saved)."""
     from click.testing import CliRunner
+
+    from test_cli import run
 
     from ckptfs.cli import cli
     from ckptfs.dist.parts import loadable
@@ -908,8 +910,23 @@ def test_a_global_step_whose_parts_are_gone_is_not_listed_and_is_not_found(tmp_p
         assert 3 in steps and steps[-1] == 4, steps
         store.remove(".m.rank1", 3)  # as the ring reuses its slot
         assert [v.step for v in loadable(store, "m", store.versions("m"))] == [s for s in steps if s != 3]
-        with pytest.raises(ckptfs.errors.PartGoneError, match="load the latest, or keep a step"):
+        # what loadable read of each version is remembered while the version is listed, not after
+        from ckptfs.dist import parts as parts_module
+
+        def remembered() -> set:
+            return {key[2] for key in parts_module._parts if key[1] == "m"}
+        versions = store.versions("m")
+        assert versions[0].counter in remembered()
+        loadable(store, "m", versions[1:])  # as a listing after the ring reused the oldest's slot
+        assert versions[0].counter not in remembered() and versions[1].counter in remembered()
+        with pytest.raises(ckptfs.errors.PartGoneError, match="that step can no longer be loaded.*keep a step"):
             store.load("m", step=3)
+        # verify skips it as ls does, and says what is wrong with it when asked for it (it said "ok")
+        assert store.verify("m") == []
+        assert [(p.model, p.step) for p in store.verify("m", 3)] == [("m", 3)]
+        assert "the part of rank 1 (counter 3) of 'm' is gone" in str(store.verify("m", 3)[0])
+    code, _, err = run(capsys, "verify", "--region", region, "m", "--step", "3")
+    assert code == 1 and "is gone" in err, err
     listed = CliRunner().invoke(cli, ["--region", region, "ls", "m"])
     assert listed.exit_code == 0 and "\n3 " not in listed.output and "\n4 " in listed.output, listed.output
     with mounted(region, str(tmp_path / "mnt")) as m:
@@ -920,8 +937,10 @@ def test_a_global_step_whose_parts_are_gone_is_not_listed_and_is_not_found(tmp_p
         with caplog.at_level("WARNING", logger="ckptfs"):
             back = store.load("m")
         assert "loaded step 2 of 'm' instead" in caplog.text and back
-        with pytest.raises(ckptfs.errors.PartGoneError):
+        with pytest.raises(ckptfs.errors.PartGoneError) as gone:
             store.load("m", step=4)
+        assert "load the latest" not in str(gone.value) and "`ckptfs ls m` lists the steps" in str(gone.value)
+        assert [(p.step, "rank 1" in p.message) for p in store.verify("m")] == [(4, True)]  # the latest's
 
 
 def test_a_listing_keeps_a_version_whose_record_cannot_be_read(monkeypatch):

@@ -110,9 +110,6 @@ def verify(region, step, model):
         total = sum(v.data_bytes for name in names for v in store.versions(name) if step is None or v.step == step)
         with progress(total, "verify") as bar:
             problems = store.verify(model, step, progress=bar.update)  # called with bytes just checked
-            for name in names[1:] if model else ():
-                if step is None or any(v.step == step for v in store.versions(name)):
-                    problems += store.verify(name, step, progress=bar.update)
         for p in problems:
             click.echo(f"ckptfs: verify: {p}", err=True)
         what = f"{model} step {step}" if step is not None else (model or "the region")

@@ -38,10 +38,12 @@ def open_part(store, model: str, rank: int, counter: int, checked: set | None = 
         return store.open_version(name, checked=checked, counter=counter)
     except NotFoundError:
         pass  # its slot was reused
-    raise PartGoneError(f"the part of rank {rank} (counter {counter}) of {model!r} is gone from {name!r}: a step "
-                        "other than the latest holds its parts only until a newer step commits and the ranks "
-                        "need the space; load the latest, or keep a step to hold its parts "
-                        "(Store.keep, `ckptfs keep`)", rank)
+    # no "load the latest" here: the latest's own part is gone where it was removed or damaged
+    raise PartGoneError(f"the part of rank {rank} (counter {counter}) of {model!r} is gone from {name!r} (its slot "
+                        "was reused, or it was removed): that step can no longer be loaded. A step other than the "
+                        "latest holds its parts only until a newer step commits and the ranks need the space; keep "
+                        f"a step to hold its parts (Store.keep, `ckptfs keep`); `ckptfs ls {model}` lists the steps "
+                        "that can be loaded", rank)
 
 
 def loadable(store, model: str, versions: list, models: list[str] | None = None) -> list:
@@ -64,7 +66,31 @@ def loadable(store, model: str, versions: list, models: list[str] | None = None)
             if parts is None or any(c not in present.get(part_model(model, rank), ()) for rank, c in parts):
                 continue
         out.append(v)
+    if versions:
+        _forget_parts_before(store, model, min(v.counter for v in versions))
     return out
+
+
+def part_problems(store, model: str, step: int, counter: int, progress=None, skip_gone: bool = False) -> list:
+    """The problems (reader.VerifyProblem) of the parts in ``store``'s region that the version
+    ``counter`` of ``step`` of ``model`` names (none for a version of one process): each part's
+    tensors checked against their CRCs, and a part that is gone, or nothing at all where
+    ``skip_gone`` (a step other than the latest, whose parts went back to their rings once a
+    newer step committed: no load can read it, and ``loadable`` does not list it)."""
+    from ckptfs.reader import VerifyProblem
+
+    problems = []
+    for rank, part_counter in sorted(_parts_of(store, model, step, counter) or ()):
+        try:
+            part = open_part(store, model, rank, part_counter)
+        except PartGoneError as gone:
+            if skip_gone:
+                return []
+            problems.append(VerifyProblem(model, step, None, str(gone)))
+            continue
+        with part:
+            problems += part.data.verify(progress)
+    return problems
 
 
 def part_state(tensors: list, values: dict) -> dict:
@@ -215,6 +241,16 @@ def named_parts(store, model: str, *, kept_only: bool = False) -> set[tuple[str,
 
 
 _parts: dict[tuple[str, str, int], frozenset] = {}  # (region, model, counter) -> _parts_of that version
+
+
+def _forget_parts_before(store, model: str, counter: int) -> None:
+    """``_parts_of``'s records of the versions of ``model`` older than ``counter`` (the oldest
+    listed) go: those versions are gone for good (a counter is never reused), and a mount or a
+    job that lists every step kept one record per step it ever saw."""
+    here = store.region.superblock.uuid.hex()
+    for key in list(_parts):  # a copy: other threads (the mount's) add records meanwhile
+        if key[0] == here and key[1] == model and key[2] < counter:
+            _parts.pop(key, None)
 
 
 def _parts_of(store, model: str, step: int, counter: int) -> frozenset | None:
