@@ -160,36 +160,12 @@ class ReadAhead:
         self.items = [(chunk, scan, pool.submit(_read_into, scan, chunk, buffers)) for chunk, scan in first]
         pool.shutdown(wait=False)
 
-    def rebind(self, scans: list[Scan], buffers: "ReadBuffers") -> bool:
-        """This ReadAhead's reads (made for other Scans: a load's guess, before its plan was
-        known) that are reads ``scans`` make, of the same bytes of the same region, into
-        ``buffers``, become those scans' (``scan_together`` of ``scans`` checks them first);
-        the others end and give their buffers back. True if any was kept; else False and
-        nothing changed (cancel it)."""
-        work = _ordered(scans)
-        if not work or buffers is not self._buffers or not buffers.fits(work[-1][0].length):
-            return False
-        found = {_bytes_of(chunk, scan): (chunk, scan) for chunk, scan in work}
-        bound = [(found.get(_bytes_of(chunk, scan)), done) for chunk, scan, done in self.items]
-        if all(to is None for to, _ in bound):
-            return False
-        self.items = [(*to, done) for to, done in bound if to is not None]
-        for to, done in bound:
-            if to is None and done.exception() is None:
-                buffers.release(done.result())
-        return True
-
     def cancel(self) -> None:
         """The reads end, their buffers go back (idempotent)."""
         items, self.items = self.items, []
         for _, _, done in items:
             if done.exception() is None:
                 self._buffers.release(done.result())
-
-
-def _bytes_of(chunk: Chunk, scan: Scan) -> tuple[int, int, int]:
-    """What a read of ``chunk`` of ``scan`` reads: (its region, where, how many bytes)."""
-    return id(scan.data._region), scan.data._data_base + chunk.start, chunk.length
 
 
 def _read_into(scan: Scan, chunk: Chunk, buffers: "ReadBuffers") -> StagingBuffer:
@@ -209,21 +185,19 @@ def scan_together(scans: list[Scan], buffers: "ReadBuffers", ahead: ReadAhead | 
     it and give the buffer back. A reader that copied and checksummed each chunk itself before
     its next read left the device waiting meanwhile (as the persist workers' CRCs did on the
     write path); versions scanned one after the other left it waiting at each one's end, and
-    behind each of many small reads (a resharded load's parts). ``ahead``: a ReadAhead of some
-    of these scans' chunks (its first ones, or any: ``rebind``), which are checked first and not
-    read again. Raises the first error of a read or a check."""
+    behind each of many small reads (a resharded load's parts). ``ahead``: a ReadAhead of these
+    same scans, whose chunks are checked first. Raises the first error of a read or a check."""
     work = _ordered(scans)
     if not work:
         return
     buffers.fit(work[-1][0].length)
     pre = []
     if ahead is not None:
-        if not {(id(c), id(s)) for c, s, _ in ahead.items} <= {(id(c), id(s)) for c, s in work}:
+        if [(c, s) for c, s, _ in ahead.items] != work[:len(ahead.items)]:
             # a bug of the caller: nothing was read for it (the reads stay the ahead's, to cancel)
             raise ValueError("a ReadAhead of other scans")
         pre, ahead.items = ahead.items, []
-    taken = {(id(c), id(s)) for c, s, _ in pre}
-    rest = [(c, s) for c, s in work if (id(c), id(s)) not in taken]
+    rest = work[len(pre):]
     checks = []
     failed = threading.Event()  # a check failed: the reads not started are not made
 
@@ -281,10 +255,6 @@ class ReadBuffers:
             nbytes = max(align_up(nbytes, IO_ALIGN_BYTES), IO_ALIGN_BYTES)
             self._pool = StagingPool(nbytes, nbytes * READ_BUFFERS,
                                      advice="free memory, or read this version where more memory is free")
-
-    def fits(self, nbytes: int) -> bool:
-        """Whether a scan whose chunks are up to ``nbytes`` uses the buffers made (``fit`` keeps them)."""
-        return self._pool is not None and nbytes <= self._pool.chunk_bytes
 
     def acquire(self) -> StagingBuffer:
         return self._pool.acquire()

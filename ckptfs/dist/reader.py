@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
 
 from ckptfs.dist.codec import decode_metadata
-from ckptfs.dist.group import coordination, exchange, meet_before_dcp, this_rank, world_size
+from ckptfs.dist.group import coordination, exchange, meet_before_dcp
 from ckptfs.dist.load import PartRead, read_parts, wanted_tensors
 from ckptfs.dist.names import METADATA_FILE, is_global_version
 from ckptfs.dist.parts import item_records, open_part
@@ -48,7 +48,6 @@ class StorageReader(_DCPReader):
         self.regions = {s.region.superblock.uuid.hex(): s for s in (store, *peers)}
         self.metadata: Metadata | None = None
         self._ahead: _LoadAhead | None = None  # see prepare_local_plan
-        self._guess: _Guess | None = None  # see read_metadata
         self._gc_hold = GCHold()  # see checkpoint_id
 
     def reset(self, checkpoint_id=None) -> None:
@@ -98,8 +97,6 @@ class StorageReader(_DCPReader):
         metadata, record, failure = self._read_step(step)
         self._compare_nodes(step, record, failure, group)
         self.metadata = metadata
-        self._drop_ahead()
-        self._guess = _Guess(self, metadata, world_size(group))
         return metadata
 
     def _read_step(self, step: int) -> tuple[Metadata | None, bytes, CkptfsError | None]:
@@ -144,16 +141,12 @@ class StorageReader(_DCPReader):
         # slowest, and often for a collection of the garbage DCP made): the parts are opened and
         # their first chunks read now, into the load's read buffers; read_data checks them
         # first. Anything that fails here is left to read_data, which reads as if nothing was.
-        guess, self._guess = self._guess, None
         self._drop_ahead()
         try:
             with paused_gc():
-                self._ahead = _LoadAhead(self, plan, guess=guess)
+                self._ahead = _LoadAhead(self, plan)
         except Exception:  # noqa: BLE001 - an optimization: read_data meets the same error and says it
             self._ahead = None
-        finally:
-            if guess is not None:
-                guess.close()
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
@@ -184,10 +177,9 @@ class StorageReader(_DCPReader):
             planner.load_bytes(item, io.BytesIO(raw))
 
     def _drop_ahead(self) -> None:
-        for ahead in (self._ahead, self._guess):
-            if ahead is not None:
-                ahead.close()
-        self._ahead = self._guess = None
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.close()
 
     def _store_of(self, region: str, rank: int):
         store = self.regions.get(region)
@@ -204,8 +196,7 @@ class _LoadAhead:
     tensor index)) and its Scan, made from the plan alone; with ``read``, their first chunks
     read from now on (a ReadAhead, ``reading``) into the load's read buffers."""
 
-    def __init__(self, reader: StorageReader, plan: LoadPlan, read: bool = True, guess: "_Guess | None" = None):
-        """``guess``: its reads are taken over where the plan makes them (see _Guess)."""
+    def __init__(self, reader: StorageReader, plan: LoadPlan, read: bool = True):
         self.items = plan.items
         self.buffers = ReadBuffers()
         self.reading: ReadAhead | None = None
@@ -225,20 +216,15 @@ class _LoadAhead:
             opening = []
             try:
                 for key, items in sorted(by_part.items()):
-                    opening.append(pool.submit(_open_part, reader, key, items, guess))
+                    opening.append(pool.submit(_open_part, reader, key, items))
             finally:
                 pool.shutdown(wait=True)
                 for done in opening:  # every part opened is held (and closed by close), whatever failed
                     if not done.cancelled() and done.exception() is None:
                         self._pins.enter_context(done.result()[0])
             self.parts = [done.result()[1:] for done in opening]  # the first error
-            scans = [scan for _, _, scan in self.parts]
-            taken = guess.hand_over(scans) if read and guess is not None else None
-            if taken is not None:
-                self.buffers.close()
-                self.reading, self.buffers = taken
-            elif read:
-                self.reading = ReadAhead(scans, self.buffers)
+            if read:
+                self.reading = ReadAhead([scan for _, _, scan in self.parts], self.buffers)
         except BaseException:
             self.close()
             raise
@@ -252,95 +238,21 @@ class _LoadAhead:
         self._pins.close()
 
 
-class _Guess:
-    """This rank's own part of the step being loaded, whole: opened, its scan made and its
-    first chunks being read (a ReadAhead) at read_metadata, before the plan is known. DCP plans
-    the load between read_metadata and prepare_local_plan (70 ms for GPT-2 + AdamW on an H200's
-    host, seconds at tens of thousands of tensors) while the disk waited. A restart at the world
-    size it saved at reads the rank's own part whole: there the load takes the part, its scan
-    and its reads over (``take_part``, ``hand_over``), and does none of it again; anything not
-    taken is dropped (``close``). No guess where the world size changed (a resharded load) or
-    this rank saved no part. Made on the caller's thread: on a thread of its own its Python
-    work contended with DCP's planning for the GIL (a load of 8,000 tensors took 15 % longer on
-    2 cores)."""
-
-    def __init__(self, reader: StorageReader, metadata: Metadata, world: int):
-        self._key: tuple[str, int, int] | None = None
-        self._part = None  # the pinned part, until taken
-        self._made: tuple | None = None  # (its item records (None: one-process), its wanted tensors, its Scan)
-        self._reading: ReadAhead | None = None
-        self._buffers: ReadBuffers | None = None
-        parts = {(w["region"], w["rank"], w["counter"]) for w in metadata.storage_data.values() if "bytes" not in w}
-        ranks = {rank for _, rank, _ in parts}
-        mine = [key for key in parts if key[1] in (this_rank(), ONE_PROCESS) and key[0] in reader.regions]
-        if len(mine) == 1 and len(ranks) == world:  # a one-process version: ranks {ONE_PROCESS}, at world 1
-            self._key = mine[0]
-            self._read(reader)
-
-    def _read(self, reader: StorageReader) -> None:
-        try:
-            self._part = part = _open(reader, self._key)
-            records = part.manifest.tensors
-            stored = item_records(part) if self._key[1] != ONE_PROCESS else None
-            indexes = set(stored.values()) if stored is not None else range(len(records))
-            wanted = {i: None for i in sorted(indexes) if records[i].nbytes}
-            self._made = (stored, wanted, part.data.scanner(only=wanted))
-            self._buffers = ReadBuffers()
-            self._reading = ReadAhead([self._made[2]], self._buffers)
-        except Exception:  # noqa: BLE001 - a guess: the load reads as if none was made
-            pass
-
-    def take_part(self, key: tuple[str, int, int]):
-        """(the pinned part, its item records, its wanted tensors, its Scan) where ``key`` is
-        the part guessed (the caller closes it from now on); else None."""
-        if key != self._key or self._part is None or self._made is None:
-            return None
-        part, self._part = self._part, None
-        return (part, *self._made)
-
-    def hand_over(self, scans: list) -> tuple[ReadAhead, ReadBuffers] | None:
-        """(the reads, their buffers), now ``scans``' (see ReadAhead.rebind), where the guess
-        read what ``scans`` read; else None."""
-        if self._reading is None or not self._reading.rebind(scans, self._buffers):
-            return None
-        taken, self._reading, self._buffers = (self._reading, self._buffers), None, None
-        return taken
-
-    def close(self) -> None:
-        """The reads not handed over end, the buffers go, a part not taken is unpinned (idempotent)."""
-        if self._reading is not None:
-            self._reading.cancel()
-            self._reading = None
-        if self._buffers is not None:
-            self._buffers.close()
-            self._buffers = None
-        if self._part is not None:
-            self._part.close()
-            self._part = None
-
-
-def _open(reader: StorageReader, key: tuple[str, int, int]):
-    """The pinned part ``key`` (region, rank, counter), or the one-process version."""
-    region, rank, counter = key
-    store = reader._store_of(region, rank)
-    if rank == ONE_PROCESS:
-        return open_one_process(store, reader.model, counter)
-    return open_part(store, reader.model, rank, counter)
-
-
-def _open_part(reader: StorageReader, key: tuple[str, int, int], items: list, guess: _Guess | None = None):
+def _open_part(reader: StorageReader, key: tuple[str, int, int], items: list):
     """(the pinned part, its VersionData, items as (ReadItem, stored tensor index), its Scan)
     of the part ``key`` (region, rank, counter) for ``items`` ((ReadItem, position in the
-    part's item list)), taken from ``guess`` where it made them; the part is closed again if
-    anything fails."""
-    taken = guess.take_part(key) if guess is not None else None
-    part, stored, guessed, scan = taken if taken is not None else (_open(reader, key), None, None, None)
+    part's item list)); the part is closed again if anything fails."""
+    region, rank, counter = key
+    store = reader._store_of(region, rank)
+    if rank == ONE_PROCESS:  # the version itself: an item's position is its stored tensor's index
+        part = open_one_process(store, reader.model, counter)
+    else:
+        part = open_part(store, reader.model, rank, counter)
     try:
-        if key[1] != ONE_PROCESS:  # one-process: an item's position is its stored tensor's index
-            stored = stored if stored is not None else item_records(part)
+        if rank != ONE_PROCESS:
+            stored = item_records(part)
             items = [(item, stored[pos]) for item, pos in items]
-        wanted = wanted_tensors(part.manifest.tensors, items)
-        return part, part.data, items, scan if wanted == guessed else part.data.scanner(only=wanted)
+        return part, part.data, items, part.data.scanner(only=wanted_tensors(part.manifest.tensors, items))
     except BaseException:
         part.close()
         raise
