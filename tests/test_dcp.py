@@ -478,6 +478,10 @@ def test_the_latest_step_saved_again_is_the_new_save_and_loads(tmp_path):
         first, again = [(v.step, v.counter) for v in store.versions("k", hidden=True)]
         # the hidden first save's parts are found by its counter (what a removal of the step gives back)
         assert named_by(store, "k", [first]) and named_by(store, "k", [first]).isdisjoint(named_by(store, "k", [again]))
+        # the first save's parts went back at the second's commit: kept, each save of the step
+        # kept one more part for good (a job resumed at its latest step again and again)
+        kept = [(".k.rank1", v.counter) for v in store.versions(".k.rank1", hidden=True) if v.kept]
+        assert len(kept) == 1 and kept[0] in named_by(store, "k", [again]), kept
     run_ranks(_save_with_a_kill, 2, region, 2, None)
     with ckptfs.Store(region) as store:  # the first save's parts of step 1 went back at step 2's commit
         assert [(v.step, v.kept) for v in store.versions(".k.rank1", hidden=True) if v.kept] == [(2, True)]

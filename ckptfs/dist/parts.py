@@ -167,18 +167,26 @@ def release_earlier_runs(store, model: str, name: str, step: int) -> None:
 
 def reclaim(store, model: str, keep_step: int) -> None:
     """After global step ``keep_step`` is committed in ``store``'s region: unkeep every part of
-    ``model`` there older than it (superseded, or of a step that never completed), so that the
-    part models' rings reuse them, except the parts of kept global versions (milestones: ``keep``).
+    ``model`` there older than it (superseded, or of a step that never completed), and those of
+    ``keep_step`` itself that its global latest does not name (earlier saves of a step saved
+    again: a job that resumed at the step it saves next kept one more part at every resume), so
+    that the part models' rings reuse them, except the parts of kept global versions (milestones: ``keep``).
     Every part model, not only those of the job's ranks on this node: a job resumed at a smaller
     world size leaves the part models of its earlier ranks (ranks 2 and 3 of a job of 4 resumed
     at 2), which hold no part of this step; once no global version left in the region names
     them, they are removed, and their rings' space goes back to the region (kept, they would
     have held it for good)."""
     milestones = named_parts(store, model, kept_only=True)
+    latest = store.latest(model, missing_ok=True)
+    current = named_by(store, model, [(latest.step, latest.counter)]) if latest is not None and latest.step == keep_step \
+        else None  # a newer step is latest already: its own commit reclaims
+
+    def superseded(name: str, v) -> bool:
+        return v.step < keep_step or (v.step == keep_step and current is not None and (name, v.counter) not in current)
     gone = []  # part models without a part of this step: ranks the job no longer has here
     for name in part_models(store, model):
         versions = store.versions(name, missing_ok=True, hidden=True)
-        _unkeep(store, name, [v for v in versions if v.step < keep_step and (name, v.counter) not in milestones])
+        _unkeep(store, name, [v for v in versions if superseded(name, v) and (name, v.counter) not in milestones])
         if all(v.step < keep_step for v in versions):
             gone.append(name)
     if gone:
