@@ -161,10 +161,13 @@ class ReadAhead:
         pool.shutdown(wait=False)
 
     def cancel(self) -> None:
-        """The reads end, their buffers go back (idempotent)."""
+        """The reads not started are not made; those under way end and give their buffers back
+        (idempotent)."""
         items, self.items = self.items, []
         for _, _, done in items:
-            if done.exception() is None:
+            done.cancel()  # waiting for READ_THREADS reads, not for every read queued behind them
+        for _, _, done in items:
+            if not done.cancelled() and done.exception() is None:
                 self._buffers.release(done.result())
 
 

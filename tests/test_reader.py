@@ -461,6 +461,37 @@ def test_a_scan_stops_reading_when_a_chunk_cannot_be_used(chunked):
     assert len(reads) < 16, len(reads)  # of 24 chunks
 
 
+def test_a_read_ahead_cancelled_makes_none_of_the_reads_not_started(tmp_path, monkeypatch):
+    """ReadAhead.cancel (a load whose plan changed, a part read alone) waits for the reads under
+    way, not for those queued behind them (it made every one), and gives every buffer back."""
+    import time
+
+    from ckptfs import scan as S
+
+    monkeypatch.setattr(S, "READ_CHUNK_BYTES", 1 << 20)
+    s = ckptfs.Store.create(str(tmp_path / "r.region"), size_bytes=64 << 20)
+    with s.writer("m") as w:
+        w.save({f"t{i}": torch.full((1 << 18,), float(i)) for i in range(8)}, step=1).result()
+    reads = []
+    real = s.region.backend.read_direct
+
+    def slow(at, view):
+        reads.append(at)
+        time.sleep(0.2)
+        return real(at, view)
+    monkeypatch.setattr(s.region.backend, "read_direct", slow)
+    with s.open_version("m") as v, S.ReadBuffers() as buffers:
+        ahead = S.ReadAhead([v.data.scanner(None)], buffers)
+        assert len(ahead.items) == S.READ_BUFFERS
+        time.sleep(0.05)  # the first READ_THREADS reads are under way
+        ahead.cancel()
+        assert len(reads) == S.READ_THREADS, reads
+        taken = [buffers._pool.acquire(timeout_s=5) for _ in range(S.READ_BUFFERS)]  # every buffer is back
+        for buf in taken:
+            buffers.release(buf)
+    s.close()
+
+
 _AHEAD_THEN_SCAN = r"""
 import sys, threading, time, torch, ckptfs
 from ckptfs import scan as S
