@@ -209,8 +209,11 @@ class Store:
         """Committed versions of ``model``, ascending by step (a step saved twice: the newer).
         ``hidden``: the versions a later save of their step hides too, in (step, counter) order:
         an earlier save of a step (a failed attempt's part, a run rolled back) stays in its slot,
-        kept or not, until the ring reuses it. NotFoundError if there is no such model, unless
-        ``missing_ok`` (then [])."""
+        kept or not, until the ring reuses it. Of a model saved by many ranks, a step other than
+        the latest whose parts went back to their rings once a newer step committed stays listed
+        here until its own slot is reused, though no load can read it (PartGoneError);
+        ``ckptfs.dist.parts.loadable`` leaves those out, as ``ckptfs ls`` and the mount do.
+        NotFoundError if there is no such model, unless ``missing_ok`` (then [])."""
         entry = self._entry(model, missing_ok)
         if entry is None:
             return []
