@@ -372,8 +372,9 @@ class Store:
                progress: Callable[[int], None] | None = None) -> list[VerifyProblem]:
         """Check every tensor of the selected versions against its CRC; [] means all good. Of
         a ``model`` saved by many ranks (DCP), each version's parts in this region are checked
-        with it; a part that is gone is a problem of the latest, and of a ``step`` asked for
-        (the other steps whose parts are gone are not listed: ``ckptfs ls``)."""
+        with it; a part that is gone is a problem of the latest, of a kept version and of a
+        ``step`` asked for (the other steps whose parts went back to their rings are not listed:
+        ``ckptfs ls``; nor is an earlier save of a step saved again, whose parts go back)."""
         from ckptfs.dist.parts import part_problems
         from ckptfs.reader import VerifyProblem, VersionData
 
@@ -389,6 +390,7 @@ class Store:
             if step is None:
                 problems += self._model_problems(entry)
             latest = self.region.latest(entry)
+            newest = {v.header.step: v.header.counter for v in targets}  # in counter order: a step's last save
             for v in targets:
                 if not self.region.pin(v):
                     continue  # reused since listing: nothing left to verify
@@ -396,9 +398,10 @@ class Store:
                     manifest = self.region.read_manifest(v)
                     problems += VersionData(self.region, v.data_base, manifest).verify(progress)
                     if model is not None:
-                        is_latest = latest is not None and latest.header.counter == v.header.counter
-                        problems += part_problems(self, name, v.header.step, v.header.counter, progress,
-                                                  skip_gone=step is None and not is_latest)
+                        info = self._info(v, latest)
+                        hidden = newest[info.step] != info.counter
+                        problems += part_problems(self, name, info.step, info.counter, progress, skip_gone=hidden or (
+                            step is None and not info.latest and not info.kept))
                 except CorruptionError as e:
                     problems.append(VerifyProblem(name, v.header.step, None, str(e)))
                 finally:

@@ -461,6 +461,88 @@ def _save_step_1_again(rank, world, region):
         assert torch.equal(back[f"w{rank}"], state[f"w{rank}"])
 
 
+def _drop_part(store, name: str, counter: int) -> None:
+    """The version ``counter`` of part model ``name`` goes, as when its ring reuses the slot."""
+    (v,) = [v for v in store.region.committed(store.region.get(name)) if v.header.counter == counter]
+    store.region.remove_version(v)
+
+
+def _save_step_3_twice_while_reclaiming(rank, world, region):
+    """ckptfs's writer saves step 3 twice in a row; each commit's reclaim (after the caller was
+    told) is slowed, so that the second save's parts are written while the first's reclaim runs."""
+    import time
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from ckptfs.dist import parts
+
+    real = parts.named_parts
+
+    def slow(*args, **kwargs):  # reclaim reads the milestones first
+        time.sleep(0.5)
+        return real(*args, **kwargs)
+    parts.named_parts = slow
+    mesh = init_device_mesh("cpu", (world,))
+    with ckptfs.Store(region) as store, store.writer("k", group=dist.group.WORLD) as w:
+        for step, value in ((2, 1.0), (3, 3.0), (3, 5.0)):
+            w.save({"w": distribute_tensor(torch.arange(4096.0) + value, mesh, [Shard(0)])}, step=step).result()
+    dist.barrier()
+
+
+def _save_remove_and_save_again(rank, world, region):
+    """Steps 1 and 2 (2 saved twice, the first time not committed), the model removed, then
+    steps 1 and 2 again in the same processes: the new model counts its versions from 1 again."""
+    import torch.distributed as dist
+
+    from ckptfs.dist import storage
+
+    def save(store, step):
+        dcp.save({"w": torch.full((64, 64), float(step)), "r": torch.tensor([rank])},
+                 storage_writer=ckptfs.dcp.StorageWriter(store, "k", step=step))
+    with ckptfs.Store(region) as store:
+        save(store, 1)
+        real = storage._record_here
+
+        def failing(*args, **kwargs):
+            raise OSError("injected: the leader's record failed")
+        storage._record_here = failing
+        with pytest.raises(BaseException, match="injected"):
+            save(store, 2)  # the parts written, none committed: their counters run ahead of the model's
+        storage._record_here = real
+        save(store, 2)
+        dist.barrier()
+        if rank == 0:
+            store.remove_model("k")
+        dist.barrier()
+        save(store, 1)
+        save(store, 2)
+        dist.barrier()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job", ["saved_again_while_reclaiming", "model_made_again"])
+def test_the_latests_parts_stay_kept(tmp_path, job):
+    """The parts the latest names stay kept (no ring reuses them) where a commit gives back the
+    earlier saves' parts of its step: while the step is saved again (the next save's parts are
+    newer than the latest's, not superseded), and after the model was removed and made again
+    (its counters start again: what a process remembered of the earlier model's versions named
+    other parts)."""
+    from ckptfs.dist.parts import named_by
+
+    region = str(tmp_path / "r.region")
+    ckptfs.Store.create(region, size_bytes=128 << 20).close()
+    run_ranks(_save_step_3_twice_while_reclaiming if job == "saved_again_while_reclaiming"
+              else _save_remove_and_save_again, 2, region)
+    with ckptfs.Store(region) as store:
+        latest = store.latest("k")
+        needed = named_by(store, "k", [(latest.step, latest.counter)])
+        assert len(needed) == 2
+        kept = {(name, v.counter) for name, _ in needed for v in store.versions(name, hidden=True) if v.kept}
+        assert needed <= kept, (needed, kept)
+
+
 def test_the_latest_step_saved_again_is_the_new_save_and_loads(tmp_path):
     """A job that saves the step it resumed at (the latest) again: its parts hide the first
     save's in the part models, so the step is recorded again, naming them. The first save's
@@ -482,6 +564,10 @@ def test_the_latest_step_saved_again_is_the_new_save_and_loads(tmp_path):
         # kept one more part for good (a job resumed at its latest step again and again)
         kept = [(".k.rank1", v.counter) for v in store.versions(".k.rank1", hidden=True) if v.kept]
         assert len(kept) == 1 and kept[0] in named_by(store, "k", [again]), kept
+        # the first save's part reused by its ring: the step still loads, and verifies
+        (gone,) = [c for name, c in named_by(store, "k", [first]) if name == ".k.rank1"]
+        _drop_part(store, ".k.rank1", gone)
+        assert store.load("k") and store.verify("k", 1) == [] and store.verify("k") == []
     run_ranks(_save_with_a_kill, 2, region, 2, None)
     with ckptfs.Store(region) as store:  # the first save's parts of step 1 went back at step 2's commit
         assert [(v.step, v.kept) for v in store.versions(".k.rank1", hidden=True) if v.kept] == [(2, True)]
@@ -872,7 +958,8 @@ def test_a_global_step_whose_parts_are_gone_is_not_listed_and_is_not_found(tmp_p
         from ckptfs.dist import parts as parts_module
 
         def remembered() -> set:
-            return {key[2] for key in parts_module._parts if key[1] == "m"}
+            here = store.region.superblock.uuid.hex()
+            return {key[3] for key in parts_module._parts if key[:2] == (here, "m")}
         versions = store.versions("m")
         assert versions[0].counter in remembered()
         loadable(store, "m", versions[1:])  # as a listing after the ring reused the oldest's slot
@@ -916,6 +1003,7 @@ def test_a_listing_keeps_a_version_whose_record_cannot_be_read(monkeypatch):
     def unreadable(store, model, step, counter):
         raise ckptfs.errors.CorruptionError("damaged record")
     monkeypatch.setattr(parts, "_parts_of", unreadable)
+    monkeypatch.setattr(parts, "_forget_parts_before", lambda store, model, counter: None)  # nothing remembered
     versions = [SimpleNamespace(step=1, counter=1, latest=False), SimpleNamespace(step=2, counter=2, latest=True)]
     assert parts.loadable(Store(), "m", versions, ["m", ".m.rank0"]) == versions
 
@@ -939,6 +1027,12 @@ def test_a_kept_global_step_keeps_its_parts(tmp_path):
     for step in (1, 5):
         run_ranks(_load_step, 2, region, step)
         run_ranks(_load_step, 1, region, step)
+    with ckptfs.Store(region) as store:  # a kept step's part lost is damage: verify says so
+        assert store.verify("m") == []
+        (counter,) = [c for name, c in ckptfs.dist.parts.named_by(store, "m", [
+            (v.step, v.counter) for v in store.versions("m") if v.step == 5]) if name == ".m.rank0"]
+        _drop_part(store, ".m.rank0", counter)
+        assert [(p.step, "rank 0" in p.message) for p in store.verify("m")] == [(5, True)]
 
 
 def test_removed_global_versions_give_back_their_parts_and_a_rollback_keeps_the_new_latests(tmp_path, capsys):

@@ -5,6 +5,7 @@ can name it any more: superseded by a newer global step, or of a step that never
 (``docs/DISTRIBUTED.md``). No torch here: the mount and the CLI read parts through it."""
 from __future__ import annotations
 
+import contextlib
 import threading
 
 from ckptfs.dist.names import METADATA_FILE, part_model, part_models
@@ -79,16 +80,19 @@ def part_problems(store, model: str, step: int, counter: int, progress=None, ski
     newer step committed: no load can read it, and ``loadable`` does not list it)."""
     from ckptfs.reader import VerifyProblem
 
+    if not part_models(store, model):
+        return []  # a model of one process: its versions' indexes are not decoded for nothing
     problems = []
-    for rank, part_counter in sorted(_parts_of(store, model, step, counter) or ()):
-        try:
-            part = open_part(store, model, rank, part_counter)
-        except PartGoneError as gone:
-            if skip_gone:
-                return []
-            problems.append(VerifyProblem(model, step, None, str(gone)))
-            continue
-        with part:
+    with contextlib.ExitStack() as pins:
+        opened = []
+        for rank, part_counter in sorted(_parts_of(store, model, step, counter) or ()):
+            try:
+                opened.append(pins.enter_context(open_part(store, model, rank, part_counter)))
+            except PartGoneError as gone:
+                if skip_gone:
+                    return []  # before reading any part
+                problems.append(VerifyProblem(model, step, None, str(gone)))
+        for part in opened:
             problems += part.data.verify(progress)
     return problems
 
@@ -178,11 +182,15 @@ def reclaim(store, model: str, keep_step: int) -> None:
     have held it for good)."""
     milestones = named_parts(store, model, kept_only=True)
     latest = store.latest(model, missing_ok=True)
-    current = named_by(store, model, [(latest.step, latest.counter)]) if latest is not None and latest.step == keep_step \
-        else None  # a newer step is latest already: its own commit reclaims
+    # {part model: the counter of its part that the latest (of keep_step) names}; a newer step
+    # latest already: its own commit reclaims
+    current = dict(named_by(store, model, [(latest.step, latest.counter)])) if latest is not None \
+        and latest.step == keep_step else {}
 
     def superseded(name: str, v) -> bool:
-        return v.step < keep_step or (v.step == keep_step and current is not None and (name, v.counter) not in current)
+        # of keep_step, the parts written before the latest's (a counter grows with every save
+        # of a part model): not a save of the step again still in flight, whose part is newer
+        return v.step < keep_step or (v.step == keep_step and v.counter < current.get(name, -1))
     gone = []  # part models without a part of this step: ranks the job no longer has here
     for name in part_models(store, model):
         versions = store.versions(name, missing_ok=True, hidden=True)
@@ -248,39 +256,53 @@ def named_parts(store, model: str, *, kept_only: bool = False) -> set[tuple[str,
                                    if not kept_only or v.kept])
 
 
-_parts: dict[tuple[str, str, int], frozenset] = {}  # (region, model, counter) -> _parts_of that version
+# (region, model, its creation time, counter) -> _parts_of that version. The creation time:
+# a model removed and made again counts its versions from 1 again
+_parts: dict[tuple[str, str, int, int], frozenset] = {}
 
 
 def _forget_parts_before(store, model: str, counter: int) -> None:
     """``_parts_of``'s records of the versions of ``model`` older than ``counter`` (the oldest
-    listed) go: those versions are gone for good (a counter is never reused), and a mount or a
-    job that lists every step kept one record per step it ever saw."""
-    here = store.region.superblock.uuid.hex()
+    listed), and of any earlier model of that name, go: those versions are gone for good (a
+    counter is never reused), and a mount or a job that lists every step kept one record per
+    step it ever saw."""
+    here, born = store.region.superblock.uuid.hex(), _born(store, model)
     for key in list(_parts):  # a copy: other threads (the mount's) add records meanwhile
-        if key[0] == here and key[1] == model and key[2] < counter:
+        if key[0] == here and key[1] == model and (key[2] != born or key[3] < counter):
             _parts.pop(key, None)
+
+
+def _born(store, model: str) -> int | None:
+    """When ``model`` was made (its table entry's creation time), None if there is no such model."""
+    try:
+        return store.region.get(model).created_ns
+    except NotFoundError:
+        return None
 
 
 def _parts_of(store, model: str, step: int, counter: int) -> frozenset | None:
     """(rank, counter) of the parts in ``store``'s region that the version ``counter`` of
     ``step`` of ``model`` names (a save hidden by a later one of its step too; empty for a
     version that is not a global one; None if it is gone). Read once per process: a version
-    never changes, and its counter is never reused."""
+    never changes, and its counter is never reused (by that model: one made again under its
+    name after a removal counts from 1 again, and is told apart by its creation time)."""
     here = store.region.superblock.uuid.hex()
-    key = (here, model, counter)
-    if key not in _parts:
+    key = (here, model, _born(store, model), counter)
+    named = _parts.get(key)
+    if named is None:
         try:
             with store.open_version(model, step, counter=counter) as g:
                 text = dict(g.manifest.files).get(METADATA_FILE)
         except NotFoundError:
             return None  # reused meanwhile: it names nothing any more
         if text is None:
-            _parts[key] = frozenset()
+            named = frozenset()
         else:
             from ckptfs.dist.codec import placed_parts  # imports torch.distributed.checkpoint
 
-            _parts[key] = frozenset((rank, counter) for region, rank, counter in placed_parts(text) if region == here)
-    return _parts[key]
+            named = frozenset((rank, counter) for region, rank, counter in placed_parts(text) if region == here)
+        _parts[key] = named
+    return named
 
 
 def _unkeep(store, name: str, versions) -> None:
