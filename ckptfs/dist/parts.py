@@ -75,9 +75,9 @@ def loadable(store, model: str, versions: list, models: list[str] | None = None)
 def part_problems(store, model: str, step: int, counter: int, progress=None, skip_gone: bool = False) -> list:
     """The problems (reader.VerifyProblem) of the parts in ``store``'s region that the version
     ``counter`` of ``step`` of ``model`` names (none for a version of one process): each part's
-    tensors checked against their CRCs, and a part that is gone, or nothing at all where
-    ``skip_gone`` (a step other than the latest, whose parts went back to their rings once a
-    newer step committed: no load can read it, and ``loadable`` does not list it)."""
+    tensors checked against their CRCs, and a part that is gone; nothing at all where a part is
+    gone and ``skip_gone`` (a version that no load is expected to read: one whose parts went
+    back to their rings, as ``loadable`` leaves out, or an earlier save of a step saved again)."""
     from ckptfs.reader import VerifyProblem
 
     if not part_models(store, model):
@@ -172,9 +172,10 @@ def release_earlier_runs(store, model: str, name: str, step: int) -> None:
 def reclaim(store, model: str, keep_step: int) -> None:
     """After global step ``keep_step`` is committed in ``store``'s region: unkeep every part of
     ``model`` there older than it (superseded, or of a step that never completed), and those of
-    ``keep_step`` itself that its global latest does not name (earlier saves of a step saved
-    again: a job that resumed at the step it saves next kept one more part at every resume), so
-    that the part models' rings reuse them, except the parts of kept global versions (milestones: ``keep``).
+    ``keep_step`` itself written before the ones its global latest names (earlier saves of a
+    step saved again: a job that resumed at the step it saves next kept one more part at every
+    resume), so that the part models' rings reuse them, except the parts of kept global versions
+    (milestones: ``keep``).
     Every part model, not only those of the job's ranks on this node: a job resumed at a smaller
     world size leaves the part models of its earlier ranks (ranks 2 and 3 of a job of 4 resumed
     at 2), which hold no part of this step; once no global version left in the region names
