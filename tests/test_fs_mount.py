@@ -431,14 +431,21 @@ def test_signal_unmounts_cleanly(toy, tmp_path, signame):
         stop_mount(m)
 
 
-def test_killed_daemon_leaves_no_mount(toy, tmp_path):
+@pytest.mark.parametrize("after_s", [0.0, 0.01, 0.05])
+def test_killed_daemon_leaves_no_mount(toy, tmp_path, after_s):
+    """A daemon SIGKILLed as soon as its mount is up (while it still checks that its root
+    answers), or a moment later, dies and leaves no mount. A thread of the daemon that stat'ed
+    its own root made it unkillable when the kill came while the daemon held that request:
+    only the daemon could answer it, and its /dev/fuse stayed open until that thread ended (a CI
+    run hung there)."""
     from ckptfs.fs.daemon import mount_entry
     from conftest_mount import start_mount, stop_mount
 
     m = start_mount(toy.region, str(tmp_path / "mnt"))
     try:
+        time.sleep(after_s)
         m.proc.kill()
-        m.proc.wait()
+        m.proc.wait(20)
         wait_for(lambda: mount_entry(m.path) is None, timeout=10, what="auto_unmount after SIGKILL")
     finally:
         stop_mount(m)
