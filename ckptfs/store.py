@@ -379,7 +379,8 @@ class Store:
         from ckptfs.reader import VerifyProblem, VersionData
 
         problems: list[VerifyProblem] = []
-        models = [model] if model is not None else self.models()  # the whole region: parts are models
+        region_models = self.models()
+        models = [model] if model is not None else region_models  # the whole region: parts are models
         if model is None:
             problems += self._region_problems()
         for name in models:
@@ -400,8 +401,8 @@ class Store:
                     if model is not None:
                         info = self._info(v, latest)
                         hidden = newest[info.step] != info.counter
-                        problems += part_problems(self, name, info.step, info.counter, progress, skip_gone=hidden or (
-                            step is None and not info.latest and not info.kept))
+                        problems += part_problems(self, name, manifest, progress, skip_gone=hidden or (
+                            step is None and not info.latest and not info.kept), models=region_models)
                 except CorruptionError as e:
                     problems.append(VerifyProblem(name, v.header.step, None, str(e)))
                 finally:

@@ -72,26 +72,28 @@ def loadable(store, model: str, versions: list, models: list[str] | None = None)
     return out
 
 
-def part_problems(store, model: str, step: int, counter: int, progress=None, skip_gone: bool = False) -> list:
+def part_problems(store, model: str, manifest, progress=None, skip_gone: bool = False,
+                  models: list[str] | None = None) -> list:
     """The problems (reader.VerifyProblem) of the parts in ``store``'s region that the version
-    ``counter`` of ``step`` of ``model`` names (none for a version of one process): each part's
-    tensors checked against their CRCs, and a part that is gone; nothing at all where a part is
-    gone and ``skip_gone`` (a version that no load is expected to read: one whose parts went
-    back to their rings, as ``loadable`` leaves out, or an earlier save of a step saved again)."""
+    of ``model`` whose index is ``manifest`` names (none for a version of one process): each
+    part's tensors checked against their CRCs, and a part that is gone; nothing at all where a
+    part is gone and ``skip_gone`` (a version that no load is expected to read: one whose parts
+    went back to their rings, as ``loadable`` leaves out, or an earlier save of a step saved
+    again). ``models``: the region's models, where the caller listed them already."""
     from ckptfs.reader import VerifyProblem
 
-    if not part_models(store, model):
+    if not part_models(store, model, models):
         return []  # a model of one process: its versions' indexes are not decoded for nothing
     problems = []
     with contextlib.ExitStack() as pins:
         opened = []
-        for rank, part_counter in sorted(_parts_of(store, model, step, counter) or ()):
+        for rank, part_counter in sorted(_named_in(store, manifest)):
             try:
                 opened.append(pins.enter_context(open_part(store, model, rank, part_counter)))
             except PartGoneError as gone:
                 if skip_gone:
                     return []  # before reading any part
-                problems.append(VerifyProblem(model, step, None, str(gone)))
+                problems.append(VerifyProblem(model, manifest.step, None, str(gone)))
         for part in opened:
             problems += part.data.verify(progress)
     return problems
@@ -287,23 +289,28 @@ def _parts_of(store, model: str, step: int, counter: int) -> frozenset | None:
     version that is not a global one; None if it is gone). Read once per process: a version
     never changes, and its counter is never reused (by that model: one made again under its
     name after a removal counts from 1 again, and is told apart by its creation time)."""
-    here = store.region.superblock.uuid.hex()
-    key = (here, model, _born(store, model), counter)
+    key = (store.region.superblock.uuid.hex(), model, _born(store, model), counter)
     named = _parts.get(key)
     if named is None:
         try:
             with store.open_version(model, step, counter=counter) as g:
-                text = dict(g.manifest.files).get(METADATA_FILE)
+                named = _named_in(store, g.manifest)
         except NotFoundError:
             return None  # reused meanwhile: it names nothing any more
-        if text is None:
-            named = frozenset()
-        else:
-            from ckptfs.dist.codec import placed_parts  # imports torch.distributed.checkpoint
-
-            named = frozenset((rank, counter) for region, rank, counter in placed_parts(text) if region == here)
         _parts[key] = named
     return named
+
+
+def _named_in(store, manifest) -> frozenset:
+    """(rank, counter) of the parts in ``store``'s region that the version whose index is
+    ``manifest`` names (empty for a version that is not a global one)."""
+    text = dict(manifest.files).get(METADATA_FILE)
+    if text is None:
+        return frozenset()
+    from ckptfs.dist.codec import placed_parts  # imports torch.distributed.checkpoint
+
+    here = store.region.superblock.uuid.hex()
+    return frozenset((rank, counter) for region, rank, counter in placed_parts(text) if region == here)
 
 
 def _unkeep(store, name: str, versions) -> None:
