@@ -627,6 +627,35 @@ def test_async_save_while_training_continues(tmp_path, kind):
     run_ranks(_async_save_while_training, 2, region, kind)
 
 
+def _saves_across_process_groups(rank, world, region, store_file):
+    """Two process groups one after the other in each rank's process (a job that re-forms its
+    group after a peer's failure, a notebook that starts again): the saves and loads of the
+    second use groups of the second, not ones made in the first and destroyed with it."""
+    import torch.distributed as dist
+
+    with ckptfs.Store(region) as store:
+        for run in range(2):
+            if run:  # the first group is run_ranks's; the second a new one, over a file store
+                dist.destroy_process_group()
+                dist.init_process_group("gloo", store=dist.FileStore(store_file, world), rank=rank, world_size=world)
+            state = {"w": torch.arange(8.0) + 10 * run}  # replicated: the same on every rank
+            dcp.save(state, storage_writer=ckptfs.dcp.StorageWriter(store, "regroup", step=run + 1))
+            back = {"w": torch.zeros(8)}
+            dcp.load(back, storage_reader=ckptfs.dcp.StorageReader(store, "regroup"))
+            assert torch.equal(back["w"], state["w"])
+            with store.writer("own", group=dist.group.WORLD) as w:
+                w.save({"w": state["w"]}, step=run + 1).result()
+            back = {"w": torch.zeros(8)}
+            store.load("own", group=dist.group.WORLD, into=back)
+            assert torch.equal(back["w"], state["w"])
+
+
+def test_saves_and_loads_in_a_process_group_made_again(tmp_path):
+    region = str(tmp_path / "r.region")
+    ckptfs.Store.create(region, size_bytes=64 << 20).close()
+    run_ranks(_saves_across_process_groups, 2, region, str(tmp_path / "second-group"))
+
+
 def _save_dtensors(rank, world, region, out):
     """DTensors placed Shard(0), Shard(1) and Replicate() over the ranks, saved through ckptfs."""
     from torch.distributed.device_mesh import init_device_mesh

@@ -14,6 +14,7 @@ from datetime import timedelta
 from ckptfs.errors import CkptfsError
 
 _groups: dict[tuple[float, str, str], object] = {}
+_world: list = [None]  # the default process group that _groups and the counts below were made under
 
 
 def coordination(timeout_s: float, model: str, purpose: str = "save"):
@@ -29,11 +30,27 @@ def coordination(timeout_s: float, model: str, purpose: str = "save"):
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
+    with _arrivals_lock:
+        _forget_destroyed_world(dist.group.WORLD)
     key = (timeout_s, model, purpose)
     group = _groups.get(key)
     if group is None:
         group = _groups[key] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     return group
+
+
+def _forget_destroyed_world(world) -> None:
+    """Where the default process group is not the one ``_groups`` were made under (the job
+    destroyed its group and made another: an in-process restart, a notebook run again), forget
+    them and the rounds counted on them: the old groups went with their world (a collective on
+    one raises), and every rank of the new one counts its rounds from the start."""
+    if _world[0] is world:
+        return
+    _world[0] = world
+    _groups.clear()
+    _arrivals.clear()
+    _meetings.clear()
+    _reported.clear()
 
 
 _arrivals: dict[str, int] = {}  # name -> how many rounds of it this process began
@@ -55,6 +72,7 @@ class Arrival:
         if self.kv is None:
             return
         with _arrivals_lock:
+            _forget_destroyed_world(dist.group.WORLD)
             seq = _arrivals[name] = _arrivals.get(name, 0) + 1
         self.key = f"ckptfs/arrivals/{name}/{seq}"
         self.ranks = dist.get_process_group_ranks(group)
