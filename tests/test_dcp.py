@@ -627,6 +627,28 @@ def test_async_save_while_training_continues(tmp_path, kind):
     run_ranks(_async_save_while_training, 2, region, kind)
 
 
+def test_the_commits_of_saves_in_flight_never_wait_for_each_other(tmp_path, monkeypatch):
+    """Three async_saves of three models in flight at once (a model, its EMA, ...): their commits
+    all run together. Across ranks, one commit queued behind two others could wait for a rank
+    whose running commits wait for it; here each commit waits until all three have started."""
+    from ckptfs.dist.storage import StorageWriter
+
+    started = threading.Barrier(3, timeout=20)
+    commit = StorageWriter.commit
+
+    def commit_once_all_started(self, *args, **kwargs):
+        started.wait()
+        return commit(self, *args, **kwargs)
+
+    monkeypatch.setattr(StorageWriter, "commit", commit_once_all_started)
+    with ckptfs.Store.create(str(tmp_path / "r.region"), size_bytes=64 << 20) as store:
+        futures = [dcp.async_save({"w": torch.full((4,), float(i))}, storage_writer=StorageWriter(store, f"m{i}", step=1))
+                   for i in range(3)]
+        for f in futures:
+            f.result(timeout=60)
+        assert [store.load(f"m{i}")["w"].tolist() for i in range(3)] == [[float(i)] * 4 for i in range(3)]
+
+
 def _saves_across_process_groups(rank, world, region, store_file):
     """Two process groups one after the other in each rank's process (a job that re-forms its
     group after a peer's failure, a notebook that starts again): the saves and loads of the

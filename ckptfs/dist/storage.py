@@ -26,7 +26,6 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch.distributed.checkpoint import StorageWriter as _DCPWriter
@@ -47,7 +46,6 @@ __all__ = ["StorageWriter"]
 log = logging.getLogger("ckptfs")
 _writers: dict[tuple[str, str], object] = {}  # (region, model) -> its Writer, kept across steps (_kept_writer)
 _writers_lock = threading.Lock()
-_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckptfs-dcp")
 
 
 class StorageWriter(_DCPWriter):
@@ -136,7 +134,12 @@ class StorageWriter(_DCPWriter):
             except BaseException as e:  # noqa: BLE001 - delivered to DCP through the future
                 done.set_exception(e)
 
-        _pool.submit(commit)
+        # A thread of its own: a commit waits for its part and for every rank's (seconds, up to
+        # timeout_s), and the commits of saves in flight at once (a model and its EMA, each an
+        # async_save) must all be waiting together; a pool of a few threads kept one queued
+        # behind the others, which on another rank could wait for it. Not a daemon: the
+        # interpreter's exit waits for a commit under way, as for any save.
+        threading.Thread(target=commit, name=f"ckptfs-dcp-commit-{self.model}@{self.step}").start()
         return done
 
     def write_part(self, items: list, resolved: Resolved):
