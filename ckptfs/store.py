@@ -53,6 +53,13 @@ class VersionInfo:
     latest: bool
     kept: bool = False  # a milestone: never reused by the ring (Store.keep / unkeep)
 
+    @property
+    def save_id(self) -> tuple[int, int]:
+        """What tells this save from every other of its model and step, (counter, time_ns): a
+        model removed and made again counts its saves from 1 again, so the counter alone can
+        name a save of the model that was removed (a cache keyed by it would serve that one)."""
+        return (self.counter, self.time_ns)
+
 
 class Version:
     """A pinned version: its slot cannot be reused until ``close``. Its bytes are read through
@@ -285,7 +292,7 @@ class Store:
         ``checked``: tensors (and blocks) already found intact by an earlier open of the same version (see
         ckptfs.reader.VersionData). ``manifest``: that earlier open's index (the mount keeps one
         per listed version), used when the pinned slot still holds the version it came from (the
-        same save counter) instead of reading and decoding the index again: tens of ms per open
+        same save: counter and time) instead of reading and decoding the index again: tens of ms per open
         of a file at 40,000 tensors."""
         self.region.backend.check_present(for_write=False)
         for _ in range(PIN_RETRIES):
@@ -293,6 +300,7 @@ class Store:
             if self.region.pin(v):
                 try:
                     same = (manifest is not None and manifest.counter == v.header.counter
+                            and manifest.time_ns == v.header.time_ns  # not a removed model's save
                             and manifest.step == v.header.step and manifest.model == model)
                     index = manifest if same else self.region.read_manifest(v)
                 except BaseException:

@@ -190,13 +190,14 @@ def test_listing_is_refreshed_at_most_every_half_second(env):
 def test_vanished_versions_and_models_are_enoent_and_uncached(env):
     store, tree, clock = env
     f = path(tree, "gpt", "step-00000010", "checkpoint.pt")
-    assert ("gpt", 10, 1) in tree._files
+    key = ("gpt", 10, store.table["gpt"][10].save_id)
+    assert key in tree._files
     del store.table["gpt"][10]
     clock.now += 1
     assert err(path, tree, "gpt", "step-00000010") == errno.ENOENT
     assert err(tree.attr, f) == errno.ENOENT
     assert err(tree.open, f, os.O_RDONLY) == errno.ENOENT
-    assert ("gpt", 10, 1) not in tree._files
+    assert key not in tree._files
     del store.table["gpt"]
     clock.now += 1
     assert tree.children(ROOT_INODE) == []
@@ -346,3 +347,42 @@ def test_a_version_is_checksummed_once_per_mount_not_once_per_open(tmp_path, mon
             f.close()
         assert contents[0] == contents[1] == contents[2]
         assert sorted(calls) == [4000, 12000]  # each tensor once, by the first open
+
+
+def test_a_model_made_again_is_never_served_from_the_removed_ones_files(tmp_path):
+    """A model removed and made again counts its saves from 1 again: its step 2 has the counter
+    the removed model's step 2 had. The mount must serve the new version's bytes (checked
+    against their CRCs), not the removed one's cached index over the new data, nor skip the
+    checks that version passed, even where it never listed the model while it was gone."""
+    import torch
+    from safetensors.torch import load as load_safetensors
+
+    import ckptfs
+
+    def save_steps(store, value, numel):
+        with store.writer("m", max_inflight=1) as w:
+            for step in range(3):
+                w.save({"w": torch.full((numel,), value)}, step=step).result()
+
+    def read(tree, name):
+        model = tree.lookup(ROOT_INODE, "m")
+        node = tree.lookup(tree.lookup(model.ino, "step-00000002").ino, name)
+        f = tree.open(node, os.O_RDONLY)
+        try:
+            return node, f.read(0, f.size)
+        finally:
+            f.close()
+
+    with ckptfs.Store.create(str(tmp_path / "r.region"), size_bytes=64 << 20) as store:
+        save_steps(store, 1.0, 1000)
+        clock = Clock()
+        tree = Tree(store, clock=clock)
+        old_node, old = read(tree, "state.safetensors")
+        assert load_safetensors(old)["w"].tolist() == [1.0] * 1000
+        store.remove_model("m")
+        save_steps(store, 2.0, 3000)
+        clock.now += 10
+        new_node, new = read(tree, "state.safetensors")
+        assert load_safetensors(new)["w"].tolist() == [2.0] * 3000
+        assert new_node.ino != old_node.ino and err(tree.attr, old_node) == errno.ENOENT
+        assert new == read(Tree(store), "state.safetensors")[1]

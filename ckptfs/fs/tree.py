@@ -17,9 +17,10 @@ Contracts:
   soon as the snapshot no longer holds it. Only committed versions are shown (``store.versions``).
 * **Inodes** are allocated on first sight and never reused or changed for the life of the mount:
   a model and ``<model>/latest`` keep their inode; a version directory's and its files' inodes
-  are keyed by the version's save counter too (``(model, step, counter[, name])``), so they are
-  stable for a given version, and a step that is committed again later (saved again, or after a
-  removal) gets new ones: its bytes differ, the kernel page cache of the old files
+  are keyed by the version's save too (``(model, step, save_id[, name])``: its counter and time,
+  ``VersionInfo.save_id``), so they are stable for a given version, and a step that is committed
+  again later (saved again, after a removal, or by a model removed and made again, whose
+  counters start again at 1) gets new ones: its bytes differ, the kernel page cache of the old files
   (``keep_cache``) must not be served for them, and the kernel's cached names of the old files
   (``IMMUTABLE_TTL``) must not lead to them. The version directory's entry is revalidated every
   ``LISTING_TTL``; its new inode makes the kernel drop the old one's names.
@@ -83,7 +84,7 @@ class Node:
     kind: Kind
     model: str = ""
     step: int = -1
-    counter: int = -1  # VERSION, FILE and SUBDIR: the counter of the version they are or belong to
+    save_id: tuple = ()  # VERSION, FILE and SUBDIR: the VersionInfo.save_id of the version they are or belong to
     name: str = ""  # FILE and SUBDIR: the path inside the version directory ("hf/config.json")
 
     @property
@@ -172,10 +173,10 @@ class Tree:
         self._clock = clock
         self._refreshed_at: float | None = None
         self._models: dict[str, _Model] = {}
-        self._files: dict[tuple[str, int, int], dict[str, Any]] = {}  # (model, step, counter) -> views
-        self._checked: dict[tuple[str, int, int], set] = {}  # same key -> tensors (and blocks) found intact
-        self._manifests: dict[tuple[str, int, int], Any] = {}  # same key -> its decoded index
-        self._layouts: dict[tuple[str, int, int], Any] = {}  # same key -> WholeLayout, or False: not multi-rank
+        self._files: dict[tuple[str, int, tuple], dict[str, Any]] = {}  # (model, step, save_id) -> views
+        self._checked: dict[tuple[str, int, tuple], set] = {}  # same key -> tensors (and blocks) found intact
+        self._manifests: dict[tuple[str, int, tuple], Any] = {}  # same key -> its decoded index
+        self._layouts: dict[tuple[str, int, tuple], Any] = {}  # same key -> WholeLayout, or False: not multi-rank
         self._by_key: dict[tuple, Node] = {}
         self._by_ino: dict[int, Node] = {}
         self._next_ino = ROOT_INODE + 1
@@ -224,7 +225,7 @@ class Tree:
             models[name] = m
         self._models = models
         self._refreshed_at = now
-        live = {(n, s, i.counter) for n, m in models.items() for s, i in m.versions.items()}
+        live = {(n, s, i.save_id) for n, m in models.items() for s, i in m.versions.items()}
         for key in (self._files.keys() | self._checked.keys() | self._manifests.keys() | self._layouts.keys()) - live:
             self._files.pop(key, None)
             self._checked.pop(key, None)
@@ -268,31 +269,31 @@ class Tree:
         return self._node(("latest", model), kind=Kind.LATEST, model=model)
 
     def _version_node(self, model: str, step: int) -> Node:
-        """The directory of the version listed at ``step`` now (its counter: see Inodes)."""
-        counter = self._version(model, step).counter
-        return self._node(("version", model, step, counter), kind=Kind.VERSION, model=model, step=step,
-                          counter=counter)
+        """The directory of the version listed at ``step`` now (its save: see Inodes)."""
+        save_id = self._version(model, step).save_id
+        return self._node(("version", model, step, save_id), kind=Kind.VERSION, model=model, step=step,
+                          save_id=save_id)
 
-    def _file_node(self, model: str, step: int, counter: int, name: str) -> Node:
-        return self._node(("file", model, step, counter, name), kind=Kind.FILE, model=model,
-                          step=step, counter=counter, name=name)
+    def _file_node(self, model: str, step: int, save_id: tuple, name: str) -> Node:
+        return self._node(("file", model, step, save_id, name), kind=Kind.FILE, model=model,
+                          step=step, save_id=save_id, name=name)
 
-    def _subdir_node(self, model: str, step: int, counter: int, name: str) -> Node:
-        return self._node(("subdir", model, step, counter, name), kind=Kind.SUBDIR, model=model,
-                          step=step, counter=counter, name=name)
+    def _subdir_node(self, model: str, step: int, save_id: tuple, name: str) -> Node:
+        return self._node(("subdir", model, step, save_id, name), kind=Kind.SUBDIR, model=model,
+                          step=step, save_id=save_id, name=name)
 
     def _in_version_node(self, model: str, step: int, path: str) -> Node:
         """The file or subdirectory at ``path`` inside a version (ENOENT if there is none)."""
-        counter, views = self._views(model, step)
+        save_id, views = self._views(model, step)
         if path in views:
-            return self._file_node(model, step, counter, path)
+            return self._file_node(model, step, save_id, path)
         if any(p.startswith(path + "/") for p in views):
-            return self._subdir_node(model, step, counter, path)
+            return self._subdir_node(model, step, save_id, path)
         raise FileNotFoundError(errno.ENOENT, f"{version_dirname(step)} has no {path}")
 
     def _entries_in(self, model: str, step: int, prefix: str) -> list[tuple[str, Node]]:
         """The names directly inside ``prefix`` ("" or "dir/") of a version, in listing order."""
-        counter, views = self._views(model, step)
+        save_id, views = self._views(model, step)
         out: dict[str, Node] = {}
         for path in views:
             if not path.startswith(prefix):
@@ -300,18 +301,18 @@ class Tree:
             name, slash, _ = path[len(prefix):].partition("/")
             if name not in out:
                 child = prefix + name
-                out[name] = (self._subdir_node(model, step, counter, child) if slash
-                             else self._file_node(model, step, counter, child))
+                out[name] = (self._subdir_node(model, step, save_id, child) if slash
+                             else self._file_node(model, step, save_id, child))
         return list(out.items())
 
     # ---------------------------------------------------------------- files of a version
 
     def _views(self, model: str, step: int, version=None) -> tuple[int, dict[str, Any]]:
-        """(counter, {file name: View}) of the listed version ``model``/``step``. Computed from
+        """(save_id, {file name: View}) of the listed version ``model``/``step``. Computed from
         its manifest on first use: through ``version`` if the caller holds it pinned, else under a
         short pin of its own."""
         info = self._version(model, step)
-        key = (model, step, info.counter)
+        key = (model, step, info.save_id)
         views = self._files.get(key)
         if views is None:
             # one pause of the cyclic GC over the index's decoding and the views' synthesis:
@@ -326,7 +327,7 @@ class Tree:
             self._files[key] = views
             # each later open of its files reuses the decoded index (a whole version's own)
             self._manifests[key] = getattr(version, "version", version).manifest
-        return info.counter, views
+        return info.save_id, views
 
     def _whole(self, key: tuple, version):
         """``version`` itself, or, for a multi-rank DCP version, the pinned whole-tensor reading
@@ -336,7 +337,7 @@ class Tree:
         return opened
 
     def _views_of(self, version, info) -> dict[str, Any]:
-        if version.info.counter != info.counter:  # the slot was reused since the snapshot
+        if version.info.save_id != info.save_id:  # the slot was reused since the snapshot
             self.refresh(force=True)
             raise FileNotFoundError(errno.ENOENT, f"{info.model} step {info.step} was replaced")
         from ckptfs.dist.whole import version_files
@@ -352,7 +353,7 @@ class Tree:
             raise FileNotFoundError(errno.ENOENT, f"{node.model} has no committed version")
         if node.kind is Kind.VERSION or node.in_version:
             info = self._version(node.model, node.step)
-            if info.counter != node.counter:  # the step was committed again since
+            if info.save_id != node.save_id:  # the step was committed again since
                 raise FileNotFoundError(errno.ENOENT, f"{node.name or version_dirname(node.step)} is gone")
             if node.in_version and self._in_version_node(node.model, node.step, node.name) is not node:
                 raise FileNotFoundError(errno.ENOENT, f"{node.name} is gone")
@@ -435,12 +436,12 @@ class Tree:
             raise OSError(errno.EINVAL, "cannot open a symbolic link")
         self.refresh()
         self._version(node.model, node.step)
-        key = (node.model, node.step, node.counter)
+        key = (node.model, node.step, node.save_id)
         checked = self._checked.setdefault(key, set())
         version = self._whole(key, self.store.open_version(node.model, node.step, checked=checked,
                                                             manifest=self._manifests.get(key)))
         try:
-            if version.info.counter != node.counter:
+            if version.info.save_id != node.save_id:
                 raise FileNotFoundError(errno.ENOENT, f"{node.name}: its version was replaced")
             views = self._views(node.model, node.step, version)[1]
             return OpenFile(version, views[node.name])
