@@ -102,6 +102,30 @@ def test_latest_and_pinned_slots_are_never_reused(store):
     assert store.latest("pin").step == last - 1
 
 
+def test_a_version_can_be_opened_from_the_moment_it_is_listed(region_path, store, monkeypatch):
+    """A version is listed once its header is committed (newer than the pointer it already
+    counts as latest): from then on a reader of another open of the region can pin it. Until
+    the writer's claim became a pin before that header, a path through the mount's ``latest``
+    that named a version just committed could not open it (ENOENT)."""
+    from ckptfs.region.ring import Ring
+
+    opened = []
+    publish = Ring.publish
+
+    def publish_after_a_reader_opened_it(self, counter, slot):
+        newest = max(other.versions("m"), key=lambda v: v.counter)
+        assert newest.counter == counter and newest.latest
+        with other.open_version("m", newest.step, counter=counter) as v:
+            opened.append(int(v.load()["w"][0]))
+        return publish(self, counter, slot)
+
+    monkeypatch.setattr(Ring, "publish", publish_after_a_reader_opened_it)
+    with ckptfs.Store(region_path) as other, store.writer("m", max_inflight=1) as w:
+        for step in (1, 2, 3):
+            w.save(state(step), step=step).result()
+    assert opened == [1, 2, 3]
+
+
 def test_pin_of_dead_process_is_released(region_path, store):
     with store.writer("dead", max_inflight=1, slots=2, timeout_s=2) as w:
         w.save(state(1), step=1).result()

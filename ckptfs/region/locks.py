@@ -90,6 +90,15 @@ class LockSpace:
                     del self._counts[offset]
         return ok
 
+    def downgrade(self, offset: int) -> None:
+        """Turn the exclusive lock this description holds on ``offset`` into a shared one of one
+        reference, atomically: no moment unlocked, when another could take it exclusively."""
+        with self._mutex:
+            if self._counts.get(offset, 0) != EXCLUSIVE:
+                raise RuntimeError(f"lock byte {offset:#x} is not held exclusively")
+            _fcntl_lock(self._fd, fcntl.F_RDLCK, offset, wait=False)  # a conversion: never conflicts
+            self._counts[offset] = 1
+
     def release(self, offset: int) -> None:
         """Drop one reference; the lock goes when the last reference does."""
         with self._mutex:
