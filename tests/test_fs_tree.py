@@ -187,6 +187,27 @@ def test_listing_is_refreshed_at_most_every_half_second(env):
     assert tree.readlink(path(tree, "gpt", "latest")) == "step-00000040"
 
 
+def test_latest_and_the_version_it_names_come_from_a_fresh_listing(env):
+    """A job saving every 50 ms reuses a slot soon after its version stops being latest:
+    ``latest`` is read from a listing at most LATEST_FRESH_S old, and the version it names is
+    found even where the half-second snapshot does not hold it yet."""
+    from ckptfs.fs.tree import LATEST_FRESH_S
+
+    store, tree, clock = env
+    latest = path(tree, "gpt", "latest")
+    n = store.listings
+    for step in (40, 50):
+        store.commit("gpt", step)
+        clock.now += 2 * LATEST_FRESH_S
+        assert tree.readlink(latest) == f"step-{step:08d}"
+        assert path(tree, "gpt", f"step-{step:08d}", "checkpoint.pt").kind is Kind.FILE
+    assert store.listings == n + 2  # a listing per readlink; the lookups used it
+    store.commit("gpt", 60)
+    clock.now += 2 * LATEST_FRESH_S
+    assert path(tree, "gpt", "step-00000060").kind is Kind.VERSION  # not named by a readlink yet
+    assert err(path, tree, "gpt", "step-00000070") == errno.ENOENT and store.listings == n + 3
+
+
 def test_vanished_versions_and_models_are_enoent_and_uncached(env):
     store, tree, clock = env
     f = path(tree, "gpt", "step-00000010", "checkpoint.pt")

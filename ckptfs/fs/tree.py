@@ -64,6 +64,11 @@ log = logging.getLogger("ckptfs.fs")
 
 ROOT_INODE = 1  # == pyfuse3.ROOT_INODE
 REFRESH_INTERVAL = 0.5  # seconds between two snapshots of the Store's listing
+# The listing that ``latest`` is read from, and that a version directory not in the snapshot is
+# looked for in, is at most this old: a job saving every 50 ms reuses a slot ~0.15 s after its
+# version stopped being latest, and a path through ``latest`` must reach a version still there
+# (from a 0.5 s old listing a quarter of the opens of ``latest/...`` failed with ENOENT).
+LATEST_FRESH_S = 0.01
 LATEST = "latest"
 
 
@@ -200,12 +205,13 @@ class Tree:
             self._unsubscribe()
             self._unsubscribe = None
 
-    def refresh(self, force: bool = False) -> None:
+    def refresh(self, force: bool = False, max_age_s: float | None = None) -> None:
         """Take a new snapshot of the Store's models and committed versions if the last one is
-        older than the refresh interval (or ``force``). Drops cached files of versions that are
-        gone."""
+        older than ``max_age_s`` (default: the refresh interval; ``force``: at once). Drops
+        cached files of versions that are gone."""
         now = self._clock()
-        if not force and self._refreshed_at is not None and now - self._refreshed_at < self._refresh_interval:
+        max_age_s = self._refresh_interval if max_age_s is None else max_age_s
+        if not force and self._refreshed_at is not None and now - self._refreshed_at < max_age_s:
             return
         models: dict[str, _Model] = {}
         names = sorted(self.store.models())
@@ -377,6 +383,10 @@ class Tree:
             if name == LATEST and m.latest is not None:
                 return self._latest_node(parent.model)
             step = m.dirnames.get(name)
+            if step is None and name.startswith("step-"):
+                # a version newer than the snapshot, reached through a fresh ``latest``
+                self.refresh(max_age_s=LATEST_FRESH_S)
+                step = self._model(parent.model).dirnames.get(name)
             if step is None:
                 raise FileNotFoundError(errno.ENOENT, f"{parent.model} has no {name}")
             return self._version_node(parent.model, step)
@@ -419,10 +429,11 @@ class Tree:
         return Attr(node.ino, stat.S_IFREG | 0o444, 1, size, info.time_ns)
 
     def readlink(self, node: Node) -> str:
-        """Target of ``<model>/latest``: ``step-…`` of the newest committed version."""
+        """Target of ``<model>/latest``: ``step-…`` of the newest committed version, from a
+        listing at most ``LATEST_FRESH_S`` old."""
         if node.kind is not Kind.LATEST:
             raise OSError(errno.EINVAL, "not a symbolic link")
-        self.refresh()
+        self.refresh(max_age_s=LATEST_FRESH_S)
         self._live(node)
         return version_dirname(self._model(node.model).latest.step)
 
