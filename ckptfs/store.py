@@ -543,9 +543,13 @@ class Store:
     def remove_model(self, model: str) -> None:
         """Remove a model and every version; BusyError while a writer or reader uses it. A
         multi-rank (DCP) model's part models (``.MODEL.rank<R>``, its ranks' parts) go with it:
-        BusyError, once the model itself is gone, naming those a reader still holds."""
-        self.region.remove_model(model)
+        BusyError, once the model itself is gone, naming those a reader still holds. The writers
+        this process keeps for DCP saves of them are closed first, unless a save is in flight."""
         from ckptfs.dist.names import part_models
+        from ckptfs.dist.storage import close_idle_writers
+
+        close_idle_writers(self, [model, *part_models(self, model)])
+        self.region.remove_model(model)
 
         busy = []
         for name in part_models(self, model):

@@ -146,6 +146,23 @@ def test_removing_pinned_or_latest_is_busy(store):
     _intact(store, "m", [2])
 
 
+def test_a_model_with_a_writer_open_is_not_removed(store, region_path):
+    """A training job's writer between two saves holds no slot: a removal of its model (``ckptfs
+    rm --all`` from another process, or this one) is refused while the writer is open, and the
+    job's next save goes on; once the writer is closed the model goes."""
+    with store.writer("m", max_inflight=1) as w:
+        w.save(state(1), 1).result()
+        with ckptfs.Store(region_path) as other:  # another open of the region: another process's locks
+            with pytest.raises(BusyError, match="has a writer open"):
+                other.remove_model("m")
+        with pytest.raises(BusyError, match="has a writer open"):
+            store.remove_model("m")
+        assert w.save(state(2), 2).result().published
+    _intact(store, "m", [1, 2])
+    store.remove_model("m")
+    assert "m" not in store.models()
+
+
 def _hold_pin_forever(region_path, step, ready_path):
     s = ckptfs.Store(region_path)
     v = s.open_version("m", step)

@@ -331,6 +331,19 @@ def _kept_writer(store, model: str, max_inflight: int, give_back_hidden: bool = 
         return w
 
 
+def close_idle_writers(store, models: list[str]) -> None:
+    """Close the writers this process keeps for ``models`` of ``store``'s region (``_kept_writer``)
+    that have no save in flight: before a removal of the model (an open writer keeps it from
+    being removed); one with a save in flight stays (the removal is refused)."""
+    with _writers_lock:
+        idle = [(key, w) for key, w in _writers.items()
+                if key[0] == store.path and key[1] in models and not w._closed and not w.saves_in_flight()]
+        for key, _ in idle:
+            del _writers[key]
+    for _, w in idle:
+        _close_stale(w)
+
+
 def _close_stale(writer) -> None:
     """Close the cached writer of a store that was closed (its saves ended with it), or of a
     model removed since."""

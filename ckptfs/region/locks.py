@@ -20,6 +20,7 @@ import threading
 
 _FLOCK = struct.Struct("hhxxxxqqixxxx")  # struct flock on 64-bit Linux
 META_LOCK_OFFSET = 1 << 40
+MODEL_LOCK_BASE = META_LOCK_OFFSET + 1  # + a model's index: held shared by each ring open on it
 SLOT_LOCK_BASE = 1 << 41
 SLOT_LOCK_STRIDE = 1 << 16
 EXCLUSIVE = -1  # LockSpace._counts value of a byte held exclusively
@@ -27,6 +28,11 @@ EXCLUSIVE = -1  # LockSpace._counts value of a byte held exclusively
 
 def slot_lock_offset(model_index: int, slot: int) -> int:
     return SLOT_LOCK_BASE + model_index * SLOT_LOCK_STRIDE + slot
+
+
+def model_lock_offset(model_index: int) -> int:
+    """The byte a writer's ring holds shared while open, and a removal of the model exclusively."""
+    return MODEL_LOCK_BASE + model_index
 
 
 def _fcntl_lock(fd: int, lock_type: int, offset: int, wait: bool) -> bool:

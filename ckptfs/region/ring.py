@@ -45,7 +45,7 @@ from ckptfs.region.backend import aligned_buffer
 from ckptfs.region.extents import KEPT, Extents
 from ckptfs.region.format import (HEADER_COPY_OFFSETS, PAGE_BYTES, SLOT_COMMITTED, SLOT_HEADER_BYTES, SLOT_KEPT,
                                   SLOT_WRITING, ModelEntry, SlotHeader, pack_latest, slot_layout, unpack_latest)
-from ckptfs.region.locks import LockSpace, slot_lock_offset
+from ckptfs.region.locks import LockSpace, model_lock_offset, slot_lock_offset
 from ckptfs.region.slots import SlotVersion, hidden_by
 
 log = logging.getLogger("ckptfs")
@@ -92,16 +92,29 @@ class Ring:
         # Claims are held on a description of their own, so that they exclude this process's own
         # pins (OFD locks of one description never conflict in the kernel).
         self._claims = LockSpace(region.path, writable=True)
+        # Open, the ring keeps the model from being removed (Region.remove_model): a training
+        # job's writer between two saves holds no slot, and its next save found no model.
+        if not self._claims.try_shared(model_lock_offset(entry.index)):
+            self._claims.close()
+            raise NotFoundError(f"model {entry.name!r} is being removed")
+        try:
+            self._open(entry)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, entry: ModelEntry) -> None:
         self._ages_lock = threading.Lock()
         self._ages: dict[int, int] | None = None
         self.extents = Extents(self)
-        if region.entry_problems_of(entry):
-            self.entry = region.repair_entry(entry.name)
+        if self.region.entry_problems_of(entry):
+            self.entry = self.region.repair_entry(entry.name)
         self._recover_counter()
         self._repair_headers()
         self._roll_forward()
 
     def close(self) -> None:
+        """Let go of the model (it may be removed from now on) and of the claims' description."""
         self._claims.close()
 
     # ------------------------------------------------------------------ geometry

@@ -17,7 +17,7 @@ from ckptfs.region.backend import aligned_buffer
 from ckptfs.region.format import (COUNTER_WORD_OFFSET, ENTRY_BYTES, ENTRY_COPY_BYTES, ENTRY_COPY_OFFSET,
                                   LATEST_WORD_OFFSET, NAME_MAX_BYTES, SLOT_HEADER_BYTES, SUPERBLOCK_BYTES,
                                   ModelEntry, _align)
-from ckptfs.region.locks import META_LOCK_OFFSET, slot_lock_offset
+from ckptfs.region.locks import META_LOCK_OFFSET, model_lock_offset, slot_lock_offset
 from ckptfs.units import human_bytes
 
 log = logging.getLogger("ckptfs")
@@ -355,11 +355,17 @@ class ModelTable:
         self.backend.barrier()
 
     def remove_model(self, name: str) -> None:
-        """Remove a model and free its slots; BusyError while any of its slots is pinned or claimed."""
+        """Remove a model and free its slots; BusyError while a writer has it open (a ring:
+        ``ring.Ring``) or any of its slots is pinned or claimed."""
         with self.meta_locked():
             entry = self.get(name)
             claimed = []
             try:
+                writers = model_lock_offset(entry.index)
+                if not self.pins.try_exclusive(writers):
+                    raise BusyError(f"model {name!r} has a writer open (a training job saving it); " + in_words(
+                        python="close the writer (or stop the job) first", cli="stop the job that saves it first"))
+                claimed.append(writers)
                 for slot in entry.slots():
                     off = slot_lock_offset(entry.index, slot)
                     if not self.pins.try_exclusive(off):

@@ -267,6 +267,11 @@ class Writer:
             raise first_error
         return results
 
+    def saves_in_flight(self) -> bool:
+        """Whether a save of this writer is not yet committed (or failed)."""
+        with self._outstanding_lock:
+            return bool(self._outstanding)
+
     def model_removed(self) -> bool:
         """Whether the model this writer saved to was removed since (``Store.remove_model``):
         its next save would fail with NotFoundError (a new writer makes the model again)."""
