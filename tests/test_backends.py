@@ -129,16 +129,18 @@ def test_concurrent_formats_of_one_path_leave_one_whole_region(tmp_path):
 
 # ------------------------------------------------------------------ a real block device
 @pytest.fixture
-def loop_device(tmp_path):
-    """A 128 MiB loop device over a sparse file (root and util-linux's losetup; CI has both)."""
+def loop_device(tmp_path, request):
+    """A loop device over a sparse file, of 128 MiB or of the size the test's ``loop_bytes``
+    mark names (root and util-linux's losetup; CI has both)."""
     import os
     import shutil
     import subprocess
     if os.geteuid() != 0 or shutil.which("losetup") is None:
         pytest.skip("a loop device needs root and losetup")
+    mark = request.node.get_closest_marker("loop_bytes")
     image = tmp_path / "disk.img"
     with open(image, "wb") as f:
-        f.truncate(128 << 20)
+        f.truncate(mark.args[0] if mark else 128 << 20)
     made = subprocess.run(["losetup", "--find", "--show", str(image)],
                           capture_output=True, text=True)
     if made.returncode != 0:
@@ -166,6 +168,15 @@ def test_block_device_region_round_trip(loop_device):
         assert_same(state, s.load("blk"))
         assert s.latest("blk").step == 3
         assert s.verify() == []
+
+
+@pytest.mark.loop_bytes(8 << 20)
+def test_a_device_too_small_for_a_region_is_refused_in_one_line(loop_device):
+    device, _ = loop_device
+    with pytest.raises(ValueError, match=r"holds 8\.0 MiB, too small for a region: it needs at least 64\.0 MiB"):
+        Store.create(device)
+    with open(device, "rb") as dev:
+        assert dev.read(4096) == bytes(4096)  # nothing written
 
 
 def test_block_device_holding_data_is_not_formatted(loop_device):

@@ -13,6 +13,21 @@ from ckptfs.region.format import SUPERBLOCK_BYTES, SUPERBLOCK_MAGIC, Superblock
 from ckptfs.units import human_bytes
 
 
+MIN_REGION_BYTES = 64 << 20  # the smallest region mkfs makes, on a file or a device
+
+
+def check_region_size(size_bytes: int, device: str | None = None) -> None:
+    """ValueError where a region of ``size_bytes`` (the whole ``device``, if given) is too small."""
+    if size_bytes >= MIN_REGION_BYTES:
+        return
+    if device is not None:
+        raise ValueError(f"{device} holds {human_bytes(size_bytes)}, too small for a region: it needs at least "
+                         f"{human_bytes(MIN_REGION_BYTES)}; use a larger device or a region file")
+    raise ValueError(f"a region of {human_bytes(size_bytes)} is too small: it needs at least "
+                     f"{human_bytes(MIN_REGION_BYTES)}; " + in_words(python="pass a larger size_bytes",
+                                                                      cli="give a larger --size"))
+
+
 _BLANK_PROBE_BYTES = 1 << 20  # where filesystems, partition tables and LVM keep their labels
 
 
@@ -113,6 +128,8 @@ def format_in_place(path: str, size_bytes: int | None) -> None:
         if size_bytes is not None and backend.kind != "file" and size_bytes != backend.size_bytes:
             raise ValueError(f"{path} is a {backend.kind} device of {backend.size_bytes} bytes and a region on a "
                              f"device takes all of it; leave size_bytes out (got {size_bytes})")
+        if backend.kind != "file":
+            check_region_size(backend.size_bytes, path)
         sb = Superblock.new(backend.size_bytes, backend.block_bytes, time.time_ns())
         table_bytes = sb.data_offset - sb.table_offset
         mapping = backend.mapping

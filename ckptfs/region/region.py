@@ -24,7 +24,8 @@ from ckptfs.region.format import (COUNTER_MAX, COUNTER_WORD_OFFSET, LATEST_WORD_
                                   SLOT_HEADER_BYTES, SUPERBLOCK_BYTES, ModelEntry, Superblock, unpack_latest)
 from ckptfs.region.events import Subscribers
 from ckptfs.region.locks import LockSpace, slot_lock_offset
-from ckptfs.region.mkfs import format_in_place, format_new_file, make_sparse_file, refuse_to_overwrite
+from ckptfs.region.mkfs import (check_region_size, format_in_place, format_new_file, make_sparse_file,
+                                refuse_to_overwrite)
 from ckptfs.region.ring import Committed, Ring, move_latest_back
 from ckptfs.region.slots import SlotReader, SlotVersion
 from ckptfs.region.table import ModelTable, validate_model_name  # noqa: F401 - part of this module's API
@@ -117,9 +118,7 @@ class Region(ModelTable, SlotReader):
             format_in_place(path, size_bytes)
             return cls(path)
         size_bytes = DEFAULT_REGION_BYTES if size_bytes is None else size_bytes
-        if size_bytes < 64 << 20:
-            raise ValueError(f"a region of {human_bytes(size_bytes)} is too small: it needs at least 64 MiB; "
-                             + in_words(python="pass a larger size_bytes", cli="give a larger --size"))
+        check_region_size(size_bytes)
         if exists:
             make_sparse_file(path, size_bytes, truncate=True)
             format_in_place(path, None)
