@@ -232,6 +232,15 @@ def test_bad_model_name_via_api(store):
     for bad in ("", "a/b", "..", "x" * 300, "nul\0"):
         with pytest.raises(InvalidNameError):
             store.writer(bad)
+    # the names of a multi-rank checkpoint's parts, which a removal of the model takes with it
+    for reserved in (".m.rank0", ".gpt2.rank12"):
+        with pytest.raises(InvalidNameError, match="multi-rank"):
+            store.writer(reserved)
+    assert store.models() == []
+    for fine in ("m.rank0", ".m", ".m.rankx"):
+        with store.writer(fine) as w:
+            w.save({"w": torch.ones(2)}, step=1).result()
+    assert store.models() == sorted([".m", ".m.rankx", "m.rank0"])
 
 
 def test_unknown_format_region(tmp_path):

@@ -16,6 +16,13 @@ def part_model(model: str, rank: int) -> str:
     return f".{model}.rank{rank}"
 
 
+def is_part_model(name: str) -> bool:
+    """Whether ``name`` has the form of a part model (``.MODEL.rank<R>``): kept for ckptfs's own
+    multi-rank saves, never a name a user saves or imports under (a removal of MODEL takes it)."""
+    head, dot_rank, digits = name.rpartition(".rank")
+    return name.startswith(".") and bool(dot_rank) and len(head) > 1 and digits.isascii() and digits.isdigit()
+
+
 def part_models(store, model: str, models: list[str] | None = None) -> list[str]:
     """The part models of ``model`` in ``store``'s region (those ``part_model`` names), among
     ``models`` where the caller listed them already."""

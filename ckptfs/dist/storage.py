@@ -40,6 +40,7 @@ from ckptfs.dist.group import Arrival, check_agreement, coordination, exchange, 
 from ckptfs.dist.names import METADATA_FILE, part_model
 from ckptfs.dist.resolve import Resolved, resolve_items
 from ckptfs.errors import CkptfsError
+from ckptfs.writer.writer import Writer
 
 __all__ = ["StorageWriter"]
 
@@ -326,7 +327,8 @@ def _kept_writer(store, model: str, max_inflight: int, give_back_hidden: bool = 
         if w is None or w._closed or w.region is not store.region or w.model_removed():
             if w is not None and not w._closed:
                 _close_stale(w)
-            w = store.writer(model, max_inflight=max_inflight, give_back_hidden=give_back_hidden)
+            # not store.writer, which refuses the names of part models to its callers
+            w = Writer(store.region, model, max_inflight=max_inflight, give_back_hidden=give_back_hidden)
             _writers[key] = w
         return w
 
