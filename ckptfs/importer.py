@@ -226,6 +226,8 @@ def load_torch_file(path: str) -> Any:
         is_zip = False
     if magic == b"PK\x03\x04" and not is_zip:
         raise _reject(path, "truncated or damaged: a zip archive (torch.save format) without its central directory")
+    if is_zip:
+        _check_zip_crcs(path)
     try:
         # numeric numpy arrays (an RNG state) allowed for this load only: torch's allowlist is
         # the process's, so ckptfs's imports take it one at a time
@@ -236,6 +238,24 @@ def load_torch_file(path: str) -> Any:
     except Exception as exc:  # noqa: BLE001 - hostile input may fail anywhere in torch.load
         text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise _reject(path, f"not a loadable torch file ({type(exc).__name__}: {text})") from None
+
+
+ZIP_CHECK_BYTES = 16 << 20  # read at a time when checking an archive's entries
+
+
+def _check_zip_crcs(path: str) -> None:
+    """MalformedInputError unless every entry of the zip archive at ``path`` has the CRC32 its
+    directory records (zipfile checks it at the end of each entry read): torch.load never
+    checks them, so bytes damaged after torch.save wrote them would be imported, and verify,
+    as if they were the tensors."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for info in archive.infolist():
+                with archive.open(info) as member:
+                    while member.read(ZIP_CHECK_BYTES):
+                        pass
+    except Exception as exc:  # noqa: BLE001 - hostile input fails anywhere in zipfile (names, sizes, CRCs)
+        raise _reject(path, f"damaged zip archive (torch.save format): {type(exc).__name__}: {exc}") from None
 
 
 def _unpickler_reason(text: str) -> str:

@@ -411,6 +411,23 @@ def test_import_of_a_zip_that_claims_several_disks(tmp_path):
         importer.load_torch_file(path)
 
 
+def test_import_of_a_torch_file_whose_tensor_bytes_were_damaged(tmp_path):
+    """torch.load never checks the CRC32s of a torch.save archive's entries: the import does, so
+    damaged tensor bytes are refused rather than stored (and then verified) as the tensors."""
+    import io
+    buf = io.BytesIO()
+    torch.save({"w": torch.arange(1000.0)}, buf)
+    raw = bytearray(buf.getvalue())
+    at = raw.index(torch.arange(1000.0)[100:104].numpy().tobytes())
+    raw[at:at + 8] = b"XXXXXXXX"
+    path = str(tmp_path / "damaged.pt")
+    with open(path, "wb") as f:
+        f.write(raw)
+    assert torch.load(path)["w"][100] != 100.0  # torch itself loads the damage
+    with pytest.raises(MalformedInputError, match="damaged zip archive.*BadZipFile: Bad CRC-32 for file '.*data/0'"):
+        importer.load_torch_file(path)
+
+
 @pytest.fixture(scope="module")
 def import_store(tmp_path_factory):
     yield from _module_store(tmp_path_factory, "import")
