@@ -393,6 +393,10 @@ def test_export_of_a_damaged_version_to_a_directory_leaves_nothing(capsys, fresh
     code, _, err = run(capsys, "export", "--region", fresh_region, "--step", "200", TOY_MODEL, out_dir)
     assert code == 1 and "model.big" in one_error_line(err)
     assert os.listdir(out_dir) == []
+    # a directory the export was to make (OUTPUT/ not there yet) is not left behind either
+    code, _, err = run(capsys, "export", "--region", fresh_region, "--step", "200", TOY_MODEL, f"{out_dir}/new/")
+    assert code == 1 and "model.big" in one_error_line(err)
+    assert os.listdir(out_dir) == []
 
 
 def test_import_of_an_exported_state_safetensors_keeps_the_nesting(capsys, fresh_region, tmp_path):

@@ -62,7 +62,7 @@ def export(region, step, file_name, key, force, model, output):
                 for dest in targets.values():
                     if dest != "-" and os.path.lexists(dest):
                         raise CkptfsError(f"{dest} exists; add --force to replace it")
-            written, done = 0, []
+            written, done, made = 0, [], _dirs_to_make(targets.values())
             try:
                 for name, dest in targets.items():
                     written += _export_file(views[name], v.data, dest)
@@ -71,11 +71,30 @@ def export(region, step, file_name, key, force, model, output):
                 for dest in done:  # a version is exported whole or not at all
                     if dest != "-":
                         os.unlink(dest)
+                for d in sorted(made, key=len, reverse=True):  # and the directories made for it
+                    try:
+                        os.rmdir(d)
+                    except OSError:
+                        pass  # not made after all, or holds something else now
                 raise
         if output != "-":
             what = file_name if file_name is not None else f"{len(names)} files"
             click.echo(f"exported {model} step {v.info.step} {what} to {output} ({human_bytes(written)})")
         return 0
+
+
+def _dirs_to_make(dests) -> set[str]:
+    """The directories that writing ``dests`` makes (OUTPUT/ itself, a view's hf/): those to
+    remove again if the export fails."""
+    made = set()
+    for dest in dests:
+        if dest == "-":
+            continue
+        d = os.path.dirname(os.path.abspath(dest))
+        while not os.path.isdir(d) and d not in made:
+            made.add(d)
+            d = os.path.dirname(d)
+    return made
 
 
 def _file_for_extension(output: str) -> str:
