@@ -16,7 +16,7 @@ from ckptfs.errors import (BusyError, CkptfsError, CorruptionError, InvalidNameE
 from ckptfs.manifest import Manifest
 from ckptfs.region.format import COUNTER_MAX, SUPERBLOCK_BYTES, Superblock
 from ckptfs.region.holders import lock_holders
-from ckptfs.region.locks import slot_lock_offset
+from ckptfs.region.locks import model_lock_offset, slot_lock_offset
 from ckptfs.region.region import Region, SlotVersion
 from ckptfs.region.slots import hidden_by
 from ckptfs.region.ring import latest_after_removal, mark_kept
@@ -598,8 +598,21 @@ class Store:
                 "saves_in_flight": sum(1 for s in busy if s != latest_slot and s not in committed),
                 "pinned_or_writing_slots": busy,
                 "pinned": [p for p in pinned if p["holders"]],
+                # the processes with a writer of the model open (its ring's lock: ring.Ring)
+                "writers": sorted({(pid, cmd) for pid, cmd, _ in holders.get(model_lock_offset(entry.index), ())}),
             })
         used = sum(m["used_bytes"] for m in models)
         return {"path": self.path, "kind": self.region.backend.kind, "region_bytes": sb.region_bytes,
                 "used_bytes": used, "free_bytes": sb.region_bytes - sb.data_offset - used,
-                "models": models, "saves_in_flight": read_progress(sb.uuid)}
+                **self._unbacked_bytes(), "models": models, "saves_in_flight": read_progress(sb.uuid)}
+
+    def _unbacked_bytes(self) -> dict:
+        """Of a sparse region file: {"unallocated_bytes": its bytes the filesystem has not
+        allocated yet, "filesystem_free_bytes": what the filesystem under it can still give}
+        (a save into unallocated slots fails with ENOSPC once the second is short); {} for a
+        device."""
+        if self.region.backend.kind != "file":
+            return {}
+        st, fs = os.stat(self.path), os.statvfs(self.path)
+        return {"unallocated_bytes": max(0, st.st_size - st.st_blocks * 512),
+                "filesystem_free_bytes": fs.f_bavail * fs.f_frsize}

@@ -146,6 +146,11 @@ def test_removing_pinned_or_latest_is_busy(store):
     _intact(store, "m", [2])
 
 
+def _comm() -> str:
+    with open("/proc/self/comm") as f:
+        return f.read().strip()
+
+
 def test_a_model_with_a_writer_open_is_not_removed(store, region_path):
     """A training job's writer between two saves holds no slot: a removal of its model (``ckptfs
     rm --all`` from another process, or this one) is refused while the writer is open, and the
@@ -157,6 +162,7 @@ def test_a_model_with_a_writer_open_is_not_removed(store, region_path):
                 other.remove_model("m")
         with pytest.raises(BusyError, match="has a writer open"):
             store.remove_model("m")
+        assert [m["writers"] for m in store.status()["models"]] == [[(os.getpid(), _comm())]]  # who holds it
         assert w.save(state(2), 2).result().published
     _intact(store, "m", [1, 2])
     store.remove_model("m")

@@ -46,12 +46,20 @@ def free_bytes(path: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def test_a_ring_that_does_not_fit_gives_back_what_it_took(small_fs):
+def test_a_ring_that_does_not_fit_gives_back_what_it_took(small_fs, capsys):
     """A region larger than its filesystem: a model whose ring does not fit is refused with
     sizes a person reads, and the blocks allocated before the filesystem ran out are given
-    back, so other programs there can still write and smaller saves still work."""
+    back, so other programs there can still write and smaller saves still work. ``ckptfs
+    status`` says that the filesystem cannot back the region's free space."""
+    from test_cli import run
+
     path = os.path.join(small_fs, "r.region")
     with ckptfs.Store.create(path, size_bytes=1 << 30) as store:
+        st = store.status()
+        assert st["filesystem_free_bytes"] < 300 * MIB < st["unallocated_bytes"] <= st["region_bytes"]
+        code, out, _ = run(capsys, "status", "--region", path)
+        assert code == 0 and re.search(r"warning  the filesystem under the region has \d+\.\d MiB free for its "
+                                       r"10\d\d\.\d MiB not yet allocated", out), out
         with store.writer("small") as w:
             w.save({"w": torch.ones(MIB // 4)}, step=1).result()
         before = free_bytes(small_fs)

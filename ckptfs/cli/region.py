@@ -66,11 +66,17 @@ def status(region, as_json):
         return 0
     click.echo(f"region   {st['path']} ({st['kind']}): {human_bytes(st['region_bytes'])}, "
                f"{human_bytes(st['used_bytes'])} in model rings, {human_bytes(st['free_bytes'])} free")
+    if st.get("filesystem_free_bytes", 1 << 62) < st.get("unallocated_bytes", 0):
+        # a sparse file: slots not written yet need blocks the filesystem no longer has
+        click.echo(f"warning  the filesystem under the region has {human_bytes(st['filesystem_free_bytes'])} free "
+                   f"for its {human_bytes(st['unallocated_bytes'])} not yet allocated: saves into new slots can "
+                   "fail (ENOSPC); free space on that filesystem, or move the region where there is room")
     click.echo()
     table([[m["name"], m["versions"], "-" if m["latest_step"] is None else m["latest_step"],
              " ".join(map(str, m["kept_steps"])) or "-", f"{m['slots']} (keeps {m['ring_slots']})",
-             human_bytes(m["slot_bytes"]), m["saves_in_flight"]] for m in st["models"]],
-           ["MODEL", "VERSIONS", "LATEST", "KEPT", "SLOTS", "SLOT SIZE", "WRITING"])
+             human_bytes(m["slot_bytes"]), m["saves_in_flight"],
+             " ".join(f"{pid} ({cmd})" for pid, cmd in m["writers"]) or "-"] for m in st["models"]],
+           ["MODEL", "VERSIONS", "LATEST", "KEPT", "SLOTS", "SLOT SIZE", "WRITING", "WRITER PROCESSES"])
     pins = [(m["name"], p) for m in st["models"] for p in m["pinned"]]
     click.echo()
     if not pins:
