@@ -164,6 +164,29 @@ def test_a_snapshot_remakes_the_spans_of_replaced_tensors_only_and_copies_transp
         assert torch.equal(back["b"], torch.full((1 << 16,), -3.0 if step >= 3 else 0.0))
 
 
+@pytest.mark.parametrize("async_snapshot", [False, True])
+@pytest.mark.parametrize("view", ["transposed", "strided", "conjugate", "negative", "transposed_in_place"])
+def test_another_view_at_the_same_address_is_saved_as_its_own_bytes(store, view, async_snapshot):
+    """The spans a snapshot reuses are found by the tensor's address: another view that starts
+    there, with the same shape and dtype (the same layout), holds other bytes in that order, or
+    lazily transformed ones. Each save must hold the bytes of the tensor it was given (these
+    saves held the previous save's bytes, their checksums passing)."""
+    square = torch.arange(16, dtype=torch.float32).reshape(4, 4)
+    complex_ = torch.randn(8, dtype=torch.complex64)
+    ring = torch.randn(8, 4)
+    first = {"transposed": square, "strided": ring[0:4], "conjugate": complex_, "negative": complex_,
+             "transposed_in_place": square}[view]
+    saved = [first.clone()]
+    with store.writer("m", max_inflight=1) as w:
+        w.save({"a": first}, step=1, async_snapshot=async_snapshot).result()
+        second = {"transposed": lambda: square.t(), "strided": lambda: ring[::2], "conjugate": lambda: complex_.conj(),
+                  "negative": lambda: torch._neg_view(complex_), "transposed_in_place": lambda: square.t_()}[view]()
+        assert second.data_ptr() == first.data_ptr()
+        saved.append(second.clone().resolve_conj().resolve_neg())
+        w.save({"a": second}, step=2, async_snapshot=async_snapshot).result()
+    assert [torch.equal(store.load("m", step)["a"], want) for step, want in enumerate(saved, 1)] == [True, True]
+
+
 def test_a_match_of_many_tensors_starts_no_collection():
     """The cached plan's checks make a shape object per tensor, alive together: with the cyclic
     GC on, 20,000 of them start collections on the caller's stall (full ones of its heap, every

@@ -38,6 +38,12 @@ def byte_source(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
+def _is_own_bytes(t: torch.Tensor) -> bool:
+    """Whether ``byte_source(t)`` is a view of the bytes at ``t.data_ptr()`` as they lie, in
+    order: a contiguous tensor without lazy conjugate or negative bits."""
+    return t.is_contiguous() and not (t.is_conj() or t.is_neg())
+
+
 def _needs_gpu_copy(t: torch.Tensor) -> bool:
     """Whether ``byte_source(t)`` of a CUDA tensor runs a kernel (a copy), not only views."""
     return t.is_conj() or t.is_neg() or not t.is_contiguous()
@@ -80,10 +86,11 @@ class Snapshotter:
         """Per chunk of a plan of CPU tensors, the (buffer offset, source, source offset,
         length) spans of its copy (Writer.prepare makes them ahead of the first save).
 
-        A tensor's spans are reused from the last snapshot of the same layout when it started at
-        the same address and was copied from its own memory (the same parameter, updated in
-        place): they are over exactly the bytes it holds now, as the memory they cover stays
-        allocated while held. The others' (new tensors, contiguous copies) are made again."""
+        A tensor's spans are reused from the last snapshot of the same layout when it starts at
+        the same address and is, now as then, copied from its own memory (the same parameter,
+        updated in place; ``_is_own_bytes``): they are over exactly the bytes it holds now, as
+        the memory they cover stays allocated while held. The others' (new tensors, views to
+        make contiguous) are made again."""
         cached = self._host_spans
         if cached is None or cached.layout is not plan.layout:
             cached = self._host_spans = _HostSpans(plan.layout)
@@ -195,7 +202,9 @@ class _HostSpans:
         stale = set()
         for i, t in enumerate(tensors):
             ptr = t.data_ptr()
-            if self.ptrs[i] != ptr or self.hosts[i] is None:
+            # the address alone does not name the bytes: a transposed, strided or conjugate view
+            # of the same memory starts there too (and was saved as the last snapshot's bytes)
+            if self.ptrs[i] != ptr or self.hosts[i] is None or not _is_own_bytes(t):
                 source = byte_source(t)
                 self.hosts[i] = host_bytes(source)
                 own = not source.numel() or source.data_ptr() == ptr
