@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # the reader and the writer need torch, which listing a regio
 log = logging.getLogger("ckptfs")
 
 PIN_RETRIES = 20
+PIN_WAIT_S = 0.1  # the longest open_version waits for a version held exclusively (see there)
 
 
 def default_region_path() -> str:
@@ -301,7 +302,8 @@ class Store:
         same save: counter and time) instead of reading and decoding the index again: tens of ms per open
         of a file at 40,000 tensors."""
         self.region.backend.check_present(for_write=False)
-        for _ in range(PIN_RETRIES):
+        deadline = time.monotonic() + PIN_WAIT_S
+        while True:
             v, is_latest = self._find(model, step, counter)
             if self.region.pin(v):
                 try:
@@ -313,11 +315,14 @@ class Store:
                     self.region.unpin(v)
                     raise
                 return Version(self, v, index, is_latest, checked)
-            if step is not None or counter is not None:
-                # That version was claimed for rewriting between the listing and the pin.
-                raise no_step(model, step) if step is not None else _save_gone(model, counter)
+            # Held exclusively: by the save committing it (its header's barrier, ms: listed from
+            # the moment its header is written), or by a claim that reuses its slot (gone once
+            # the claim's first write marks the slot, and then no longer found)
+            if time.monotonic() >= deadline:
+                if step is not None or counter is not None:
+                    raise no_step(model, step) if step is not None else _save_gone(model, counter)
+                raise BusyError(f"could not pin the latest version of {model!r}: it kept changing; try again")
             time.sleep(0.001)
-        raise BusyError(f"could not pin the latest version of {model!r}: it kept changing; try again")
 
     def load(self, model: str, step: int | None = None, map_location="cpu", verify: bool = True, into=None,
              group=None, peers=()):

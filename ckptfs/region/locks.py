@@ -17,6 +17,7 @@ import fcntl
 import os
 import struct
 import threading
+import weakref
 
 _FLOCK = struct.Struct("hhxxxxqqixxxx")  # struct flock on 64-bit Linux
 META_LOCK_OFFSET = 1 << 40
@@ -58,9 +59,30 @@ class LockSpace:
 
     def __init__(self, path: str, writable: bool = True):
         # Exclusive (write) locks need a descriptor opened for writing.
-        self._fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+        self._path = path
+        self._flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC
+        self._fd = os.open(path, self._flags)
         self._counts: dict[int, int] = {}
+        self._inherited: dict[int, int] = {}  # a forked child's references to its parent's locks
         self._mutex = threading.Lock()
+        _spaces.add(self)
+
+    def _after_fork_in_child(self) -> None:
+        """In a child of ``fork``: the parent's description (and its locks) would be shared
+        with the parent, so that an unlock here (the child closing a Version it inherited, or
+        its own load of the same version ending) dropped the parent's pin, and its slot was
+        reused under the parent's reads; and, the description kept open by a child that lives
+        on (a DataLoader worker), a lock the parent let go by closing stayed held. The child
+        takes a description of its own; the parent's locks stay the parent's, their references
+        here released as bookkeeping only."""
+        self._mutex = threading.Lock()  # another thread of the parent may have held it: gone here
+        if self._fd < 0:
+            return
+        inherited, self._fd = self._fd, os.open(self._path, self._flags)
+        os.close(inherited)  # only this child's reference: the parent's description stays open
+        for offset, count in self._counts.items():
+            self._inherited[offset] = self._inherited.get(offset, 0) + (1 if count == EXCLUSIVE else count)
+        self._counts = {}
 
     def try_shared(self, offset: int) -> bool:
         """Add a reference to a shared lock on ``offset``; False if someone holds it exclusively."""
@@ -109,6 +131,9 @@ class LockSpace:
         """Drop one reference; the lock goes when the last reference does."""
         with self._mutex:
             count = self._counts.get(offset, 0)
+            if count == 0 and self._inherited.get(offset, 0) > 0:
+                self._inherited[offset] -= 1  # the parent's lock, taken before the fork: its to release
+                return
             if count == 0:
                 raise RuntimeError(f"lock byte {offset:#x} is not held")
             if count > 1:
@@ -124,6 +149,23 @@ class LockSpace:
         return _FLOCK.unpack(result)[0] != fcntl.F_UNLCK
 
     def close(self) -> None:
+        """Let go of every lock (unlocked first: a forked process that still holds the
+        description would keep them otherwise) and of the descriptor."""
         if self._fd >= 0:
+            with self._mutex:
+                for offset in self._counts:
+                    _fcntl_lock(self._fd, fcntl.F_UNLCK, offset, wait=False)
+                self._counts.clear()
             os.close(self._fd)
             self._fd = -1
+
+
+_spaces: "weakref.WeakSet[LockSpace]" = weakref.WeakSet()  # every open LockSpace of this process
+
+
+def _after_fork_in_child() -> None:
+    for space in list(_spaces):
+        space._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -378,17 +378,19 @@ class Claim:
         # vouches for them is written, alone in its page: a torn commit leaves at worst an
         # invalid header (no version), never a valid header over a torn index.
         region.backend.barrier()
-        # The claim becomes a pin before the header is written: from the moment a reader can
-        # list the version (a committed header newer than the pointer already counts as latest)
-        # it can pin it, and no claim can take the slot until the release below. Held
-        # exclusively up to the publish, a version just made latest could not be opened: a
-        # quarter of the mount's opens of ``latest/...`` failed with ENOENT under saves every 50 ms.
-        ring._claims.downgrade(self._lock)
         header = SlotHeader(SLOT_COMMITTED, self.counter, self.step, self.time_ns, entry.index, self.slot,
                             layout.index_offset, len(index), crc32(index), layout.data_offset, data_bytes,
                             SLOT_KEPT if keep else 0)
         self._write_page(0, header.pack())
         region.backend.barrier()  # header durable before the pointer moves
+        # The claim becomes a pin once the header is durable: from then a reader that listed
+        # the version (a committed header newer than the pointer already counts as latest) can
+        # pin it, and no claim can take the slot until the release below. Held exclusively up to
+        # the publish, a version just made latest could not be opened: a quarter of the mount's
+        # opens of ``latest/...`` failed with ENOENT under saves every 50 ms. (Readers wait out
+        # the header's barrier: Store.open_version.) Not earlier: a pin must find the header whole
+        # and durable (Region.unreadable_slots, move_latest_back).
+        ring._claims.downgrade(self._lock)
         published = ring.publish(self.counter, self.slot) if publish else False
         ring._note_age(self.slot, KEPT if keep else self.counter)
         self._release()

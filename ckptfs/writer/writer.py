@@ -50,8 +50,11 @@ _open_writers: "weakref.WeakSet[Writer]" = weakref.WeakSet()
 
 @atexit.register
 def _commit_in_flight_at_exit() -> None:
-    """A script that ends without closing its writer still gets its saves committed."""
-    close_writers(lambda writer: True, "at exit")
+    """A script that ends without closing its writer still gets its saves committed. Only this
+    process's writers: a child forked while a save was in flight (a DataLoader worker) holds a
+    copy of its parent's, whose threads did not come with it (its exit waited for them forever)."""
+    pid = os.getpid()
+    close_writers(lambda writer: writer._pid == pid, "at exit")
 
 
 def close_writers(which, when: str) -> None:
@@ -131,6 +134,7 @@ class Writer:
         self._outstanding: set[SaveFuture] = set()
         self._outstanding_lock = threading.Lock()
         self._closed = False
+        self._pid = os.getpid()  # the process whose threads save (a forked child has none of them)
         self._thread = threading.local()  # .saving: this thread is inside save() (_not_within_save)
         # Background snapshots (async_snapshot) run in call order on one thread of their own.
         self._snapshot_queue: queue.SimpleQueue = queue.SimpleQueue()
