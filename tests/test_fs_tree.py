@@ -53,6 +53,7 @@ class FakeStore:
         self.table: dict[str, dict[int, Info]] = {}
         self.pins: dict[tuple, int] = {}
         self.listings = 0
+        self.version_listings: dict[str, int] = {}  # model -> versions() calls
         self.counter = 0
         self.confirms = 0  # reads confirmed after their copy (the bus guard's check)
         self.given_manifests: list = []  # the manifest= of each open_version
@@ -69,6 +70,7 @@ class FakeStore:
         return list(self.table)
 
     def versions(self, model):
+        self.version_listings[model] = self.version_listings.get(model, 0) + 1
         if model not in self.table:
             raise E.NotFoundError(model)
         return sorted(self.table[model].values(), key=lambda i: i.step)
@@ -194,18 +196,22 @@ def test_latest_and_the_version_it_names_come_from_a_fresh_listing(env):
     from ckptfs.fs.tree import LATEST_FRESH_S
 
     store, tree, clock = env
+    store.commit("other", 1)
     latest = path(tree, "gpt", "latest")
-    n = store.listings
+    n, listed = store.listings, dict(store.version_listings)
     for step in (40, 50):
         store.commit("gpt", step)
         clock.now += 2 * LATEST_FRESH_S
         assert tree.readlink(latest) == f"step-{step:08d}"
         assert path(tree, "gpt", f"step-{step:08d}", "checkpoint.pt").kind is Kind.FILE
-    assert store.listings == n + 2  # a listing per readlink; the lookups used it
+    # a listing of the model per readlink (the lookups used it), not of the region
+    assert store.version_listings["gpt"] == listed["gpt"] + 2 and store.listings == n
+    assert store.version_listings["other"] == listed["other"]
     store.commit("gpt", 60)
     clock.now += 2 * LATEST_FRESH_S
     assert path(tree, "gpt", "step-00000060").kind is Kind.VERSION  # not named by a readlink yet
-    assert err(path, tree, "gpt", "step-00000070") == errno.ENOENT and store.listings == n + 3
+    assert err(path, tree, "gpt", "step-00000070") == errno.ENOENT
+    assert store.version_listings["gpt"] == listed["gpt"] + 3 and store.listings == n
 
 
 def test_vanished_versions_and_models_are_enoent_and_uncached(env):
