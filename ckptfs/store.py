@@ -11,7 +11,7 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from ckptfs.errors import (BusyError, CkptfsError, CorruptionError, InvalidNameError, NotFoundError, PartGoneError,
+from ckptfs.errors import (BusyError, CkptfsError, CorruptionError, NotFoundError, PartGoneError,
                            RegionFormatError, in_words, no_step, no_version_yet)
 from ckptfs.manifest import Manifest
 from ckptfs.region.format import COUNTER_MAX, SUPERBLOCK_BYTES, Superblock
@@ -202,11 +202,9 @@ class Store:
         every rank's part is durable (ckptfs.dist.writer.DistWriter: ``max_inflight``,
         ``timeout_s``, ``keep_every``). InvalidNameError for a name of the form ``.MODEL.rank<R>``,
         which names the parts of multi-rank saves."""
-        from ckptfs.dist.names import is_part_model
+        from ckptfs.dist.names import refuse_part_name
 
-        if isinstance(model, str) and is_part_model(model):
-            raise InvalidNameError(f"model name {model!r} has the form of the parts of a multi-rank checkpoint "
-                                   "(.MODEL.rank<R>), which ckptfs names itself; choose another name")
+        refuse_part_name(model)
         if group is not None:
             from ckptfs.dist.writer import DistWriter
 

@@ -236,11 +236,16 @@ def test_bad_model_name_via_api(store):
     for reserved in (".m.rank0", ".gpt2.rank12"):
         with pytest.raises(InvalidNameError, match="multi-rank"):
             store.writer(reserved)
+        with pytest.raises(InvalidNameError, match="multi-rank"):
+            ckptfs.dcp.StorageWriter(store, reserved, step=1)
     assert store.models() == []
-    for fine in ("m.rank0", ".m", ".m.rankx"):
+    for fine in ("m.rank0", ".m", ".m.rankx", ".m.rank\u00b2"):  # not a part: a removal of m leaves them
         with store.writer(fine) as w:
             w.save({"w": torch.ones(2)}, step=1).result()
-    assert store.models() == sorted([".m", ".m.rankx", "m.rank0"])
+    with store.writer("m") as w:
+        w.save({"w": torch.ones(2)}, step=1).result()
+    store.remove_model("m")
+    assert store.models() == sorted([".m", ".m.rankx", ".m.rank\u00b2", "m.rank0"])
 
 
 def test_unknown_format_region(tmp_path):

@@ -16,11 +16,24 @@ def part_model(model: str, rank: int) -> str:
     return f".{model}.rank{rank}"
 
 
+def _is_rank(text: str) -> bool:
+    return text.isascii() and text.isdigit()
+
+
 def is_part_model(name: str) -> bool:
     """Whether ``name`` has the form of a part model (``.MODEL.rank<R>``): kept for ckptfs's own
     multi-rank saves, never a name a user saves or imports under (a removal of MODEL takes it)."""
-    head, dot_rank, digits = name.rpartition(".rank")
-    return name.startswith(".") and bool(dot_rank) and len(head) > 1 and digits.isascii() and digits.isdigit()
+    head, dot_rank, rank = name.rpartition(".rank")
+    return name.startswith(".") and bool(dot_rank) and len(head) > 1 and _is_rank(rank)
+
+
+def refuse_part_name(model) -> None:
+    """InvalidNameError for a model name of a part model's form (``is_part_model``)."""
+    from ckptfs.errors import InvalidNameError
+
+    if isinstance(model, str) and is_part_model(model):
+        raise InvalidNameError(f"model name {model!r} has the form of the parts of a multi-rank checkpoint "
+                               "(.MODEL.rank<R>), which ckptfs names itself; choose another name")
 
 
 def part_models(store, model: str, models: list[str] | None = None) -> list[str]:
@@ -28,7 +41,7 @@ def part_models(store, model: str, models: list[str] | None = None) -> list[str]
     ``models`` where the caller listed them already."""
     prefix = part_model(model, 0)[:-1]
     return [m for m in (store.models() if models is None else models)
-            if m.startswith(prefix) and m[len(prefix):].isdigit()]
+            if m.startswith(prefix) and _is_rank(m[len(prefix):])]
 
 
 def is_global_version(manifest) -> bool:

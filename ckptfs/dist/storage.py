@@ -37,7 +37,7 @@ from torch.futures import Future
 from ckptfs.dist import parts
 from ckptfs.dist.codec import PlacedMetadata, encode_index, encode_metadata
 from ckptfs.dist.group import Arrival, check_agreement, coordination, exchange, meet_before_dcp, this_rank
-from ckptfs.dist.names import METADATA_FILE, part_model
+from ckptfs.dist.names import METADATA_FILE, part_model, refuse_part_name
 from ckptfs.dist.resolve import Resolved, resolve_items
 from ckptfs.errors import CkptfsError
 from ckptfs.writer.writer import Writer
@@ -63,6 +63,7 @@ class StorageWriter(_DCPWriter):
     def __init__(self, store, model: str, step: int, *, max_inflight: int = 2, timeout_s: float = 300.0,
                  group=None, keep: bool = False, extra: dict | None = None):
         super().__init__()
+        refuse_part_name(model)
         self.group = group  # the gloo group to coordinate through (default: one of ckptfs's own)
         self.store = store
         self.model = model
