@@ -428,6 +428,18 @@ def test_import_of_a_torch_file_whose_tensor_bytes_were_damaged(tmp_path):
         importer.load_torch_file(path)
 
 
+def test_import_of_a_torch_file_saved_without_crcs(tmp_path, monkeypatch):
+    """torch.save with its serialization config's save.compute_crc32 off records CRC 0 for every
+    entry: such a file has nothing to check, and imports."""
+    import torch.utils.serialization as serialization
+
+    monkeypatch.setattr(serialization.config.save, "compute_crc32", False)
+    path = str(tmp_path / "no-crc.pt")
+    torch.save({"w": torch.arange(1000.0)}, path)
+    monkeypatch.undo()
+    assert torch.equal(importer.load_torch_file(path)["w"], torch.arange(1000.0))
+
+
 @pytest.fixture(scope="module")
 def import_store(tmp_path_factory):
     yield from _module_store(tmp_path_factory, "import")
