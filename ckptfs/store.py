@@ -555,9 +555,10 @@ class Store:
         BusyError, once the model itself is gone, naming those a reader still holds. The writers
         this process keeps for DCP saves of them are closed first, unless a save is in flight."""
         from ckptfs.dist.names import part_models
-        from ckptfs.dist.storage import close_idle_writers
 
-        close_idle_writers(self, [model, *part_models(self, model)])
+        storage = sys.modules.get("ckptfs.dist.storage")  # never imported: no such writers (nor torch)
+        if storage is not None:
+            storage.close_idle_writers(self, [model, *part_models(self, model)])
         self.region.remove_model(model)
 
         busy = []
@@ -584,7 +585,8 @@ class Store:
             committed = {v.slot: v.header for v in self.region.committed(entry)}  # one pass over the headers
             latest_slot = latest.slot if latest else -1
             busy = [s for s in entry.slots() if self.region.is_busy(entry, s)]
-            # a reader's pin is a shared (READ) lock; a writer's claim an exclusive one
+            # a reader's pin is a shared (READ) lock; a writer's claim an exclusive one (shared from
+            # its header's barrier to its publish, a moment: its pid then shows as a reader's)
             pinned = [{"step": committed[s].step, "slot": s,
                        "holders": [(pid, cmd) for pid, cmd, kind in holders.get(slot_lock_offset(entry.index, s), ())
                                    if kind == "READ"]} for s in busy if s in committed]

@@ -52,6 +52,7 @@ log = logging.getLogger("ckptfs")
 
 CLAIM_POLL_S = 0.005  # how often a claim waiting for a free slot looks again
 GROW_RETRY_S = 1.0  # how long a claim that found the region full waits before it asks again
+MODEL_WAIT_S = 5.0  # the longest a ring opening waits for a removal of its model that holds its lock byte
 
 
 @dataclass(frozen=True)
@@ -94,14 +95,23 @@ class Ring:
         self._claims = LockSpace(region.path, writable=True)
         # Open, the ring keeps the model from being removed (Region.remove_model): a training
         # job's writer between two saves holds no slot, and its next save found no model.
-        if not self._claims.try_shared(model_lock_offset(entry.index)):
-            self._claims.close()
-            raise NotFoundError(f"model {entry.name!r} is being removed")
         try:
+            self._hold_model(entry)
             self._open(entry)
         except BaseException:
             self.close()
             raise
+
+    def _hold_model(self, entry: ModelEntry) -> None:
+        """Take the model's lock byte shared. A removal holds it exclusively for as long as it
+        looks at the slots (ms, then the model is gone or the removal refused): wait that out,
+        then NotFoundError if the model went."""
+        deadline = time.monotonic() + MODEL_WAIT_S
+        while not self._claims.try_shared(model_lock_offset(entry.index)):
+            if time.monotonic() > deadline:
+                raise BusyError(f"model {entry.name!r} is being removed by another process; try again")
+            time.sleep(CLAIM_POLL_S)
+        self.region.reload(entry)  # NotFoundError if it was removed meanwhile
 
     def _open(self, entry: ModelEntry) -> None:
         self._ages_lock = threading.Lock()

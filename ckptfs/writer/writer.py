@@ -277,7 +277,8 @@ class Writer:
             return bool(self._outstanding)
 
     def model_removed(self) -> bool:
-        """Whether the model this writer saved to was removed since (``Store.remove_model``):
+        """Whether the model this writer saved to is gone (its ring keeps ``Store.remove_model``
+        away while the writer is open; a region made again with ``mkfs --force`` does not ask):
         its next save would fail with NotFoundError (a new writer makes the model again)."""
         ring = self._ring
         if ring is None:
@@ -299,21 +300,24 @@ class Writer:
             self._stop()
 
     def _stop(self) -> None:
-        """Stop the workers and give back the staging memory, the ring and the progress file."""
+        """Stop the workers and give back the staging memory, the ring (and with it the model,
+        which may be removed from then on) and the progress file, whatever fails first."""
         self._closed = True
         _open_writers.discard(self)
-        if self._snapshot_thread is not None:
-            self._snapshot_queue.put(None)
-            self._snapshot_thread.join()
-        self._claimer.close()
-        self._persist.close()
-        for pool in self._pools.values():
-            pool.close()
-        for thread in self._background:
-            thread.join()
-        if self._ring is not None:
-            self._ring.close()
-        self._progress.close()
+        try:
+            if self._snapshot_thread is not None:
+                self._snapshot_queue.put(None)
+                self._snapshot_thread.join()
+            self._claimer.close()
+            self._persist.close()
+            for pool in self._pools.values():
+                pool.close()
+            for thread in self._background:
+                thread.join()
+        finally:
+            if self._ring is not None:
+                self._ring.close()
+            self._progress.close()
 
     def __enter__(self) -> "Writer":
         return self
