@@ -146,6 +146,60 @@ def test_pin_of_dead_process_is_released(region_path, store):
     assert store.region.get("dead").nslots == 2
 
 
+_FORKS = r"""
+import os, sys, time, signal, torch, ckptfs
+from ckptfs.errors import BusyError
+store = ckptfs.Store(sys.argv[1])
+w = store.writer("m", max_inflight=1, slots=2)
+w.save({"w": torch.zeros(1000)}, step=0).result()
+v = store.open_version("m")  # the parent's pin
+f = w.save({"w": torch.ones(1 << 22)}, step=1, async_snapshot=True)  # in flight at the fork
+child = os.fork()
+if child == 0:  # loads the pinned version itself, lets go of the one it inherited, exits (atexit runs)
+    with store.open_version("m", 0) as mine:
+        mine.load()
+    v.close()
+    sys.exit(0)
+start = time.monotonic()
+while os.waitpid(child, os.WNOHANG)[0] == 0:
+    assert time.monotonic() - start < 20, "the child's exit waits for the parent's save"
+    time.sleep(0.01)
+f.result()
+with ckptfs.Store(sys.argv[1]) as other:
+    try:
+        other.remove("m", 0)
+        raise AssertionError("the parent's pin went with its child")
+    except BusyError:
+        pass
+for step in range(2, 6):
+    w.save({"w": torch.full((1000,), float(step))}, step=step).result()
+assert torch.equal(v.load()["w"], torch.zeros(1000)), "the pinned version was overwritten"
+lives_on = os.fork()  # a persistent DataLoader worker, say
+if lives_on == 0:
+    time.sleep(60)
+    os._exit(0)
+w.close()
+v.close()
+store.remove_model("m")  # the writer is closed: its ring's lock went with it, the child's copy too
+os.kill(lives_on, signal.SIGKILL)
+os.waitpid(lives_on, 0)
+print("ok")
+"""
+
+
+def test_a_forked_child_leaves_its_parents_pins_saves_and_model_alone(region_path, store):
+    """A child forked while the parent holds a pin and a save is in flight (a DataLoader
+    worker): its own load and its letting go of what it inherited must not drop the parent's
+    pin (the parent's version was overwritten under its reads), its exit must not wait for the
+    parent's save (it waited forever), and once the parent closes its writer the model may be
+    removed while the child lives on (the child's copy of the ring's lock description kept it)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _FORKS, region_path], capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
 def _pin_and_hang(region_path, ready):
     s = ckptfs.Store(region_path)
     pinned = s.open_version("dead", 1)  # noqa: F841 - held until the process dies
