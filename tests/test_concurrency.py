@@ -156,6 +156,7 @@ v = store.open_version("m")  # the parent's pin
 f = w.save({"w": torch.ones(1 << 22)}, step=1, async_snapshot=True)  # in flight at the fork
 child = os.fork()
 if child == 0:  # loads the pinned version itself, lets go of the one it inherited, exits (atexit runs)
+    signal.alarm(30)  # a child that cannot exit is killed, not left behind
     with store.open_version("m", 0) as mine:
         mine.load()
     v.close()
