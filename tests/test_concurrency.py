@@ -146,6 +146,43 @@ def test_pin_of_dead_process_is_released(region_path, store):
     assert store.region.get("dead").nslots == 2
 
 
+def test_close_while_another_thread_saves(store):
+    """close() (of the writer, or of its store) from one thread while another saves in a loop:
+    close waits for the save under way and returns; the saver's next save is refused as closed;
+    no worker thread is left. (It hung in the claimer's close, or left its threads behind, and
+    the saver met closed descriptors and released buffers.)"""
+    import random
+
+    def writer_threads() -> list[str]:
+        names = ("ckptfs-claim", "ckptfs-snapshot", "ckptfs-crc", "ckptfs-persist")
+        return sorted(t.name for t in threading.enumerate() if t.name.startswith(names))
+
+    rnd = random.Random(0)
+    state_ = {"x": torch.ones(1 << 14)}
+    before = writer_threads()
+    for round_ in range(12):
+        w = store.writer(f"c{round_}", max_inflight=2)
+        failed = []
+
+        def saver():
+            try:
+                for i in range(10 ** 6):
+                    w.save(state_, step=i, async_snapshot=i % 2 == 0)
+                    if i % 2 == 0:
+                        w.wait_snapshot()
+            except Exception as e:  # noqa: BLE001 - what the saver met, checked below
+                failed.append(e)
+
+        t = threading.Thread(target=saver)
+        t.start()
+        time.sleep(rnd.uniform(0.005, 0.05))
+        w.close()
+        t.join(15)
+        assert not t.is_alive(), "the saver hung"
+        assert [type(e).__name__ for e in failed] == ["CkptfsError"] and "closed" in str(failed[0])
+    assert writer_threads() == before
+
+
 _FORKS = r"""
 import os, sys, time, signal, torch, ckptfs
 from ckptfs.errors import BusyError

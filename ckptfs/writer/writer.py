@@ -134,6 +134,12 @@ class Writer:
         self._outstanding: set[SaveFuture] = set()
         self._outstanding_lock = threading.Lock()
         self._closed = False
+        # save() calls under way, and whether close() began: close waits for the calls to return
+        # (a save on another thread ran on into the stopped workers: a hang, leaked threads)
+        self._calls = threading.Condition()
+        self._calls_running = 0
+        self._closing = False
+        self._close_lock = threading.RLock()
         self._pid = os.getpid()  # the process whose threads save (a forked child has none of them)
         self._thread = threading.local()  # .saving: this thread is inside save() (_not_within_save)
         # Background snapshots (async_snapshot) run in call order on one thread of their own.
@@ -183,14 +189,19 @@ class Writer:
         with a SaveResult when the checkpoint is durable and committed, or with the error that
         stopped it.
         """
-        if self._closed:
-            raise CkptfsError("this writer is closed; open a new one with store.writer(...)")
         self._not_within_save("save()")
+        with self._calls:
+            if self._closed or self._closing:
+                raise CkptfsError("this writer is closed; open a new one with store.writer(...)")
+            self._calls_running += 1
         self._thread.saving = True
         try:
             return self._save(obj, step, async_snapshot, extra, keep)
         finally:
             self._thread.saving = False
+            with self._calls:
+                self._calls_running -= 1
+                self._calls.notify_all()
 
     def _not_within_save(self, what: str) -> None:
         """CkptfsError where this thread is inside one of this writer's save() calls: a signal
@@ -290,14 +301,22 @@ class Writer:
             return True
 
     def close(self) -> None:
-        """Wait for every save, then stop the workers and free the staging memory."""
+        """Wait for every save (the save() calls under way on other threads too; later ones
+        are refused), then stop the workers and free the staging memory."""
         if self._closed:
             return
         self._not_within_save("close()")
-        try:
-            self.wait()
-        finally:
-            self._stop()
+        with self._calls:
+            self._closing = True
+            while self._calls_running:
+                self._calls.wait()
+        with self._close_lock:  # one close stops the workers; another returns once it has
+            if self._closed:
+                return
+            try:
+                self.wait()
+            finally:
+                self._stop()
 
     def _stop(self) -> None:
         """Stop the workers and give back the staging memory, the ring (and with it the model,
