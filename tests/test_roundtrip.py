@@ -1,5 +1,6 @@
 """Tier 1-2: what goes in comes back, exactly; what cannot go in is refused before any write."""
 import math
+import time
 from collections import OrderedDict
 
 import pytest
@@ -433,6 +434,42 @@ def test_a_save_from_a_signal_handler_that_interrupts_a_save_fails_at_once(store
             signal.signal(signal.SIGUSR1, previous)
         monkeypatch.setattr(w._snapshotter, "take", real_take)
         assert len(calls) == 3
+        w.save(state, step=3).result()
+    assert [v.step for v in store.versions("m")] == [1, 3]
+
+
+def test_a_second_ctrl_c_during_the_cleanup_of_an_interrupted_save(store, monkeypatch):
+    """Ctrl-C in a save, then Ctrl-C again while that save is given up (its claim aborted, its
+    permit, buffers and future given back): the cleanup runs to its end and the interrupt is
+    raised after it. Cut short, it left a save that never finished: close() and the
+    interpreter's exit waited for it forever."""
+    import os
+    import signal
+
+    from ckptfs.writer.persist import PersistPipeline
+
+    state = {"w": torch.arange(1000.0)}
+    real_fail = PersistPipeline.fail
+
+    def fail_under_a_second_ctrl_c(self, job, error):
+        os.kill(os.getpid(), signal.SIGINT)  # to the main thread, which waits for this cleanup
+        time.sleep(0.05)
+        real_fail(self, job, error)
+
+    with store.writer("m", max_inflight=2, timeout_s=10) as w:
+        w.save(state, step=1).result()
+        real_take = w._snapshotter.take
+
+        def take_interrupted(*args):
+            raise KeyboardInterrupt  # the first Ctrl-C, inside the snapshot
+
+        monkeypatch.setattr(w._snapshotter, "take", take_interrupted)
+        monkeypatch.setattr(PersistPipeline, "fail", fail_under_a_second_ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            w.save(state, step=2)
+        monkeypatch.setattr(w._snapshotter, "take", real_take)
+        monkeypatch.setattr(PersistPipeline, "fail", real_fail)
+        assert w._permits._value == 2 and not w._outstanding  # given back: nothing left to wait for
         w.save(state, step=3).result()
     assert [v.step for v in store.versions("m")] == [1, 3]
 

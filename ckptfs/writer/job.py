@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 from ckptfs.region.ring import Claim
@@ -25,6 +25,44 @@ def is_kept(step, keep: bool | None, keep_every: int | None) -> bool:
     return bool(keep)
 
 
+def uninterrupted(cleanup) -> None:
+    """Run ``cleanup()`` to its end even where Ctrl-C (KeyboardInterrupt) comes meanwhile, then
+    raise that interrupt. A save's cleanup on the caller's thread (a claim aborted, a permit and
+    buffers given back, its future failed) cut short by a second Ctrl-C left a save that never
+    finished, and close() and the interpreter's exit waited for it forever. Only the main
+    thread is interrupted: there the cleanup runs on a thread of its own."""
+    if threading.current_thread() is not threading.main_thread():
+        cleanup()
+        return
+    failed: list[BaseException] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            cleanup()
+        except BaseException as e:  # noqa: BLE001 - raised on the caller's thread below
+            failed.append(e)
+        finally:
+            done.set()
+
+    thread, interrupt = threading.Thread(target=run, name="ckptfs-cleanup"), None
+    try:
+        thread.start()  # waits for the thread to run: a Ctrl-C may come here too
+    except KeyboardInterrupt as e:
+        interrupt = e
+        if thread.ident is None:  # it never started
+            run()
+    while not done.is_set():  # not Thread.join: interrupted, it can take the thread for ended
+        try:
+            done.wait()
+        except KeyboardInterrupt as e:
+            interrupt = e
+    if failed:
+        raise failed[0]
+    if interrupt is not None:
+        raise interrupt
+
+
 class SaveFuture(Future):
     """The future of one save; ``snapshotted`` completes (with the stall in seconds) once the
     tensors have been copied out and may be modified."""
@@ -32,6 +70,15 @@ class SaveFuture(Future):
     def __init__(self):
         super().__init__()
         self.snapshotted: Future = Future()
+
+    def fail(self, error: BaseException) -> None:
+        """Fail both futures, unless failed already: the first error stands (a save given up on
+        its caller's thread after a Ctrl-C may be failed there and by a persist thread)."""
+        for f in (self.snapshotted, self):
+            try:
+                f.set_exception(error)
+            except InvalidStateError:
+                pass
 
 
 @dataclass(frozen=True)

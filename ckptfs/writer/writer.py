@@ -16,6 +16,7 @@ One ``save`` goes through (PCcheck §3.1, §4.1):
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import queue
@@ -32,9 +33,10 @@ from ckptfs.memcopy import default_copy_threads
 from ckptfs.region.format import SLOTS_MAX
 from ckptfs.region.region import Region, validate_model_name
 from ckptfs.region.ring import Ring
+from ckptfs.writer.calls import CLOSED, SaveCalls
 from ckptfs.writer.claimer import Claimer
 from ckptfs.writer.cuda import CallerMark, caller_mark
-from ckptfs.writer.job import Job, SaveFuture, SaveResult, check_positive, is_kept
+from ckptfs.writer.job import Job, SaveFuture, SaveResult, check_positive, is_kept, uninterrupted
 from ckptfs.writer.persist import PersistPipeline
 from ckptfs.writer.plan import Planner, SavePlan
 from ckptfs.writer.progress import ProgressBoard
@@ -134,11 +136,7 @@ class Writer:
         self._outstanding: set[SaveFuture] = set()
         self._outstanding_lock = threading.Lock()
         self._closed = False
-        # save() calls under way, and whether close() began: close waits for the calls to return
-        # (a save on another thread ran on into the stopped workers: a hang, leaked threads)
-        self._calls = threading.Condition()
-        self._calls_running = 0
-        self._closing = False
+        self._calls = SaveCalls()  # close waits for the save() calls of other threads
         self._close_lock = threading.RLock()
         self._pid = os.getpid()  # the process whose threads save (a forked child has none of them)
         self._thread = threading.local()  # .saving: this thread is inside save() (_not_within_save)
@@ -190,18 +188,12 @@ class Writer:
         stopped it.
         """
         self._not_within_save("save()")
-        with self._calls:
-            if self._closed or self._closing:
-                raise CkptfsError("this writer is closed; open a new one with store.writer(...)")
-            self._calls_running += 1
-        self._thread.saving = True
-        try:
-            return self._save(obj, step, async_snapshot, extra, keep)
-        finally:
-            self._thread.saving = False
-            with self._calls:
-                self._calls_running -= 1
-                self._calls.notify_all()
+        with self._calls.call(self._closed):
+            self._thread.saving = True
+            try:
+                return self._save(obj, step, async_snapshot, extra, keep)
+            finally:
+                self._thread.saving = False
 
     def _not_within_save(self, what: str) -> None:
         """CkptfsError where this thread is inside one of this writer's save() calls: a signal
@@ -220,8 +212,13 @@ class Writer:
         future = SaveFuture()
         if not async_snapshot:
             plan = self._planner.plan(obj, step, files)
-            self._register(future)
-            self._start(future, plan, started, keep=bool(keep))
+            try:
+                self._register(future)
+                self._start(future, plan, started, keep=bool(keep))
+            except BaseException as e:
+                if not future.done():  # a Ctrl-C before _start could fail it: wait() would wait for it
+                    uninterrupted(functools.partial(self._drop, future, e))
+                raise
             return future
         # Nothing else happens on the caller's thread: right after its optimizer step has
         # streamed the whole state through the caches, every object touched here is a cache
@@ -244,7 +241,7 @@ class Writer:
         would raise for ``obj`` (an unsupported leaf, say). The staging memory is what the
         writer holds anyway from its first save on (see the README)."""
         if self._closed:
-            raise CkptfsError("this writer is closed; open a new one with store.writer(...)")
+            raise CkptfsError(CLOSED)
         future: Future = Future()
 
         def run() -> None:
@@ -306,10 +303,7 @@ class Writer:
         if self._closed:
             return
         self._not_within_save("close()")
-        with self._calls:
-            self._closing = True
-            while self._calls_running:
-                self._calls.wait()
+        self._calls.close()
         with self._close_lock:  # one close stops the workers; another returns once it has
             if self._closed:
                 return
@@ -385,22 +379,21 @@ class Writer:
             if not self._permits.acquire(timeout=self.timeout_s):
                 raise BusyError(f"{self.max_inflight} saves of {self.model!r} still in flight after {self.timeout_s} s")
         except BaseException as e:
-            self._drop(future, e)
+            uninterrupted(functools.partial(self._drop, future, e))
             raise
-        job = Job(self.model, plan, future, started, crc_in_snapshot=background, keep=keep)
-        # the slot is claimed beside the snapshot (staging buffers need none); its writes wait
-        # for the claim, and the save is snapshotted once both are done
-        self._claimer.submit(job, lambda: ring.claim(plan.step, slot_layout))
-        self._persist.begin(job)
+        job = None
         try:
+            job = Job(self.model, plan, future, started, crc_in_snapshot=background, keep=keep)
+            # the slot is claimed beside the snapshot (staging buffers need none); its writes wait
+            # for the claim, and the save is snapshotted once both are done
+            self._claimer.submit(job, lambda: ring.claim(plan.step, slot_layout))
+            self._persist.begin(job)
             with self._persist.gate.snapshot():
                 self._snapshotter.take(job, pool, mark)
             job.claimed.result()
         except BaseException as e:
-            self._persist.fail(job, e)
-            with self._outstanding_lock:  # raised here: not again by wait() (as a refusal before any write)
-                self._outstanding.discard(future)
-            if job.error is not None and job.error is not e:
+            uninterrupted(functools.partial(self._start_failed, job, future, e))
+            if job is not None and job.error is not None and job.error is not e:
                 raise job.error from None  # what stopped the save first: the claim's refusal, say
             raise
         job.stall_s = time.perf_counter() - started
@@ -410,13 +403,22 @@ class Writer:
             pass  # the save failed while it was being snapshotted: snapshotted holds that error
         self._persist.unpark(job)
 
+    def _start_failed(self, job: Job | None, future: SaveFuture, error: BaseException) -> None:
+        """A save whose permit is held failed before its snapshot was taken: its job (None: not
+        made yet) fails, or the permit goes back; raised by ``_start``, not again by wait()."""
+        if job is None:
+            self._permits.release()
+            self._drop(future, error)
+            return
+        self._persist.fail(job, error)
+        with self._outstanding_lock:  # raised here: not again by wait() (as a refusal before any write)
+            self._outstanding.discard(future)
+
     def _drop(self, future: SaveFuture, error: BaseException) -> None:
         """Fail a save that never got a slot."""
         with self._outstanding_lock:
             self._outstanding.discard(future)
-        if not future.snapshotted.done():
-            future.snapshotted.set_exception(error)
-        future.set_exception(error)
+        future.fail(error)
 
     def _finish(self, job: Job, result: SaveResult | None, error: BaseException | None) -> None:
         """The end of a save that had a permit (PersistPipeline's ``finish``)."""
@@ -426,9 +428,7 @@ class Writer:
         with self._outstanding_lock:
             self._outstanding.discard(job.future)
         if error is not None:
-            if not job.future.snapshotted.done():
-                job.future.snapshotted.set_exception(error)
-            job.future.set_exception(error)
+            job.future.fail(error)
         else:
             self._hidden_given_back(result, job.keep)
             job.future.set_result(result)
