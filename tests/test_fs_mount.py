@@ -256,6 +256,9 @@ def test_rm_r_removes_a_version_but_not_latest_or_pinned(toy, store):
 
     with open(os.path.join(model_dir, vdir(2), "metadata.json"), "rb"):
         assert oserror(os.rmdir, os.path.join(model_dir, vdir(2))) == errno.EBUSY
+        # the mount's daemon holds the pin for its reader, under its own name
+        (pinned,) = [p for m in store.status()["models"] if m["name"] == "rmme" for p in m["pinned"]]
+        assert pinned["step"] == 2 and [cmd for _, cmd in pinned["holders"]] == ["ckptfs-mount"]
     assert [v.step for v in store.versions("rmme")] == [2, 3]
     # Right after close(2): the kernel's RELEASE may still be in flight; rmdir waits for it.
     os.rmdir(os.path.join(model_dir, vdir(2)))

@@ -68,6 +68,7 @@ def mount(region, foreground, allow_other, options, auto_unmount, readahead_kb, 
     except CkptfsError as exc:
         daemon.report_failure(ready_fd, str(exc))
         raise
+    _name_process("ckptfs-mount")  # `ckptfs status` shows the pins of the mount's readers under it
     try:
         daemon.serve(store, mountpoint, allow_other=allow_other, auto_unmount=auto_unmount,
                      extra_options=[o for o in extra if not o.startswith("views=")], views=views,
@@ -130,3 +131,12 @@ def install_mount_helper(directory):
     for path in mounthelper.install(directory):
         click.echo(f"installed {path}")
     return 0
+
+
+def _name_process(name: str) -> None:
+    """This process's name in ps, top and /proc (the daemon was "python3")."""
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write(name)
+    except OSError:
+        pass  # not Linux's /proc: only a name
