@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # the reader and the writer need torch, which listing a regio
 log = logging.getLogger("ckptfs")
 
 PIN_RETRIES = 20
-PIN_WAIT_S = 0.1  # the longest open_version waits for a version held exclusively (see there)
+PIN_WAIT_S = 1.0  # the longest open_version waits for a version held exclusively (a slow disk's barrier)
 
 
 def default_region_path() -> str:
@@ -313,10 +313,10 @@ class Store:
                     self.region.unpin(v)
                     raise
                 return Version(self, v, index, is_latest, checked)
-            # Held exclusively: by the save committing it (its header's barrier, ms: listed from
-            # the moment its header is written), or by a claim that reuses its slot (gone once
-            # the claim's first write marks the slot, and then no longer found)
-            if time.monotonic() >= deadline:
+            # Held exclusively: by the save committing it (its header's barrier: listed, as the
+            # latest, from the moment its header is written), which is waited for; or by a claim
+            # that reuses the slot of an older version, which is gone
+            if not is_latest or time.monotonic() >= deadline:
                 if step is not None or counter is not None:
                     raise no_step(model, step) if step is not None else _save_gone(model, counter)
                 raise BusyError(f"could not pin the latest version of {model!r}: it kept changing; try again")

@@ -59,7 +59,6 @@ class LockSpace:
 
     def __init__(self, path: str, writable: bool = True):
         # Exclusive (write) locks need a descriptor opened for writing.
-        self._path = path
         self._flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC
         self._fd = os.open(path, self._flags)
         self._counts: dict[int, int] = {}
@@ -78,7 +77,9 @@ class LockSpace:
         self._mutex = threading.Lock()  # another thread of the parent may have held it: gone here
         if self._fd < 0:
             return
-        inherited, self._fd = self._fd, os.open(self._path, self._flags)
+        # the same file through the inherited descriptor (its path may be relative to a directory
+        # the process has left since, or gone)
+        inherited, self._fd = self._fd, os.open(f"/proc/self/fd/{self._fd}", self._flags)
         os.close(inherited)  # only this child's reference: the parent's description stays open
         for offset, count in self._counts.items():
             self._inherited[offset] = self._inherited.get(offset, 0) + (1 if count == EXCLUSIVE else count)

@@ -35,9 +35,11 @@ def uninterrupted(cleanup) -> None:
         cleanup()
         return
     failed: list[BaseException] = []
-    done = threading.Event()
+    done, once = threading.Event(), threading.Lock()
 
     def run() -> None:
+        if not once.acquire(blocking=False):
+            return  # the thread started after all, and runs it
         try:
             cleanup()
         except BaseException as e:  # noqa: BLE001 - raised on the caller's thread below
@@ -50,8 +52,7 @@ def uninterrupted(cleanup) -> None:
         thread.start()  # waits for the thread to run: a Ctrl-C may come here too
     except KeyboardInterrupt as e:
         interrupt = e
-        if thread.ident is None:  # it never started
-            run()
+        run()  # if the thread never started (else a no-op: it has the cleanup)
     while not done.is_set():  # not Thread.join: interrupted, it can take the thread for ended
         try:
             done.wait()

@@ -223,10 +223,17 @@ class Writer:
         # Nothing else happens on the caller's thread: right after its optimizer step has
         # streamed the whole state through the caches, every object touched here is a cache
         # miss (flatten alone took 5x its warm time there).
-        self._register(future)
-        if self._snapshot_thread is None:
-            self._start_snapshot_thread()
-        self._snapshot_queue.put((future, obj, step, files, bool(keep), started, caller_mark()))
+        queued = False
+        try:
+            self._register(future)
+            if self._snapshot_thread is None:
+                self._start_snapshot_thread()
+            self._snapshot_queue.put((future, obj, step, files, bool(keep), started, caller_mark()))
+            queued = True
+        except BaseException as e:
+            if not queued:  # a Ctrl-C before it was queued: wait() would wait for it forever
+                uninterrupted(functools.partial(self._drop, future, e))
+            raise
         self._last_snapshot = future.snapshotted
         return future
 
@@ -302,6 +309,11 @@ class Writer:
         are refused), then stop the workers and free the staging memory."""
         if self._closed:
             return
+        if self._pid != os.getpid():
+            # a forked child's copy (Store.close there): its saves are the parent's, run by threads
+            # that did not come with the fork; nothing to wait for or stop here
+            self._closed = True
+            return
         self._not_within_save("close()")
         self._calls.close()
         with self._close_lock:  # one close stops the workers; another returns once it has
@@ -314,7 +326,9 @@ class Writer:
 
     def _stop(self) -> None:
         """Stop the workers and give back the staging memory, the ring (and with it the model,
-        which may be removed from then on) and the progress file, whatever fails first."""
+        which may be removed from then on) and the progress file. Where stopping the workers
+        fails (a second Ctrl-C in close), the ring stays open until the process ends: a worker
+        may still write its slots."""
         self._closed = True
         _open_writers.discard(self)
         try:
@@ -327,9 +341,10 @@ class Writer:
                 pool.close()
             for thread in self._background:
                 thread.join()
-        finally:
+            # only once no worker writes: the ring's close lets go of its claims and the model
             if self._ring is not None:
                 self._ring.close()
+        finally:
             self._progress.close()
 
     def __enter__(self) -> "Writer":
