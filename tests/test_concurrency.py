@@ -212,12 +212,30 @@ with ckptfs.Store(sys.argv[1]) as other:
 for step in range(2, 6):
     w.save({"w": torch.full((1000,), float(step))}, step=step).result()
 assert torch.equal(v.load()["w"], torch.zeros(1000)), "the pinned version was overwritten"
+ready_r, ready_w = os.pipe()
+reader = os.fork()
+if reader == 0:  # its own pin of the version, then lets go of the one it inherited, and reads on
+    signal.alarm(30)
+    mine = store.open_version("m", 0)
+    v.close()
+    os.write(ready_w, b"x")
+    time.sleep(60)
+    os._exit(0)
+os.read(ready_r, 1)
+v.close()
+with ckptfs.Store(sys.argv[1]) as other:
+    try:
+        other.remove("m", 0)
+        raise AssertionError("the child's own pin went with the one it inherited")
+    except BusyError:
+        pass
+os.kill(reader, signal.SIGKILL)
+os.waitpid(reader, 0)
 lives_on = os.fork()  # a persistent DataLoader worker, say
 if lives_on == 0:
     time.sleep(60)
     os._exit(0)
 w.close()
-v.close()
 store.remove_model("m")  # the writer is closed: its ring's lock went with it, the child's copy too
 os.kill(lives_on, signal.SIGKILL)
 os.waitpid(lives_on, 0)

@@ -57,8 +57,9 @@ class LockSpace:
     number of shared references, or EXCLUSIVE while an exclusive lock is held *or being taken*.
     """
 
-    def __init__(self, path: str, writable: bool = True):
+    def __init__(self, path: str, writable: bool = True, *, pins_in_child: bool = True):
         # Exclusive (write) locks need a descriptor opened for writing.
+        self._pins_in_child = pins_in_child  # see _after_fork_in_child
         self._flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC
         self._fd = os.open(path, self._flags)
         self._counts: dict[int, int] = {}
@@ -72,8 +73,11 @@ class LockSpace:
         its own load of the same version ending) dropped the parent's pin, and its slot was
         reused under the parent's reads; and, the description kept open by a child that lives
         on (a DataLoader worker), a lock the parent let go by closing stayed held. The child
-        takes a description of its own; the parent's locks stay the parent's, their references
-        here released as bookkeeping only."""
+        takes a description of its own, and on it a pin of its own for each shared lock it
+        inherited (``pins_in_child``: the Versions it inherited read the same slots through the
+        inherited mapping, and hold them until closed, in any order with its own pins); the
+        other references (exclusive ones, and a writer's ring's, whose threads stay with the
+        parent: ``pins_in_child`` False) are the parent's, released here as bookkeeping only."""
         self._mutex = threading.Lock()  # another thread of the parent may have held it: gone here
         if self._fd < 0:
             return
@@ -81,9 +85,12 @@ class LockSpace:
         # the process has left since, or gone)
         inherited, self._fd = self._fd, os.open(f"/proc/self/fd/{self._fd}", self._flags)
         os.close(inherited)  # only this child's reference: the parent's description stays open
-        for offset, count in self._counts.items():
-            self._inherited[offset] = self._inherited.get(offset, 0) + (1 if count == EXCLUSIVE else count)
-        self._counts = {}
+        inherited, self._counts = self._counts, {}
+        for offset, count in inherited.items():
+            if count != EXCLUSIVE and self._pins_in_child and _fcntl_lock(self._fd, fcntl.F_RDLCK, offset, wait=False):
+                self._counts[offset] = count  # the parent's pin holds off any exclusive lock
+            else:
+                self._inherited[offset] = self._inherited.get(offset, 0) + (1 if count == EXCLUSIVE else count)
 
     def try_shared(self, offset: int) -> bool:
         """Add a reference to a shared lock on ``offset``; False if someone holds it exclusively."""

@@ -92,7 +92,8 @@ class Ring:
         self.timeout_s = timeout_s
         # Claims are held on a description of their own, so that they exclude this process's own
         # pins (OFD locks of one description never conflict in the kernel).
-        self._claims = LockSpace(region.path, writable=True)
+        # (a writer's, not a forked child's: its claims and the model stay with the parent's threads)
+        self._claims = LockSpace(region.path, writable=True, pins_in_child=False)
         # Open, the ring keeps the model from being removed (Region.remove_model): a training
         # job's writer between two saves holds no slot, and its next save found no model.
         try:
