@@ -203,12 +203,14 @@ while os.waitpid(child, os.WNOHANG)[0] == 0:
     assert time.monotonic() - start < 20, "the child's exit waits for the parent's save"
     time.sleep(0.01)
 f.result()
-with ckptfs.Store(sys.argv[1]) as other:
-    try:
-        other.remove("m", 0)
-        raise AssertionError("the parent's pin went with its child")
-    except BusyError:
-        pass
+def still_pinned(why):
+    with ckptfs.Store(sys.argv[1]) as other:
+        try:
+            other.remove("m", 0)
+            raise AssertionError(why)
+        except BusyError:
+            pass
+still_pinned("the parent's pin went with its child")
 for step in range(2, 6):
     w.save({"w": torch.full((1000,), float(step))}, step=step).result()
 assert torch.equal(v.load()["w"], torch.zeros(1000)), "the pinned version was overwritten"
@@ -223,12 +225,7 @@ if reader == 0:  # its own pin of the version, then lets go of the one it inheri
     os._exit(0)
 os.read(ready_r, 1)
 v.close()
-with ckptfs.Store(sys.argv[1]) as other:
-    try:
-        other.remove("m", 0)
-        raise AssertionError("the child's own pin went with the one it inherited")
-    except BusyError:
-        pass
+still_pinned("the child's own pin went with the one it inherited")
 os.kill(reader, signal.SIGKILL)
 os.waitpid(reader, 0)
 lives_on = os.fork()  # a persistent DataLoader worker, say
