@@ -89,6 +89,35 @@ def test_prepare_makes_the_plan_and_the_pool_so_the_first_save_makes_neither(sto
         assert torch.equal(loaded["model"]["w7"], changed["model"]["w7"]) and loaded["model"]["extra"].tolist() == [1, 1]
 
 
+def test_a_prepare_during_close_is_refused_and_leaves_no_staging_behind(store, monkeypatch):
+    """prepare() from another thread while close runs (here: while it waits for the saves):
+    refused as closed. (Accepted, its thread made a staging pool after close had given the
+    pools back, and that one stayed allocated.)"""
+    from ckptfs.writer.writer import Writer
+
+    state = {"w": torch.randn(1 << 16)}
+    refused = []
+    real_wait, real_pool = Writer.wait, Writer._pool
+
+    def wait_while_another_thread_prepares(self):
+        try:
+            self.prepare(state).result(timeout=30)
+        except ckptfs.errors.CkptfsError as e:
+            refused.append(str(e))
+        return real_wait(self)
+
+    def slow_pool(self, *args):
+        time.sleep(0.2)  # after close has given the pools back, as a loaded machine may
+        return real_pool(self, *args)
+
+    monkeypatch.setattr(Writer, "wait", wait_while_another_thread_prepares)
+    monkeypatch.setattr(Writer, "_pool", slow_pool)
+    w = store.writer("m", chunk_bytes=64 << 10)
+    w.close()
+    assert refused and "closed" in refused[0]
+    assert all(pool._closed for pool in w._pools.values())
+
+
 def test_a_snapshot_larger_than_the_budget_gets_back_the_buffers_of_parked_crcs(store):
     """The chunks written while a snapshot runs park their CRCs (and so their buffers) until it
     is taken; a snapshot that needs one of those buffers lets them go instead of waiting."""

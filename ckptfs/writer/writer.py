@@ -33,7 +33,7 @@ from ckptfs.memcopy import default_copy_threads
 from ckptfs.region.format import SLOTS_MAX
 from ckptfs.region.region import Region, validate_model_name
 from ckptfs.region.ring import Ring
-from ckptfs.writer.calls import CLOSED, SaveCalls
+from ckptfs.writer.calls import SaveCalls
 from ckptfs.writer.claimer import Claimer
 from ckptfs.writer.cuda import CallerMark, caller_mark
 from ckptfs.writer.job import Job, SaveFuture, SaveResult, check_positive, is_kept, uninterrupted
@@ -247,8 +247,6 @@ class Writer:
         not read. The future resolves once both are ready, or with the error the first save
         would raise for ``obj`` (an unsupported leaf, say). The staging memory is what the
         writer holds anyway from its first save on (see the README)."""
-        if self._closed:
-            raise CkptfsError(CLOSED)
         future: Future = Future()
 
         def run() -> None:
@@ -262,7 +260,8 @@ class Writer:
             else:
                 future.set_result(None)
 
-        self._in_background(run, "ckptfs-prepare")
+        with self._calls.call(self._closed):  # refused once close began, which joins it otherwise
+            self._in_background(run, "ckptfs-prepare")
         return future
 
     def wait_snapshot(self) -> None:
@@ -337,10 +336,10 @@ class Writer:
                 self._snapshot_thread.join()
             self._claimer.close()
             self._persist.close()
+            for thread in self._background:  # before the pools: a prepare may still make one
+                thread.join()
             for pool in self._pools.values():
                 pool.close()
-            for thread in self._background:
-                thread.join()
             # only once no worker writes: the ring's close lets go of its claims and the model
             if self._ring is not None:
                 self._ring.close()
