@@ -183,7 +183,7 @@ class Store:
         """Close the region, once the writers open on it (``writer``, and those DCP's storage
         keeps across steps) have committed their saves in flight and stopped: nothing of the
         store outlives it."""
-        writers = sys.modules.get("ckptfs.writer.writer")  # not imported (a listing, the CLI): none open
+        writers = sys.modules.get("ckptfs.writer.calls")  # not imported (a listing, the CLI): none open
         if writers is not None:
             writers.close_writers(lambda writer: writer.region is self.region, "as its store closed")
         self.region.close()

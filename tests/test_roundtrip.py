@@ -224,9 +224,11 @@ def test_a_checkpoint_larger_than_the_region_is_refused_before_any_write(store):
 
 def test_region_full(store):
     with store.writer("huge") as w:
-        with pytest.raises(RegionFullError, match="remove models"):
+        with pytest.raises(RegionFullError, match="remove models.*or fewer saves in flight: max_inflight=2 needs 3 slots"):
             w.save({"w": torch.zeros(100 << 20, dtype=torch.uint8)}, step=1)  # 4 slots x 100 MiB > 256 MiB
     assert store.models() == []
+    with store.writer("huge", max_inflight=1) as w:  # 2 slots of 110 MiB fit
+        w.save({"w": torch.zeros(100 << 20, dtype=torch.uint8)}, step=1).result()
 
 
 def test_bad_model_name_via_api(store):

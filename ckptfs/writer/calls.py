@@ -1,13 +1,40 @@
-"""The save() calls under way on a writer's threads, against its close: close waits for the calls
-of other threads and refuses later ones. (A save on another thread ran on into the stopped
-workers: a hang in the claimer's close, leaked threads, closed descriptors.)
+"""A writer's life: the save() calls under way on its threads against its close (close waits for
+the calls of other threads and refuses later ones: a save on another thread ran on into the
+stopped workers, a hang in the claimer's close, leaked threads, closed descriptors), and the
+writers still open when their store closes or the process exits.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
+import logging
+import os
 import threading
+import weakref
 
 from ckptfs.errors import CkptfsError
+
+log = logging.getLogger("ckptfs")
+open_writers: "weakref.WeakSet" = weakref.WeakSet()  # every Writer of this process not closed yet
+
+
+@atexit.register
+def _commit_in_flight_at_exit() -> None:
+    """A script that ends without closing its writer still gets its saves committed. Only this
+    process's writers: a child forked while a save was in flight (a DataLoader worker) holds a
+    copy of its parent's, whose threads did not come with it (its exit waited for them forever)."""
+    pid = os.getpid()
+    close_writers(lambda writer: writer._pid == pid, "at exit")
+
+
+def close_writers(which, when: str) -> None:
+    """Close every open writer for which ``which(writer)`` holds: its saves in flight committed,
+    its workers stopped. A save that fails is logged (its future raised it to its caller)."""
+    for writer in [w for w in list(open_writers) if which(w)]:
+        try:
+            writer.close()
+        except BaseException as e:  # noqa: BLE001 - report and go on with the others
+            log.error("ckptfs: a save of %s failed %s: %s", writer.model, when, e)
 
 CLOSED = "this writer is closed; open a new one with store.writer(...)"
 

@@ -15,25 +15,23 @@ One ``save`` goes through (PCcheck §3.1, §4.1):
 """
 from __future__ import annotations
 
-import atexit
 import functools
 import logging
 import os
 import queue
 import threading
 import time
-import weakref
 from concurrent.futures import Future, InvalidStateError
 
 import torch
 
-from ckptfs.errors import BusyError, CkptfsError, NotFoundError
+from ckptfs.errors import BusyError, CkptfsError, NotFoundError, RegionFullError, in_words
 from ckptfs.manifest import align_up, encode_files
 from ckptfs.memcopy import default_copy_threads
 from ckptfs.region.format import SLOTS_MAX
 from ckptfs.region.region import Region, validate_model_name
 from ckptfs.region.ring import Ring
-from ckptfs.writer.calls import SaveCalls
+from ckptfs.writer.calls import SaveCalls, open_writers
 from ckptfs.writer.claimer import Claimer
 from ckptfs.writer.cuda import CallerMark, caller_mark
 from ckptfs.writer.job import Job, SaveFuture, SaveResult, check_positive, is_kept, uninterrupted
@@ -46,28 +44,6 @@ from ckptfs.writer.staging import StagingPool
 __all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_PERSIST_THREADS", "SaveFuture", "SaveResult", "Writer"]
 
 log = logging.getLogger("ckptfs")
-
-_open_writers: "weakref.WeakSet[Writer]" = weakref.WeakSet()
-
-
-@atexit.register
-def _commit_in_flight_at_exit() -> None:
-    """A script that ends without closing its writer still gets its saves committed. Only this
-    process's writers: a child forked while a save was in flight (a DataLoader worker) holds a
-    copy of its parent's, whose threads did not come with it (its exit waited for them forever)."""
-    pid = os.getpid()
-    close_writers(lambda writer: writer._pid == pid, "at exit")
-
-
-def close_writers(which, when: str) -> None:
-    """Close every open writer for which ``which(writer)`` holds: its saves in flight committed,
-    its workers stopped. A save that fails is logged (its future raised it to its caller)."""
-    for writer in [w for w in list(_open_writers) if which(w)]:
-        try:
-            writer.close()
-        except BaseException as e:  # noqa: BLE001 - report and go on with the others
-            log.error("ckptfs: a save of %s failed %s: %s", writer.model, when, e)
-
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 DEFAULT_PERSIST_THREADS = 2
@@ -161,7 +137,7 @@ class Writer:
             # writer may outlive the error (its workers would wait forever, holding the region)
             self._stop()
             raise
-        _open_writers.add(self)
+        open_writers.add(self)
 
     # ------------------------------------------------------------------ public API
     def save(self, obj, step: int, *, async_snapshot: bool = False, extra: dict | None = None,
@@ -329,7 +305,7 @@ class Writer:
         fails (a second Ctrl-C in close), the ring stays open until the process ends: a worker
         may still write its slots."""
         self._closed = True
-        _open_writers.discard(self)
+        open_writers.discard(self)
         try:
             if self._snapshot_thread is not None:
                 self._snapshot_queue.put(None)
@@ -480,7 +456,12 @@ class Writer:
                 nslots = self._slots or self.max_inflight + 2
                 slot_bytes = max(self._slot_bytes or int(need * SLOT_HEADROOM), need)
                 # N saves in flight need N+1 slots; fewer than asked for where the region is short
-                entry = self.region.create_model(self.model, nslots, slot_bytes, min_slots=self.max_inflight + 1)
+                try:
+                    entry = self.region.create_model(self.model, nslots, slot_bytes, min_slots=self.max_inflight + 1)
+                except RegionFullError as e:
+                    hint = in_words(python=f"; or fewer saves in flight: max_inflight={self.max_inflight} needs "
+                                           f"{self.max_inflight + 1} slots", cli="")
+                    raise RegionFullError(f"{e}{hint}") from None
                 self._ring = self.region.ring(entry, timeout_s=self.timeout_s)
             return self._ring
 
