@@ -174,10 +174,10 @@ def test_a_snapshot_that_fails_gives_back_every_buffer(store, monkeypatch):
 def test_byte_source_runs_a_copy_exactly_where_the_gpu_snapshot_enters_the_side_stream(make, copies):
     """The CUDA snapshot enters the side stream only for tensors whose bytes need a copy (a
     kernel); for the others the bytes must be a view of the tensor's own memory."""
-    from ckptfs.writer.snapshot import _needs_gpu_copy, byte_source
+    from ckptfs.writer.snapshot import _is_own_bytes, byte_source
 
     t = make()
-    assert _needs_gpu_copy(t) is copies
+    assert (not _is_own_bytes(t)) is copies
     src = byte_source(t)
     if t.numel():
         assert (src.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()) is copies

@@ -36,10 +36,13 @@ def close_writers(which, when: str) -> None:
         except BaseException as e:  # noqa: BLE001 - report and go on with the others
             log.error("ckptfs: a save of %s failed %s: %s", writer.model, when, e)
 
+
 CLOSED = "this writer is closed; open a new one with store.writer(...)"
 
 
 class SaveCalls:
+    """The save() calls under way on one writer's threads, and whether its close began."""
+
     def __init__(self):
         self._cond = threading.Condition()
         self._running: dict[int, int] = {}  # thread ident -> its calls under way

@@ -40,13 +40,9 @@ def byte_source(t: torch.Tensor) -> torch.Tensor:
 
 def _is_own_bytes(t: torch.Tensor) -> bool:
     """Whether ``byte_source(t)`` is a view of the bytes at ``t.data_ptr()`` as they lie, in
-    order: a contiguous tensor without lazy conjugate or negative bits."""
+    order: a contiguous tensor without lazy conjugate or negative bits. Else it makes a copy
+    (on a GPU, a kernel)."""
     return t.is_contiguous() and not (t.is_conj() or t.is_neg())
-
-
-def _needs_gpu_copy(t: torch.Tensor) -> bool:
-    """Whether ``byte_source(t)`` of a CUDA tensor runs a kernel (a copy), not only views."""
-    return t.is_conj() or t.is_neg() or not t.is_contiguous()
 
 
 def piece_crcs(buf: StagingBuffer, chunk: Chunk) -> list[int]:
@@ -158,7 +154,7 @@ class _LazySources:
         source = self._made[i]
         if source is None:
             t = self._tensors[i]
-            if t.is_cuda and _needs_gpu_copy(t):
+            if t.is_cuda and not _is_own_bytes(t):
                 # a view that must be made contiguous is copied on the side stream, after the
                 # caller's work and before the copies that read it, like the rest of the snapshot
                 with torch.cuda.stream(self._streams[t.device.index]):

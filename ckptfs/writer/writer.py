@@ -186,31 +186,27 @@ class Writer:
         files = encode_files(extra)
         started = time.perf_counter()
         future = SaveFuture()
-        if not async_snapshot:
-            plan = self._planner.plan(obj, step, files)
-            try:
-                self._register(future)
-                self._start(future, plan, started, keep=bool(keep))
-            except BaseException as e:
-                if not future.done():  # a Ctrl-C before _start could fail it: wait() would wait for it
-                    uninterrupted(functools.partial(self._drop, future, e))
-                raise
-            return future
-        # Nothing else happens on the caller's thread: right after its optimizer step has
-        # streamed the whole state through the caches, every object touched here is a cache
-        # miss (flatten alone took 5x its warm time there).
+        # with async_snapshot nothing else happens on the caller's thread: right after its
+        # optimizer step has streamed the whole state through the caches, every object touched
+        # here is a cache miss (flatten alone took 5x its warm time there)
+        plan = None if async_snapshot else self._planner.plan(obj, step, files)
         queued = False
         try:
             self._register(future)
-            if self._snapshot_thread is None:
-                self._start_snapshot_thread()
-            self._snapshot_queue.put((future, obj, step, files, bool(keep), started, caller_mark()))
-            queued = True
+            if plan is not None:
+                self._start(future, plan, started, keep=bool(keep))
+            else:
+                if self._snapshot_thread is None:
+                    self._start_snapshot_thread()
+                self._snapshot_queue.put((future, obj, step, files, bool(keep), started, caller_mark()))
+                queued = True
         except BaseException as e:
-            if not queued:  # a Ctrl-C before it was queued: wait() would wait for it forever
+            # a Ctrl-C before _start or the queue took the save: wait() would wait for it forever
+            if not (queued or future.done()):
                 uninterrupted(functools.partial(self._drop, future, e))
             raise
-        self._last_snapshot = future.snapshotted
+        if queued:
+            self._last_snapshot = future.snapshotted
         return future
 
     def prepare(self, obj) -> Future:
