@@ -7,6 +7,7 @@ CRC32, or a tensor read in part against the CRCs of the blocks read (FORMAT.md, 
 """
 from __future__ import annotations
 
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable, Mapping
@@ -241,14 +242,28 @@ def scan_together(scans: list[Scan], buffers: "ReadBuffers", ahead: ReadAhead | 
         done.result()
 
 
+def cuda_in_use() -> bool:
+    """Whether this process has started CUDA (torch imported and its CUDA initialized); never
+    starts it."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_initialized()
+
+
 class ReadBuffers:
     """The bounce buffers of scans, one scan at a time: a pool (writer.staging.StagingPool) of
     up to READ_BUFFERS, page-aligned, of the largest chunk a scan asked for (``fit``), made on
     first need and freed on ``close`` (a context manager). Fresh memory is faulted in at a cost
-    (30-300 ms for a set on the VM measured): a load of several versions shares one set."""
+    (30-300 ms for a set on the VM measured): a load of several versions shares one set.
+
+    In a process that already uses CUDA the buffers are registered with it where they can be
+    (``cuda_in_use``): a load's copies into GPU tensors then go from them by DMA at the bus's
+    speed, not through the driver's staging of pageable memory (a W=1 DCP load of GPT-2 +
+    AdamW on an H200: the checkers' time 0.19 s instead of 0.52 s, the load 5 % faster). A
+    process that does not (the mount, the CLI) is never made to start CUDA."""
 
     def __init__(self):
         self._pool: StagingPool | None = None
+        self._pinned = cuda_in_use()
 
     def fit(self, nbytes: int) -> None:
         """Before a scan whose chunks are up to ``nbytes``: smaller buffers are let go."""
@@ -256,7 +271,7 @@ class ReadBuffers:
             if self._pool is not None:
                 self._pool.close()
             nbytes = max(align_up(nbytes, IO_ALIGN_BYTES), IO_ALIGN_BYTES)
-            self._pool = StagingPool(nbytes, nbytes * READ_BUFFERS,
+            self._pool = StagingPool(nbytes, nbytes * READ_BUFFERS, pinned=self._pinned, pin_optional=True,
                                      advice="free memory, or read this version where more memory is free")
 
     def acquire(self) -> StagingBuffer:

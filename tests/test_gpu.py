@@ -204,3 +204,35 @@ def test_fsdp2_on_gpus_through_both_apis_and_loaded_again_on_the_cpu(tmp_path):
     run_ranks(_dcp_load_on_gpus, world, region, out_dcp, backend=nccl)
     with ckptfs.Store(region) as store:
         assert [v.step for v in store.versions("dcp")] == [1, 2]
+
+
+def test_a_load_into_gpu_tensors_reads_through_registered_buffers(store, monkeypatch):
+    """In a process that uses CUDA a load's read buffers are registered with it, so that the
+    copies into GPU tensors go by DMA; the tensors come back exact (``into=`` and DCP's load)."""
+    import torch.distributed.checkpoint as dcp
+
+    import ckptfs
+    import ckptfs.writer.staging as staging
+
+    made = []
+    real_init = staging.StagingBuffer.__init__
+
+    def spy(self, *a, **k):
+        real_init(self, *a, **k)
+        made.append(self)
+    monkeypatch.setattr(staging.StagingBuffer, "__init__", spy)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    state = {"a": torch.randn(3 << 20, device="cuda", generator=g), "b": torch.randn(77, 5, device="cuda", generator=g)}
+    with store.writer("pinned", chunk_bytes=4 << 20) as w:
+        w.save(state, step=1).result()
+    made.clear()
+    into = {k: torch.zeros_like(v) for k, v in state.items()}
+    store.load("pinned", into=into)
+    assert all(torch.equal(into[k], v) for k, v in state.items())
+    assert made and all(b.pinned for b in made)
+    dcp.save(state, storage_writer=ckptfs.dcp.StorageWriter(store, "pinned_dcp", step=1))
+    made.clear()
+    into = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(into, storage_reader=ckptfs.dcp.StorageReader(store, "pinned_dcp"))
+    assert all(torch.equal(into[k], v) for k, v in state.items())
+    assert made and all(b.pinned for b in made)

@@ -43,10 +43,16 @@ def test_prefill_stops_when_the_pool_closes():
     assert pool.prefill() == 0 and pool._all == []
 
 
-def test_a_resumed_writer_prefills_its_pool_before_the_first_save(store):
+def test_a_resumed_writer_prefills_its_pool_before_the_first_save(store, monkeypatch):
+    """Where CUDA is available it does not (such a job snapshots through a pinned pool of its
+    own): both, whatever this machine has."""
     state = {"w": torch.randn(1 << 18)}  # 1 MiB
     with store.writer("m", chunk_bytes=256 << 10) as w:
         w.save(state, step=1).result()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with store.writer("m", chunk_bytes=256 << 10) as w:
+        assert w._background == [] and w._pools == {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     w = store.writer("m", chunk_bytes=256 << 10)
     try:
         (thread,) = w._background
@@ -183,3 +189,40 @@ def test_byte_source_runs_a_copy_exactly_where_the_gpu_snapshot_enters_the_side_
         assert (src.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()) is copies
         assert torch.equal(src.view(t.resolve_conj().resolve_neg().dtype).view(t.shape),
                            t.resolve_conj().resolve_neg().contiguous())
+
+
+def test_read_buffers_are_registered_only_where_cuda_is_in_use_and_fall_back_where_they_cannot_be(
+        store, monkeypatch):
+    """A load's read buffers are registered with CUDA in a process that already started it (its
+    copies into GPU tensors then go by DMA), never start CUDA in one that did not (the mount,
+    the CLI), and a buffer the driver refuses to register is made unregistered: the load works."""
+    import ckptfs.scan as scan
+    import ckptfs.writer.staging as staging
+
+    state = {"w": torch.arange(300_000, dtype=torch.float32)}
+    with store.writer("m", chunk_bytes=1 << 20) as w:
+        w.save(state, step=1).result()
+    made = []
+    real_init = staging.StagingBuffer.__init__
+
+    def spy(self, *a, **k):
+        real_init(self, *a, **k)
+        made.append(self)
+    monkeypatch.setattr(staging.StagingBuffer, "__init__", spy)
+    assert scan.cuda_in_use() == torch.cuda.is_initialized()
+    if not torch.cuda.is_initialized():
+        assert torch.equal(store.load("m")["w"], state["w"])
+        assert made and not any(b.pinned for b in made)
+        assert not torch.cuda.is_initialized()  # a load did not start CUDA
+    made.clear()
+    tried = []
+
+    def refuse(t):
+        tried.append(t.numel())
+        raise RuntimeError("cudaHostRegister refused")
+    monkeypatch.setattr(scan, "cuda_in_use", lambda: True)
+    monkeypatch.setattr(staging, "_cuda_host_register", refuse)
+    assert torch.equal(store.load("m")["w"], state["w"])
+    assert tried and made and not any(b.pinned for b in made)
+    with pytest.raises(RuntimeError, match="refused"):  # where a writer asks for pinned memory it gets it or fails
+        staging.StagingBuffer(1 << 20, True)

@@ -30,14 +30,20 @@ class StagingBuffer:
     """One chunk-sized buffer and a uint8 tensor over it (made on first use: a verify, an export
     or the mount reads through these buffers without torch)."""
 
-    def __init__(self, nbytes: int, pinned: bool):
+    def __init__(self, nbytes: int, pinned: bool, pin_optional: bool = False):
+        """``pinned``: registered with CUDA; where that fails, RuntimeError, or with
+        ``pin_optional`` a buffer that is not (``self.pinned`` says which)."""
         self.mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         _prefault_huge(self.mapping)
         self._tensor: torch.Tensor | None = None
         self.pinned = False
         if pinned:
-            _cuda_host_register(self.tensor)
-            self.pinned = True
+            try:
+                _cuda_host_register(self.tensor)
+                self.pinned = True
+            except RuntimeError:
+                if not pin_optional:
+                    raise
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -84,10 +90,10 @@ def _prefault_huge(mapping: mmap.mmap) -> None:
 WRITER_ADVICE = "free memory, or pass a smaller staging_budget_bytes / chunk_bytes / max_inflight to the writer"
 
 
-def _new_buffer(nbytes: int, pinned: bool, advice: str = WRITER_ADVICE) -> StagingBuffer:
+def _new_buffer(nbytes: int, pinned: bool, advice: str = WRITER_ADVICE, pin_optional: bool = False) -> StagingBuffer:
     """A staging buffer, or StagingMemoryError saying what could not be had and ``advice``."""
     try:
-        return StagingBuffer(nbytes, pinned)
+        return StagingBuffer(nbytes, pinned, pin_optional)
     except (OSError, MemoryError, RuntimeError) as e:
         kind = "pinned" if pinned else "host"
         raise StagingMemoryError(
@@ -104,14 +110,17 @@ def _cuda_host_register(t: torch.Tensor) -> None:
 
 class StagingPool:
     """Up to ``budget_bytes // chunk_bytes`` (at least one) buffers of ``chunk_bytes``, made lazily.
-    ``advice``: what StagingMemoryError tells the user to do where one cannot be had."""
+    ``advice``: what StagingMemoryError tells the user to do where one cannot be had;
+    ``pin_optional``: a buffer that cannot be registered with CUDA is made unregistered."""
 
-    def __init__(self, chunk_bytes: int, budget_bytes: int, pinned: bool = False, advice: str = WRITER_ADVICE):
+    def __init__(self, chunk_bytes: int, budget_bytes: int, pinned: bool = False, advice: str = WRITER_ADVICE,
+                 pin_optional: bool = False):
         if chunk_bytes <= 0 or chunk_bytes % mmap.PAGESIZE:
             raise ValueError(f"chunk_bytes must be a positive multiple of {mmap.PAGESIZE}, got {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
         self.max_buffers = max(1, budget_bytes // chunk_bytes)
         self.pinned = pinned
+        self._pin_optional = pin_optional
         self._advice = advice
         self._free: list[StagingBuffer] = []
         self._all: list[StagingBuffer] = []
@@ -156,7 +165,7 @@ class StagingPool:
         if self._free:
             return self._free.pop()
         if len(self._all) + self._creating < self.max_buffers:
-            buf = _new_buffer(self.chunk_bytes, self.pinned, self._advice)
+            buf = _new_buffer(self.chunk_bytes, self.pinned, self._advice, self._pin_optional)
             self._all.append(buf)
             return buf
         return None
@@ -174,7 +183,7 @@ class StagingPool:
                 self._creating += 1
             buf = None
             try:
-                buf = _new_buffer(self.chunk_bytes, self.pinned, self._advice)
+                buf = _new_buffer(self.chunk_bytes, self.pinned, self._advice, self._pin_optional)
             except StagingMemoryError:
                 return made  # the saves will make (or fail to make) their own
             finally:
