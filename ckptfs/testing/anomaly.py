@@ -237,11 +237,11 @@ def failing_staging(fail_at: int):
     made = [0]
     original = staging.StagingBuffer.__init__
 
-    def init(self, nbytes, pinned):
+    def init(self, *args, **kwargs):
         made[0] += 1
         if made[0] >= fail_at:
             raise OSError(errno_mod.ENOMEM, os.strerror(errno_mod.ENOMEM))
-        original(self, nbytes, pinned)
+        original(self, *args, **kwargs)
 
     staging.StagingBuffer.__init__ = init
     try:
