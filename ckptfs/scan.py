@@ -242,11 +242,13 @@ def scan_together(scans: list[Scan], buffers: "ReadBuffers", ahead: ReadAhead | 
         done.result()
 
 
-def cuda_in_use() -> bool:
-    """Whether this process has started CUDA (torch imported and its CUDA initialized); never
-    starts it."""
+def current_cuda_device() -> int | None:
+    """The calling thread's current GPU where this process has started CUDA (torch imported
+    and its CUDA initialized), else None; never starts it."""
     torch = sys.modules.get("torch")
-    return torch is not None and torch.cuda.is_initialized()
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda.current_device()
 
 
 class ReadBuffers:
@@ -256,14 +258,15 @@ class ReadBuffers:
     (30-300 ms for a set on the VM measured): a load of several versions shares one set.
 
     In a process that already uses CUDA the buffers are registered with it where they can be
-    (``cuda_in_use``): a load's copies into GPU tensors then go from them by DMA at the bus's
+    (``current_cuda_device``): a load's copies into GPU tensors then go from them by DMA at the bus's
     speed, not through the driver's staging of pageable memory (a W=1 DCP load of GPT-2 +
     AdamW on an H200: the checkers' time 0.19 s instead of 0.52 s, the load 5 % faster). A
     process that does not (the mount, the CLI) is never made to start CUDA."""
 
     def __init__(self):
         self._pool: StagingPool | None = None
-        self._pinned = cuda_in_use()
+        # registered by the reader threads, in the context of the GPU current here (see StagingBuffer)
+        self._pin_device = current_cuda_device()
 
     def fit(self, nbytes: int) -> None:
         """Before a scan whose chunks are up to ``nbytes``: smaller buffers are let go."""
@@ -271,7 +274,8 @@ class ReadBuffers:
             if self._pool is not None:
                 self._pool.close()
             nbytes = max(align_up(nbytes, IO_ALIGN_BYTES), IO_ALIGN_BYTES)
-            self._pool = StagingPool(nbytes, nbytes * READ_BUFFERS, pinned=self._pinned, pin_optional=True,
+            self._pool = StagingPool(nbytes, nbytes * READ_BUFFERS, pinned=self._pin_device is not None,
+                                     pin_optional=True, pin_device=self._pin_device,
                                      advice="free memory, or read this version where more memory is free")
 
     def acquire(self) -> StagingBuffer:

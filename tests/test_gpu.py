@@ -132,6 +132,31 @@ def test_cuda_async_snapshot_of_tensors_on_a_second_device(store):
     assert torch.equal(store.load("second")["w"], torch.ones(8 << 20))
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_a_rank_on_the_second_gpu_saves_and_loads_without_a_context_on_the_first(store):
+    """A process that uses only cuda:1 (set_device(1), as a rank does) saves and loads through
+    buffers registered in that GPU's context: neither the snapshot nor the load's reader threads
+    (whose current device is 0) make a context on GPU 0, which would take its memory."""
+    import subprocess
+    import sys
+
+    script = f"""
+import torch, ckptfs
+torch.cuda.set_device(1)
+state = {{"a": torch.randn(9 << 20, device="cuda"), "b": torch.randn(5, device="cuda")}}
+store = ckptfs.Store({store.path!r})
+with store.writer("one", chunk_bytes=4 << 20) as w:
+    w.save(state, step=1).result()
+into = {{k: torch.zeros_like(v) for k, v in state.items()}}
+store.load("one", into=into)
+assert all(torch.equal(into[k], v) for k, v in state.items())
+assert not torch._C._cuda_hasPrimaryContext(0), "a context on GPU 0"
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
 def _dcp_save_on_gpus(rank, world, region, out, device="cuda"):
     """FSDP2 on each rank's GPU: dcp.save of step 1 and dcp.async_save of step 2 through ckptfs
     (DCP's collectives on a gloo group, as DCP advises for async saves); rank 0 writes the

@@ -82,7 +82,7 @@ def test_prepare_makes_the_plan_and_the_pool_so_the_first_save_makes_neither(sto
         real_flatten = plan_module.flatten
         monkeypatch.setattr(plan_module, "flatten", lambda obj: flattened.append(obj) or real_flatten(obj))
         new_buffer = staging._new_buffer
-        monkeypatch.setattr(staging, "_new_buffer", lambda *a: made.append(a) or new_buffer(*a))
+        monkeypatch.setattr(staging, "_new_buffer", lambda *a, **k: made.append(a) or new_buffer(*a, **k))
         w.save(state, step=1).result()
         assert flattened == [] and made == []
         with pytest.raises(ckptfs.errors.UnsupportedObjectError):  # what a save would refuse
@@ -194,8 +194,11 @@ def test_byte_source_runs_a_copy_exactly_where_the_gpu_snapshot_enters_the_side_
 def test_read_buffers_are_registered_only_where_cuda_is_in_use_and_fall_back_where_they_cannot_be(
         store, monkeypatch):
     """A load's read buffers are registered with CUDA in a process that already started it (its
-    copies into GPU tensors then go by DMA), never start CUDA in one that did not (the mount,
-    the CLI), and a buffer the driver refuses to register is made unregistered: the load works."""
+    copies into GPU tensors then go by DMA), in the context of the loading thread's current GPU
+    (the reader threads' own is GPU 0), never start CUDA in one that did not (the mount, the
+    CLI), and a buffer the driver refuses to register is made unregistered: the load works."""
+    import contextlib
+
     import ckptfs.scan as scan
     import ckptfs.writer.staging as staging
 
@@ -209,20 +212,43 @@ def test_read_buffers_are_registered_only_where_cuda_is_in_use_and_fall_back_whe
         real_init(self, *a, **k)
         made.append(self)
     monkeypatch.setattr(staging.StagingBuffer, "__init__", spy)
-    assert scan.cuda_in_use() == torch.cuda.is_initialized()
     if not torch.cuda.is_initialized():
+        assert scan.current_cuda_device() is None
         assert torch.equal(store.load("m")["w"], state["w"])
         assert made and not any(b.pinned for b in made)
         assert not torch.cuda.is_initialized()  # a load did not start CUDA
     made.clear()
-    tried = []
+    current = [0]  # the fake driver's current device, per call (the threads share it here)
+    registered, unregistered = [], []
 
-    def refuse(t):
-        tried.append(t.numel())
-        raise RuntimeError("cudaHostRegister refused")
-    monkeypatch.setattr(scan, "cuda_in_use", lambda: True)
-    monkeypatch.setattr(staging, "_cuda_host_register", refuse)
+    @contextlib.contextmanager
+    def on_device(index):
+        before, current[0] = current[0], index
+        try:
+            yield
+        finally:
+            current[0] = before
+
+    def register(t):
+        registered.append((current[0], threading.current_thread().name))
+        if len(registered) == 1:
+            raise RuntimeError("cudaHostRegister refused")  # the first: that buffer is made unregistered
+
+    class FakeCudart:
+        def cudaHostUnregister(self, ptr):
+            unregistered.append(current[0])
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "device", on_device)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    monkeypatch.setattr(staging, "_cuda_host_register", register)
+    monkeypatch.setattr(scan, "READ_CHUNK_BYTES", 1 << 18)  # several chunks, several buffers
     assert torch.equal(store.load("m")["w"], state["w"])
-    assert tried and made and not any(b.pinned for b in made)
-    with pytest.raises(RuntimeError, match="refused"):  # where a writer asks for pinned memory it gets it or fails
+    assert len(registered) == len(made) >= 2
+    assert {d for d, _ in registered} == {3}  # GPU 3's context, not the reader threads' GPU 0
+    assert any(not name.startswith("MainThread") for _, name in registered)
+    assert [b.pinned for b in made] == [False] + [True] * (len(made) - 1)
+    assert unregistered == [3] * (len(made) - 1)  # each registered one let go, in the same context
+    with pytest.raises(RuntimeError, match="refused"):  # a writer that asks for pinned memory gets it or fails
+        registered.clear()
         staging.StagingBuffer(1 << 20, True)

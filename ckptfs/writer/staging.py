@@ -30,16 +30,21 @@ class StagingBuffer:
     """One chunk-sized buffer and a uint8 tensor over it (made on first use: a verify, an export
     or the mount reads through these buffers without torch)."""
 
-    def __init__(self, nbytes: int, pinned: bool, pin_optional: bool = False):
+    def __init__(self, nbytes: int, pinned: bool, pin_optional: bool = False, pin_device: int | None = None):
         """``pinned``: registered with CUDA; where that fails, RuntimeError, or with
-        ``pin_optional`` a buffer that is not (``self.pinned`` says which)."""
+        ``pin_optional`` a buffer that is not (``self.pinned`` says which). ``pin_device``: the
+        GPU whose context registers it (and unregisters it at ``close``), else the calling
+        thread's current one: a reader thread's is GPU 0, where a rank of another GPU would
+        make a context of its own (hundreds of MiB of that GPU's memory)."""
         self.mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         _prefault_huge(self.mapping)
         self._tensor: torch.Tensor | None = None
         self.pinned = False
+        self._pin_device = pin_device
         if pinned:
             try:
-                _cuda_host_register(self.tensor)
+                with _on_device(pin_device):
+                    _cuda_host_register(self.tensor)
                 self.pinned = True
             except RuntimeError:
                 if not pin_optional:
@@ -57,7 +62,8 @@ class StagingBuffer:
         if self.pinned:
             import torch
 
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            with _on_device(self._pin_device):
+                torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
         self._tensor = None
         try:
             self.mapping.close()
@@ -90,14 +96,26 @@ def _prefault_huge(mapping: mmap.mmap) -> None:
 WRITER_ADVICE = "free memory, or pass a smaller staging_budget_bytes / chunk_bytes / max_inflight to the writer"
 
 
-def _new_buffer(nbytes: int, pinned: bool, advice: str = WRITER_ADVICE, pin_optional: bool = False) -> StagingBuffer:
-    """A staging buffer, or StagingMemoryError saying what could not be had and ``advice``."""
+def _new_buffer(nbytes: int, pinned: bool, advice: str = WRITER_ADVICE, **pinning) -> StagingBuffer:
+    """A staging buffer, or StagingMemoryError saying what could not be had and ``advice``;
+    ``pinning``: StagingBuffer's pin_optional and pin_device."""
     try:
-        return StagingBuffer(nbytes, pinned, pin_optional)
+        return StagingBuffer(nbytes, pinned, **pinning)
     except (OSError, MemoryError, RuntimeError) as e:
         kind = "pinned" if pinned else "host"
         raise StagingMemoryError(
             f"could not allocate {human_bytes(nbytes)} of {kind} staging memory ({e}); {advice}") from e
+
+
+def _on_device(device: int | None):
+    """Within ``torch.cuda.device(device)``, or nothing where None."""
+    import contextlib
+
+    if device is None:
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.cuda.device(device)
 
 
 def _cuda_host_register(t: torch.Tensor) -> None:
@@ -111,16 +129,16 @@ def _cuda_host_register(t: torch.Tensor) -> None:
 class StagingPool:
     """Up to ``budget_bytes // chunk_bytes`` (at least one) buffers of ``chunk_bytes``, made lazily.
     ``advice``: what StagingMemoryError tells the user to do where one cannot be had;
-    ``pin_optional``: a buffer that cannot be registered with CUDA is made unregistered."""
+    ``pin_optional``, ``pin_device``: see StagingBuffer."""
 
     def __init__(self, chunk_bytes: int, budget_bytes: int, pinned: bool = False, advice: str = WRITER_ADVICE,
-                 pin_optional: bool = False):
+                 pin_optional: bool = False, pin_device: int | None = None):
         if chunk_bytes <= 0 or chunk_bytes % mmap.PAGESIZE:
             raise ValueError(f"chunk_bytes must be a positive multiple of {mmap.PAGESIZE}, got {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
         self.max_buffers = max(1, budget_bytes // chunk_bytes)
         self.pinned = pinned
-        self._pin_optional = pin_optional
+        self._pinning = {"pin_optional": pin_optional, "pin_device": pin_device}
         self._advice = advice
         self._free: list[StagingBuffer] = []
         self._all: list[StagingBuffer] = []
@@ -165,7 +183,7 @@ class StagingPool:
         if self._free:
             return self._free.pop()
         if len(self._all) + self._creating < self.max_buffers:
-            buf = _new_buffer(self.chunk_bytes, self.pinned, self._advice, self._pin_optional)
+            buf = _new_buffer(self.chunk_bytes, self.pinned, self._advice, **self._pinning)
             self._all.append(buf)
             return buf
         return None
@@ -183,7 +201,7 @@ class StagingPool:
                 self._creating += 1
             buf = None
             try:
-                buf = _new_buffer(self.chunk_bytes, self.pinned, self._advice, self._pin_optional)
+                buf = _new_buffer(self.chunk_bytes, self.pinned, self._advice, **self._pinning)
             except StagingMemoryError:
                 return made  # the saves will make (or fail to make) their own
             finally:
