@@ -1,6 +1,5 @@
 """Tier 1-2: what goes in comes back, exactly; what cannot go in is refused before any write."""
 import math
-import time
 from collections import OrderedDict
 
 import pytest
@@ -398,82 +397,6 @@ def test_map_location_that_cannot_be_used_is_refused_in_its_own_words(store):
             store.load("m", map_location=map_location)
     assert store.load("m", map_location=torch.device("cpu"))["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
     assert store.load("m", map_location=None)["w"].device.type == "cpu"
-
-
-def test_a_save_from_a_signal_handler_that_interrupts_a_save_fails_at_once(store, monkeypatch):
-    """A preemption handler (SIGTERM) that saves, or closes the writer, while the training loop
-    is inside save(): it would wait for the save it interrupted, which cannot go on until the
-    handler returns (a BusyError after timeout_s, 120 s). It fails at once with the way out,
-    the interrupted save fails with it, and the writer saves again afterwards."""
-    import os
-    import signal
-
-    state = {"w": torch.arange(1000.0)}
-    calls = []
-
-    def handler(signum, frame):
-        for attempt in (lambda: w.save(state, step=99), w.close, w.wait):
-            with pytest.raises(ckptfs.errors.CkptfsError, match=r"\(from a signal handler\?\).*in the handler set a "
-                                                                 r"flag, and save from the training loop"):
-                attempt()
-            calls.append(attempt)
-        raise KeyboardInterrupt  # as the handler's own error would: it ends the interrupted save
-
-    with store.writer("m", timeout_s=60) as w:
-        w.save(state, step=1).result()
-        real_take = w._snapshotter.take
-
-        def take_then_signal(*args):
-            os.kill(os.getpid(), signal.SIGUSR1)  # the handler runs here, on this thread, inside save()
-            return real_take(*args)
-
-        previous = signal.signal(signal.SIGUSR1, handler)
-        monkeypatch.setattr(w._snapshotter, "take", take_then_signal)
-        try:
-            with pytest.raises(KeyboardInterrupt):
-                w.save(state, step=2)
-        finally:
-            signal.signal(signal.SIGUSR1, previous)
-        monkeypatch.setattr(w._snapshotter, "take", real_take)
-        assert len(calls) == 3
-        w.save(state, step=3).result()
-    assert [v.step for v in store.versions("m")] == [1, 3]
-
-
-def test_a_second_ctrl_c_during_the_cleanup_of_an_interrupted_save(store, monkeypatch):
-    """Ctrl-C in a save, then Ctrl-C again while that save is given up (its claim aborted, its
-    permit, buffers and future given back): the cleanup runs to its end and the interrupt is
-    raised after it. Cut short, it left a save that never finished: close() and the
-    interpreter's exit waited for it forever."""
-    import os
-    import signal
-
-    from ckptfs.writer.persist import PersistPipeline
-
-    state = {"w": torch.arange(1000.0)}
-    real_fail = PersistPipeline.fail
-
-    def fail_under_a_second_ctrl_c(self, job, error):
-        os.kill(os.getpid(), signal.SIGINT)  # to the main thread, which waits for this cleanup
-        time.sleep(0.05)
-        real_fail(self, job, error)
-
-    with store.writer("m", max_inflight=2, timeout_s=10) as w:
-        w.save(state, step=1).result()
-        real_take = w._snapshotter.take
-
-        def take_interrupted(*args):
-            raise KeyboardInterrupt  # the first Ctrl-C, inside the snapshot
-
-        monkeypatch.setattr(w._snapshotter, "take", take_interrupted)
-        monkeypatch.setattr(PersistPipeline, "fail", fail_under_a_second_ctrl_c)
-        with pytest.raises(KeyboardInterrupt):
-            w.save(state, step=2)
-        monkeypatch.setattr(w._snapshotter, "take", real_take)
-        monkeypatch.setattr(PersistPipeline, "fail", real_fail)
-        assert w._permits._value == 2 and not w._outstanding  # given back: nothing left to wait for
-        w.save(state, step=3).result()
-    assert [v.step for v in store.versions("m")] == [1, 3]
 
 
 def test_open_version_by_its_counter_alone(store):

@@ -53,6 +53,8 @@ def uninterrupted(cleanup) -> None:
     except KeyboardInterrupt as e:
         interrupt = e
         run()  # if the thread never started (else a no-op: it has the cleanup)
+    except RuntimeError:  # no thread to be had ("can't start new thread"): here, then
+        run()
     while not done.is_set():  # not Thread.join: interrupted, it can take the thread for ended
         try:
             done.wait()
@@ -71,6 +73,31 @@ class SaveFuture(Future):
     def __init__(self):
         super().__init__()
         self.snapshotted: Future = Future()
+        # Who ends the save: its start (Writer._start) once it ``take``s it, else the caller's
+        # handler of an interrupt, which ``give_up``s it. Without the hand-over, a Ctrl-C just
+        # after the save was queued failed the future of a save that went on and committed.
+        self._hand_over = threading.Lock()
+        self.taken = False
+        self._given_up = False
+
+    def take(self) -> bool:
+        """Whether the save goes on: its start has it from now on, unless the caller gave it
+        up. Not on the caller's (main) thread: ``with lock`` is not safe against Ctrl-C there;
+        a start on the caller's thread sets ``taken`` itself."""
+        with self._hand_over:
+            if not self._given_up:
+                self.taken = True
+            return self.taken
+
+    def give_up(self, error: BaseException) -> bool:
+        """Fail the save with ``error`` (the caller's interrupt) unless its start took it;
+        whether it did."""
+        with self._hand_over:
+            if self.taken:
+                return False
+            self._given_up = True
+        self.fail(error)
+        return True
 
     def fail(self, error: BaseException) -> None:
         """Fail both futures, unless failed already: the first error stands (a save given up on

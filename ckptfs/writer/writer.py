@@ -34,6 +34,7 @@ from ckptfs.region.ring import Ring
 from ckptfs.writer.calls import SaveCalls, open_writers
 from ckptfs.writer.claimer import Claimer
 from ckptfs.writer.cuda import CallerMark, caller_mark
+from ckptfs.writer.hidden import HiddenKept
 from ckptfs.writer.job import Job, SaveFuture, SaveResult, check_positive, is_kept, uninterrupted
 from ckptfs.writer.persist import PersistPipeline
 from ckptfs.writer.plan import Planner, SavePlan
@@ -101,9 +102,7 @@ class Writer:
         self.keep_every = keep_every
         self._slots = slots
         self._slot_bytes = slot_bytes
-        self._give_back_hidden = give_back_hidden
-        self._highest_step: int | None = None  # of the versions committed (None: not known yet)
-        self._steps_lock = threading.Lock()
+        self._hidden = HiddenKept(model, give_back_hidden)
         self._setup_lock = threading.Lock()  # lazy set-up may race when save() is called from threads
         self._planner = Planner(model, chunk_bytes)
         self._progress = ProgressBoard(region.superblock.uuid, model)
@@ -111,7 +110,8 @@ class Writer:
         self._pools: dict[bool, StagingPool] = {}
         self._outstanding: set[SaveFuture] = set()
         self._outstanding_lock = threading.Lock()
-        self._closed = False
+        self._closed = False  # refuses saves: close began
+        self._stopped = False  # close ended: workers stopped, ring closed
         self._calls = SaveCalls()  # close waits for the save() calls of other threads
         self._close_lock = threading.RLock()
         self._pid = os.getpid()  # the process whose threads save (a forked child has none of them)
@@ -159,6 +159,8 @@ class Writer:
             (PCcheck §3.1). The caller must not modify ``obj`` (its tensors or its containers)
             until ``future.snapshotted`` completes (``wait_snapshot()``), i.e. it calls that before
             ``optimizer.step()``; a refusal is raised there and by ``future.result()``.
+        A Ctrl-C inside ``save`` gives the save up, unless its snapshot had begun: then it goes
+        on, and ``wait_snapshot``/``wait`` cover it.
         A bad ``step``, a bad ``extra`` or a closed writer raises here in both cases. The returned future completes
         with a SaveResult when the checkpoint is durable and committed, or with the error that
         stopped it.
@@ -190,7 +192,7 @@ class Writer:
         # optimizer step has streamed the whole state through the caches, every object touched
         # here is a cache miss (flatten alone took 5x its warm time there)
         plan = None if async_snapshot else self._planner.plan(obj, step, files)
-        queued = False
+        last_snapshot = self._last_snapshot
         try:
             self._register(future)
             if plan is not None:
@@ -198,15 +200,14 @@ class Writer:
             else:
                 if self._snapshot_thread is None:
                     self._start_snapshot_thread()
+                self._last_snapshot = future.snapshotted  # before the thread can take it: see wait_snapshot
                 self._snapshot_queue.put((future, obj, step, files, bool(keep), started, caller_mark()))
-                queued = True
         except BaseException as e:
-            # a Ctrl-C before _start or the queue took the save: wait() would wait for it forever
-            if not (queued or future.done()):
-                uninterrupted(functools.partial(self._drop, future, e))
+            # a Ctrl-C before _start or the snapshot thread took the save (SaveFuture.take): it
+            # is given up here, or wait() would wait for it forever; once taken, it is theirs
+            if not future.done():
+                uninterrupted(functools.partial(self._give_up, future, e, last_snapshot))
             raise
-        if queued:
-            self._last_snapshot = future.snapshotted
         return future
 
     def prepare(self, obj) -> Future:
@@ -278,17 +279,17 @@ class Writer:
     def close(self) -> None:
         """Wait for every save (the save() calls under way on other threads too; later ones
         are refused), then stop the workers and free the staging memory."""
-        if self._closed:
+        if self._stopped:
             return
         if self._pid != os.getpid():
             # a forked child's copy (Store.close there): its saves are the parent's, run by threads
             # that did not come with the fork; nothing to wait for or stop here
-            self._closed = True
+            self._closed = self._stopped = True
             return
         self._not_within_save("close()")
         self._calls.close()
         with self._close_lock:  # one close stops the workers; another returns once it has
-            if self._closed:
+            if self._stopped:
                 return
             try:
                 self.wait()
@@ -297,11 +298,11 @@ class Writer:
 
     def _stop(self) -> None:
         """Stop the workers and give back the staging memory, the ring (and with it the model,
-        which may be removed from then on) and the progress file. Where stopping the workers
-        fails (a second Ctrl-C in close), the ring stays open until the process ends: a worker
-        may still write its slots."""
-        self._closed = True
-        open_writers.discard(self)
+        which may be removed from then on) and the progress file. Each step may run again: where
+        one fails (a second Ctrl-C in close), the writer is not stopped yet, and a later close
+        (or the exit hook: it stays in open_writers) takes it up; until then the ring stays open,
+        as a worker may still write its slots."""
+        self._closed = True  # no save from here on (see SaveCalls)
         try:
             if self._snapshot_thread is not None:
                 self._snapshot_queue.put(None)
@@ -317,6 +318,8 @@ class Writer:
                 self._ring.close()
         finally:
             self._progress.close()
+        self._stopped = True
+        open_writers.discard(self)
 
     def __enter__(self) -> "Writer":
         return self
@@ -342,6 +345,8 @@ class Writer:
             if item is None:
                 return
             future, obj, step, files, keep, started, mark = item
+            if not future.take():
+                continue  # its caller was interrupted and gave it up
             try:
                 plan = self._planner.plan(obj, step, files)
             except BaseException as e:  # noqa: BLE001 - delivered through both futures
@@ -359,6 +364,7 @@ class Writer:
         compute (async_snapshot), so it also takes the chunks' CRCs; ``mark``: where its CUDA
         copies start (see writer.cuda)."""
         try:
+            future.taken = True  # its end is ours from here (see SaveFuture.take; set plainly: no lock on this thread)
             ring = self._ring_for(plan)
             slot_layout = ring.layout(plan.index_bytes, plan.layout.data_bytes)
             pool = self._pool(bool(plan.cuda_devices), plan.layout.data_bytes)
@@ -382,11 +388,23 @@ class Writer:
             if job is not None and job.error is not None and job.error is not e:
                 raise job.error from None  # what stopped the save first: the claim's refusal, say
             raise
-        job.stall_s = time.perf_counter() - started
         try:
-            future.snapshotted.set_result(job.stall_s)
+            self._snapshot_done(job, started)
+        except BaseException:
+            # a Ctrl-C here (the snapshotted future's callbacks run here too) left its CRCs
+            # parked and the job waiting for them, with its permit, claim and buffers
+            uninterrupted(functools.partial(self._snapshot_done, job, started))
+            raise
+
+    def _snapshot_done(self, job: Job, started: float) -> None:
+        """A save's snapshot is taken: its stall told to ``snapshotted``, its parked CRCs taken.
+        Idempotent."""
+        if not job.stall_s:
+            job.stall_s = time.perf_counter() - started
+        try:
+            job.future.snapshotted.set_result(job.stall_s)
         except InvalidStateError:
-            pass  # the save failed while it was being snapshotted: snapshotted holds that error
+            pass  # the save failed while it was being snapshotted (that error stands), or set already
         self._persist.unpark(job)
 
     def _start_failed(self, job: Job | None, future: SaveFuture, error: BaseException) -> None:
@@ -406,6 +424,15 @@ class Writer:
             self._outstanding.discard(future)
         future.fail(error)
 
+    def _give_up(self, future: SaveFuture, error: BaseException, last_snapshot: Future | None) -> None:
+        """A save whose caller was interrupted before its start took it: failed, forgotten, and
+        ``wait_snapshot`` back on the one before it; one that was taken goes on."""
+        if future.give_up(error):
+            with self._outstanding_lock:
+                self._outstanding.discard(future)
+            if self._last_snapshot is future.snapshotted:
+                self._last_snapshot = last_snapshot
+
     def _finish(self, job: Job, result: SaveResult | None, error: BaseException | None) -> None:
         """The end of a save that had a permit (PersistPipeline's ``finish``)."""
         if job.claim is not None:
@@ -416,32 +443,8 @@ class Writer:
         if error is not None:
             job.future.fail(error)
         else:
-            self._hidden_given_back(result, job.keep)
+            self._hidden.after_commit(self._ring, result, job.keep)
             job.future.set_result(result)
-
-    def _hidden_given_back(self, result: SaveResult, kept: bool) -> None:
-        """After a commit: the kept versions of its step that it hides go back to the ring (see
-        the class), each with a warning. Only a step not above every step this writer saw
-        committed can hide one: the first commit looks (reading the headers the ring holds,
-        on this persist thread, not at the writer's opening), and then a training loop whose
-        steps grow pays nothing. A failure is only logged: the save itself is durable and
-        committed."""
-        with self._steps_lock:
-            seen = self._highest_step
-            self._highest_step = result.step if seen is None else max(seen, result.step)
-        if not self._give_back_hidden or (seen is not None and result.step > seen):
-            return
-        try:
-            advice = "" if kept else f"; keep the new one with store.keep({self.model!r}, {result.step})"
-            hidden, highest = self._ring.give_back_hidden(result.step, result.counter)
-            with self._steps_lock:
-                self._highest_step = max(self._highest_step, highest)
-            for _ in hidden:
-                log.warning("ckptfs: step %d of %r was saved again: the earlier version of that step, a kept one, is "
-                            "hidden by the new one and goes back to the ring%s", result.step, self.model, advice)
-        except Exception as e:  # noqa: BLE001 - an I/O error here must not keep the future from completing
-            log.warning("ckptfs: the kept versions of %r step %d that a new save of it hides could not be looked "
-                        "for or given back: %s", self.model, result.step, e)
 
     # ------------------------------------------------------------------ ring and staging
     def _ring_for(self, plan: SavePlan) -> Ring:
