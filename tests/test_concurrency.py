@@ -494,3 +494,101 @@ def test_closing_a_store_commits_and_stops_the_writers_left_open_on_it(region_pa
     assert writer_threads() == before
     with ckptfs.Store(region_path) as again:
         assert again.latest("m").step == 1 and torch.equal(again.load("m")["w"], torch.ones(100_000))
+
+
+_FORK_WITHOUT_DESCRIPTORS = r'''
+import os, resource, sys, torch, ckptfs
+from ckptfs.region.holders import lock_holders
+path = sys.argv[1]
+store = ckptfs.Store(path)
+with store.writer("m", max_inflight=1, slots=2) as w:
+    w.save({"a": torch.arange(1000.)}, step=1).result()
+v = store.open_version("m")
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+fill = []
+try:
+    while True:
+        fill.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    pass
+pid = os.fork()
+if pid == 0:  # its at-fork reopen failed: no descriptor was left
+    for fd in fill[:16]:
+        os.close(fd)
+    v.close()  # lets go of the Version it inherited: must not unlock the parent's pin
+    try:
+        store.load("m")
+        os._exit(3)
+    except ckptfs.errors.CkptfsError as e:
+        os._exit(0 if "could not reopen the region" in str(e) and "new ckptfs.Store" in str(e) else 4)
+    except BaseException:
+        os._exit(5)
+_, status = os.waitpid(pid, 0)
+for fd in fill:
+    os.close(fd)
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+assert os.waitstatus_to_exitcode(status) == 0, os.waitstatus_to_exitcode(status)
+assert [mode for holders in lock_holders(path).values() for _, _, mode in holders] == ["READ"], lock_holders(path)
+try:
+    ckptfs.Store(path).remove_model("m")
+    raise SystemExit("removed under the parent's open version")
+except ckptfs.errors.BusyError:
+    pass
+assert v.load()["a"].tolist() == torch.arange(1000.).tolist()
+print("ok")
+'''
+
+
+def test_a_forked_child_that_cannot_reopen_the_region_never_unlocks_its_parents_pins(region_path, store):
+    """The child's at-fork reopen of its region fails (a process at its descriptor limit): it
+    lets go of the parent's description without unlocking anything, says so in a warning, and a
+    read there fails in one line; the parent's pin stands (the child's unlock dropped it, and
+    the model could be removed under the parent's open version)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _FORK_WITHOUT_DESCRIPTORS, region_path], capture_output=True,
+                          text=True, timeout=90)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    assert "a forked child could not reopen its region's descriptor" in done.stderr
+
+
+_FORK_DURING_A_TABLE_UPDATE = r'''
+import os, sys, threading, torch, ckptfs
+store = ckptfs.Store(sys.argv[1])
+held, go = threading.Event(), threading.Event()
+
+def update():  # a thread of the parent inside a table update (a ring growing) at the fork
+    with store.region._meta_mutex:
+        held.set()
+        go.wait()
+t = threading.Thread(target=update)
+t.start()
+held.wait()
+pid = os.fork()
+if pid == 0:
+    __import__("signal").alarm(20)  # a hang ends the child, and the test fails
+    with store.writer("made_in_the_child") as w:  # a new model: a table update
+        w.save({"a": torch.ones(3)}, step=1).result()
+    store.keep("made_in_the_child", 1)
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+go.set()
+t.join()
+assert os.waitstatus_to_exitcode(status) == 0, os.waitstatus_to_exitcode(status)
+assert [v.step for v in store.versions("made_in_the_child")] == [1]
+print("ok")
+'''
+
+
+def test_a_child_forked_during_a_table_update_makes_models_of_its_own(region_path, store):
+    """A thread of the parent inside a table update at the fork (the region's metadata mutex
+    held): the child, which has no such thread, makes and keeps models of its own (it waited
+    forever)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _FORK_DURING_A_TABLE_UPDATE, region_path], capture_output=True,
+                          text=True, timeout=90)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

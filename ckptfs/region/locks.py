@@ -14,10 +14,15 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import struct
 import threading
 import weakref
+
+from ckptfs.errors import CkptfsError
+
+log = logging.getLogger("ckptfs")
 
 _FLOCK = struct.Struct("hhxxxxqqixxxx")  # struct flock on 64-bit Linux
 META_LOCK_OFFSET = 1 << 40
@@ -62,6 +67,7 @@ class LockSpace:
         self._pins_in_child = pins_in_child  # see _after_fork_in_child
         self._flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC
         self._fd = os.open(path, self._flags)
+        self._lost: OSError | None = None  # why a forked child has no descriptor (_after_fork_in_child)
         self._counts: dict[int, int] = {}
         self._inherited: dict[int, int] = {}  # a forked child's references to its parent's locks
         self._mutex = threading.Lock()
@@ -81,16 +87,39 @@ class LockSpace:
         self._mutex = threading.Lock()  # another thread of the parent may have held it: gone here
         if self._fd < 0:
             return
-        # the same file through the inherited descriptor (its path may be relative to a directory
-        # the process has left since, or gone)
-        inherited, self._fd = self._fd, os.open(f"/proc/self/fd/{self._fd}", self._flags)
-        os.close(inherited)  # only this child's reference: the parent's description stays open
         inherited, self._counts = self._counts, {}
+        try:
+            # the same file through the inherited descriptor (its path may be relative to a
+            # directory the process has left since, or gone)
+            own = os.open(f"/proc/self/fd/{self._fd}", self._flags)
+        except OSError as e:
+            # no description of its own (no descriptor left, no /proc): the parent's is let go,
+            # unlocked by nothing here; every reference becomes bookkeeping, and a later lock
+            # here fails (see _descriptor)
+            self._counts = {}
+            for offset, count in inherited.items():
+                self._inherited[offset] = self._inherited.get(offset, 0) + (1 if count == EXCLUSIVE else count)
+            os.close(self._fd)
+            self._fd, self._lost = -1, e
+            log.warning("ckptfs: a forked child could not reopen its region's descriptor (%s); it cannot read "
+                        "versions there", e)
+            return
+        os.close(self._fd)  # only this child's reference: the parent's description stays open
+        self._fd = own
         for offset, count in inherited.items():
             if count != EXCLUSIVE and self._pins_in_child and _fcntl_lock(self._fd, fcntl.F_RDLCK, offset, wait=False):
                 self._counts[offset] = count  # the parent's pin holds off any exclusive lock
             else:
                 self._inherited[offset] = self._inherited.get(offset, 0) + (1 if count == EXCLUSIVE else count)
+
+    def _descriptor(self) -> int:
+        """The descriptor to take a lock through; CkptfsError where there is none."""
+        if self._fd < 0:
+            if self._lost is not None:
+                raise CkptfsError(f"this forked process could not reopen the region ({self._lost}); open a new "
+                                  "ckptfs.Store in it to read the region")
+            raise CkptfsError("this store is closed")
+        return self._fd
 
     def try_shared(self, offset: int) -> bool:
         """Add a reference to a shared lock on ``offset``; False if someone holds it exclusively."""
@@ -101,7 +130,7 @@ class LockSpace:
             if count > 0:
                 self._counts[offset] = count + 1
                 return True
-            if not _fcntl_lock(self._fd, fcntl.F_RDLCK, offset, wait=False):
+            if not _fcntl_lock(self._descriptor(), fcntl.F_RDLCK, offset, wait=False):
                 return False
             self._counts[offset] = 1
             return True
@@ -111,6 +140,7 @@ class LockSpace:
         with self._mutex:
             if self._counts.get(offset, 0) != 0:
                 return False
+            self._descriptor()
             # Reserve it before the (possibly blocking) fcntl, outside the mutex: a pin taken by
             # another thread of this process in between would otherwise be *converted* by the
             # kernel into this exclusive lock (found by tests/test_contention.py).
@@ -153,7 +183,7 @@ class LockSpace:
     def is_locked_by_others(self, offset: int, exclusive: bool = True) -> bool:
         """Whether another description holds a lock that conflicts with ``exclusive``/shared."""
         probe = _FLOCK.pack(fcntl.F_WRLCK if exclusive else fcntl.F_RDLCK, os.SEEK_SET, offset, 1, 0)
-        result = fcntl.fcntl(self._fd, fcntl.F_OFD_GETLK, probe)
+        result = fcntl.fcntl(self._descriptor(), fcntl.F_OFD_GETLK, probe)
         return _FLOCK.unpack(result)[0] != fcntl.F_UNLCK
 
     def close(self) -> None:

@@ -16,6 +16,7 @@ import logging
 import os
 import stat
 import threading
+import weakref
 
 from ckptfs import _native
 from ckptfs.errors import BusyError, CorruptionError, NotFoundError, RegionFormatError, in_words
@@ -57,6 +58,7 @@ class Region(ModelTable, SlotReader):
             self.backend.close()
             raise
         self._meta_mutex = threading.Lock()
+        _regions.add(self)
         self.commits: Subscribers[Committed] = Subscribers("the commits of " + path)
 
     def _backup_superblock_offset(self) -> int:
@@ -219,3 +221,16 @@ class Region(ModelTable, SlotReader):
             self.backend.barrier()
         finally:
             self.pins.release(off)
+
+
+_regions: "weakref.WeakSet[Region]" = weakref.WeakSet()  # every Region opened in this process
+
+
+def _after_fork_in_child() -> None:
+    # a thread of the parent inside a table update (a ring growing its slots) held the mutex at
+    # the fork, and is not in the child: the child's own updates (create, keep, remove) waited forever
+    for region in list(_regions):
+        region._meta_mutex = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
