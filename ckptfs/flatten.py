@@ -163,8 +163,9 @@ class _Walk:
         device, shape = t.device, t.shape
         key = None
         if 0 not in shape:  # not empty
-            # The same first byte, shape, strides and dtype on the same device: the same view, stored once.
-            key = (device, t.data_ptr(), shape, t.stride(), dtype)
+            # The same first byte, shape, strides and dtype on the same device, and the same lazy
+            # conjugate / negative bits (x.conj() is x's memory, read otherwise): the same view, stored once.
+            key = (device, t.data_ptr(), shape, t.stride(), dtype, t.is_conj(), t.is_neg())
             index = self._seen.get(key)
             if index is not None:
                 return index

@@ -208,3 +208,30 @@ def test_a_match_of_many_tensors_starts_no_collection():
         gc.callbacks.remove(count)
     assert flat is not None and len(flat.tensors) == 20000
     assert collections == []
+
+
+def test_a_conjugate_or_negative_view_beside_its_tensor_is_saved_as_its_own_values(store):
+    """``x.conj()`` and ``x._neg_view()`` are x's memory, same address, shape and strides, read
+    otherwise: in one save with x (in either order, and again through the cached plan) each is
+    stored as the values it shows (all three loaded as x's, or x as the conjugate, before)."""
+    x = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    for name, state in (("fwd", {"a": x, "b": x.conj(), "c": x._neg_view()}),
+                        ("rev", {"c": x._neg_view(), "b": x.conj(), "a": x})):
+        with store.writer(name) as w:
+            for step in (1, 2):
+                w.save(state, step=step).result()
+        for step in (1, 2):
+            got = store.load(name, step=step)
+            assert torch.equal(got["a"], x) and torch.equal(got["b"], x.conj().resolve_conj())
+            assert torch.equal(got["c"], x._neg_view().resolve_neg()), (name, step)
+
+
+def test_a_plain_float_that_changes_sign_of_zero_is_saved_as_it_is(store):
+    """-0.0 == 0.0: the cached plan's reuse of an unchanged plain value kept 0.0 for a later -0.0."""
+    import math
+
+    with store.writer("z") as w:
+        for step, value in enumerate((0.0, -0.0, 0.0, -0.0)):
+            w.save({"t": torch.ones(2), "x": value}, step=step).result()
+    signs = [math.copysign(1.0, store.load("z", step=s)["x"]) for s in range(4)]
+    assert signs == [1.0, -1.0, 1.0, -1.0]

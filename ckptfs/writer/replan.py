@@ -12,6 +12,7 @@ skeleton and its JSON encoding are rebuilt from cached pieces for the parts that
 """
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from typing import Any
 
@@ -197,8 +198,9 @@ class Structure:
             return n.node, n.text
         if n.leaf >= 0:
             value, cached = plain[n.leaf], self._plain[n.leaf]
-            if n.leaf_type is None and value == cached and type(value) is type(cached) and value == value:
-                return n.node, n.text
+            if n.leaf_type is None and value == cached and type(value) is type(cached) and value == value and (
+                    type(value) is not float or math.copysign(1.0, value) == math.copysign(1.0, cached)):
+                return n.node, n.text  # not NaN, nor a zero of the other sign (-0.0 == 0.0)
             node = plain_node(value)
             return node, dumps_compact(node)
         built = [self._rebuild(c, plain) for c in n.children]
