@@ -34,7 +34,7 @@ from ckptfs import leaves
 from ckptfs.errors import CkptfsError, MalformedInputError, UnsupportedObjectError
 from ckptfs.flatten import DTYPES
 from ckptfs.manifest import check_skeleton, expected_nbytes, map_tensor_refs, unflatten
-from ckptfs.views.safetensors import SAFETENSORS_DTYPES, SKELETON_KEY
+from ckptfs.views.safetensors import ALIASES_KEY, SAFETENSORS_DTYPES, SKELETON_KEY
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ def nested(path: str, tensors: "OrderedDict[str, torch.Tensor]", metadata: dict[
     any other file, or for one whose tensors no longer match its skeleton (with a warning)."""
     text = metadata.get(SKELETON_KEY)
     if text is None:
-        return tensors
+        return with_aliases(path, tensors, metadata)
     position = {name: i for i, name in enumerate(tensors)}
     used: set[int] = set()
 
@@ -210,6 +210,28 @@ def nested(path: str, tensors: "OrderedDict[str, torch.Tensor]", metadata: dict[
                     "flat, by name", path, len(position) - len(used), SKELETON_KEY)
         return tensors
     return unflatten(skeleton, list(tensors.values()))
+
+
+def with_aliases(path: str, tensors: "OrderedDict[str, torch.Tensor]", metadata: dict[str, str]
+                 ) -> "OrderedDict[str, torch.Tensor]":
+    """``tensors`` with the names that the file's ``__metadata__["ckptfs.aliases"]`` gives to
+    another of them back, each the same tensor (the tie kept): a ckptfs ``<key>.safetensors`` or
+    ``hf/model.safetensors`` stores tied weights once (an import dropped the other names)."""
+    text = metadata.get(ALIASES_KEY)
+    if text is None:
+        return tensors
+    try:
+        aliases = json.loads(text, object_pairs_hook=_no_duplicates)
+    except (ValueError, MalformedInputError) as exc:
+        raise _reject(path, f"__metadata__[{ALIASES_KEY!r}] is damaged ({exc})") from None
+    if not isinstance(aliases, dict) or not all(
+            isinstance(alias, str) and isinstance(name, str) and alias not in tensors and name in tensors
+            for alias, name in aliases.items()):
+        raise _reject(path, f"__metadata__[{ALIASES_KEY!r}] must map names the file does not hold to names it holds")
+    out = OrderedDict(tensors)
+    for alias, name in aliases.items():
+        out[alias] = tensors[name]
+    return out
 
 
 _SAFE_GLOBALS_LOCK = threading.Lock()
@@ -333,6 +355,36 @@ def hf_directory(path: str) -> tuple[list[str], dict[str, str] | None, dict[str,
     return files, weight_map, extra
 
 
+VERSION_FILES = ("state.safetensors", "checkpoint.pt")  # a version's whole object, by preference
+
+
+def version_directory(path: str) -> tuple[list[str], dict[str, str]] | None:
+    """Where ``path`` is a ckptfs version directory (the mount's, or ``ckptfs export``'s: a
+    ``metadata.json`` beside the whole object's file): ([that file], {name: text} of the extra
+    files its metadata lists); else None. Read as a Hugging Face directory, such a directory
+    gave its ``model.safetensors`` alone (the optimizer state and plain values were dropped)."""
+    meta_path = os.path.join(path, "metadata.json")
+    whole = next((os.path.join(path, n) for n in VERSION_FILES if os.path.isfile(os.path.join(path, n))), None)
+    if whole is None or not os.path.isfile(meta_path):
+        return None
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            names = json.load(f, object_pairs_hook=_no_duplicates).get("files", [])
+    except (OSError, ValueError, AttributeError, MalformedInputError) as exc:
+        raise _reject(meta_path, f"not a version's metadata ({exc})") from None
+    if not isinstance(names, list) or not all(
+            isinstance(n, str) and n and os.path.basename(n) == n and n not in (".", "..") for n in names):
+        raise _reject(meta_path, "its files must be names of files in its directory")
+    extra = {}
+    for name in names:
+        try:
+            with open(os.path.join(path, name), encoding="utf-8") as f:
+                extra[name] = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise _reject(os.path.join(path, name), f"unreadable ({exc})") from None
+    return [whole], extra
+
+
 def _load_weights(files: list[str], weight_map: dict[str, str] | None, fmt: str | None, sources: list) -> Any:
     """The object of one weight file, or the tensors of several shards merged by name (each
     shard holding exactly what ``weight_map`` says it does). Safetensors files opened here are
@@ -370,8 +422,9 @@ def import_file(store, model: str, path: str, *, step: int | None = None, fmt: s
                 key: str | None = None):
     """Import ``path`` as version ``step`` of ``model`` (default: one past the latest step, or 0)
     and wait until it is durable. Returns the new VersionInfo. ``path``: a safetensors or torch
-    file, or a Hugging Face model directory (``hf_directory``: its shards merged into one state,
-    its config.json kept, so that the mount shows the version's ``hf/``).
+    file, a ckptfs version directory (``version_directory``: the whole object, with its extra
+    files), or a Hugging Face model directory (``hf_directory``: its shards merged into one
+    state, its config.json kept, so that the mount shows the version's ``hf/``).
 
     ``key`` nests the imported tensors under that top-level key (``{key: tensors}``), e.g.
     ``model`` so that the mount shows ``model.safetensors``. Raises MalformedInputError /
@@ -381,7 +434,11 @@ def import_file(store, model: str, path: str, *, step: int | None = None, fmt: s
         if fmt is not None:
             raise CkptfsError(f"{path}: a directory; the format applies to a file (each of its files is "
                               "recognized by its name)")
-        files, weight_map, extra = hf_directory(path)
+        version = version_directory(path)
+        if version is not None:
+            (files, extra), weight_map = version, None
+        else:
+            files, weight_map, extra = hf_directory(path)
     elif os.path.isfile(path):
         files, weight_map, extra = [path], None, None
     else:

@@ -1,6 +1,7 @@
 """The ``ckptfs`` command: every subcommand, its errors (one line, non-zero, no traceback), and
 imports of malformed or hostile files, which must leave the region untouched."""
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -765,3 +766,36 @@ def test_readme_steps_for_mount8(toy_region, tmp_path):
                 with open(path, "wb") as f:
                     f.write(old)
                 os.chmod(path, 0o755)
+
+
+def test_import_gives_back_what_export_wrote_ties_directories_and_extra_files(tmp_path):
+    """A ckptfs <key>.safetensors stores tied weights once and names the others in its
+    __metadata__ (ckptfs.aliases): imported, they come back tied (they were dropped). A
+    directory that `ckptfs export` wrote (a version directory) imports its whole object and its
+    extra files (it was read as a Hugging Face directory: model.safetensors alone, the optimizer
+    state and plain values dropped, with a success message)."""
+    region = str(tmp_path / "r.region")
+    ckptfs.Store.create(region, 64 << 20).close()
+    w = torch.randn(8, 4)
+    state = {"model": {"emb.weight": w, "head.weight": w, "b": torch.ones(3)}, "optim": {"m": torch.randn(5)},
+             "epoch": 7}
+    with ckptfs.Store(region) as store, store.writer("src") as wr:
+        wr.save(state, step=5, extra={"config.json": {"n": 1}, "notes.txt": "hi"}).result()
+    run = functools.partial(subprocess.run, capture_output=True, text=True, timeout=120)
+    for args in (["export", "--region", region, "src", "--key", "model", str(tmp_path / "model.safetensors")],
+                 ["import", "--region", region, "--key", "model", "tied", str(tmp_path / "model.safetensors")],
+                 ["export", "--region", region, "src", str(tmp_path / "out") + "/"],
+                 ["import", "--region", region, "whole", str(tmp_path / "out")]):
+        done = run([sys.executable, "-m", "ckptfs.cli", *args])
+        assert done.returncode == 0, (args, done.stderr)
+    with ckptfs.Store(region) as store:
+        tied = store.load("tied")["model"]
+        assert set(tied) == {"b", "emb.weight", "head.weight"}
+        assert torch.equal(tied["head.weight"], w) and tied["head.weight"].data_ptr() == tied["emb.weight"].data_ptr()
+        whole = store.load("whole")
+        assert whole["epoch"] == 7 and torch.equal(whole["optim"]["m"], state["optim"]["m"])
+        assert torch.equal(whole["model"]["head.weight"], w)
+        with store.open_version("whole") as v:
+            files = dict(v.manifest.files)
+        assert set(files) == {"config.json", "notes.txt"} and files["notes.txt"] == "hi"
+        assert json.loads(files["config.json"]) == {"n": 1}

@@ -146,9 +146,11 @@ def _export_file(view, data, dest: str) -> int:
 def import_(region, step, fmt, key, model, file):
     """Import FILE (.safetensors, or a torch.save file) as a new version of MODEL.
 
-    FILE may be a Hugging Face model directory (save_pretrained's: model.safetensors, or its
-    shards and their index; pytorch_model.bin too): its tensors become one version, its
-    config.json is kept with it (the mount shows it as hf/, for from_pretrained).
+    FILE may be a directory: a version directory of the mount or of `ckptfs export` (its whole
+    object, state.safetensors or checkpoint.pt, and the extra files its metadata.json lists), or
+    a Hugging Face model directory (save_pretrained's: model.safetensors, or its shards and their
+    index; pytorch_model.bin too): its tensors become one version, its config.json is kept with
+    it (the mount shows it as hf/, for from_pretrained).
 
     The input is validated completely first; malformed or hostile input is refused with nothing
     written. Torch files are read with torch.load(weights_only=True)."""
