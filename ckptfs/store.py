@@ -490,6 +490,7 @@ class Store:
         (CkptfsError, nothing removed, where one is gone: see docs/DISTRIBUTED.md)."""
         from ckptfs.dist import parts
 
+        self.region.check_writable("changed")
         v, is_latest = self._find(model, step)
         saves = [v] + list(reversed(hidden_by(self.region.committed(v.entry), step, v.header.counter)))
         # the parts of a multi-rank version (read before it goes), given back once it is gone
@@ -533,6 +534,7 @@ class Store:
         as ``unkeep``'s."""
         from ckptfs.dist.parts import keep_parts
 
+        self.region.check_writable("changed")
         keep_parts(self, model, step, counter)  # nothing for a model without part models
         self._set_kept(model, step, True, counter)
 
@@ -543,6 +545,7 @@ class Store:
         self._set_kept(model, step, False, counter)
 
     def _set_kept(self, model: str, step: int, kept: bool, counter: int | None = None) -> None:
+        self.region.check_writable("changed")
         for _ in range(PIN_RETRIES):
             v, _ = self._find(model, step, counter)
             if mark_kept(self.region, v, kept):
@@ -556,6 +559,7 @@ class Store:
         this process keeps for DCP saves of them are closed first, unless a save is in flight."""
         from ckptfs.dist.names import part_models
 
+        self.region.check_writable("changed")
         storage = sys.modules.get("ckptfs.dist.storage")  # never imported: no such writers (nor torch)
         if storage is not None:
             storage.close_idle_writers(self, [model, *part_models(self, model)])

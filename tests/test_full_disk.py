@@ -104,6 +104,13 @@ def test_a_filesystem_that_goes_read_only_under_a_running_writer(tmp_path):
             assert not again.region.writable and again.load("m")["w"][0] == 1.0
             with pytest.raises(CkptfsError, match="Read-only file system"):
                 again.writer("m")
+        # the changes of the command line, each one line in words (they said "Bad file descriptor")
+        for args in (["rm", "m", "1"], ["keep", "m", "1"], ["unkeep", "m", "1"], ["rm", "--all", "m"]):
+            done = subprocess.run(["ckptfs", *args, "--region", path], capture_output=True, text=True, timeout=60)
+            assert done.returncode == 1, (args, done.stderr)
+            assert re.fullmatch(r"ckptfs: error: .*is open read-only \(Read-only file system\): it can be read, not "
+                                r"changed; make its filesystem writable and open the store again\n", done.stderr), \
+                (args, done.stderr)
 
 
 @pytest.mark.fuse

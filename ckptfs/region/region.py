@@ -19,7 +19,7 @@ import threading
 import weakref
 
 from ckptfs import _native
-from ckptfs.errors import BusyError, CorruptionError, NotFoundError, RegionFormatError, in_words
+from ckptfs.errors import BusyError, CkptfsError, CorruptionError, NotFoundError, RegionFormatError, in_words
 from ckptfs.region.backend import Backend, aligned_buffer, open_backend
 from ckptfs.region.format import (COUNTER_MAX, COUNTER_WORD_OFFSET, LATEST_WORD_OFFSET, SLOT_COMMITTED,
                                   SLOT_HEADER_BYTES, SUPERBLOCK_BYTES, ModelEntry, Superblock, unpack_latest)
@@ -60,6 +60,16 @@ class Region(ModelTable, SlotReader):
         self._meta_mutex = threading.Lock()
         _regions.add(self)
         self.commits: Subscribers[Committed] = Subscribers("the commits of " + path)
+
+    def check_writable(self, what: str) -> None:
+        """CkptfsError, in one line, where the region is open read-only: it cannot be ``what``
+        ("saved to", "changed")."""
+        if self.writable:
+            return
+        why = self.read_only_reason
+        raise CkptfsError(f"{self.path} is open read-only" + (
+            f" ({why}): it can be read, not {what}; make its filesystem writable and open the store again" if why
+            else f": it can be read, not {what}; open the store writable"))
 
     def _backup_superblock_offset(self) -> int:
         return self.backend.size_bytes - SUPERBLOCK_BYTES

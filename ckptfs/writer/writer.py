@@ -88,11 +88,7 @@ class Writer:
             check_positive("keep_every", keep_every)
         if staging_budget_bytes is not None and staging_budget_bytes < chunk_bytes:
             raise ValueError(f"staging_budget_bytes={staging_budget_bytes} is smaller than one chunk ({chunk_bytes})")
-        if not region.writable:
-            why = region.read_only_reason
-            raise CkptfsError(f"{region.path} is open read-only" + (f" ({why}): it can be read, not saved to; "
-                              "make its filesystem writable and open the store again" if why else
-                              "; open the store writable to save"))
+        region.check_writable("saved to")
         self.region = region
         self.model = model
         self.max_inflight = max_inflight
