@@ -12,14 +12,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from ckptfs.errors import (BusyError, CkptfsError, CorruptionError, NotFoundError, PartGoneError,
-                           RegionFormatError, in_words, no_step, no_version_yet)
+                           RegionFormatError, RegionFullError, in_words, no_step, no_version_yet)
 from ckptfs.manifest import Manifest
 from ckptfs.region.format import COUNTER_MAX, SUPERBLOCK_BYTES, Superblock
 from ckptfs.region.holders import lock_holders
 from ckptfs.region.locks import model_lock_offset, slot_lock_offset
 from ckptfs.region.region import Region, SlotVersion
 from ckptfs.region.slots import hidden_by
-from ckptfs.region.ring import latest_after_removal, mark_kept
+from ckptfs.region.ring import latest_after_removal, mark_kept, room_after_keeping
 from ckptfs.writer.progress import read_progress
 
 if TYPE_CHECKING:  # the reader and the writer need torch, which listing a region does not
@@ -206,8 +206,12 @@ class Store:
 
         refuse_part_name(model)
         if group is not None:
-            from ckptfs.dist.writer import DistWriter
+            from ckptfs.dist.writer import DIST_OPTIONS, DistWriter
 
+            other = sorted(set(options) - set(DIST_OPTIONS))
+            if other:
+                raise TypeError(f"store.writer(..., group=) takes {', '.join(DIST_OPTIONS)}, not {', '.join(other)}: "
+                                "a multi-rank writer's parts are sized and chunked by ckptfs")
             return DistWriter(self, model, group=group, **options)
         from ckptfs.writer.writer import Writer
 
@@ -526,30 +530,40 @@ class Store:
                     python=f"store.remove({model!r}, {t}) first", cli=f"`ckptfs rm --allow-latest {model} {t} "
                     f"{latest.header.step}`")) from None
 
-    def keep(self, model: str, step: int, *, counter: int | None = None) -> None:
+    def keep(self, model: str, step: int, *, counter: int | None = None) -> bool:
         """Keep a version (a milestone): the ring never reuses its slot until ``unkeep`` or
-        ``remove``; the model takes another slot from free space in its place. A multi-rank (DCP)
+        ``remove``; the model takes another slot from free space in its place (RegionFullError,
+        nothing kept, where it would be left no slot to save into). A multi-rank (DCP)
         version's parts in this region are kept with it (CkptfsError, nothing kept, where one is
         gone already); after its ``unkeep`` they go back at the model's next commit. ``counter``:
-        as ``unkeep``'s."""
+        as ``unkeep``'s. Returns whether it was not kept before."""
         from ckptfs.dist.parts import keep_parts
 
         self.region.check_writable("changed")
+        v, _ = self._find(model, step, counter)
+        if not v.header.kept and not room_after_keeping(self.region, v):
+            raise RegionFullError(
+                f"keeping step {step} of {model!r} would leave it no slot to save into (its others hold its latest "
+                f"or kept versions) and {self.region.path} has no room for another; unkeep or remove another "
+                "version of it first, or remove other models: " + in_words(
+                    python="Store.unkeep / Store.remove / Store.remove_model",
+                    cli="`ckptfs unkeep` / `ckptfs rm`"))
         keep_parts(self, model, step, counter)  # nothing for a model without part models
-        self._set_kept(model, step, True, counter)
+        return self._set_kept(model, step, True, counter)
 
-    def unkeep(self, model: str, step: int, *, counter: int | None = None) -> None:
+    def unkeep(self, model: str, step: int, *, counter: int | None = None) -> bool:
         """Give a kept version back to the ring (it is reused once it is older than the versions
         the ring keeps). ``counter``: of a step saved twice, that save's version (one that
-        ``versions(hidden=True)`` lists); else the newer."""
-        self._set_kept(model, step, False, counter)
+        ``versions(hidden=True)`` lists); else the newer. Returns whether it was kept."""
+        return self._set_kept(model, step, False, counter)
 
-    def _set_kept(self, model: str, step: int, kept: bool, counter: int | None = None) -> None:
+    def _set_kept(self, model: str, step: int, kept: bool, counter: int | None = None) -> bool:
+        """Set the version's kept flag; whether that changed it."""
         self.region.check_writable("changed")
         for _ in range(PIN_RETRIES):
             v, _ = self._find(model, step, counter)
             if mark_kept(self.region, v, kept):
-                return
+                return v.header.kept != kept
         raise no_step(model, step)
 
     def remove_model(self, model: str) -> None:
@@ -562,7 +576,7 @@ class Store:
         self.region.check_writable("changed")
         storage = sys.modules.get("ckptfs.dist.storage")  # never imported: no such writers (nor torch)
         if storage is not None:
-            storage.close_idle_writers(self, [model, *part_models(self, model)])
+            storage.close_idle_writers(self, model)
         self.region.remove_model(model)
 
         busy = []

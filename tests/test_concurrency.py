@@ -289,16 +289,37 @@ def test_several_processes_write_different_models(region_path, store):
         assert a.end <= b.offset
 
 
-def test_two_writers_same_model_keep_counter_order(store):
-    with store.writer("shared", max_inflight=2, slots=6) as w1, store.writer("shared", max_inflight=2) as w2:
-        futs = []
-        for step in range(10):
-            futs.append((w1 if step % 2 else w2).save(state(step), step=step))
-        results = [f.result() for f in futs]
-    counters = [r.counter for r in results]
-    assert len(set(counters)) == 10
-    latest = store.latest("shared")
-    assert latest.counter == max(counters)
+def test_one_writer_per_model_in_this_process_or_another(store, region_path, monkeypatch):
+    """A second writer of a model, in this process or another, is refused while the first is
+    open, naming the process that holds it (two writers took counters each in its own order:
+    with async saves the latest went back a step, and a resumed job beside its zombie interleaved
+    their versions); once the first closes, the second saves and is latest."""
+    import os
+    import subprocess
+    import sys
+
+    import ckptfs.region.ring as ring_module
+
+    monkeypatch.setattr(ring_module, "MODEL_WAIT_S", 0.2)
+    with store.writer("shared", max_inflight=2) as w1:
+        w1.save(state(1), step=1).result()
+        with pytest.raises(ckptfs.errors.BusyError, match=rf"'shared' has a writer open in .*pid {os.getpid()}.*one "
+                                                          "writer per model"):
+            store.writer("shared")
+        other = subprocess.run(
+            [sys.executable, "-c", "import sys, ckptfs, ckptfs.region.ring as r\nr.MODEL_WAIT_S = 0.2\n"
+             "try:\n    ckptfs.Store(sys.argv[1]).writer('shared')\nexcept ckptfs.errors.BusyError as e:\n"
+             "    print(e)", region_path], capture_output=True, text=True, timeout=60)
+        assert f"pid {os.getpid()}" in other.stdout and "one writer per model" in other.stdout, other.stderr
+        fresh = store.writer("fresh")  # a new model's second writer is refused at its first save
+        with store.writer("fresh") as first:
+            first.save(state(1), step=1).result()
+            with pytest.raises(ckptfs.errors.BusyError, match="one writer per model"):
+                fresh.save(state(2), step=2)
+        fresh.close()
+    with store.writer("shared") as w2:
+        assert w2.save(state(2), step=2).result().published
+    assert store.latest("shared").step == 2
 
 
 def test_load_while_saving_sees_complete_versions(store):

@@ -101,6 +101,33 @@ def test_all_slots_pinned_in_a_full_region_gives_busy_in_bounded_time(store):
     pins[0].close()
 
 
+def test_keeping_in_a_full_region_is_refused_where_it_leaves_no_slot_to_save_into(store):
+    """In a full region, keeping versions until the model has no slot but its latest: the keep
+    that would do so is refused, nothing kept (it said "kept", and the job's next save waited
+    timeout_s, then BusyError). Where saves keep versions themselves (keep_every) until every
+    slot is latest or kept, a save fails at once with RegionFullError saying what to unkeep,
+    not after timeout_s."""
+    with store.writer("m", max_inflight=1, slots=3) as w:
+        for s in (1, 2, 3):
+            w.save(state(s), s).result()
+    fill_region(store)
+    store.keep("m", 1)
+    with pytest.raises(RegionFullError, match=r"keeping step 2 of 'm' would leave it no slot to save into.*unkeep"):
+        store.keep("m", 2)
+    assert [v.step for v in store.versions("m") if v.kept] == [1]
+    store.keep("m", 1)  # kept already: nothing changes
+    with store.writer("m", max_inflight=1, timeout_s=30) as w:
+        w.save(state(4), 4).result()  # into 2's slot, the one keep left
+        w.save(state(5), 5, keep=True).result()  # into 3's
+        w.save(state(6), 6, keep=True).result()  # into 4's: every slot is latest or kept now
+        t0 = time.monotonic()
+        with pytest.raises(RegionFullError, match=r"every slot of 'm' holds its latest or a kept version.*unkeep"):
+            w.save(state(7), 7)
+        assert time.monotonic() - t0 < 10
+    assert store.latest("m").step == 6 and [v.step for v in store.versions("m") if v.kept] == [1, 5, 6]
+    _intact(store, "m", [1, 5, 6])
+
+
 def test_a_refused_save_raises_once_even_while_its_failure_is_still_being_delivered(store, monkeypatch):
     """The claim runs beside the snapshot, and a refused claim fails the save on a persist thread
     too: ``save`` raises the refusal, and closing the writer afterwards does not raise it again,

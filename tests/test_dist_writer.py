@@ -105,6 +105,11 @@ def _train_and_save(rank, world, region, out, device="cpu"):
                 assert futures[-1].snapshotted.done()
         results = [f.result() for f in futures]
     assert [r.step for r in results] == [1, 2, 3, 4] and all(r.durable_s > 0 for r in results)
+    # closed, the writer leaves no writer of its parts open in this process (they held the rank's
+    # last saved tensors, their threads and the model, which `ckptfs rm --all` refused, until
+    # the store closed)
+    from ckptfs.dist import storage
+    assert not [key for key, kept in storage._writers.items() if key[0] == store.path and not kept._closed]
     dcp_utils._DistWrapper.__init__ = real_init
     # one dcp.save planned (the later saves reuse its plan); a group of one rank plans without
     # collectives: DCP pickling its plans to gather them from itself was half of a first save
@@ -650,3 +655,17 @@ def test_a_node_that_cannot_read_the_step_fails_every_rank_at_once(tmp_path):
         with ckptfs.Store.create(region, size_bytes=64 << 20) as store, store.writer("m") as w:
             w.save({"w": torch.ones(4), "pair": pair}, step=5).result()
     run_ranks(_load_where_one_node_cannot, 2, regions)
+
+
+def test_single_process_options_given_with_group_are_named(store):
+    """store.writer(..., group=) with an option of the single-process writer (slots=, chunk_bytes=)
+    says which options it takes (a bare TypeError from DistWriter's constructor before), and
+    DistWriter's own list of them is its signature's."""
+    import inspect
+
+    from ckptfs.dist.writer import DIST_OPTIONS, DistWriter
+
+    params = inspect.signature(DistWriter.__init__).parameters
+    assert tuple(p for p in params if params[p].kind is inspect.Parameter.KEYWORD_ONLY and p != "group") == DIST_OPTIONS
+    with pytest.raises(TypeError, match=r"takes max_inflight, timeout_s, keep_every, not chunk_bytes, slots"):
+        store.writer("m", group=object(), slots=10, chunk_bytes=1 << 20)

@@ -90,26 +90,32 @@ def test_a_reader_sees_the_newest_complete_version_as_latest_without_writing(sto
     assert unpack_latest(store.region.latest_word(entry))[0] == listed[1].counter
 
 
-def test_a_version_mid_commit_elsewhere_is_not_rolled_forward(store, monkeypatch):
-    """A ring opened while another writer's version has its header but not yet its CAS leaves it
-    to that writer, which then reports it published."""
+def test_no_ring_opens_beside_a_writer_mid_commit(store, monkeypatch):
+    """A ring opened while a writer's version has its header but not yet its CAS would find a
+    version to roll forward that is that writer's: no second ring opens on a model while its
+    writer is open (BusyError), and the writer then reports its version published."""
+    import ckptfs.region.ring as ring_module
     from ckptfs.region.ring import Ring
 
+    monkeypatch.setattr(ring_module, "MODEL_WAIT_S", 0.2)
     with store.writer("m") as w:
         w.save(state(1), step=1).result()
-    seen = []
+    refused = []
     original = Ring.publish
 
-    def publish_after_another_ring_opened(self, counter, slot):
+    def publish_after_another_ring_tried(self, counter, slot):
         entry = store.region.get("m")
-        store.region.ring(entry, timeout_s=1).close()
-        seen.append(unpack_latest(store.region.latest_word(entry))[0])  # the pointer: not moved by it
+        try:
+            store.region.ring(entry, timeout_s=1).close()
+        except ckptfs.errors.BusyError as e:
+            refused.append(str(e))
         return original(self, counter, slot)
 
-    monkeypatch.setattr(Ring, "publish", publish_after_another_ring_opened)
+    monkeypatch.setattr(Ring, "publish", publish_after_another_ring_tried)
     with store.writer("m") as w:
         assert w.save(state(2), step=2).result().published is True
-    assert seen == [1] and store.latest("m").step == 2  # counter 1 was step 1's
+    assert len(refused) == 1 and "one writer per model" in refused[0]
+    assert store.latest("m").step == 2
 
 
 def test_abort_gives_the_slot_back(store):

@@ -37,7 +37,7 @@ from torch.futures import Future
 from ckptfs.dist import parts
 from ckptfs.dist.codec import PlacedMetadata, encode_index, encode_metadata
 from ckptfs.dist.group import Arrival, check_agreement, coordination, exchange, meet_before_dcp, this_rank
-from ckptfs.dist.names import METADATA_FILE, part_model, refuse_part_name
+from ckptfs.dist.names import METADATA_FILE, part_model, part_models, refuse_part_name
 from ckptfs.dist.resolve import Resolved, resolve_items
 from ckptfs.errors import CkptfsError
 from ckptfs.writer.writer import Writer
@@ -334,11 +334,13 @@ def _kept_writer(store, model: str, max_inflight: int, give_back_hidden: bool = 
         return w
 
 
-def close_idle_writers(store, models: list[str]) -> None:
-    """Close the writers this process keeps for ``models`` of ``store``'s region (``_kept_writer``)
-    that have no save in flight: before a removal of the model (an open writer keeps it from
-    being removed); one with a save in flight stays (the removal is refused)."""
+def close_idle_writers(store, model: str) -> None:
+    """Close the writers this process keeps for ``model`` and its part models in ``store``'s
+    region (``_kept_writer``) that have no save in flight: before a removal of the model (an
+    open writer keeps it from being removed), and at a DistWriter's close; one with a save in
+    flight stays (the removal is refused)."""
     with _writers_lock:
+        models = {model, *part_models(store, model, [name for _, name in _writers])}
         idle = [(key, w) for key, w in _writers.items()
                 if key[0] == store.path and key[1] in models and not w._closed and not w.saves_in_flight()]
         for key, _ in idle:

@@ -39,7 +39,7 @@ from ckptfs.dist.codec import encode_metadata
 from ckptfs.dist.group import Arrival, check_agreement, coordination, exchange, this_rank, world_size
 from ckptfs.dist.reader import StorageReader
 from ckptfs.dist.resolve import ItemResolver, resolve_items
-from ckptfs.dist.storage import StorageWriter, write_results
+from ckptfs.dist.storage import StorageWriter, close_idle_writers, write_results
 from ckptfs.dist.structure import describe, matches
 from ckptfs.errors import BusyError, CkptfsError
 from ckptfs.gcpause import paused_gc
@@ -110,6 +110,9 @@ class _Written:
     tensors: list
     part: Future  # the part's SaveFuture (or a failed future: the commit tells every rank)
     metadata: object  # as StorageWriter.commit's
+
+
+DIST_OPTIONS = ("max_inflight", "timeout_s", "keep_every")  # DistWriter's options (store.writer checks them)
 
 
 class DistWriter:
@@ -290,13 +293,18 @@ class DistWriter:
                 pass
 
     def close(self) -> None:
-        """Wait for the saves in flight, then stop; a closed writer refuses saves."""
+        """Wait for the saves in flight, then stop; a closed writer refuses saves. The writers of
+        the rank's part (and the global record) that this process keeps for the saves close too,
+        where idle: left open, they held the rank's last saved tensors, their threads and the
+        model (``ckptfs rm --all`` refused) until the store closed."""
         if self._closed:
             return
         self._closed = True
         self._snapshots.shutdown(wait=True)
         self.wait()
         self._commits.shutdown(wait=True)
+        if self._pid == os.getpid() and self.store is not None:
+            close_idle_writers(self.store, self.model)
 
     def __enter__(self) -> "DistWriter":
         return self

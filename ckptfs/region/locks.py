@@ -26,7 +26,7 @@ log = logging.getLogger("ckptfs")
 
 _FLOCK = struct.Struct("hhxxxxqqixxxx")  # struct flock on 64-bit Linux
 META_LOCK_OFFSET = 1 << 40
-MODEL_LOCK_BASE = META_LOCK_OFFSET + 1  # + a model's index: held shared by each ring open on it
+MODEL_LOCK_BASE = META_LOCK_OFFSET + 1  # + a model's index: held exclusively by the ring open on it
 SLOT_LOCK_BASE = 1 << 41
 SLOT_LOCK_STRIDE = 1 << 16
 EXCLUSIVE = -1  # LockSpace._counts value of a byte held exclusively
@@ -37,7 +37,8 @@ def slot_lock_offset(model_index: int, slot: int) -> int:
 
 
 def model_lock_offset(model_index: int) -> int:
-    """The byte a writer's ring holds shared while open, and a removal of the model exclusively."""
+    """The byte a model's writer's ring holds exclusively while open (one writer per model), and
+    a removal of the model for as long as it looks at the slots."""
     return MODEL_LOCK_BASE + model_index
 
 

@@ -45,6 +45,7 @@ from ckptfs.region.backend import aligned_buffer
 from ckptfs.region.extents import KEPT, Extents
 from ckptfs.region.format import (HEADER_COPY_OFFSETS, PAGE_BYTES, SLOT_COMMITTED, SLOT_HEADER_BYTES, SLOT_KEPT,
                                   SLOT_WRITING, ModelEntry, SlotHeader, pack_latest, slot_layout, unpack_latest)
+from ckptfs.region.holders import lock_holders
 from ckptfs.region.locks import LockSpace, model_lock_offset, slot_lock_offset
 from ckptfs.region.slots import SlotVersion, hidden_by
 
@@ -94,8 +95,9 @@ class Ring:
         # pins (OFD locks of one description never conflict in the kernel).
         # (a writer's, not a forked child's: its claims and the model stay with the parent's threads)
         self._claims = LockSpace(region.path, writable=True, pins_in_child=False)
-        # Open, the ring keeps the model from being removed (Region.remove_model): a training
-        # job's writer between two saves holds no slot, and its next save found no model.
+        # Open, the ring keeps the model from being removed (Region.remove_model: a training
+        # job's writer between two saves holds no slot, and its next save found no model) and
+        # from a second writer (see _hold_model).
         try:
             self._hold_model(entry)
             self._open(entry)
@@ -104,13 +106,20 @@ class Ring:
             raise
 
     def _hold_model(self, entry: ModelEntry) -> None:
-        """Take the model's lock byte shared. A removal holds it exclusively for as long as it
-        looks at the slots (ms, then the model is gone or the removal refused): wait that out,
-        then NotFoundError if the model went."""
+        """Take the model's lock byte exclusively: one writer per model, in this process or any
+        (two writers of one model took counters each in its own order, and the latest went back
+        a step: a resumed job and its zombie, two writers in one script), and no removal while
+        it is open. A removal holds the byte for as long as it looks at the slots (ms, then the
+        model is gone or the removal refused): wait that out, then NotFoundError if the model
+        went; BusyError naming the process whose writer holds it."""
+        offset = model_lock_offset(entry.index)
         deadline = time.monotonic() + MODEL_WAIT_S
-        while not self._claims.try_shared(model_lock_offset(entry.index)):
+        while not self._claims.try_exclusive(offset):
             if time.monotonic() > deadline:
-                raise BusyError(f"model {entry.name!r} is being removed by another process; try again")
+                holders = lock_holders(self.region.path).get(offset, [])
+                who = ", ".join(f"{command} (pid {pid})" for pid, command, _ in holders) or "another process"
+                raise BusyError(f"model {entry.name!r} has a writer open in {who}: one writer per model; close it "
+                                "(or stop that job) first, or save under another name")
             time.sleep(CLAIM_POLL_S)
         self.region.reload(entry)  # NotFoundError if it was removed meanwhile
 
@@ -187,12 +196,20 @@ class Ring:
                     continue
                 except RegionFullError as e:
                     full, full_until = e, now + GROW_RETRY_S
-                    if short and fits:  # no room for the ring's share: make do with its other slots
-                        continue
                     if not fits:
                         raise CheckpointTooLargeError(
                             f"this checkpoint of {entry.name!r} needs slots of {_mib(need)}, larger than its "
                             f"{_mib(entry.slot_bytes)}, and {e}") from None
+                    self._forget_ages()
+                    if not self._candidates(entry, need):
+                        # every slot latest or kept: only an unkeep or a removal changes that, not
+                        # waiting (each save waited timeout_s for nothing)
+                        raise RegionFullError(
+                            f"every slot of {entry.name!r} holds its latest or a kept version, and {e}; unkeep or "
+                            "remove a version of it: " + in_words(python="Store.unkeep / Store.remove",
+                                                                   cli="`ckptfs unkeep` / `ckptfs rm`")) from None
+                    if short:  # no room for the ring's share: make do with its other slots
+                        continue
             if now > deadline:
                 raise BusyError(f"every slot of {entry.name!r} is latest, kept, pinned by a reader or being written "
                                 f"after waiting {self.timeout_s} s, and {full}; close readers (open files in the "
@@ -204,10 +221,8 @@ class Ring:
         """Lock the free slot of at least ``need`` bytes holding the oldest version, or None;
         with the entry as of the lock and the slot's header (no other process writes it while
         the claim is held)."""
-        latest_slot = self._latest_slot()
         ages = self._slot_ages(entry)
-        free = [s for s in entry.slots() if entry.slot_size(s) >= need and s != latest_slot and ages[s] != KEPT]
-        for slot in sorted(free, key=ages.__getitem__):
+        for slot in sorted(self._candidates(entry, need), key=ages.__getitem__):
             lock = slot_lock_offset(entry.index, slot)
             if not self._claims.try_exclusive(lock):
                 continue
@@ -222,6 +237,12 @@ class Ring:
                 continue
             return now, slot, header
         return None
+
+    def _candidates(self, entry: ModelEntry, need: int) -> list[int]:
+        """The slots of ``entry`` a version of ``need`` bytes may take once free: large enough,
+        neither latest nor kept (pinned or being written, or not)."""
+        latest_slot, ages = self._latest_slot(), self._slot_ages(entry)
+        return [s for s in entry.slots() if entry.slot_size(s) >= need and s != latest_slot and ages[s] != KEPT]
 
     def give_back_hidden(self, step: int, counter: int) -> tuple[list[SlotVersion], int]:
         """After the commit of version ``counter`` of ``step``: the kept versions of the same step
@@ -498,6 +519,25 @@ def mark_kept(region, version, kept: bool) -> bool:
             return True
     finally:
         region.unpin(version)
+
+
+def room_after_keeping(region, version) -> bool:
+    """Whether ``version``'s model can still save once ``version`` is kept: it has another slot
+    of its size that is neither latest nor kept, or the region has room for one more."""
+    entry = region.reload(version.entry)
+    latest = region.latest(entry)
+    for slot in entry.slots():
+        if slot == version.slot or entry.slot_size(slot) < entry.slot_bytes or (latest and slot == latest.slot):
+            continue
+        header = region.read_header(entry, slot)
+        if header is None or not header.kept:
+            return True
+    try:
+        with region.meta_locked():
+            region.find_gap(entry.slot_bytes)
+        return True
+    except RegionFullError:
+        return False
 
 
 def _mib(nbytes: int) -> str:
