@@ -347,9 +347,12 @@ def test_listing_a_region_imports_neither_torch_nor_pyfuse3(toy_region):
     region = ["--region", toy_region]
     out = _in_a_fresh_interpreter(
         [["ls", *region], ["ls", *region, "toy"], ["status", *region], ["keep", *region, "toy", "200"],
-         ["unkeep", *region, "toy", "200"], ["--help"]],
+         ["keep", *region, "toy", "200"], ["unkeep", *region, "toy", "200"], ["unkeep", *region, "toy", "200"],
+         ["--help"]],
         report="sorted(m for m in ('torch', 'pyfuse3', 'trio') if m in sys.modules)")
     assert "kept toy step 200" in out and "unkept toy step 200" in out and "MODEL" in out
+    # a keep or unkeep that changes nothing says so (an unkeep of a version never kept said "unkept")
+    assert "toy step 200 was kept already" in out and "toy step 200 was not kept" in out
     assert out.rstrip().endswith("report: []"), out
 
 
@@ -799,3 +802,12 @@ def test_import_gives_back_what_export_wrote_ties_directories_and_extra_files(tm
             files = dict(v.manifest.files)
         assert set(files) == {"config.json", "notes.txt"} and files["notes.txt"] == "hi"
         assert json.loads(files["config.json"]) == {"n": 1}
+
+
+def test_status_shows_many_kept_steps_as_a_count_and_a_range():
+    """74 kept steps made status's table hundreds of characters wide: a few are listed, more are
+    counted with the first and the last (`ckptfs ls MODEL` marks each)."""
+    from ckptfs.cli.region import _kept_column
+
+    assert _kept_column([]) == "-" and _kept_column([2, 3]) == "2 3"
+    assert _kept_column(list(range(0, 740, 10))) == "74: 0..730"

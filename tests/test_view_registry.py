@@ -169,3 +169,15 @@ def test_mount_option_views_refuses_an_unknown_id(tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "-o views=torch:bogus" in err and "bogus" in err and "torch, safetensors, metadata" in err
+
+
+def test_mount_help_names_every_view():
+    """`ckptfs mount --help` lists each view id a mount accepts (it named three of five)."""
+    from click.testing import CliRunner
+
+    from ckptfs.cli import cli
+    from ckptfs.views import registered_views
+
+    text = " ".join(CliRunner().invoke(cli, ["mount", "--help"], prog_name="ckptfs").output.split())
+    views = text[text.index("Views ("):]
+    assert all(f" {spec.view_id} (" in views for spec in registered_views()), views

@@ -35,7 +35,8 @@ def mount(region, foreground, allow_other, options, auto_unmount, readahead_kb, 
     stay attached). Unmount with `ckptfs umount MOUNTPOINT`, or SIGTERM/SIGINT to the daemon.
 
     Views (-o views=torch:metadata; ':' or '+' between ids): torch (checkpoint.pt), safetensors
-    (state.safetensors, KEY.safetensors), metadata (metadata.json); default: all.
+    (state.safetensors, KEY.safetensors), metadata (metadata.json), files (the extra files saved
+    with a version), hf (hf/, where a config.json was saved); default: all.
     """
     from ckptfs.fs import daemon
 

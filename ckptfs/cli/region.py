@@ -54,6 +54,19 @@ def upgrade(region):
     return 0
 
 
+KEPT_SHOWN = 4  # kept steps listed in status's column; more are counted (`ckptfs ls MODEL` marks each)
+
+
+def _kept_column(steps: list[int]) -> str:
+    """The KEPT cell: the steps, or with many (a job with keep_every keeps hundreds) their count,
+    first and last (they made the table hundreds of characters wide)."""
+    if not steps:
+        return "-"
+    if len(steps) <= KEPT_SHOWN:
+        return " ".join(map(str, steps))
+    return f"{len(steps)}: {steps[0]}..{steps[-1]}"
+
+
 @cli.command()
 @region_option
 @json_option
@@ -73,7 +86,7 @@ def status(region, as_json):
                    "fail (ENOSPC); free space on that filesystem, or move the region where there is room")
     click.echo()
     table([[m["name"], m["versions"], "-" if m["latest_step"] is None else m["latest_step"],
-             " ".join(map(str, m["kept_steps"])) or "-", f"{m['slots']} (keeps {m['ring_slots']})",
+             _kept_column(m["kept_steps"]), f"{m['slots']} (keeps {m['ring_slots']})",
              human_bytes(m["slot_bytes"]), m["saves_in_flight"],
              " ".join(f"{pid} ({cmd})" for pid, cmd in m["writers"]) or "-"] for m in st["models"]],
            ["MODEL", "VERSIONS", "LATEST", "KEPT", "SLOTS", "SLOT SIZE", "WRITING", "WRITER PROCESSES"])

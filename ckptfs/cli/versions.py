@@ -184,6 +184,9 @@ def unkeep(region, model, steps):
 def _set_kept(region, model: str, steps, kept: bool) -> int:
     with open_store(region) as store:
         for s in steps:
-            (store.keep if kept else store.unkeep)(model, s)
-            click.echo(f"{'kept' if kept else 'unkept'} {model} step {s}")
+            changed = (store.keep if kept else store.unkeep)(model, s)
+            if changed:
+                click.echo(f"{'kept' if kept else 'unkept'} {model} step {s}")
+            else:
+                click.echo(f"{model} step {s} was {'kept already' if kept else 'not kept'}")
     return 0
