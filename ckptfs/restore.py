@@ -63,8 +63,12 @@ def _restore(data: VersionData, map_location, verify: bool, into, fill):
     m = data.manifest
     device = load_device(map_location)
     onto_device = into is None and device.type != "cpu"
+    targets = None
     if into is not None:
-        tensors = matching_tensors(m, into)
+        targets = matching_tensors(m, into)
+        # a target that is not contiguous (a channels_last weight, its optimizer's moments) is
+        # read into a contiguous tensor of its own and copied over once the read is checked
+        tensors = [t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in targets]
     elif onto_device:
         tensors = staging_views(m.tensors, pin=device.type == "cuda")
     else:
@@ -73,6 +77,11 @@ def _restore(data: VersionData, map_location, verify: bool, into, fill):
         fill(tensors)
     else:
         read_into(data, tensors, verify, prefault=into is None)
+    if targets is not None:
+        for target, t in zip(targets, tensors):
+            if t is not target:
+                target.copy_(t)
+        tensors = targets
     if onto_device:
         # from pinned memory the copies are asynchronous: one wait for all of them
         tensors = [t.to(device, non_blocking=True) for t in tensors]
@@ -162,7 +171,7 @@ def copy_out(sinks: Sinks, records) -> Callable[[StagingBuffer, Chunk], None]:
 
 def matching_tensors(manifest: Manifest, into) -> list[torch.Tensor]:
     """The tensors of ``into``, one per stored tensor in the manifest's order, once each is
-    found to be where and what the saved one was (same path, dtype and shape, contiguous);
+    found to be where and what the saved one was (same path, dtype and shape; any strides);
     ValueError naming the first difference, before anything is written into them."""
     try:
         flat = flatten(into)
@@ -175,6 +184,4 @@ def matching_tensors(manifest: Manifest, into) -> list[torch.Tensor]:
         if (name, dtype, shape) != (record.name, record.dtype, record.shape):
             raise ValueError(f"into= differs from {manifest.model} step {manifest.step} at {record.name!r}: saved "
                              f"{record.dtype}{list(record.shape)}, into= has {name!r} {dtype}{list(shape)}")
-        if not t.is_contiguous():
-            raise ValueError(f"into= tensor {name!r} is not contiguous: it cannot be loaded in place")
     return list(flat.tensors)

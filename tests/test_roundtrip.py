@@ -411,3 +411,35 @@ def test_open_version_by_its_counter_alone(store):
             assert (v.info.step, v.info.counter) == (info.step, info.counter)
     with pytest.raises(NotFoundError, match="no longer holds the save with counter 99"):
         store.open_version("m", counter=99)
+
+
+def test_a_channels_last_model_and_its_optimizer_resume_in_place(store):
+    """into= a state whose tensors are not contiguous (a channels_last CNN and its SGD momentum
+    buffers, a transposed view): loaded in place, bit for bit, the tensors the same objects
+    (it was refused: "not contiguous: it cannot be loaded in place")."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3))
+    model = model.to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 3, 9, 9).to(memory_format=torch.channels_last)).sum().backward()
+    opt.step()
+    extra = torch.randn(5, 7)
+    state = {"model": model.state_dict(), "optim": opt.state_dict(), "t": extra.t()}
+    assert not state["model"]["0.weight"].is_contiguous()
+    with store.writer("cnn") as w:
+        w.save(state, step=1).result()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0).add_(7)
+        for p in model.parameters():
+            opt.state[p]["momentum_buffer"].zero_()
+    target = {"model": model.state_dict(), "optim": opt.state_dict(), "t": torch.zeros(5, 7).t()}
+    before = [t.data_ptr() for t in target["model"].values()]
+    store.load("cnn", into=target)
+    assert [t.data_ptr() for t in target["model"].values()] == before
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, expected[k]) and v.is_contiguous(memory_format=torch.channels_last) == (v.dim() == 4), k
+    assert all(torch.equal(opt.state[p]["momentum_buffer"], m) for p, m in zip(model.parameters(), moments))
+    assert torch.equal(target["t"], extra.t())
