@@ -152,6 +152,9 @@ class _Walk:
     def _tensor(self, t: torch.Tensor) -> int:
         if type(t) not in _PLAIN_TENSOR_TYPES:
             t = self._plain_tensor(t)
+        if t.is_nested:  # before its shape, which a nested tensor of the strided layout does not have
+            raise UnsupportedObjectError(f"{self._where()}: nested tensors are not supported; save .unbind() (a "
+                                         "list of tensors)")
         if t.layout != torch.strided:
             raise UnsupportedObjectError(f"{self._where()}: {t.layout} tensors are not supported; use .to_dense()")
         dtype = t.dtype

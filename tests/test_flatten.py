@@ -73,6 +73,8 @@ def test_plain_subclasses_are_stored_as_their_base_value():
     ({"a": collections.namedtuple("Point", "x y")(1, 2)}, r"^a: Point is not supported; convert it to a list"),
     ({"a": {(1, 2): 3}}, r"^a: dict key \(1, 2\) of type tuple is not supported"),
     ({"a": [torch.ones(2).to_sparse()]}, r"^a\.0: torch\.sparse_coo tensors are not supported"),
+    ({"a": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])},
+     r"^a: nested tensors are not supported; save \.unbind\(\)"),  # torch said "Internal error"
     ({"a": torch.ones(2, device="meta")}, r"^a: meta tensors have no data"),
     ({0: {1.5: {None: object()}}}, r"^0\.1\.5\.None: builtins\.object"),
     (object(), r"^<root>: builtins\.object"),
