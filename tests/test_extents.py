@@ -340,3 +340,20 @@ def test_a_region_too_small_for_the_whole_ring_starts_with_fewer_slots(tmp_path,
         entry = store.region.get("m")
         assert entry.nslots == 3 and entry.ring_slots == 4
         assert [v.step for v in store.versions("m")] == [2, 3, 4] and store.verify() == []
+
+
+def test_a_job_resumed_with_more_saves_in_flight_gets_the_ring_they_need(store):
+    """A model made by a writer of max_inflight=1 (a ring of 3) and resumed at max_inflight=4
+    keeps 6 versions, as a new model at 4 does (it kept 3: fewer saves in flight and fewer
+    versions than asked); one resumed at fewer in flight keeps the ring it had."""
+    with store.writer("m", max_inflight=1) as w:
+        w.save({"w": torch.ones(1000)}, step=1).result()
+    assert store.region.get("m").ring_slots == 3
+    with store.writer("m", max_inflight=4) as w:
+        for step in range(2, 12):
+            w.save({"w": torch.full((1000,), float(step))}, step=step)
+        w.wait()
+    assert store.region.get("m").ring_slots == 6 and [v.step for v in store.versions("m")] == list(range(6, 12))
+    with store.writer("m", max_inflight=1) as w:
+        w.save({"w": torch.ones(1000)}, step=12).result()
+    assert store.region.get("m").ring_slots == 6

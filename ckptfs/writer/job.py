@@ -5,6 +5,7 @@ import threading
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
+from ckptfs.region.format import SLOTS_MAX
 from ckptfs.region.ring import Claim
 from ckptfs.writer.plan import SavePlan
 
@@ -13,6 +14,23 @@ def check_positive(name: str, value) -> None:
     """ValueError unless ``value`` (the argument ``name``) is a positive int."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def check_options(max_inflight: int, persist_threads: int, chunk_bytes: int, staging_budget_bytes: int | None,
+                  slots: int | None, keep_every: int | None) -> None:
+    """ValueError, in the words of the argument, for a Writer's option out of its range."""
+    check_positive("max_inflight", max_inflight)
+    check_positive("persist_threads", persist_threads)
+    check_positive("chunk_bytes", chunk_bytes)
+    if chunk_bytes % 4096:
+        raise ValueError(f"chunk_bytes must be a multiple of 4096, got {chunk_bytes}")
+    if slots is not None and not max_inflight + 1 <= slots <= SLOTS_MAX:
+        raise ValueError(f"slots={slots} must be between max_inflight+1={max_inflight + 1} and {SLOTS_MAX}: "
+                         "N checkpoints in flight need N+1 slots so the latest is never overwritten")
+    if keep_every is not None:
+        check_positive("keep_every", keep_every)
+    if staging_budget_bytes is not None and staging_budget_bytes < chunk_bytes:
+        raise ValueError(f"staging_budget_bytes={staging_budget_bytes} is smaller than one chunk ({chunk_bytes})")
 
 
 def is_kept(step, keep: bool | None, keep_every: int | None) -> bool:

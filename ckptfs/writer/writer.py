@@ -28,14 +28,13 @@ import torch
 from ckptfs.errors import BusyError, CkptfsError, NotFoundError, RegionFullError, in_words
 from ckptfs.manifest import align_up, encode_files
 from ckptfs.memcopy import default_copy_threads
-from ckptfs.region.format import SLOTS_MAX
 from ckptfs.region.region import Region, validate_model_name
 from ckptfs.region.ring import Ring
 from ckptfs.writer.calls import SaveCalls, open_writers
 from ckptfs.writer.claimer import Claimer
 from ckptfs.writer.cuda import CallerMark, caller_mark
 from ckptfs.writer.hidden import HiddenKept
-from ckptfs.writer.job import Job, SaveFuture, SaveResult, check_positive, is_kept, uninterrupted
+from ckptfs.writer.job import Job, SaveFuture, SaveResult, check_options, is_kept, uninterrupted
 from ckptfs.writer.persist import PersistPipeline
 from ckptfs.writer.plan import Planner, SavePlan
 from ckptfs.writer.progress import ProgressBoard
@@ -76,18 +75,7 @@ class Writer:
                  slot_bytes: int | None = None, keep_every: int | None = None, timeout_s: float = 120.0,
                  give_back_hidden: bool = True):
         validate_model_name(model)
-        check_positive("max_inflight", max_inflight)
-        check_positive("persist_threads", persist_threads)
-        check_positive("chunk_bytes", chunk_bytes)
-        if chunk_bytes % 4096:
-            raise ValueError(f"chunk_bytes must be a multiple of 4096, got {chunk_bytes}")
-        if slots is not None and not max_inflight + 1 <= slots <= SLOTS_MAX:
-            raise ValueError(f"slots={slots} must be between max_inflight+1={max_inflight + 1} and {SLOTS_MAX}: "
-                             "N checkpoints in flight need N+1 slots so the latest is never overwritten")
-        if keep_every is not None:
-            check_positive("keep_every", keep_every)
-        if staging_budget_bytes is not None and staging_budget_bytes < chunk_bytes:
-            raise ValueError(f"staging_budget_bytes={staging_budget_bytes} is smaller than one chunk ({chunk_bytes})")
+        check_options(max_inflight, persist_threads, chunk_bytes, staging_budget_bytes, slots, keep_every)
         region.check_writable("saved to")
         self.region = region
         self.model = model
@@ -126,7 +114,7 @@ class Writer:
             entry = region.find(model)
             if entry is not None:
                 self._ring = region.ring(entry, timeout_s=timeout_s)
-                self._ring.extents.reshape(slots, slot_bytes)
+                self._reshape(entry, slots, slot_bytes)
             self._start_prefill(entry)
         except BaseException:
             # an I/O error reading the model's slots: nothing was saved, and nothing of this
@@ -443,6 +431,23 @@ class Writer:
             job.future.set_result(result)
 
     # ------------------------------------------------------------------ ring and staging
+    def _reshape(self, entry, slots: int | None, slot_bytes: int | None) -> None:
+        """An existing model's ring as asked (``slots``, ``slot_bytes``), or, resumed with more
+        saves in flight than its ring leaves room for, the default ring (max_inflight + 2: it
+        kept its first writer's, and fewer saves were in flight and fewer versions kept than
+        asked); where the region has no room for that, a warning, and the saves wait for slots."""
+        ring_slots = slots
+        if ring_slots is None and entry.ring_slots < self.max_inflight + 1:
+            ring_slots = self.max_inflight + 2
+        try:
+            self._ring.extents.reshape(ring_slots, slot_bytes)
+        except RegionFullError as e:
+            if slots is not None or slot_bytes is not None:
+                raise
+            log.warning("ckptfs: %r keeps %d versions, too few for max_inflight=%d, and the region has no room for "
+                        "more slots (%s): saves wait for one another", self.model, entry.ring_slots,
+                        self.max_inflight, e)
+
     def _ring_for(self, plan: SavePlan) -> Ring:
         """The model's ring; the model is created at its first save, with slots sized for it."""
         with self._setup_lock:
