@@ -116,3 +116,18 @@ def no_step(model: str, step: int) -> NotFoundError:
     return NotFoundError(f"{model!r} has no step {step} (never saved, removed, or its slot was reused by a "
                          "newer save); " + in_words(python=f"Store.versions({model!r}) lists them",
                                                    cli=f"`ckptfs ls {model}` lists them"))
+
+
+_WARNED: set[tuple] = set()  # (key, message) of the warnings this process gave (warn_once)
+_WARNED_MAX = 10_000
+
+
+def warn_once(logger, key, message: str) -> None:
+    """Log ``message`` as a warning the first time this process meets it for ``key`` (e.g. the
+    region's path): a damaged table entry or latest pointer is met at every scan of the region,
+    and one command printed the same line up to 7 times."""
+    if (key, message) in _WARNED:
+        return
+    if len(_WARNED) < _WARNED_MAX:
+        _WARNED.add((key, message))
+    logger.warning("%s", message)

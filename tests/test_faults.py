@@ -98,7 +98,9 @@ def test_damaged_index_of_latest(victim, caplog):
     with ckptfs.Store(victim) as s:
         with caplog.at_level(logging.WARNING, logger="ckptfs"):
             assert s.latest("m").step == 30
-        assert "fails its checksum" in caplog.text
+            assert s.latest("m").step == 30 and s.load("m", 30) is not None
+        # said once, not at every look at the latest (a command printed it up to 7 times)
+        assert caplog.text.count("fails its checksum") == 1, caplog.text
         problems = s.verify()
         assert any(p.model == "m" and p.step == 40 and "index" in p.message for p in problems)
         assert any(p.model == "m" and "latest" in p.message for p in problems)

@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass
 
 from ckptfs.checksum import crc32
-from ckptfs.errors import CorruptionError, MalformedInputError
+from ckptfs.errors import CorruptionError, MalformedInputError, warn_once
 from ckptfs.manifest import Manifest
 from ckptfs.region.format import PAGE_BYTES, SLOT_COMMITTED, SLOT_HEADER_BYTES, ModelEntry, SlotHeader, unpack_latest
 from ckptfs.region.locks import slot_lock_offset
@@ -110,10 +110,10 @@ class SlotReader:
             return version
         for version in reversed(self.committed(entry)):
             if self.index_ok(version):
-                log.warning("model %r: %s; falling back to step %d, the newest intact version",
-                            entry.name, problem, version.header.step)
+                warn_once(log, self.path, f"model {entry.name!r}: {problem}; falling back to step "
+                                          f"{version.header.step}, the newest intact version")
                 return version
-        log.warning("model %r: %s; no intact version is left", entry.name, problem)
+        warn_once(log, self.path, f"model {entry.name!r}: {problem}; no intact version is left")
         return None
 
     def latest_problem(self, entry: ModelEntry) -> str | None:

@@ -12,7 +12,7 @@ import numpy as np
 
 from ckptfs import _native
 from ckptfs.errors import (BusyError, CorruptionError, InvalidNameError, in_words, no_model,
-                           RegionFormatError, RegionFullError)
+                           RegionFormatError, RegionFullError, warn_once)
 from ckptfs.region.backend import aligned_buffer
 from ckptfs.region.format import (COUNTER_WORD_OFFSET, ENTRY_BYTES, ENTRY_COPY_BYTES, ENTRY_COPY_OFFSET,
                                   LATEST_WORD_OFFSET, NAME_MAX_BYTES, SLOT_HEADER_BYTES, SUPERBLOCK_BYTES,
@@ -151,8 +151,8 @@ class ModelTable:
                 entry = self._read_entry(index)
             except RegionFormatError as e:
                 name = self._salvage_entry_name(index)
-                log.warning("skipping model table entry %d%s: %s", index,
-                            f" (model {name!r}?)" if name else "", e)
+                warn_once(log, self.path, f"skipping model table entry {index}"
+                                          f"{f' (model {name!r}?)' if name else ''}: {e}")
                 damaged.append((index, name, str(e)))
                 entry = None
             if entry is not None:
@@ -162,7 +162,8 @@ class ModelTable:
         ordered = sorted(((x, e) for e in out for x in e.extents), key=lambda p: p[0].offset)
         clash = {e.index for (a, ea), (b, eb) in zip(ordered, ordered[1:]) if a.end > b.offset for e in (ea, eb)}
         for e in [e for e in out if e.index in clash]:
-            log.warning("skipping model table entry %d (model %r): its slots overlap another model's", e.index, e.name)
+            warn_once(log, self.path,
+                      f"skipping model table entry {e.index} (model {e.name!r}): its slots overlap another model's")
             damaged.append((e.index, e.name, f"model table entry {e.index} has slots that overlap another model's"))
         out = [e for e in out if e.index not in clash]
         return out, damaged
