@@ -754,14 +754,16 @@ def test_metadata_json_keeps_colliding_keys():
 
 def test_files_for_names_and_order(tmp_path):
     obj = {"model": {"w": torch.ones(2)}, "optim": {"state": {0: {"m": torch.zeros(2)}}},
-           "a/b": torch.ones(1), "state": torch.ones(1), "": torch.ones(1), "step": 3,
-           "c128": torch.zeros(1, dtype=torch.complex128), "a_b": torch.zeros(1)}
+           "a/b": {"x": torch.ones(1)}, "state": {"s": torch.ones(1)}, "": {"e": torch.ones(1)}, "step": 3,
+           "c128": {"c": torch.zeros(1, dtype=torch.complex128)}, "a_b": {"y": torch.zeros(1)},
+           "lone": torch.ones(3)}  # a top-level tensor: in state.safetensors only
     stored = lay_out(obj)
     files = files_for(stored.manifest)
     assert list(files) == ["checkpoint.pt", "state.safetensors", "model.safetensors",
                            "optim.safetensors", "a_b.safetensors", "metadata.json"]
     a_b = load_file(stored.write(files["a_b.safetensors"], tmp_path / "a_b.safetensors"))
-    assert list(a_b) == ["a/b"]  # the first key that sanitizes to the name wins
+    assert list(a_b) == ["x"]  # the first key that sanitizes to the name wins
+    assert "lone" in load_file(stored.write(files["state.safetensors"], tmp_path / "state.safetensors"))
     optim = load_file(stored.write(files["optim.safetensors"], tmp_path / "o.safetensors"))
     assert list(optim) == ["state.0.m"]
 

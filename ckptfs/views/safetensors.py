@@ -172,8 +172,8 @@ def _entry_head(rec: TensorRecord) -> str:
 
 def safetensors_files(manifest: Manifest) -> dict[str, View]:
     """``state.safetensors`` if any tensor can be stored in it, and ``<key>.safetensors`` for each
-    top-level key of a dict root whose subtree holds such a tensor (the key made into a safe file
-    name, or left out when it cannot be, see ``key_file_name``)."""
+    top-level key of a dict root whose value is a container holding such a tensor (the key made
+    into a safe file name, or left out when it cannot be, see ``key_file_name``)."""
     state = safetensors_view(manifest)
     if state is None:
         return {}
@@ -202,12 +202,15 @@ def key_file_name(key: str) -> str | None:
 
 
 def _top_level_tensor_keys(manifest: Manifest) -> list[str]:
-    """Top-level keys (as text, like ``TensorRef.key_path[0]``) holding tensors, in order."""
+    """Top-level keys (as text, like ``TensorRef.key_path[0]``) whose value is a container
+    holding tensors, in order. A key whose value is one tensor gets no file of its own: a flat
+    state dict (an imported Hugging Face model: hundreds of tensors at the top level) showed a
+    file per tensor, each in state.safetensors already."""
     (kind, _), = manifest.skeleton.items()
     if kind not in ("dict", "odict"):
         return []
-    return list(dict.fromkeys(ref.key_path[0] for ref in manifest.refs()))
+    return list(dict.fromkeys(ref.key_path[0] for ref in manifest.refs() if len(ref.key_path) > 1))
 
 
 register("safetensors", safetensors_files,
-         summary="state.safetensors (every tensor) and KEY.safetensors per top-level key")
+         summary="state.safetensors (every tensor) and KEY.safetensors per top-level key holding tensors")
