@@ -270,6 +270,16 @@ class Store:
         is_latest = latest is not None and latest.slot == v.slot and latest.header.counter == h.counter
         return VersionInfo(v.entry.name, h.step, h.counter, v.slot, h.time_ns, h.data_bytes, is_latest, h.kept)
 
+    def index_intact(self, info: VersionInfo) -> bool:
+        """Whether the listed version's index still matches its checksum (a read of the index:
+        ``ls`` marks the others damaged; ``verify`` checks the tensors too). True where its slot
+        was reused since the listing."""
+        try:
+            v, _ = self._find(info.model, info.step, info.counter)
+        except NotFoundError:
+            return True
+        return self.region.index_ok(v)
+
     def _find(self, model: str, step: int | None, counter: int | None = None) -> tuple[SlotVersion, bool]:
         """The version of ``step`` (None: latest) and whether it is latest; of a step saved
         twice the newer, or the one whose counter is ``counter`` (with ``step`` None: the save
@@ -541,6 +551,10 @@ class Store:
 
         self.region.check_writable("changed")
         v, _ = self._find(model, step, counter)
+        if not self.region.index_ok(v):
+            raise CorruptionError(f"step {step} of {model!r} is damaged (its index fails its checksum), no milestone "
+                                  "to keep: keep another version; " + in_words(python="Store.verify",
+                                                                               cli="`ckptfs verify`") + " lists the damage")
         if not v.header.kept and not room_after_keeping(self.region, v):
             raise RegionFullError(
                 f"keeping step {step} of {model!r} would leave it no slot to save into (its others hold its latest "

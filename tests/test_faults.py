@@ -283,3 +283,22 @@ def test_mount_refuses_damaged_bytes_with_eio(pristine, tmp_path):
         # the other versions read back exactly
         got = torch.load(m / "m/step-00000010/checkpoint.pt", weights_only=True)
         assert same(F.fault_state("m", 10), got) is None
+
+
+def test_a_version_whose_index_is_damaged_is_marked_in_ls_and_not_kept(victim):
+    """`ckptfs ls MODEL` marks a version whose index fails its checksum "damaged" (it was listed
+    like any other), and keep refuses it as a milestone (it said "kept")."""
+    from click.testing import CliRunner
+
+    from ckptfs.cli import cli
+
+    site = _site(victim, "index", step=20)
+    _flip(victim, site.offset + site.length // 2, 5)
+    with ckptfs.Store(victim) as s:
+        assert [s.index_intact(v) for v in s.versions("m")] == [True, False, True, True]
+        with pytest.raises(CorruptionError, match=r"step 20 of 'm' is damaged .*keep another version"):
+            s.keep("m", 20)
+        assert not [v for v in s.versions("m") if v.kept]
+    out = CliRunner().invoke(cli, ["ls", "--region", victim, "m"], prog_name="ckptfs").output
+    rows = {line.split()[0]: line.split()[1] for line in out.splitlines()[1:]}
+    assert rows["20"] == "damaged" and rows["40"] == "latest" and rows["10"] != "damaged", out

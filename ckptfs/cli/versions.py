@@ -42,8 +42,9 @@ def ls_(region, as_json, show_all, model):
         if as_json:
             click.echo(json.dumps([info_dict(v) for v in versions], indent=1))
         else:
-            table([[v.step, ", ".join(m for m, on in (("latest", v.latest), ("kept", v.kept)) if on), when(v.time_ns),
-                     _size(store, v), v.counter] for v in versions], ["STEP", "", "TIME", "SIZE", "COUNTER"])
+            table([[v.step, ", ".join(m for m, on in (("latest", v.latest), ("kept", v.kept),
+                                                      ("damaged", not store.index_intact(v))) if on),
+                     when(v.time_ns), _size(store, v), v.counter] for v in versions], ["STEP", "", "TIME", "SIZE", "COUNTER"])
         return 0
 
 
