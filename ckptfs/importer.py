@@ -32,6 +32,7 @@ import torch
 
 from ckptfs import leaves
 from ckptfs.errors import CkptfsError, MalformedInputError, UnsupportedObjectError
+from ckptfs.dist.names import RECORD_FILES
 from ckptfs.flatten import DTYPES
 from ckptfs.manifest import check_skeleton, expected_nbytes, map_tensor_refs, unflatten
 from ckptfs.views.safetensors import ALIASES_KEY, SAFETENSORS_DTYPES, SKELETON_KEY
@@ -361,8 +362,9 @@ VERSION_FILES = ("state.safetensors", "checkpoint.pt")  # a version's whole obje
 def version_directory(path: str) -> tuple[list[str], dict[str, str]] | None:
     """Where ``path`` is a ckptfs version directory (the mount's, or ``ckptfs export``'s: a
     ``metadata.json`` beside the whole object's file): ([that file], {name: text} of the extra
-    files its metadata lists); else None. Read as a Hugging Face directory, such a directory
-    gave its ``model.safetensors`` alone (the optimizer state and plain values were dropped)."""
+    files its metadata lists, but a multi-rank version's records); else None. Read as a Hugging
+    Face directory, such a directory gave its ``model.safetensors`` alone (the optimizer state
+    and plain values were dropped)."""
     meta_path = os.path.join(path, "metadata.json")
     whole = next((os.path.join(path, n) for n in VERSION_FILES if os.path.isfile(os.path.join(path, n))), None)
     if whole is None or not os.path.isfile(meta_path):
@@ -377,6 +379,8 @@ def version_directory(path: str) -> tuple[list[str], dict[str, str]] | None:
         raise _reject(meta_path, "its files must be names of files in its directory")
     extra = {}
     for name in names:
+        if name in RECORD_FILES:
+            continue  # a multi-rank version's own records: the copy is a version of one process
         try:
             with open(os.path.join(path, name), encoding="utf-8") as f:
                 extra[name] = f.read()

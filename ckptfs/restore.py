@@ -171,8 +171,9 @@ def copy_out(sinks: Sinks, records) -> Callable[[StagingBuffer, Chunk], None]:
 
 def matching_tensors(manifest: Manifest, into) -> list[torch.Tensor]:
     """The tensors of ``into``, one per stored tensor in the manifest's order, once each is
-    found to be where and what the saved one was (same path, dtype and shape; any strides);
-    ValueError naming the first difference, before anything is written into them."""
+    found to be where and what the saved one was (same path, dtype and shape; any strides, but
+    no two elements in one place); ValueError naming the first difference, before anything is
+    written into them."""
     try:
         flat = flatten(into)
     except UnsupportedObjectError as e:
@@ -184,4 +185,7 @@ def matching_tensors(manifest: Manifest, into) -> list[torch.Tensor]:
         if (name, dtype, shape) != (record.name, record.dtype, record.shape):
             raise ValueError(f"into= differs from {manifest.model} step {manifest.step} at {record.name!r}: saved "
                              f"{record.dtype}{list(record.shape)}, into= has {name!r} {dtype}{list(shape)}")
+        if not t.is_contiguous() and torch._debug_has_internal_overlap(t) != 0:  # 0: none; 2: too hard to tell
+            raise ValueError(f"into= tensor {name!r} has elements that share memory (an expand()ed view): it cannot "
+                             "be loaded in place; pass a tensor of its own (clone() it)")
     return list(flat.tensors)

@@ -802,6 +802,22 @@ def test_import_gives_back_what_export_wrote_ties_directories_and_extra_files(tm
             files = dict(v.manifest.files)
         assert set(files) == {"config.json", "notes.txt"} and files["notes.txt"] == "hi"
         assert json.loads(files["config.json"]) == {"n": 1}
+    # a multi-rank (DCP) version's directory: its whole tensors, without its records (with them the
+    # copy looked like a multi-rank version whose parts were gone: PartGoneError at its load)
+    import torch.distributed.checkpoint as dcp
+
+    with ckptfs.Store(region) as store:
+        dcp.save({"model": {"w": torch.arange(16.0)}, "epoch": 3},
+                 storage_writer=ckptfs.dcp.StorageWriter(store, "dcpm", step=5))
+    for args in (["export", "--region", region, "dcpm", str(tmp_path / "dcp") + "/"],
+                 ["import", "--region", region, "dcpcopy", str(tmp_path / "dcp")]):
+        done = run([sys.executable, "-m", "ckptfs.cli", *args])
+        assert done.returncode == 0, (args, done.stderr)
+    with ckptfs.Store(region) as store:
+        copy = store.load("dcpcopy")
+        assert copy["epoch"] == 3 and torch.equal(copy["model"]["w"], torch.arange(16.0))
+        with store.open_version("dcpcopy") as v:
+            assert dict(v.manifest.files) == {}
 
 
 def test_status_shows_many_kept_steps_as_a_count_and_a_range():

@@ -303,8 +303,8 @@ def test_one_writer_per_model_in_this_process_or_another(store, region_path, mon
     monkeypatch.setattr(ring_module, "MODEL_WAIT_S", 0.2)
     with store.writer("shared", max_inflight=2) as w1:
         w1.save(state(1), step=1).result()
-        with pytest.raises(ckptfs.errors.BusyError, match=rf"'shared' has a writer open in .*pid {os.getpid()}.*one "
-                                                          "writer per model"):
+        with pytest.raises(ckptfs.errors.BusyError, match=r"'shared' has a writer open in this process \(a writer "
+                                                          r"not closed\): one writer per model"):
             store.writer("shared")
         other = subprocess.run(
             [sys.executable, "-c", "import sys, ckptfs, ckptfs.region.ring as r\nr.MODEL_WAIT_S = 0.2\n"
@@ -320,6 +320,37 @@ def test_one_writer_per_model_in_this_process_or_another(store, region_path, mon
     with store.writer("shared") as w2:
         assert w2.save(state(2), step=2).result().published
     assert store.latest("shared").step == 2
+
+
+def test_the_writers_of_multi_rank_saves_share_a_model_and_exclude_a_sole_writer(store, monkeypatch):
+    """The writers ckptfs keeps for DCP saves (sole=False: the training process's and DCP's
+    background process's, of the same part models) share the model's lock byte; a sole writer
+    (store.writer) and they exclude each other. Such a writer whose every slot is latest or kept
+    waits for the leader to give parts back (BusyError after timeout_s), where a sole writer
+    fails at once."""
+    import ckptfs.region.ring as ring_module
+    from ckptfs.writer.writer import Writer
+
+    monkeypatch.setattr(ring_module, "MODEL_WAIT_S", 0.2)
+    with store.writer("m") as sole:
+        sole.save(state(1), step=1).result()
+        with pytest.raises(ckptfs.errors.BusyError, match="this process .*one writer per model"):
+            Writer(store.region, "m", sole=False)
+    a = Writer(store.region, "m", sole=False, max_inflight=1, timeout_s=0.5)
+    b = Writer(store.region, "m", sole=False, max_inflight=1, timeout_s=0.5)
+    try:
+        a.save(state(2), step=2).result()
+        b.save(state(3), step=3).result()
+        with pytest.raises(ckptfs.errors.BusyError, match="one writer per model"):
+            store.writer("m")
+        fill_region(store)
+        for step in range(4, 4 + store.region.get("m").nslots):
+            a.save(state(step), step=step, keep=True).result()  # every slot latest or kept
+        with pytest.raises(ckptfs.errors.BusyError, match="after waiting 0.5 s"):
+            a.save(state(99), step=99)
+    finally:
+        a.close()
+        b.close()
 
 
 def test_load_while_saving_sees_complete_versions(store):

@@ -194,3 +194,31 @@ def test_a_cleanup_runs_where_no_thread_can_be_started(monkeypatch):
     ran = []
     uninterrupted(lambda: ran.append(threading.current_thread().name))
     assert ran == ["MainThread"]
+
+
+def test_a_ctrl_c_while_the_snapshot_thread_starts_leaves_one_thread_that_close_stops(store, monkeypatch):
+    """A Ctrl-C while the first async save starts the writer's snapshot thread (Thread.start
+    waits for it to run): the thread was started but not recorded, no stop reached it, and the
+    next save started a second one on the same queue. Started and recorded as one now."""
+    import os
+    import signal
+
+    real_start = threading.Thread.start
+
+    def start_under_a_ctrl_c(self):
+        if self.name == "ckptfs-snapshot":
+            os.kill(os.getpid(), signal.SIGINT)  # to the main thread, waiting for this start
+            time.sleep(0.05)
+        real_start(self)
+    monkeypatch.setattr(threading.Thread, "start", start_under_a_ctrl_c)
+    state = {"w": torch.randn(1 << 16)}
+    w = store.writer("m")
+    with pytest.raises(KeyboardInterrupt):
+        w.save(state, step=1, async_snapshot=True)
+    monkeypatch.setattr(threading.Thread, "start", real_start)
+    snapshot_threads = [t for t in threading.enumerate() if t.name == "ckptfs-snapshot"]
+    assert snapshot_threads == [w._snapshot_thread]
+    w.save(state, step=2, async_snapshot=True).result()
+    assert [t for t in threading.enumerate() if t.name == "ckptfs-snapshot"] == snapshot_threads
+    w.close()
+    assert ckptfs_threads() == [] and store.latest("m").step == 2

@@ -443,3 +443,11 @@ def test_a_channels_last_model_and_its_optimizer_resume_in_place(store):
         assert torch.equal(v, expected[k]) and v.is_contiguous(memory_format=torch.channels_last) == (v.dim() == 4), k
     assert all(torch.equal(opt.state[p]["momentum_buffer"], m) for p, m in zip(model.parameters(), moments))
     assert torch.equal(target["t"], extra.t())
+    # a target whose elements share memory (expand()) is refused before anything is written
+    a, b = torch.zeros(5, 7).t(), torch.zeros(1, 8).expand(4, 8)
+    with store.writer("overlap") as w:
+        w.save({"a": torch.ones(7, 5), "b": torch.ones(4, 8)}, step=1).result()
+    with pytest.raises(ValueError, match=r"into= tensor 'b' has elements that share memory"):
+        store.load("overlap", into={"a": a, "b": b})
+    assert not a.any() and not b.any()
+

@@ -326,10 +326,11 @@ def _kept_writer(store, model: str, max_inflight: int, give_back_hidden: bool = 
     with _writers_lock:
         w = _writers.get(key)
         if w is None or w._closed or w.region is not store.region or w.model_removed():
-            if w is not None and not w._closed:
+            if w is not None and not w._stopped:  # a close cut short by Ctrl-C is taken up
                 _close_stale(w)
             # not store.writer, which refuses the names of part models to its callers
-            w = Writer(store.region, model, max_inflight=max_inflight, give_back_hidden=give_back_hidden)
+            # not sole: a DCP background process (async_save's) keeps writers of the same models
+            w = Writer(store.region, model, max_inflight=max_inflight, give_back_hidden=give_back_hidden, sole=False)
             _writers[key] = w
         return w
 

@@ -64,6 +64,24 @@ class Extents:
         if slot_bytes is not None and slot_bytes > self.ring.entry.slot_bytes:
             self.add(slot_bytes, outgrown=True, headroom=1.0)
 
+    def fit_writer(self, slots: int | None, slot_bytes: int | None, max_inflight: int) -> None:
+        """At a writer's opening on an existing model: its ring as asked (``slots``,
+        ``slot_bytes``: see ``reshape``), or, resumed with more saves in flight than the ring
+        leaves room for, the default ring (max_inflight + 2: it kept its first writer's, and
+        fewer saves were in flight and fewer versions kept than asked); where the region has no
+        room for that, a warning, and the saves wait for slots."""
+        entry = self.ring.entry
+        ring_slots = slots
+        if ring_slots is None and entry.ring_slots < max_inflight + 1:
+            ring_slots = max_inflight + 2
+        try:
+            self.reshape(ring_slots, slot_bytes)
+        except RegionFullError as e:
+            if slots is not None or slot_bytes is not None:
+                raise
+            log.warning("ckptfs: %r keeps %d versions, too few for max_inflight=%d, and the region has no room for "
+                        "more slots (%s): saves wait for one another", entry.name, entry.ring_slots, max_inflight, e)
+
     def add(self, need: int, *, outgrown: bool, headroom: float = GROWTH_HEADROOM) -> ModelEntry:
         """Give the model free slots of at least ``need`` bytes (see the module's docstring);
         RegionFullError if the region has no room for even one."""

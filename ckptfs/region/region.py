@@ -142,10 +142,10 @@ class Region(ModelTable, SlotReader):
         self.pins.close()
         self.backend.close()
 
-    def ring(self, entry: ModelEntry, *, timeout_s: float) -> Ring:
+    def ring(self, entry: ModelEntry, *, timeout_s: float, sole: bool = True) -> Ring:
         """The slot lifecycle of ``entry``'s ring for one writer (ckptfs.region.ring); close it
-        when done. ``timeout_s``: the longest a claim waits for a free slot."""
-        return Ring(self, entry, timeout_s=timeout_s)
+        when done. ``timeout_s``: the longest a claim waits for a free slot; ``sole``: see Ring."""
+        return Ring(self, entry, timeout_s=timeout_s, sole=sole)
 
 
     # ---------------------------------------------------------------- latest pointer and counter

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -87,10 +88,14 @@ class Committed:
 class Ring:
     """The slot lifecycle of one model for one writer. Thread-safe; ``close`` when done."""
 
-    def __init__(self, region, entry: ModelEntry, *, timeout_s: float):
+    def __init__(self, region, entry: ModelEntry, *, timeout_s: float, sole: bool = True):
+        """``sole``: this ring is its model's only writer (``_hold_model``); False for the writers
+        ckptfs keeps for multi-rank (DCP) saves, whose global commit orders their versions and
+        which a DCP background process opens beside the training process's."""
         self.region = region
         self.entry = entry
         self.timeout_s = timeout_s
+        self.sole = sole
         # Claims are held on a description of their own, so that they exclude this process's own
         # pins (OFD locks of one description never conflict in the kernel).
         # (a writer's, not a forked child's: its claims and the model stay with the parent's threads)
@@ -106,22 +111,29 @@ class Ring:
             raise
 
     def _hold_model(self, entry: ModelEntry) -> None:
-        """Take the model's lock byte exclusively: one writer per model, in this process or any
-        (two writers of one model took counters each in its own order, and the latest went back
-        a step: a resumed job and its zombie, two writers in one script), and no removal while
-        it is open. A removal holds the byte for as long as it looks at the slots (ms, then the
-        model is gone or the removal refused): wait that out, then NotFoundError if the model
-        went; BusyError naming the process whose writer holds it."""
+        """Take the model's lock byte: exclusively for a sole writer (one writer per model, in
+        this process or any: two writers of one model took counters each in its own order, and
+        the latest went back a step; a resumed job and its zombie, two writers in one script),
+        shared for the writers of multi-rank saves; either way no removal while it is open. A
+        removal holds the byte for as long as it looks at the slots (ms, then the model is gone
+        or the removal refused): wait that out, then NotFoundError if the model went; BusyError
+        naming the process whose writer holds it."""
         offset = model_lock_offset(entry.index)
+        take = self._claims.try_exclusive if self.sole else self._claims.try_shared
         deadline = time.monotonic() + MODEL_WAIT_S
-        while not self._claims.try_exclusive(offset):
+        while not take(offset):
             if time.monotonic() > deadline:
-                holders = lock_holders(self.region.path).get(offset, [])
-                who = ", ".join(f"{command} (pid {pid})" for pid, command, _ in holders) or "another process"
-                raise BusyError(f"model {entry.name!r} has a writer open in {who}: one writer per model; close it "
-                                "(or stop that job) first, or save under another name")
+                raise BusyError(f"model {entry.name!r} has a writer open in {self._holders(offset)}: one writer per "
+                                "model; close it (or stop that job) first, or save under another name")
             time.sleep(CLAIM_POLL_S)
         self.region.reload(entry)  # NotFoundError if it was removed meanwhile
+
+    def _holders(self, offset: int) -> str:
+        """Who holds lock byte ``offset``, in words: this process, or others by command and pid."""
+        pids = {(pid, command) for pid, command, _ in lock_holders(self.region.path).get(offset, [])}
+        words = ["this process (a writer not closed)" if pid == os.getpid() else f"{command} (pid {pid})"
+                 for pid, command in sorted(pids)]
+        return ", ".join(words) or "another process"
 
     def _open(self, entry: ModelEntry) -> None:
         self._ages_lock = threading.Lock()
@@ -201,7 +213,9 @@ class Ring:
                             f"this checkpoint of {entry.name!r} needs slots of {_mib(need)}, larger than its "
                             f"{_mib(entry.slot_bytes)}, and {e}") from None
                     self._forget_ages()
-                    if not self._candidates(entry, need):
+                    # (a multi-rank job's parts are kept until its leader, maybe in another process,
+                    # gives the older ones back after each global commit: those wait)
+                    if self.sole and not self._candidates(entry, need):
                         # every slot latest or kept: only an unkeep or a removal changes that, not
                         # waiting (each save waited timeout_s for nothing)
                         raise RegionFullError(

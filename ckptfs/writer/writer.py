@@ -67,13 +67,17 @@ class Writer:
     its slot, unseen, for good: it is given back to the ring, with a warning
     (``give_back_hidden=False`` leaves it kept: the part models of a multi-rank checkpoint, whose
     parts ckptfs.dist.parts gives back once no global version names them).
+
+    A writer is its model's only one while open (BusyError for a second, in any process), except
+    with ``sole=False``: the writers ckptfs keeps for multi-rank (DCP) saves, in the training
+    process and in DCP's background process, whose global commit orders their versions.
     """
 
     def __init__(self, region: Region, model: str, *, max_inflight: int = 2,
                  persist_threads: int = DEFAULT_PERSIST_THREADS, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  staging_budget_bytes: int | None = None, slots: int | None = None,
                  slot_bytes: int | None = None, keep_every: int | None = None, timeout_s: float = 120.0,
-                 give_back_hidden: bool = True):
+                 give_back_hidden: bool = True, sole: bool = True):
         validate_model_name(model)
         check_options(max_inflight, persist_threads, chunk_bytes, staging_budget_bytes, slots, keep_every)
         region.check_writable("saved to")
@@ -87,6 +91,7 @@ class Writer:
         self._slots = slots
         self._slot_bytes = slot_bytes
         self._hidden = HiddenKept(model, give_back_hidden)
+        self._sole = sole
         self._setup_lock = threading.Lock()  # lazy set-up may race when save() is called from threads
         self._planner = Planner(model, chunk_bytes)
         self._progress = ProgressBoard(region.superblock.uuid, model)
@@ -113,8 +118,8 @@ class Writer:
                                             timeout_s)
             entry = region.find(model)
             if entry is not None:
-                self._ring = region.ring(entry, timeout_s=timeout_s)
-                self._reshape(entry, slots, slot_bytes)
+                self._ring = region.ring(entry, timeout_s=timeout_s, sole=sole)
+                self._ring.extents.fit_writer(slots, slot_bytes, max_inflight)
             self._start_prefill(entry)
         except BaseException:
             # an I/O error reading the model's slots: nothing was saved, and nothing of this
@@ -317,11 +322,15 @@ class Writer:
             self._outstanding.add(future)
 
     def _start_snapshot_thread(self) -> None:
-        with self._setup_lock:
-            if self._snapshot_thread is None:
-                thread = threading.Thread(target=self._snapshot_loop, name="ckptfs-snapshot", daemon=True)
-                thread.start()
-                self._snapshot_thread = thread
+        def start() -> None:
+            # started and recorded as one, to its end under Ctrl-C: an interrupt between the two
+            # left a thread that no stop reached, and the next save started another on its queue
+            with self._setup_lock:
+                if self._snapshot_thread is None:
+                    thread = threading.Thread(target=self._snapshot_loop, name="ckptfs-snapshot", daemon=True)
+                    thread.start()
+                    self._snapshot_thread = thread
+        uninterrupted(start)
 
     def _snapshot_loop(self) -> None:
         while True:
@@ -431,23 +440,6 @@ class Writer:
             job.future.set_result(result)
 
     # ------------------------------------------------------------------ ring and staging
-    def _reshape(self, entry, slots: int | None, slot_bytes: int | None) -> None:
-        """An existing model's ring as asked (``slots``, ``slot_bytes``), or, resumed with more
-        saves in flight than its ring leaves room for, the default ring (max_inflight + 2: it
-        kept its first writer's, and fewer saves were in flight and fewer versions kept than
-        asked); where the region has no room for that, a warning, and the saves wait for slots."""
-        ring_slots = slots
-        if ring_slots is None and entry.ring_slots < self.max_inflight + 1:
-            ring_slots = self.max_inflight + 2
-        try:
-            self._ring.extents.reshape(ring_slots, slot_bytes)
-        except RegionFullError as e:
-            if slots is not None or slot_bytes is not None:
-                raise
-            log.warning("ckptfs: %r keeps %d versions, too few for max_inflight=%d, and the region has no room for "
-                        "more slots (%s): saves wait for one another", self.model, entry.ring_slots,
-                        self.max_inflight, e)
-
     def _ring_for(self, plan: SavePlan) -> Ring:
         """The model's ring; the model is created at its first save, with slots sized for it."""
         with self._setup_lock:
@@ -462,7 +454,7 @@ class Writer:
                     hint = in_words(python=f"; or fewer saves in flight: max_inflight={self.max_inflight} needs "
                                            f"{self.max_inflight + 1} slots", cli="")
                     raise RegionFullError(f"{e}{hint}") from None
-                self._ring = self.region.ring(entry, timeout_s=self.timeout_s)
+                self._ring = self.region.ring(entry, timeout_s=self.timeout_s, sole=self._sole)
             return self._ring
 
     def _start_prefill(self, entry) -> None:
