@@ -111,3 +111,19 @@ def fill_region(store, leave_bytes: int = 0) -> None:
     block = region.superblock.block_bytes
     free = region.data_area_bytes() - sum(e.nbytes for e in region.entries()) - leave_bytes
     region.create_model("filler", 1, free // block * block)
+
+
+def staging_buffers_made(monkeypatch) -> list:
+    """From now on (undone by ``monkeypatch``), every StagingBuffer made is appended to the
+    returned list (whether it is pinned: ``.pinned``)."""
+    import ckptfs.writer.staging as staging
+
+    made = []
+    real_init = staging.StagingBuffer.__init__
+
+    def spy(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        made.append(self)
+    monkeypatch.setattr(staging.StagingBuffer, "__init__", spy)
+    return made
+

@@ -5,7 +5,7 @@ Skipped cleanly without CUDA; run them on a GPU machine with `pytest tests/test_
 import pytest
 import torch
 
-from conftest import assert_same
+from conftest import assert_same, staging_buffers_made
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -237,15 +237,8 @@ def test_a_load_into_gpu_tensors_reads_through_registered_buffers(store, monkeyp
     import torch.distributed.checkpoint as dcp
 
     import ckptfs
-    import ckptfs.writer.staging as staging
 
-    made = []
-    real_init = staging.StagingBuffer.__init__
-
-    def spy(self, *a, **k):
-        real_init(self, *a, **k)
-        made.append(self)
-    monkeypatch.setattr(staging.StagingBuffer, "__init__", spy)
+    made = staging_buffers_made(monkeypatch)
     g = torch.Generator(device="cuda").manual_seed(2)
     state = {"a": torch.randn(3 << 20, device="cuda", generator=g), "b": torch.randn(77, 5, device="cuda", generator=g)}
     with store.writer("pinned", chunk_bytes=4 << 20) as w:

@@ -9,6 +9,7 @@ import torch
 
 import ckptfs.errors
 from ckptfs.writer.staging import StagingPool
+from conftest import staging_buffers_made
 
 
 def test_prefill_makes_buffers_up_to_the_budget_and_acquire_uses_them():
@@ -205,13 +206,7 @@ def test_read_buffers_are_registered_only_where_cuda_is_in_use_and_fall_back_whe
     state = {"w": torch.arange(300_000, dtype=torch.float32)}
     with store.writer("m", chunk_bytes=1 << 20) as w:
         w.save(state, step=1).result()
-    made = []
-    real_init = staging.StagingBuffer.__init__
-
-    def spy(self, *a, **k):
-        real_init(self, *a, **k)
-        made.append(self)
-    monkeypatch.setattr(staging.StagingBuffer, "__init__", spy)
+    made = staging_buffers_made(monkeypatch)
     if not torch.cuda.is_initialized():
         assert scan.current_cuda_device() is None
         assert torch.equal(store.load("m")["w"], state["w"])
