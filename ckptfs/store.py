@@ -215,6 +215,9 @@ class Store:
             return DistWriter(self, model, group=group, **options)
         from ckptfs.writer.writer import Writer
 
+        storage = sys.modules.get("ckptfs.dist.storage")  # never imported: no such writers (nor torch)
+        if storage is not None:  # this process's idle writers of DCP saves of the model would refuse it
+            storage.close_idle_writers(self, model)
         return Writer(self.region, model, **options)
 
     # ------------------------------------------------------------------ listing

@@ -644,3 +644,36 @@ def test_a_child_forked_during_a_table_update_makes_models_of_its_own(region_pat
     done = subprocess.run([sys.executable, "-c", _FORK_DURING_A_TABLE_UPDATE, region_path], capture_output=True,
                           text=True, timeout=90)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+_SAVE_IN_A_FORKED_CHILD = r'''
+import os, sys, torch, ckptfs
+store = ckptfs.Store(sys.argv[1])
+w = store.writer("m")
+w.save({"a": torch.ones(3)}, step=1).result()
+pid = os.fork()
+if pid == 0:
+    __import__("signal").alarm(20)  # a hang ends the child, and the test fails
+    try:
+        w.save({"a": torch.ones(3)}, step=2)
+        os._exit(3)
+    except ckptfs.errors.CkptfsError as e:
+        os._exit(0 if "belongs to the process that opened it" in str(e) else 4)
+_, status = os.waitpid(pid, 0)
+assert os.waitstatus_to_exitcode(status) == 0, os.waitstatus_to_exitcode(status)
+w.save({"a": torch.ones(3)}, step=2).result()
+w.close()
+print("ok")
+'''
+
+
+def test_a_forked_childs_copy_of_a_writer_refuses_to_save(region_path, store):
+    """A save through the copy of its parent's writer in a forked child (whose claim and
+    persist threads stayed with the parent) waited forever; it is refused in one line, and the
+    parent's writer goes on saving."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _SAVE_IN_A_FORKED_CHILD, region_path], capture_output=True,
+                          text=True, timeout=90)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

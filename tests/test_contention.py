@@ -126,6 +126,14 @@ def test_keeping_in_a_full_region_is_refused_where_it_leaves_no_slot_to_save_int
         assert time.monotonic() - t0 < 10
     assert store.latest("m").step == 6 and [v.step for v in store.versions("m") if v.kept] == [1, 5, 6]
     _intact(store, "m", [1, 5, 6])
+    # the latest kept where one other slot is left: the model would save once more, then be stuck
+    store.region.remove_model("filler")
+    with store.writer("two", max_inflight=1, slots=2) as w:
+        for s in (1, 2):
+            w.save(state(s), s).result()
+    fill_region(store)
+    with pytest.raises(RegionFullError, match=r"keeping step 2 of 'two' would leave it no slot"):
+        store.keep("two", 2)
 
 
 def test_a_refused_save_raises_once_even_while_its_failure_is_still_being_delivered(store, monkeypatch):

@@ -222,3 +222,26 @@ def test_a_ctrl_c_while_the_snapshot_thread_starts_leaves_one_thread_that_close_
     assert [t for t in threading.enumerate() if t.name == "ckptfs-snapshot"] == snapshot_threads
     w.close()
     assert ckptfs_threads() == [] and store.latest("m").step == 2
+
+
+def test_a_dcp_writer_whose_close_was_cut_short_is_closed_by_a_removal_or_a_writer_of_its_model(store):
+    """The writers this process keeps for DCP saves: one whose close a Ctrl-C cut short holds its
+    model until a removal (or a sole writer of the model) takes its close up (they skipped it),
+    and a dcp.save leaves none that keeps a later store.writer of the model out (it waited 5 s,
+    then BusyError naming this process)."""
+    import torch.distributed.checkpoint as dcp
+
+    from ckptfs.dist import storage
+
+    dcp.save({"w": torch.ones(4)}, storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=1))
+    with store.writer("m") as w:  # the idle DCP writers of "m" close first
+        w.save({"w": torch.ones(4)}, step=2).result()
+    kept = storage._kept_writer(store, "k", 1)
+    kept.save({"w": torch.ones(4)}, step=1).result()
+    with interrupt_at(Writer._stop, "self._persist.close()") as raised:
+        with pytest.raises(KeyboardInterrupt):
+            kept.close()
+    assert raised[0] and kept._closed and not kept._stopped
+    store.remove_model("k")
+    assert kept._stopped and "k" not in store.models()
+

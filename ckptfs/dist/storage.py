@@ -325,8 +325,9 @@ def _kept_writer(store, model: str, max_inflight: int, give_back_hidden: bool = 
     key = (store.path, model)
     with _writers_lock:
         w = _writers.get(key)
-        if w is None or w._closed or w.region is not store.region or w.model_removed():
-            if w is not None and not w._stopped:  # a close cut short by Ctrl-C is taken up
+        if (w is None or w._closed or w._pid != os.getpid() or w.region is not store.region
+                or w.model_removed()):
+            if w is not None and not w._stopped:  # a close cut short by Ctrl-C is taken up (a forked copy: no-op)
                 _close_stale(w)
             # not store.writer, which refuses the names of part models to its callers
             # not sole: a DCP background process (async_save's) keeps writers of the same models
@@ -343,7 +344,7 @@ def close_idle_writers(store, model: str) -> None:
     with _writers_lock:
         models = {model, *part_models(store, model, [name for _, name in _writers])}
         idle = [(key, w) for key, w in _writers.items()
-                if key[0] == store.path and key[1] in models and not w._closed and not w.saves_in_flight()]
+                if key[0] == store.path and key[1] in models and not w._stopped and not w.saves_in_flight()]
         for key, _ in idle:
             del _writers[key]
     for _, w in idle:

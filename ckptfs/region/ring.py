@@ -55,6 +55,7 @@ log = logging.getLogger("ckptfs")
 CLAIM_POLL_S = 0.005  # how often a claim waiting for a free slot looks again
 GROW_RETRY_S = 1.0  # how long a claim that found the region full waits before it asks again
 MODEL_WAIT_S = 5.0  # the longest a ring opening waits for a removal of its model that holds its lock byte
+OWN_WAIT_S = 0.2  # ... where only this process holds it (a writer of its own, or a removal on another thread)
 
 
 @dataclass(frozen=True)
@@ -122,11 +123,16 @@ class Ring:
         take = self._claims.try_exclusive if self.sole else self._claims.try_shared
         deadline = time.monotonic() + MODEL_WAIT_S
         while not take(offset):
+            if deadline - time.monotonic() > OWN_WAIT_S and self._held_here_only(offset):
+                deadline = time.monotonic() + OWN_WAIT_S  # a writer of this process: no removal elsewhere to wait out
             if time.monotonic() > deadline:
                 raise BusyError(f"model {entry.name!r} has a writer open in {self._holders(offset)}: one writer per "
                                 "model; close it (or stop that job) first, or save under another name")
             time.sleep(CLAIM_POLL_S)
         self.region.reload(entry)  # NotFoundError if it was removed meanwhile
+
+    def _held_here_only(self, offset: int) -> bool:
+        return {pid for pid, _, _ in lock_holders(self.region.path).get(offset, [])} == {os.getpid()}
 
     def _holders(self, offset: int) -> str:
         """Who holds lock byte ``offset``, in words: this process, or others by command and pid."""
@@ -536,15 +542,17 @@ def mark_kept(region, version, kept: bool) -> bool:
 
 
 def room_after_keeping(region, version) -> bool:
-    """Whether ``version``'s model can still save once ``version`` is kept: it has another slot
-    of its size that is neither latest nor kept, or the region has room for one more."""
+    """Whether ``version``'s model can go on saving once ``version`` is kept: two other slots of
+    its size that are not kept (the latest and the one the next save takes, which then is the
+    latest: with one, the model saved once more and was stuck), or room in the region."""
     entry = region.reload(version.entry)
-    latest = region.latest(entry)
+    unkept = 0
     for slot in entry.slots():
-        if slot == version.slot or entry.slot_size(slot) < entry.slot_bytes or (latest and slot == latest.slot):
+        if slot == version.slot or entry.slot_size(slot) < entry.slot_bytes:
             continue
         header = region.read_header(entry, slot)
-        if header is None or not header.kept:
+        unkept += header is None or not header.kept
+        if unkept >= 2:
             return True
     try:
         with region.meta_locked():

@@ -154,6 +154,9 @@ class Writer:
         with a SaveResult when the checkpoint is durable and committed, or with the error that
         stopped it.
         """
+        if self._pid != os.getpid():
+            raise CkptfsError(f"this writer of {self.model!r} belongs to the process that opened it (pid {self._pid}), "
+                              "whose threads save; open a writer in this process (after that one closes)")
         self._not_within_save("save()")
         with self._calls.call(self._closed):
             self._thread.saving = True
