@@ -826,4 +826,4 @@ def test_status_shows_many_kept_steps_as_a_count_and_a_range():
     from ckptfs.cli.region import _kept_column
 
     assert _kept_column([]) == "-" and _kept_column([2, 3]) == "2 3"
-    assert _kept_column(list(range(0, 740, 10))) == "74: 0..730"
+    assert _kept_column(list(range(0, 740, 10))) == "0..730 (74)"

@@ -1268,3 +1268,23 @@ def test_a_load_pauses_the_gc_from_its_start_to_its_reads_end(store, monkeypatch
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_an_older_step_of_this_job_finishing_after_a_newer_one_is_quiet_in_any_process(store):
+    """A DCP save asked for before a newer step of the job committed (an async_save of the
+    process kind, finishing in DCP's background process, which records beside the training
+    process) leaves the newer step latest and succeeds; it failed as "another job's". A save
+    asked for after the newer step committed (a job resumed behind a run that got further) is
+    still refused."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"w": torch.arange(8.0)}
+    older = ckptfs.dcp.StorageWriter(store, "j", step=1)  # asked for first ...
+    dcp.save(state, storage_writer=ckptfs.dcp.StorageWriter(store, "j", step=2))
+    from ckptfs.dist import storage
+    storage._recorded.clear()  # ... as if step 2 was recorded by another process of the job
+    dcp.save(state, storage_writer=older)  # ... finished last
+    assert store.latest("j").step == 2
+    with pytest.raises(BaseException, match=r"already at step 2 .*ckptfs rm --allow-latest j"):
+        dcp.save(state, storage_writer=ckptfs.dcp.StorageWriter(store, "j", step=1))
+    assert store.latest("j").step == 2

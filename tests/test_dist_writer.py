@@ -669,3 +669,34 @@ def test_single_process_options_given_with_group_are_named(store):
     assert tuple(p for p in params if params[p].kind is inspect.Parameter.KEYWORD_ONLY and p != "group") == DIST_OPTIONS
     with pytest.raises(TypeError, match=r"takes max_inflight, timeout_s, keep_every, not chunk_bytes, slots"):
         store.writer("m", group=object(), slots=10, chunk_bytes=1 << 20)
+
+
+def _keep_every_step_in_a_small_region(rank, world, region):
+    """keep_every=1 in a region that fills: the parts' rings, waiting for parts that no commit
+    gives back, fail after PARTS_STUCK_S (they waited the Writer's 120 s, whatever timeout_s the
+    DistWriter had: its part writers did not get it)."""
+    import ckptfs.region.ring as ring_module
+    from ckptfs.dist import storage
+
+    ring_module.PARTS_STUCK_S = 1.0
+    store = ckptfs.Store(region)
+    with store.writer("m", group=dist.group.WORLD, max_inflight=1, keep_every=1, timeout_s=60) as w:
+        w.save({"w": torch.ones(1 << 20)}, step=0).result()
+        part = storage._writers[(store.path, f".m.rank{rank}")]
+        assert part.timeout_s == 60
+        started, failed = time.monotonic(), None
+        for step in range(1, 200):
+            try:
+                w.save({"w": torch.full((1 << 20,), float(step))}, step=step).result()
+            except CkptfsError as e:  # the rank's RegionFullError, in the commit's words
+                failed = e
+                break
+    assert failed is not None and "every slot of '.m.rank0' holds its latest or a kept version" in str(failed)
+    assert time.monotonic() - started < 40
+    assert store.latest("m").step == step - 1
+    store.close()
+
+
+def test_a_multi_rank_job_that_keeps_every_step_in_a_region_that_fills_fails_in_time(tmp_path):
+    region = _new_region(tmp_path)
+    run_ranks(_keep_every_step_in_a_small_region, 1, region)

@@ -58,13 +58,13 @@ KEPT_SHOWN = 4  # kept steps listed in status's column; more are counted (`ckptf
 
 
 def _kept_column(steps: list[int]) -> str:
-    """The KEPT cell: the steps, or with many (a job with keep_every keeps hundreds) their count,
-    first and last (they made the table hundreds of characters wide)."""
+    """The KEPT cell: the steps, or with many (a job with keep_every keeps hundreds) the first and
+    the last, and how many (they made the table hundreds of characters wide)."""
     if not steps:
         return "-"
     if len(steps) <= KEPT_SHOWN:
         return " ".join(map(str, steps))
-    return f"{len(steps)}: {steps[0]}..{steps[-1]}"
+    return f"{steps[0]}..{steps[-1]} ({len(steps)})"  # not a bare count beside VERSIONS
 
 
 @cli.command()

@@ -73,6 +73,10 @@ class StorageWriter(_DCPWriter):
         self.extra = dict(extra or {})  # small files of the global version (e.g. config.json)
         self.max_inflight = max_inflight
         self.timeout_s = timeout_s
+        # when this job asked for the save: a newer step committed after it is one of the job's own
+        # saves that finished first, whatever process recorded it (DCP's background process of
+        # async_save records beside the training process); see _record_here
+        self.started_ns = time.time_ns()
         self.rank = 0
         self.is_coordinator = True
         self._group = None
@@ -152,7 +156,7 @@ class StorageWriter(_DCPWriter):
         name = part_model(self.model, self.rank)
         # a part hidden by a later save of its step may still be named by the global latest (a
         # step saved again whose global commit fails): parts.py gives parts back, not the writer
-        writer = _kept_writer(self.store, name, self.max_inflight, give_back_hidden=False)
+        writer = _kept_writer(self.store, name, self.max_inflight, give_back_hidden=False, timeout_s=self.timeout_s)
         parts.release_earlier_runs(self.store, self.model, name, self.step)
         parts.started(self.store, name, self.step)
         try:
@@ -222,6 +226,7 @@ class StorageWriter(_DCPWriter):
                 if places is not None:
                     places["placed"] = placed  # the later commits of the plan send no items
                 _record_here(self.store, self.model, self.step, placed.render({p["rank"]: p["counter"] for p in everyone}),
+                             self.started_ns,
                              self.keep, self.extra)
             except BaseException as e:  # noqa: BLE001 - told to every rank
                 recorded, why = False, f"rank {self.rank} (region {region}): {e}"
@@ -268,17 +273,19 @@ def _placed(everyone: list[dict]) -> PlacedMetadata:
 _recorded: dict[tuple[str, str], set[int]] = {}  # (region, model) -> steps this process recorded there
 
 
-def _record_here(store, model: str, step: int, record: str, keep: bool = False, extra: dict | None = None) -> None:
+def _record_here(store, model: str, step: int, record: str, started_ns: int, keep: bool = False,
+                 extra: dict | None = None) -> None:
     """Commit the global version of ``step`` in this node's region, unless a newer step is latest:
-    one of this job's saves that finished first (an older save never wins), or else one of
-    another job, or of an earlier run that got further than where this one resumed. The step
-    would then never become latest, and this job's saves would all vanish: CkptfsError, saying
-    what to do. A step saved again (a job resumed at the step it saves next) is recorded again:
+    one of this job's saves that finished first (recorded by this process, or after this save
+    was asked for at ``started_ns``: an older save never wins), or else one of another job, or of
+    an earlier run that got further than where this one resumed. The step would then never
+    become latest, and this job's saves would all vanish: CkptfsError, saying what to do. A step saved again (a job resumed at the step it saves next) is recorded again:
     the new version names the new parts, which hide the earlier save's in the part models (an
     earlier version not recorded again would name parts that no listing finds)."""
     latest = store.latest(model, missing_ok=True)
     key = (store.region.superblock.uuid.hex(), model)
-    if latest is not None and latest.step > step and latest.step not in _recorded.get(key, ()):
+    if (latest is not None and latest.step > step and latest.step not in _recorded.get(key, ())
+            and latest.time_ns < started_ns):
         raise CkptfsError(
             f"{model!r} in region {store.path} is already at step {latest.step} (another job's, or an earlier run "
             f"that got further), so step {step} would never become its latest: save under another model name, "
@@ -318,10 +325,11 @@ def _store_at(path: str):
         return store
 
 
-def _kept_writer(store, model: str, max_inflight: int, give_back_hidden: bool = True):
+def _kept_writer(store, model: str, max_inflight: int, give_back_hidden: bool = True, timeout_s: float = 120.0):
     """One writer per part model (or global model) and open region in this process, reused by
     every step (its staging pool and ring stay warm); a store opened again gets a new one.
-    ``give_back_hidden``: as the Writer's."""
+    ``give_back_hidden``, ``timeout_s``: as the Writer's (the latter, the first save's: its
+    claims waited the Writer's default, whatever the StorageWriter or DistWriter was given)."""
     key = (store.path, model)
     with _writers_lock:
         w = _writers.get(key)
@@ -331,7 +339,8 @@ def _kept_writer(store, model: str, max_inflight: int, give_back_hidden: bool = 
                 _close_stale(w)
             # not store.writer, which refuses the names of part models to its callers
             # not sole: a DCP background process (async_save's) keeps writers of the same models
-            w = Writer(store.region, model, max_inflight=max_inflight, give_back_hidden=give_back_hidden, sole=False)
+            w = Writer(store.region, model, max_inflight=max_inflight, give_back_hidden=give_back_hidden, sole=False,
+                       timeout_s=timeout_s)
             _writers[key] = w
         return w
 

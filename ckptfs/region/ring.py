@@ -55,6 +55,7 @@ log = logging.getLogger("ckptfs")
 CLAIM_POLL_S = 0.005  # how often a claim waiting for a free slot looks again
 GROW_RETRY_S = 1.0  # how long a claim that found the region full waits before it asks again
 MODEL_WAIT_S = 5.0  # the longest a ring opening waits for a removal of its model that holds its lock byte
+PARTS_STUCK_S = 10.0  # how long a ring of parts (not sole) waits with every slot latest or kept, the region full
 OWN_WAIT_S = 0.2  # ... where only this process holds it (a writer of its own, or a removal on another thread)
 
 
@@ -126,6 +127,10 @@ class Ring:
             if deadline - time.monotonic() > OWN_WAIT_S and self._held_here_only(offset):
                 deadline = time.monotonic() + OWN_WAIT_S  # a writer of this process: no removal elsewhere to wait out
             if time.monotonic() > deadline:
+                if self._held_here_only(offset):
+                    raise BusyError(f"model {entry.name!r} has a writer open in this process: one writer per model; "
+                                    "close that one first (the Store it came from closes it too, even once it is out "
+                                    "of reach), or save under another name")
                 raise BusyError(f"model {entry.name!r} has a writer open in {self._holders(offset)}: one writer per "
                                 "model; close it (or stop that job) first, or save under another name")
             time.sleep(CLAIM_POLL_S)
@@ -137,8 +142,7 @@ class Ring:
     def _holders(self, offset: int) -> str:
         """Who holds lock byte ``offset``, in words: this process, or others by command and pid."""
         pids = {(pid, command) for pid, command, _ in lock_holders(self.region.path).get(offset, [])}
-        words = ["this process (a writer not closed)" if pid == os.getpid() else f"{command} (pid {pid})"
-                 for pid, command in sorted(pids)]
+        words = ["this process" if pid == os.getpid() else f"{command} (pid {pid})" for pid, command in sorted(pids)]
         return ", ".join(words) or "another process"
 
     def _open(self, entry: ModelEntry) -> None:
@@ -193,6 +197,7 @@ class Ring:
     def _claim_slot(self, need: int) -> tuple[ModelEntry, int, SlotHeader | None]:
         deadline = time.monotonic() + self.timeout_s
         full_until = 0.0
+        stuck_since = None  # since when every slot has been latest or kept, the region full
         while True:
             entry = self.refresh()
             now = time.monotonic()
@@ -219,11 +224,12 @@ class Ring:
                             f"this checkpoint of {entry.name!r} needs slots of {_mib(need)}, larger than its "
                             f"{_mib(entry.slot_bytes)}, and {e}") from None
                     self._forget_ages()
-                    # (a multi-rank job's parts are kept until its leader, maybe in another process,
-                    # gives the older ones back after each global commit: those wait)
-                    if self.sole and not self._candidates(entry, need):
-                        # every slot latest or kept: only an unkeep or a removal changes that, not
-                        # waiting (each save waited timeout_s for nothing)
+                    stuck_since = None if self._candidates(entry, need) else (stuck_since or now)
+                    # every slot latest or kept: only an unkeep or a removal changes that, not waiting
+                    # (each save waited timeout_s for nothing). A multi-rank job's parts are kept
+                    # until its leader, maybe in another process, gives the older ones back after
+                    # each global commit: a ring of parts waits a while for that first
+                    if stuck_since is not None and (self.sole or now - stuck_since >= PARTS_STUCK_S):
                         raise RegionFullError(
                             f"every slot of {entry.name!r} holds its latest or a kept version, and {e}; unkeep or "
                             "remove a version of it: " + in_words(python="Store.unkeep / Store.remove",

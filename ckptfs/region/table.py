@@ -364,8 +364,13 @@ class ModelTable:
             try:
                 writers = model_lock_offset(entry.index)
                 if not self.pins.try_exclusive(writers):
-                    raise BusyError(f"model {name!r} has a writer open (a training job saving it); " + in_words(
-                        python="close the writer (or stop the job) first", cli="stop the job that saves it first"))
+                    from ckptfs.region.holders import lock_holders
+
+                    who = sorted({f"{cmd} (pid {pid})" for pid, cmd, _ in lock_holders(self.path).get(writers, [])})
+                    raise BusyError(f"model {name!r} has a writer open (a training job saving it: "
+                                    f"{', '.join(who) or 'another process'}); " + in_words(
+                                        python="close the writer (or stop the job) first",
+                                        cli="stop the job that saves it first"))
                 claimed.append(writers)
                 for slot in entry.slots():
                     off = slot_lock_offset(entry.index, slot)
