@@ -144,6 +144,7 @@ class Store:
     def __init__(self, path: str | None = None, *, writable: bool = True, create: bool = True):
         default = path is None
         path = default_region_path() if default else path
+        self.created = False  # made here: the default region, at a writer's first use
         if not os.path.exists(path):
             if not (default and create):
                 raise NotFoundError(f"no region yet at {path}: " + in_words(
@@ -152,6 +153,7 @@ class Store:
                         + (" (so does a training job's first save)" if default else "")))
             try:
                 Region.format(path).close()
+                self.created = True
             except RegionFormatError:
                 pass  # another process created it first
         self.path = path

@@ -285,6 +285,22 @@ def test_read_only_commands_never_create_the_default_region(capsys, tmp_path, mo
     assert not home.exists() or not any(home.rglob("*.region"))
 
 
+def test_a_command_that_creates_the_default_region_says_so(capsys, tmp_path, monkeypatch):
+    """import creates the default region at its first use, as a writer does: it says where and
+    how large, once (a 64 GiB sparse file was made without a word, on a filesystem of 80 MiB)."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("CKPTFS_REGION", raising=False)
+    monkeypatch.delenv("XDG_DATA_HOME", raising=False)
+    save_file({"w": torch.ones(3)}, tmp_path / "w.safetensors")
+    code, _, err = run(capsys, "import", "m", str(tmp_path / "w.safetensors"))
+    region = home / ".local" / "share" / "ckptfs" / "default.region"
+    assert code == 0 and region.exists()
+    assert err == f"ckptfs: created the region {region} (64.0 GiB, a sparse file: blocks are taken as saves write; " \
+                  "`ckptfs mkfs --size` makes one of another size)\n"
+    assert run(capsys, "import", "m2", str(tmp_path / "w.safetensors"))[2] == ""  # once
+
+
 def test_usage_errors_are_one_line_in_cli_words(capsys, toy_region, tmp_path):
     code, _, err = run(capsys, "rm", "--region", toy_region, TOY_MODEL, "first")
     assert code == 2 and err.count("\n") == 1 and err.startswith("ckptfs rm: usage: ")

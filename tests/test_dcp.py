@@ -849,6 +849,7 @@ def test_info_export_and_verify_of_a_multi_rank_version(store, capsys, tmp_path)
     dcp.save(full, storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=7))
     code, out, _ = run(capsys, "info", "--region", store.path, "m")
     assert code == 0 and "in 2 tensors" in out and "dcp-parts.json" in out
+    assert "data     8.0 KiB in 2 tensors" in out, out  # the tensors' bytes, as ls counts them
     assert {line.split()[0] for line in out.splitlines() if line.startswith(("w ", "b "))} == {"w", "b"}
     assert run(capsys, "export", "--region", store.path, "m", str(tmp_path / "out") + "/")[0] == 0
     back = torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=True)

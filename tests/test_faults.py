@@ -137,6 +137,13 @@ def test_both_copies_of_a_slot_header_damaged_lose_that_version_with_a_report(vi
         with pytest.raises(CorruptionError, match="header is unreadable"):
             s.load("m", 20)
         assert same(F.fault_state("m", 40), s.load("m")) is None
+    # the command line says the same (export said "'m' has no step 20")
+    from click.testing import CliRunner
+
+    from ckptfs.cli import cli
+    for args in (["export", "--step", "20", "m", "-", "--file", "metadata.json"], ["info", "--step", "20", "m"]):
+        out = CliRunner().invoke(cli, [args[0], "--region", victim, *args[1:]], prog_name="ckptfs")
+        assert out.exit_code != 0 and "version 20 of 'm' is damaged" in str(out.exception), (args, out.output)
 
 
 def test_zeroed_header_pages_of_latest(victim, caplog):

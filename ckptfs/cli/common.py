@@ -9,6 +9,8 @@ from typing import Any
 
 import click
 
+from ckptfs.units import human_bytes
+
 
 def region_option(f):
     return click.option(
@@ -40,7 +42,13 @@ def open_store(region: str | None, *, create: bool = False):
     import) may create the default region; the others say that there is none yet."""
     from ckptfs import Store
 
-    return Store(region, create=create)
+    store = Store(region, create=create)
+    if store.created:
+        # it was made without a word: 64 GiB sparse on a filesystem of 80 MiB, found by `status` alone
+        click.echo(f"ckptfs: created the region {store.path} ({human_bytes(store.region.superblock.region_bytes)}, "
+                   "a sparse file: blocks are taken as saves write; `ckptfs mkfs --size` makes one of another "
+                   "size)", err=True)
+    return store
 
 
 class _Command(click.Command):
@@ -133,6 +141,8 @@ def version_step(store, model: str, step: int | None):
     for v in store.versions(model):
         if v.step == step:
             return v
+    with store.open_version(model, step):  # the Store's words: a step whose header is damaged is "damaged"
+        pass
     raise no_step(model, step)
 
 

@@ -73,11 +73,14 @@ def info(region, as_json, step, model):
     from ckptfs.views import files_for
 
     with open_store(region) as store:
-        v, _ = as_whole(store, store.open_version(model, version_step(store, model, step).step))
+        v, layout = as_whole(store, store.open_version(model, version_step(store, model, step).step))
         with v:
             m = v.manifest  # a multi-rank version's whole tensors
             files = {name: view.size for name, view in version_files(v, files_for).items()}
-            doc = dict(info_dict(v.info), data_bytes=m.data_bytes, files=files, tensors=[
+            # a multi-rank version's data: its tensors' bytes, as ls counts them (its manifest's
+            # data_bytes spans the address space the whole tensors are laid out in, parts beside)
+            data_bytes = sum(t.nbytes for t in m.tensors) if layout else m.data_bytes
+            doc = dict(info_dict(v.info), data_bytes=data_bytes, files=files, tensors=[
                 {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes,
                  "crc32": f"{t.crc32:08x}"} for t in m.tensors])
         if as_json:
