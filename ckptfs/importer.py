@@ -34,8 +34,10 @@ from ckptfs import leaves
 from ckptfs.errors import CkptfsError, MalformedInputError, UnsupportedObjectError
 from ckptfs.dist.names import RECORD_FILES
 from ckptfs.flatten import DTYPES
-from ckptfs.manifest import check_skeleton, expected_nbytes, map_tensor_refs, unflatten
-from ckptfs.views.safetensors import ALIASES_KEY, SAFETENSORS_DTYPES, SKELETON_KEY
+from ckptfs.manifest import check_file_name, check_skeleton, expected_nbytes, map_tensor_refs, unflatten
+from ckptfs.views.metadata import METADATA_FILE
+from ckptfs.views.safetensors import ALIASES_KEY, SAFETENSORS_DTYPES, SKELETON_KEY, STATE_FILE
+from ckptfs.views.torchzip import CHECKPOINT_FILE
 
 log = logging.getLogger(__name__)
 
@@ -344,19 +346,10 @@ def hf_directory(path: str) -> tuple[list[str], dict[str, str] | None, dict[str,
             raise MalformedInputError(f"{path}: a directory without model weights: import a file, or a Hugging "
                                       f"Face model directory ({' or '.join(HF_SINGLE)}, or shards with "
                                       f"{' or '.join(HF_INDEXES)})")
-    extra = {}
-    for name in HF_EXTRAS:
-        try:
-            with open(os.path.join(path, name), encoding="utf-8") as f:
-                extra[name] = f.read()
-        except FileNotFoundError:
-            continue
-        except (OSError, UnicodeDecodeError) as exc:
-            raise _reject(os.path.join(path, name), f"unreadable ({exc})") from None
-    return files, weight_map, extra
+    return files, weight_map, _read_texts(path, HF_EXTRAS, missing_ok=True)
 
 
-VERSION_FILES = ("state.safetensors", "checkpoint.pt")  # a version's whole object, by preference
+VERSION_FILES = (STATE_FILE, CHECKPOINT_FILE)  # a version's whole object, by preference
 
 
 def version_directory(path: str) -> tuple[list[str], dict[str, str]] | None:
@@ -365,7 +358,7 @@ def version_directory(path: str) -> tuple[list[str], dict[str, str]] | None:
     files its metadata lists, but a multi-rank version's records); else None. Read as a Hugging
     Face directory, such a directory gave its ``model.safetensors`` alone (the optimizer state
     and plain values were dropped)."""
-    meta_path = os.path.join(path, "metadata.json")
+    meta_path = os.path.join(path, METADATA_FILE)
     whole = next((os.path.join(path, n) for n in VERSION_FILES if os.path.isfile(os.path.join(path, n))), None)
     if whole is None or not os.path.isfile(meta_path):
         return None
@@ -374,19 +367,29 @@ def version_directory(path: str) -> tuple[list[str], dict[str, str]] | None:
             names = json.load(f, object_pairs_hook=_no_duplicates).get("files", [])
     except (OSError, ValueError, AttributeError, MalformedInputError) as exc:
         raise _reject(meta_path, f"not a version's metadata ({exc})") from None
-    if not isinstance(names, list) or not all(
-            isinstance(n, str) and n and os.path.basename(n) == n and n not in (".", "..") for n in names):
-        raise _reject(meta_path, "its files must be names of files in its directory")
-    extra = {}
+    try:
+        if not isinstance(names, list) or not all(isinstance(n, str) and check_file_name(n) for n in names):
+            raise MalformedInputError("not a list of names")
+    except MalformedInputError as exc:
+        raise _reject(meta_path, f"its files must be names of extra files of a version ({exc})") from None
+    # a multi-rank version's own records are left: the copy is a version of one process
+    return [whole], _read_texts(path, [n for n in names if n not in RECORD_FILES], missing_ok=False)
+
+
+def _read_texts(path: str, names, missing_ok: bool) -> dict[str, str]:
+    """{name: text} of the files ``names`` of directory ``path`` (those missing skipped where
+    ``missing_ok``); MalformedInputError for one that cannot be read as text."""
+    out = {}
     for name in names:
-        if name in RECORD_FILES:
-            continue  # a multi-rank version's own records: the copy is a version of one process
         try:
             with open(os.path.join(path, name), encoding="utf-8") as f:
-                extra[name] = f.read()
+                out[name] = f.read()
+        except FileNotFoundError:
+            if not missing_ok:
+                raise _reject(os.path.join(path, name), "listed in its metadata.json, missing") from None
         except (OSError, UnicodeDecodeError) as exc:
             raise _reject(os.path.join(path, name), f"unreadable ({exc})") from None
-    return [whole], extra
+    return out
 
 
 def _load_weights(files: list[str], weight_map: dict[str, str] | None, fmt: str | None, sources: list) -> Any:

@@ -217,10 +217,15 @@ class Store:
             return DistWriter(self, model, group=group, **options)
         from ckptfs.writer.writer import Writer
 
-        storage = sys.modules.get("ckptfs.dist.storage")  # never imported: no such writers (nor torch)
-        if storage is not None:  # this process's idle writers of DCP saves of the model would refuse it
-            storage.close_idle_writers(self, model)
+        self._close_idle_dcp_writers(model)  # they would refuse it
         return Writer(self.region, model, **options)
+
+    def _close_idle_dcp_writers(self, model: str) -> None:
+        """Close the writers this process keeps for DCP saves of ``model`` and its parts, where
+        idle (ckptfs.dist.storage.close_idle_writers): before a writer of the model or its removal."""
+        storage = sys.modules.get("ckptfs.dist.storage")  # never imported: no such writers (nor torch)
+        if storage is not None:
+            storage.close_idle_writers(self, model)
 
     # ------------------------------------------------------------------ listing
     def models(self) -> list[str]:
@@ -593,9 +598,7 @@ class Store:
         from ckptfs.dist.names import part_models
 
         self.region.check_writable("changed")
-        storage = sys.modules.get("ckptfs.dist.storage")  # never imported: no such writers (nor torch)
-        if storage is not None:
-            storage.close_idle_writers(self, model)
+        self._close_idle_dcp_writers(model)
         self.region.remove_model(model)
 
         busy = []

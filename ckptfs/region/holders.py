@@ -7,6 +7,16 @@ from __future__ import annotations
 import os
 
 
+def holders_in_words(path: str, offset: int, this_process: bool = True) -> tuple[str, bool]:
+    """(who holds lock byte ``offset`` of the region at ``path``: each as "COMMAND (pid N)", this
+    one as "this process" where ``this_process``, or "another process" where none can be seen;
+    whether this process alone holds it)."""
+    pids = {(pid, command) for pid, command, _ in lock_holders(path).get(offset, [])}
+    words = ["this process" if this_process and pid == os.getpid() else f"{command} (pid {pid})"
+             for pid, command in sorted(pids)]
+    return ", ".join(words) or "another process", {pid for pid, _ in pids} == {os.getpid()}
+
+
 def lock_holders(path: str) -> dict[int, list[tuple[int, str, str]]]:
     """{lock byte offset: [(pid, command, "READ" or "WRITE"), ...]} of the region at ``path``."""
     st = os.stat(path)

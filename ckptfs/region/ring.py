@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -46,7 +45,7 @@ from ckptfs.region.backend import aligned_buffer
 from ckptfs.region.extents import KEPT, Extents
 from ckptfs.region.format import (HEADER_COPY_OFFSETS, PAGE_BYTES, SLOT_COMMITTED, SLOT_HEADER_BYTES, SLOT_KEPT,
                                   SLOT_WRITING, ModelEntry, SlotHeader, pack_latest, slot_layout, unpack_latest)
-from ckptfs.region.holders import lock_holders
+from ckptfs.region.holders import holders_in_words
 from ckptfs.region.locks import LockSpace, model_lock_offset, slot_lock_offset
 from ckptfs.region.slots import SlotVersion, hidden_by
 
@@ -124,26 +123,18 @@ class Ring:
         take = self._claims.try_exclusive if self.sole else self._claims.try_shared
         deadline = time.monotonic() + MODEL_WAIT_S
         while not take(offset):
-            if deadline - time.monotonic() > OWN_WAIT_S and self._held_here_only(offset):
+            if deadline - time.monotonic() > OWN_WAIT_S and holders_in_words(self.region.path, offset)[1]:
                 deadline = time.monotonic() + OWN_WAIT_S  # a writer of this process: no removal elsewhere to wait out
             if time.monotonic() > deadline:
-                if self._held_here_only(offset):
+                who, here_only = holders_in_words(self.region.path, offset)
+                if here_only:
                     raise BusyError(f"model {entry.name!r} has a writer open in this process: one writer per model; "
                                     "close that one first (the Store it came from closes it too, even once it is out "
                                     "of reach), or save under another name")
-                raise BusyError(f"model {entry.name!r} has a writer open in {self._holders(offset)}: one writer per "
+                raise BusyError(f"model {entry.name!r} has a writer open in {who}: one writer per "
                                 "model; close it (or stop that job) first, or save under another name")
             time.sleep(CLAIM_POLL_S)
         self.region.reload(entry)  # NotFoundError if it was removed meanwhile
-
-    def _held_here_only(self, offset: int) -> bool:
-        return {pid for pid, _, _ in lock_holders(self.region.path).get(offset, [])} == {os.getpid()}
-
-    def _holders(self, offset: int) -> str:
-        """Who holds lock byte ``offset``, in words: this process, or others by command and pid."""
-        pids = {(pid, command) for pid, command, _ in lock_holders(self.region.path).get(offset, [])}
-        words = ["this process" if pid == os.getpid() else f"{command} (pid {pid})" for pid, command in sorted(pids)]
-        return ", ".join(words) or "another process"
 
     def _open(self, entry: ModelEntry) -> None:
         self._ages_lock = threading.Lock()

@@ -364,11 +364,10 @@ class ModelTable:
             try:
                 writers = model_lock_offset(entry.index)
                 if not self.pins.try_exclusive(writers):
-                    from ckptfs.region.holders import lock_holders
+                    from ckptfs.region.holders import holders_in_words
 
-                    who = sorted({f"{cmd} (pid {pid})" for pid, cmd, _ in lock_holders(self.path).get(writers, [])})
                     raise BusyError(f"model {name!r} has a writer open (a training job saving it: "
-                                    f"{', '.join(who) or 'another process'}); " + in_words(
+                                    f"{holders_in_words(self.path, writers, this_process=False)[0]}); " + in_words(
                                         python="close the writer (or stop the job) first",
                                         cli="stop the job that saves it first"))
                 claimed.append(writers)
