@@ -1089,6 +1089,25 @@ def test_a_kept_global_step_keeps_its_parts(tmp_path):
         assert [(p.step, "rank 0" in p.message) for p in store.verify("m")] == [(5, True)]
 
 
+def test_a_global_step_is_kept_whole_or_not_at_all(tmp_path, monkeypatch):
+    """Keeping a multi-rank step whose part of rank 1 cannot be kept (its ring would be left no
+    slot to save into): RegionFullError, and the part of rank 0, kept first, is unkept again
+    (it stayed kept: a half-kept milestone, its one part's slot lost to the ring for good)."""
+    region = str(tmp_path / "r.region")
+    ckptfs.Store.create(region, size_bytes=128 << 20).close()
+    run_ranks(_save_sharded_steps, 2, region, range(1, 4))
+    real = ckptfs.store.room_after_keeping
+    monkeypatch.setattr(ckptfs.store, "room_after_keeping",
+                        lambda region, v: v.entry.name != ".m.rank1" and real(region, v))
+    with ckptfs.Store(region) as store:
+        with pytest.raises(ckptfs.errors.RegionFullError, match="keeping step 2 of '.m.rank1'"):
+            store.keep("m", 2)
+        assert not any(v.kept for name in ("m", ".m.rank0", ".m.rank1") for v in store.versions(name) if v.step == 2)
+        monkeypatch.setattr(ckptfs.store, "room_after_keeping", real)
+        assert store.keep("m", 2)
+        assert all(v.kept for name in ("m", ".m.rank0", ".m.rank1") for v in store.versions(name) if v.step == 2)
+
+
 def test_removed_global_versions_give_back_their_parts_and_a_rollback_keeps_the_new_latests(tmp_path, capsys):
     """Removing a multi-rank version gives its parts back to their rings: a removed milestone's
     stayed kept for good once the job had ended. A rollback keeps the parts of the version that

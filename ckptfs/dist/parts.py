@@ -213,7 +213,8 @@ def reclaim(store, model: str, keep_step: int) -> None:
 def keep_parts(store, model: str, step: int, counter: int | None = None) -> None:
     """Keep the parts in ``store``'s region of global version ``step`` of ``model`` (of a step
     saved twice the newer, or the one whose counter is ``counter``; nothing for a version that
-    is not one); PartGoneError, nothing kept, if one of them is gone."""
+    is not one); PartGoneError, nothing kept, if one of them is gone; the error of the part that
+    could not be kept (RegionFullError: its ring had no room), the others unkept again."""
     if not part_models(store, model):
         return  # a model of one process (its index is not decoded for nothing: 40,000 tensors, 0.2 s)
     version = next((v for v in reversed(store.versions(model, hidden=True))
@@ -227,8 +228,15 @@ def keep_parts(store, model: str, step: int, counter: int | None = None) -> None
             raise PartGoneError(f"step {step} of {model!r} cannot be kept: the part of rank {rank} is gone (its "
                                 "slot was reused since); keep a newer step", rank)
         found.append((name, match[0].step, part_counter))
-    for name, part_step, part_counter in found:
-        store.keep(name, part_step, counter=part_counter)
+    newly = []  # the parts this call kept: unkept again if a later one cannot be (no half-kept version)
+    try:
+        for name, part_step, part_counter in found:
+            if store.keep(name, part_step, counter=part_counter):
+                newly.append((name, part_step, part_counter))
+    except BaseException:
+        for name, part_step, part_counter in newly:
+            store.unkeep(name, part_step, counter=part_counter)
+        raise
 
 
 def named_by(store, model: str, saves: list[tuple[int, int]]) -> set[tuple[str, int]]:
