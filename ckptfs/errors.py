@@ -70,6 +70,11 @@ class BusyError(CkptfsError):
     """The operation conflicts with a pin or a save in flight (e.g. removing a pinned version)."""
 
 
+class HeldError(BusyError):
+    """A version to open is held by a save for longer than a reader waits: its commit's barrier
+    (a slow disk), or the claim of its slot by a save reusing it. Trying again resolves it."""
+
+
 class CorruptionError(CkptfsError):
     """Stored bytes do not match their checksums."""
 

@@ -11,7 +11,7 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from ckptfs.errors import (BusyError, CkptfsError, CorruptionError, NotFoundError, PartGoneError,
+from ckptfs.errors import (BusyError, CkptfsError, CorruptionError, HeldError, NotFoundError, PartGoneError,
                            RegionFormatError, RegionFullError, in_words, no_step, no_version_yet)
 from ckptfs.manifest import Manifest
 from ckptfs.region.format import COUNTER_MAX, SUPERBLOCK_BYTES, Superblock
@@ -314,7 +314,8 @@ class Store:
 
     # ------------------------------------------------------------------ reading
     def open_version(self, model: str, step: int | None = None, *, checked: set | None = None,
-                     manifest: Manifest | None = None, counter: int | None = None) -> Version:
+                     manifest: Manifest | None = None, counter: int | None = None,
+                     wait_s: float = PIN_WAIT_S) -> Version:
         """Pin and open a version (``step`` None: the latest). Close it to release the pin.
         ``counter``: of a step saved twice, that save's version (else the newer); alone, the
         save with that counter (NotFoundError once its slot was reused).
@@ -322,9 +323,13 @@ class Store:
         ckptfs.reader.VersionData). ``manifest``: that earlier open's index (the mount keeps one
         per listed version), used when the pinned slot still holds the version it came from (the
         same save: counter and time) instead of reading and decoding the index again: tens of ms per open
-        of a file at 40,000 tensors."""
+        of a file at 40,000 tensors.
+        ``wait_s``: how long a version held by a save is waited for (its commit's barrier: listed
+        from the moment its header is written); then HeldError, or NotFoundError for a step
+        older than the latest (its slot is being reused, most likely). The mount passes 0 and
+        waits on its own event loop."""
         self.region.backend.check_present(for_write=False)
-        deadline = time.monotonic() + PIN_WAIT_S
+        deadline = time.monotonic() + wait_s
         while True:
             v, is_latest = self._find(model, step, counter)
             if self.region.pin(v):
@@ -337,14 +342,20 @@ class Store:
                     self.region.unpin(v)
                     raise
                 return Version(self, v, index, is_latest, checked)
-            # Held exclusively: by the save committing it (its header's barrier: listed, as the
-            # latest, from the moment its header is written), which is waited for; or by a claim
-            # that reuses the slot of an older version, which is gone
-            if not is_latest or time.monotonic() >= deadline:
-                if step is not None or counter is not None:
-                    raise no_step(model, step) if step is not None else _save_gone(model, counter)
-                raise BusyError(f"could not pin the latest version of {model!r}: it kept changing; try again")
-            time.sleep(0.001)
+            # Held exclusively: by the save committing it (its header's barrier: listed from the
+            # moment its header is written; an older step committed after a newer one too), which
+            # is waited for; or by a claim that reuses its slot, which marks it WRITING soon
+            # (then _find no longer finds it)
+            if time.monotonic() < deadline:
+                time.sleep(0.001)
+                continue
+            if step is None and counter is None:
+                raise HeldError(f"could not pin the latest version of {model!r}: it kept changing; try again")
+            latest = self.region.latest(v.entry)
+            if is_latest or latest is None or v.header.counter > latest.header.counter:
+                raise HeldError(f"step {v.header.step} of {model!r} is being committed (held longer than "
+                                f"{wait_s:g} s); try again")
+            raise no_step(model, step) if step is not None else _save_gone(model, counter)
 
     def load(self, model: str, step: int | None = None, map_location="cpu", verify: bool = True, into=None,
              group=None, peers=()):

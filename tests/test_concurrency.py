@@ -126,6 +126,52 @@ def test_a_version_can_be_opened_from_the_moment_it_is_listed(region_path, store
     assert opened == [1, 2, 3]
 
 
+def _held(store, version):
+    """Hold ``version``'s slot exclusively from another open description, as a save's commit
+    (or a claim reusing the slot) does; returns the LockSpace to close to let go."""
+    from ckptfs.region.locks import LockSpace, slot_lock_offset
+
+    claims = LockSpace(store.path)
+    assert claims.try_exclusive(slot_lock_offset(version.entry.index, version.slot))
+    return claims
+
+
+def test_a_version_held_by_its_commit_is_waited_for_and_one_being_reused_is_gone(region_path, store):
+    """An older step committed after a newer one (max_inflight 2) is listed from the moment its
+    header is written, and held exclusively through the commit's barrier: an open of it by step
+    waits (it said "no step"). A version whose slot a claim holds (the version is being
+    overwritten) is "no step" once the wait is over; the latest held is HeldError, at once with
+    ``wait_s=0`` (the mount waits on its own loop)."""
+    with store.writer("m", max_inflight=1) as w:
+        for step in (1, 2, 3):
+            w.save(state(step), step=step).result()
+    one, three = (next(v for v in store.region.committed(store.region.get("m")) if v.header.step == s) for s in (1, 3))
+    claims = _held(store, one)
+    threading.Timer(0.2, claims.close).start()  # the commit's barrier ends
+    t0 = time.monotonic()
+    with store.open_version("m", 1) as v:
+        assert 0.1 < time.monotonic() - t0 < 0.9 and int(v.load()["w"][0]) == 1
+    claims = _held(store, one)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ckptfs.errors.NotFoundError, match="no step 1"):
+            store.open_version("m", 1, wait_s=0.3)
+        assert time.monotonic() - t0 >= 0.3
+        with pytest.raises(ckptfs.errors.NotFoundError):
+            store.open_version("m", 1, wait_s=0)
+    finally:
+        claims.close()
+    claims = _held(store, three)
+    try:
+        for step in (None, 3):
+            with pytest.raises(ckptfs.errors.HeldError, match="try again"):
+                store.open_version("m", step, wait_s=0)
+    finally:
+        claims.close()
+    with store.open_version("m", 3, wait_s=0) as v:
+        assert v.info.step == 3
+
+
 def test_pin_of_dead_process_is_released(region_path, store):
     with store.writer("dead", max_inflight=1, slots=2, timeout_s=2) as w:
         w.save(state(1), step=1).result()

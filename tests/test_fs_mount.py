@@ -11,6 +11,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import threading
 import sys
 import time
 import zipfile
@@ -216,6 +217,34 @@ def test_version_whose_slot_is_reused_disappears(toy, store):
     assert took < APPEAR_S
     assert oserror(os.stat, os.path.join(model_dir, vdir(1), "checkpoint.pt")) == errno.ENOENT
     assert os.stat(os.path.join(model_dir, vdir(2), "checkpoint.pt")).st_ino == ino
+
+
+def test_an_open_of_a_latest_being_committed_waits_without_stalling_the_mount(toy, store):
+    """A latest still held by its save's commit (its barrier on a slow disk) is waited for by
+    an open of its file, up to a second, on the mount's event loop: the mount's other requests
+    are answered meanwhile (the wait blocked the loop, so every reader of the mount stalled)."""
+    from test_concurrency import _held
+
+    save_versions(store, "held", [1, 2])
+    path = os.path.join(toy / "held", vdir(2), "checkpoint.pt")
+    wait_for(lambda: os.path.exists(path), what="held/step-00000002")
+    claims = _held(store, store.region.latest(store.region.get("held")))
+    opened = []
+    opener = threading.Thread(target=lambda: opened.append(torch.load(path, weights_only=True)["step"]))
+    try:
+        opener.start()
+        time.sleep(0.1)
+        t0 = time.monotonic()
+        for step in (1, 2):  # another open, the listing, a read of another version: answered
+            with open(os.path.join(toy / TOY_MODEL, vdir(TOY_STEPS[0]), "metadata.json"), "rb") as f:
+                assert f.read()
+            assert vdir(1) in os.listdir(toy / "held")
+        assert time.monotonic() - t0 < 0.3 and opener.is_alive() and not opened
+    finally:
+        time.sleep(0.2)
+        claims.close()
+    opener.join(5)
+    assert opened == [2]
 
 
 def test_a_step_saved_again_shows_its_new_files_within_a_second(toy, store):

@@ -24,7 +24,7 @@ import os
 import pyfuse3
 import trio
 
-from ckptfs.errors import BusyError
+from ckptfs.errors import BusyError, HeldError
 from ckptfs.fs.errors import fuse_errors, read_only
 from ckptfs.fs.tree import ROOT_INODE, Node, OpenFile, Tree
 
@@ -34,6 +34,7 @@ assert ROOT_INODE == pyfuse3.ROOT_INODE
 
 LISTING_TTL = 0.5  # seconds: directories and latest
 IMMUTABLE_TTL = 5.0  # seconds: files of a version
+HELD_WAIT_S = 1.0  # seconds open waits for a version its save holds (Store.open_version's wait)
 RELEASE_GRACE = 0.5  # seconds rmdir waits for this mount's own pending releases
 BLOCK_SIZE = 1 << 20  # st_blksize, by which `cp` sizes its reads: each FUSE read also revalidates attributes
 
@@ -120,8 +121,19 @@ class CkptfsOperations(pyfuse3.Operations):
     # -------------------------------------------------------------- files
 
     async def open(self, inode, flags, ctx):
+        """The latest version held by its save's commit (listed from the moment its header is
+        written) is waited for here, up to ``HELD_WAIT_S``, without blocking the loop's other
+        requests (the tree's open does not wait: Store.open_version's ``wait_s``)."""
         with fuse_errors("open"):
-            handle = self.tree.open(self.tree.node(inode), flags)
+            deadline = trio.current_time() + HELD_WAIT_S
+            while True:
+                try:
+                    handle = self.tree.open(self.tree.node(inode), flags)
+                    break
+                except HeldError:
+                    if trio.current_time() >= deadline:
+                        raise
+                await trio.sleep(0.002)
             fh = next(self._fh)
             self._files[fh] = handle
             return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=False)

@@ -475,7 +475,8 @@ class Tree:
         return version_dirname(self._model(node.model).latest.step)
 
     def open(self, node: Node, flags: int) -> OpenFile:
-        """Open a file for reading and pin its version (EROFS for writing, EISDIR, ENOENT)."""
+        """Open a file for reading and pin its version (EROFS for writing, EISDIR, ENOENT;
+        HeldError, without waiting, while its save's commit holds it: Store.open_version)."""
         if node.is_dir:
             raise IsADirectoryError(errno.EISDIR, "is a directory")
         if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
@@ -487,7 +488,7 @@ class Tree:
         key = (node.model, node.step, node.save_id)
         checked = self._checked.setdefault(key, set())
         version = self._whole(key, self.store.open_version(node.model, node.step, checked=checked,
-                                                            manifest=self._manifests.get(key)))
+                                                            manifest=self._manifests.get(key), wait_s=0.0))
         try:
             if version.info.save_id != node.save_id:
                 raise FileNotFoundError(errno.ENOENT, f"{node.name}: its version was replaced")
