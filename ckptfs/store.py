@@ -62,6 +62,12 @@ class VersionInfo:
         return (self.counter, self.time_ns)
 
 
+def version_info(v: SlotVersion, is_latest: bool) -> VersionInfo:
+    """What ``Store.versions`` and an opened ``Version`` say of the committed version ``v``."""
+    h = v.header
+    return VersionInfo(v.entry.name, h.step, h.counter, v.slot, h.time_ns, h.data_bytes, is_latest, h.kept)
+
+
 class Version:
     """A pinned version: its slot cannot be reused until ``close``. Its bytes are read through
     ``data`` (ckptfs.reader.VersionData: checked, data-relative offsets)."""
@@ -74,9 +80,7 @@ class Version:
         from ckptfs.reader import VersionData
 
         self.data = VersionData(store.region, slot_version.data_base, manifest, checked)
-        h = slot_version.header
-        self.info = VersionInfo(slot_version.entry.name, h.step, h.counter, slot_version.slot, h.time_ns,
-                                h.data_bytes, latest)
+        self.info = version_info(slot_version, latest)
         self._open = True
 
     def read(self, offset: int, length: int) -> memoryview:
@@ -276,9 +280,7 @@ class Store:
 
     @staticmethod
     def _info(v: SlotVersion, latest: SlotVersion | None) -> VersionInfo:
-        h = v.header
-        is_latest = latest is not None and latest.slot == v.slot and latest.header.counter == h.counter
-        return VersionInfo(v.entry.name, h.step, h.counter, v.slot, h.time_ns, h.data_bytes, is_latest, h.kept)
+        return version_info(v, latest is not None and latest.slot == v.slot and latest.header.counter == v.header.counter)
 
     def index_intact(self, info: VersionInfo) -> bool:
         """Whether the listed version's index still matches its checksum (a read of the index:

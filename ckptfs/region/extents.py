@@ -146,8 +146,12 @@ class Extents:
         raises: the commit it follows is complete; slots not given back now go at a later one."""
         entry = self.ring.entry
         outgrown = any(x.slot_bytes < entry.slot_bytes for x in entry.extents)
-        kept = sum(1 for age in self.ring._slot_ages(entry).values() if age == KEPT)
-        if entry.nslots - kept > entry.ring_slots:  # from the cached ages: no header read, no lock
+        try:  # from the cached ages (no header read) unless another claim's wait cleared them
+            kept = sum(1 for age in self.ring._slot_ages(entry).values() if age == KEPT)
+        except (CkptfsError, OSError) as e:
+            log.warning("model %r: spare slots not given back this time: %s", entry.name, e)
+            return False
+        if entry.nslots - kept > entry.ring_slots:  # no lock
             self._spare_commits += 1
         else:
             self._spare_commits = 0

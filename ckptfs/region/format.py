@@ -221,6 +221,11 @@ class ModelEntry:
     def has_slot(self, slot: int) -> bool:
         return any(e.first_slot <= slot < e.first_slot + e.nslots for e in self.extents)
 
+    def same_slot(self, earlier: "ModelEntry", slot: int) -> bool:
+        """Whether this generation of the entry still has ``earlier``'s ``slot``, at the same
+        offset (it was not given back, its bytes perhaps another model's since)."""
+        return self.has_slot(slot) and self.slot_offset(slot) == earlier.slot_offset(slot)
+
     def slot_offset(self, slot: int) -> int:
         e = self.extent_of(slot)
         return e.offset + (slot - e.first_slot) * e.slot_bytes

@@ -185,15 +185,31 @@ class Region(ModelTable, SlotReader):
 
     # ---------------------------------------------------------------- pins
     def pin(self, version: SlotVersion) -> bool:
-        """Pin a version against reuse. False if it is gone (its slot was claimed or rewritten)."""
+        """Pin a version against reuse. False if it is gone (its slot was claimed or rewritten,
+        given back by its model, or its model removed); nothing held when it raises."""
         off = slot_lock_offset(version.entry.index, version.slot)
         if not self.pins.try_shared(off):
             return False
-        header = self.read_header(version.entry, version.slot)
-        if header is None or header.state != SLOT_COMMITTED or header.counter != version.header.counter:
+        try:
+            if self._still_there(version):
+                return True
+        except BaseException:
             self.pins.release(off)
-            return False
-        return True
+            raise
+        self.pins.release(off)
+        return False
+
+    def _still_there(self, version: SlotVersion) -> bool:
+        """Whether ``version`` is still in its slot, the slot's lock byte held: the slot is still
+        its model's, where it was (a slot given back keeps its header, its bytes another model's
+        from then on), and its header still the version's."""
+        try:
+            if not self.reload(version.entry).same_slot(version.entry, version.slot):
+                return False
+        except NotFoundError:
+            return False  # the model was removed
+        header = self.read_header(version.entry, version.slot)
+        return header is not None and header.state == SLOT_COMMITTED and header.counter == version.header.counter
 
     def unpin(self, version: SlotVersion) -> None:
         self.pins.release(slot_lock_offset(version.entry.index, version.slot))
@@ -205,10 +221,10 @@ class Region(ModelTable, SlotReader):
     def remove_version(self, version: SlotVersion, *, allow_latest: bool = False) -> None:
         """Invalidate a committed version that is neither pinned nor being written, nor latest
         unless ``allow_latest`` (a rollback: the latest pointer moves back first, see
-        ``ring.move_latest_back``)."""
+        ``ring.move_latest_back``). Latest as listed (``SlotReader.latest``): a version committed
+        newer than the pointer (a commit cut before its publish) is latest too."""
         entry = version.entry
-        latest = unpack_latest(self.latest_word(entry))
-        if latest is not None and latest[1] == version.slot and not allow_latest:
+        if self._is_latest(version) and not allow_latest:
             raise BusyError(f"step {version.header.step} is the latest version of {entry.name!r}; it is removed only "
                             "on request, to roll the model back to its newest older version: " + in_words(
                                 python="store.remove(model, step, allow_latest=True)",
@@ -218,19 +234,24 @@ class Region(ModelTable, SlotReader):
             raise BusyError(f"step {version.header.step} of {entry.name!r} is open or being written; "
                             "close readers and try again")
         try:
-            header = self.read_header(entry, version.slot)
-            word = self.latest_word(entry)
-            latest = unpack_latest(word)
-            if header is None or header.counter != version.header.counter:
+            if not self._still_there(version):
                 raise NotFoundError(f"step {version.header.step} of {entry.name!r} is already gone")
-            if latest is not None and latest[1] == version.slot:
-                if not allow_latest:
-                    raise BusyError(f"step {version.header.step} became the latest version of {entry.name!r}")
+            word = self.latest_word(entry)
+            latest, is_latest = unpack_latest(word), self._is_latest(version)
+            if is_latest and not allow_latest:
+                raise BusyError(f"step {version.header.step} became the latest version of {entry.name!r}")
+            if is_latest or (latest is not None and latest[1] == version.slot):
+                # the pointer may name it (a newer unpublished version stays latest) or an older one
                 move_latest_back(self, version, word)
             self.backend.write(entry.slot_offset(version.slot), aligned_buffer(SLOT_HEADER_BYTES))
             self.backend.barrier()
         finally:
             self.pins.release(off)
+
+    def _is_latest(self, version: SlotVersion) -> bool:
+        """Whether ``version`` is its model's latest as listed (``SlotReader.latest``)."""
+        latest = self.latest(version.entry)
+        return latest is not None and latest.slot == version.slot and latest.header.counter == version.header.counter
 
 
 _regions: "weakref.WeakSet[Region]" = weakref.WeakSet()  # every Region opened in this process

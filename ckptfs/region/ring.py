@@ -243,11 +243,15 @@ class Ring:
             lock = slot_lock_offset(entry.index, slot)
             if not self._claims.try_exclusive(lock):
                 continue
-            header = self.region.read_header(entry, slot)
-            now = self.region.reload(entry)
+            try:
+                header = self.region.read_header(entry, slot)
+                now = self.region.reload(entry)
+            except BaseException:  # an I/O error, the model removed: the lock is not kept for good
+                self._claims.release(lock)
+                raise
             if (self._latest_slot() == slot  # became latest between the look and the lock
                     or (header is not None and header.kept)  # kept by another process meanwhile
-                    or not now.has_slot(slot) or now.slot_offset(slot) != entry.slot_offset(slot)):
+                    or not now.same_slot(entry, slot)):
                 if header is not None and header.kept:
                     self._note_age(slot, KEPT)
                 self._claims.release(lock)

@@ -1,0 +1,166 @@
+"""A pin or a claim holds exactly what it names, and nothing once it fails: a version looked up
+before its slot was given back (or its model removed) cannot be pinned; an I/O error while a
+pin or a claim checks its slot leaves no lock byte held; a save committed and published is not
+failed by what follows its publish. (Found by a review; each confirmed by a reproducer first.)"""
+import pytest
+import torch
+
+import ckptfs
+from ckptfs.region.locks import slot_lock_offset
+from ckptfs.region.region import Region
+from ckptfs.testing.anomaly import FaultyBackend
+from ckptfs.writer.writer import Writer
+
+
+def _saved(store, model, steps, **options):
+    with store.writer(model, max_inflight=1, **options) as w:
+        for s in steps:
+            w.save({"w": torch.full((1024,), float(s))}, s).result()
+
+
+def _held(lockspace, entry) -> set[int]:
+    return {s for s in entry.slots() if lockspace._counts.get(slot_lock_offset(entry.index, s))}
+
+
+def test_a_version_whose_slot_was_given_back_cannot_be_pinned(store):
+    """A reader looked step 1 up; the model then outgrew its slots and gave the small ones
+    back, and another model took their bytes. The pin said yes (the given-back slot keeps its
+    header), and the reader read the other model's bytes: a CRC failure where verified, the
+    other model's values where not (the mount checks a tensor once)."""
+    _saved(store, "m", [1, 2], slots=2)
+    stale, _ = store._find("m", 1)
+    with store.writer("m", max_inflight=1, slots=2) as w:
+        for s in (3, 4):
+            w.save({"w": torch.ones(300_000)}, s).result()
+    assert not store.region.get("m").same_slot(stale.entry, stale.slot)  # given back
+    _saved(store, "other", [1], slots=2)
+    assert not store.region.pin(stale)
+    with pytest.raises(ckptfs.errors.NotFoundError):
+        store.region.remove_version(stale)  # it wrote a zero header into the other model's bytes
+    assert torch.equal(store.load("other")["w"], torch.full((1024,), 1.0))
+
+
+def test_a_version_of_a_removed_model_cannot_be_pinned(store):
+    _saved(store, "m", [1, 2])
+    stale, _ = store._find("m", 1)
+    store.remove_model("m")
+    assert not store.region.pin(stale)
+
+
+def test_an_io_error_inside_a_pin_holds_nothing(store):
+    """The mount daemon's disk failing once while it pins a version: the pin stayed held for the
+    daemon's life, and the version could never be removed or reused."""
+    _saved(store, "m", [1, 2, 3], slots=3)
+    with ckptfs.Store(store.path) as reader:
+        faulty = FaultyBackend(store.path)
+        reader.region.backend.close()
+        reader.region.backend = faulty
+        version, _ = reader._find("m", 1)
+        faulty.fail_at = len(faulty.calls) + 1
+        with pytest.raises(ckptfs.errors.RegionIOError):
+            reader.region.pin(version)
+        assert not _held(reader.region.pins, version.entry)
+        store.remove("m", 1)
+
+
+def test_an_io_error_while_a_save_claims_its_slot_gives_the_claim_back(store):
+    """The header read after a claim's lock byte was taken failing: the save fails, and the
+    writer's ring held the lock for good (the version in that slot could be neither read, kept
+    nor removed, and the ring was a slot short)."""
+    store.close()
+    faulty = FaultyBackend(store.path)
+    region = Region(store.path, backend=faulty)
+    w = Writer(region, "m", max_inflight=1, slots=3, timeout_s=3)
+    try:
+        for s in range(1, 5):
+            w.save({"t": torch.full((1024,), float(s))}, s).result()
+        faulty.fail_at = len(faulty.calls) + 1  # the next call: the claim's header read
+        with pytest.raises(ckptfs.errors.RegionIOError):
+            w.save({"t": torch.full((1024,), 5.0)}, 5).result()
+        assert faulty.failed == "pread"
+        assert not _held(w._ring._claims, region.get("m"))
+        for s in range(5, 9):  # every slot is claimed again
+            w.save({"t": torch.full((1024,), float(s))}, s).result()
+    finally:
+        w.close()
+        region.close()
+    with ckptfs.Store(store.path) as again:
+        assert [v.step for v in again.versions("m")] == [6, 7, 8]
+
+
+def test_a_published_save_is_not_failed_by_giving_back_spare_slots(store, monkeypatch):
+    """Giving back spare slots after a commit reads the slots' headers where the ring's cached
+    ages were dropped (a claim waiting meanwhile does that): an I/O error there failed the save
+    that was already latest."""
+    from ckptfs.region import ring as ring_module
+
+    store.close()
+    faulty = FaultyBackend(store.path)
+    region = Region(store.path, backend=faulty)
+    publish = ring_module.Ring.publish
+
+    def publish_then_fail(self, counter, slot):
+        done = publish(self, counter, slot)
+        self._forget_ages()
+        faulty.fail_at = len(faulty.calls) + 1
+        return done
+
+    w = Writer(region, "m", max_inflight=1, slots=3)
+    try:
+        for s in (1, 2):
+            w.save({"t": torch.full((1024,), float(s))}, s).result()
+        monkeypatch.setattr(ring_module.Ring, "publish", publish_then_fail)
+        assert w.save({"t": torch.full((1024,), 3.0)}, 3).result().published
+    finally:
+        monkeypatch.undo()
+        w.close()
+        region.close()
+    with ckptfs.Store(store.path) as again:
+        assert again.latest("m").step == 3
+
+
+def test_a_version_committed_but_not_yet_published_is_latest_for_rm_too(store):
+    """A commit cut between its header and its publish: every reader calls it latest (``ls``,
+    the mount), and ``rm`` removed it without ``allow_latest``, rolling the model back."""
+    _saved(store, "m", [1, 2], slots=3)
+    cut = _commit_without_publish(store, "m", 3)
+    assert store.latest("m").step == 3 and store.latest("m").counter == cut
+    with pytest.raises(ckptfs.errors.BusyError, match="allow_latest=True"):
+        store.remove("m", 3)
+    store.remove("m", 2)  # the pointer names it: it moves back, step 3 stays latest
+    assert [(v.step, v.latest) for v in store.versions("m")] == [(1, False), (3, True)]
+    store.remove("m", 3, allow_latest=True)
+    assert [(v.step, v.latest) for v in store.versions("m")] == [(1, True)]
+
+
+def _commit_without_publish(store, model, step) -> int:
+    """What a crash between a commit's header barrier and its publish leaves: step ``step``
+    committed (a copy of the latest's index, no tensors), the pointer naming the one before.
+    Its counter."""
+    import json
+
+    from ckptfs.region.ring import SlotLayout
+
+    latest = store.region.latest(store.region.get(model))
+    ring = store.region.ring(store.region.get(model), timeout_s=5)
+    try:
+        claim = ring.claim(step, SlotLayout.of(4096, 0))
+        claim.begin()
+        h = latest.header
+        raw = json.loads(bytes(store.region.backend.view(latest.entry.slot_offset(latest.slot) + h.manifest_offset,
+                                                         h.manifest_bytes)))
+        raw.update(step=step, counter=claim.counter, time_ns=claim.time_ns, data_bytes=0, tensors=[],
+                   skeleton={"dict": []})
+        claim.commit(json.dumps(raw, sort_keys=True, separators=(",", ":")).encode(), 0, publish=False)
+        return claim.counter
+    finally:
+        ring.close()
+
+
+def test_an_opened_version_says_whether_it_is_kept(store):
+    """``Version.info`` is what ``versions()`` lists (its kept flag was always False)."""
+    _saved(store, "m", [1, 2])
+    store.keep("m", 1)
+    with store.open_version("m", 1) as one, store.open_version("m", 2) as two:
+        assert one.info == next(v for v in store.versions("m") if v.step == 1) and one.info.kept
+        assert not two.info.kept
