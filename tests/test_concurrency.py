@@ -460,6 +460,41 @@ def test_async_snapshot_failure_reaches_both_futures(store):
     assert store.latest("asyncfail").step == 2
 
 
+@pytest.fixture
+def step_2_fails(monkeypatch):
+    """The commit of step 2 fails in the background (as a full disk fails it)."""
+    commit = Claim.commit
+
+    def failing(self, *args, **kwargs):
+        if self.step == 2:
+            raise ckptfs.errors.CkptfsError("step 2 could not be written (injected)")
+        return commit(self, *args, **kwargs)
+    monkeypatch.setattr(Claim, "commit", failing)
+
+
+def test_a_save_that_failed_unseen_is_raised_by_wait_and_close(store, step_2_fails):
+    """A job that does not keep its futures (``w.save(state, step)`` each step) lost the saves
+    that failed in the background without a word: wait(), close() and the end of the ``with``
+    block returned as if every save had committed, and the job exited 0."""
+    w = store.writer("m", max_inflight=2)
+    for step in (1, 2, 3):
+        w.save(state(step), step=step)
+    with pytest.raises(ckptfs.errors.CkptfsError, match="step 2 could not be written"):
+        w.wait()
+    assert w.wait() == []  # reported once
+    w.close()
+    with pytest.raises(ckptfs.errors.CkptfsError, match="step 2 could not be written"):
+        with store.writer("m", max_inflight=2) as w:
+            for step in (1, 2, 3):
+                w.save(state(step), step=step, async_snapshot=True)
+    assert [v.step for v in store.versions("m")] == [1, 3]
+    with store.writer("m", max_inflight=2) as w:  # seen through its future: not raised again
+        futures = [w.save(state(step), step=step) for step in (1, 2, 3)]
+        with pytest.raises(ckptfs.errors.CkptfsError):
+            futures[1].result()
+        w.wait()
+
+
 def test_the_slot_is_claimed_beside_the_snapshot(store, monkeypatch):
     """The claim (slot headers read from the disk) runs while the tensors are copied: here a
     claim that can only end once the snapshot has begun, and a snapshot that waits for nothing."""

@@ -84,13 +84,32 @@ def uninterrupted(cleanup) -> None:
         raise interrupt
 
 
-class SaveFuture(Future):
+class ReportedFuture(Future):
+    """A future that knows whether its failure reached its caller: ``result`` raised it or
+    ``exception`` returned it (the writer's ``wait`` and ``close`` raise a failure no one saw)."""
+
+    error_reported = False
+
+    def result(self, timeout=None):
+        try:
+            return super().result(timeout)
+        except BaseException:
+            self.error_reported = self.error_reported or self.done()  # not a timeout
+            raise
+
+    def exception(self, timeout=None):
+        error = super().exception(timeout)
+        self.error_reported = self.error_reported or error is not None
+        return error
+
+
+class SaveFuture(ReportedFuture):
     """The future of one save; ``snapshotted`` completes (with the stall in seconds) once the
     tensors have been copied out and may be modified."""
 
     def __init__(self):
         super().__init__()
-        self.snapshotted: Future = Future()
+        self.snapshotted: ReportedFuture = ReportedFuture()
         # Who ends the save: its start (Writer._start) once it ``take``s it, else the caller's
         # handler of an interrupt, which ``give_up``s it. Without the hand-over, a Ctrl-C just
         # after the save was queued failed the future of a save that went on and committed.
@@ -116,6 +135,11 @@ class SaveFuture(Future):
             self._given_up = True
         self.fail(error)
         return True
+
+    @property
+    def failure_reported(self) -> bool:
+        """Whether the save's failure reached its caller (through either future)."""
+        return self.error_reported or self.snapshotted.error_reported
 
     def fail(self, error: BaseException) -> None:
         """Fail both futures, unless failed already: the first error stands (a save given up on

@@ -47,6 +47,7 @@ log = logging.getLogger("ckptfs")
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 DEFAULT_PERSIST_THREADS = 2
+FAILED_KEPT = 8  # background failures a writer keeps for wait() to raise
 SLOT_HEADROOM = 1.10  # slots sized at the first save leave room for the state to grow a little
 
 
@@ -98,6 +99,9 @@ class Writer:
         self._permits = threading.BoundedSemaphore(max_inflight)
         self._pools: dict[bool, StagingPool] = {}
         self._outstanding: set[SaveFuture] = set()
+        # saves that failed in the background, kept until wait() (or close) has raised what no
+        # one saw: a job that drops its futures must not lose its checkpoints without a word
+        self._failed: list[SaveFuture] = []
         self._outstanding_lock = threading.Lock()
         self._closed = False  # refuses saves: close began
         self._stopped = False  # close ended: workers stopped, ring closed
@@ -236,16 +240,24 @@ class Writer:
             self._last_snapshot.result()
 
     def wait(self) -> list[SaveResult]:
-        """Block until every save so far is committed; re-raises the first failure."""
+        """Block until every save so far is committed; re-raises the first failure not yet
+        reported otherwise (by its future's ``result``/``exception``, ``wait_snapshot`` or an
+        earlier ``wait``): a save that failed in the background after its caller let go of its
+        future is raised here, and so by ``close`` and the end of a ``with`` block."""
         self._not_within_save("wait()")
         with self._outstanding_lock:
-            pending = list(self._outstanding)
+            pending, failed, self._failed = list(self._outstanding), self._failed, []
         results, first_error = [], None
+        for fut in failed:
+            if not fut.failure_reported:
+                first_error = first_error or fut.exception()
         for fut in pending:
             try:
                 results.append(fut.result())
             except BaseException as e:  # noqa: BLE001 - collected and re-raised below
                 first_error = first_error or e
+        with self._outstanding_lock:  # those that failed while we waited were reported above
+            self._failed = [f for f in self._failed if not f.failure_reported]
         if first_error is not None:
             raise first_error
         return results
@@ -406,6 +418,7 @@ class Writer:
     def _start_failed(self, job: Job | None, future: SaveFuture, error: BaseException) -> None:
         """A save whose permit is held failed before its snapshot was taken: its job (None: not
         made yet) fails, or the permit goes back; raised by ``_start``, not again by wait()."""
+        future.error_reported = True  # save() raises it
         if job is None:
             self._permits.release()
             self._drop(future, error)
@@ -415,7 +428,8 @@ class Writer:
             self._outstanding.discard(future)
 
     def _drop(self, future: SaveFuture, error: BaseException) -> None:
-        """Fail a save that never got a slot."""
+        """Fail a save that never got a slot (its save() call raises the error)."""
+        future.error_reported = True
         with self._outstanding_lock:
             self._outstanding.discard(future)
         future.fail(error)
@@ -436,6 +450,10 @@ class Writer:
         self._permits.release()
         with self._outstanding_lock:
             self._outstanding.discard(job.future)
+            if error is not None:  # the first ones are what wait() raises; a few, for memory
+                self._failed = [f for f in self._failed if not f.failure_reported]
+                if len(self._failed) < FAILED_KEPT:
+                    self._failed.append(job.future)
         if error is not None:
             job.future.fail(error)
         else:
