@@ -231,6 +231,39 @@ def test_vanished_versions_and_models_are_enoent_and_uncached(env):
     assert err(path, tree, "gpt") == errno.ENOENT
 
 
+def test_a_model_whose_versions_cannot_be_read_is_there_and_answers_eio(env, caplog):
+    """The device failing under a mount (EIO on every read of a model's headers): the model
+    vanished from the mount (``ls`` empty, ENOENT inside), so ``rsync --delete`` from it, or a
+    job's "resume if the checkpoint exists", acted on a false "absent". Its directory stays, and
+    everything inside answers EIO, said once in the log; it lists again once the reads work."""
+    store, tree, clock = env
+    store.commit("other", 1)
+    real = store.versions
+
+    def failing(model):
+        if model == "gpt":
+            raise E.RegionIOError("read of /fake.region failed: Input/output error", errno.EIO, "pread")
+        return real(model)
+    store.versions = failing
+    for _ in range(3):
+        clock.now += 1
+        assert [name for name, _ in tree.children(ROOT_INODE)] == ["gpt", "other"]
+    gpt = path(tree, "gpt")
+    assert stat.S_ISDIR(tree.attr(gpt).mode)
+    def answer(fn, *args):  # the errno the mount answers (ckptfs.fs.errors)
+        with pytest.raises(Exception) as e:
+            fn(*args)
+        return errno_for(e.value)
+    assert answer(tree.children, gpt.ino) == errno.EIO
+    assert answer(path, tree, "gpt", "latest") == errno.EIO
+    assert answer(path, tree, "gpt", "step-00000010", "checkpoint.pt") == errno.EIO
+    assert [name for name, _ in tree.children(path(tree, "other").ino)] == ["latest", "step-00000001"]
+    assert caplog.text.count("model 'gpt' cannot be listed: read of /fake.region failed") == 1
+    store.versions = real
+    clock.now += 1
+    assert [name for name, _ in tree.children(gpt.ino)][0] == "latest"
+
+
 def test_open_pins_until_close_and_reads_the_view(env):
     store, tree, clock = env
     f = path(tree, "gpt", "step-00000020", "checkpoint.pt")

@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ckptfs.dist.parts import loadable
+from ckptfs.errors import NotFoundError
 from ckptfs.fs.errors import read_only
 from ckptfs.fs.names import version_dirname
 from ckptfs.gcpause import paused_gc
@@ -123,6 +124,10 @@ class _Model:
     dirnames: dict[str, int] = field(default_factory=dict)  # "step-00001200" -> 1200
     latest: Any = None  # VersionInfo | None
     mtime_ns: int = 0
+    # why its versions could not be listed (the device's I/O error, damage): its directory is
+    # there, and everything in it answers with that error (EIO), not "absent" (an rsync --delete
+    # or a job's "resume if the checkpoint exists" would act on that)
+    error: BaseException | None = None
 
 
 class OpenFile:
@@ -223,8 +228,10 @@ class Tree:
         for name in names:
             try:
                 models[name] = self._listed(name, names)
-            except Exception as exc:  # noqa: BLE001 - removed between models() and versions()
+            except NotFoundError as exc:  # removed between models() and versions()
                 log.debug("listing %r: %s", name, exc)
+            except Exception as exc:  # noqa: BLE001 - answered as the model's errno (see _Model.error)
+                models[name] = self._unreadable(name, exc)
         self._models, self._names = models, names
         self._refreshed_at = now
         self._model_refreshed_at.clear()
@@ -257,10 +264,12 @@ class Tree:
             return
         try:
             self._models[name] = self._listed(name, self._names)
-        except Exception as exc:  # noqa: BLE001 - removed since the snapshot
+        except NotFoundError as exc:  # removed since the snapshot
             log.debug("listing %r: %s", name, exc)
             self.refresh(force=True)
             return
+        except Exception as exc:  # noqa: BLE001 - answered as the model's errno (see _Model.error)
+            self._models[name] = self._unreadable(name, exc)
         self._model_refreshed_at[name] = now
         self._drop_cached(lambda key: key[0] == name)
 
@@ -275,10 +284,19 @@ class Tree:
                 self._manifests.pop(key, None)
                 self._layouts.pop(key, None)
 
+    def _unreadable(self, name: str, exc: BaseException) -> _Model:
+        """The listing of a model whose versions could not be read (said once while it lasts)."""
+        before = self._models.get(name)
+        if before is None or before.error is None:
+            log.warning("model %r cannot be listed: %s", name, exc)
+        return _Model(error=exc)
+
     def _model(self, name: str) -> _Model:
         m = self._models.get(name)
         if m is None:
             raise FileNotFoundError(errno.ENOENT, f"no model {name!r}")
+        if m.error is not None:
+            raise m.error.with_traceback(None)  # raised at every request: no traceback to grow
         return m
 
     def _version(self, model: str, step: int):
@@ -391,6 +409,8 @@ class Tree:
         """Raise ENOENT if ``node`` is no longer in the snapshot."""
         if node.kind is Kind.ROOT:
             return
+        if node.kind is Kind.MODEL and node.model in self._models:
+            return  # there, readable or not (see _Model.error)
         m = self._model(node.model)
         if node.kind is Kind.LATEST and m.latest is None:
             raise FileNotFoundError(errno.ENOENT, f"{node.model} has no committed version")
@@ -413,7 +433,8 @@ class Tree:
         if name == ".":
             return parent
         if parent.kind is Kind.ROOT:
-            self._model(name)
+            if name not in self._models:
+                raise FileNotFoundError(errno.ENOENT, f"no model {name!r}")
             return self._model_node(name)
         if parent.kind is Kind.MODEL:
             m = self._model(parent.model)
@@ -454,9 +475,10 @@ class Tree:
         if node.kind is Kind.ROOT:
             mtime = max((m.mtime_ns for m in self._models.values()), default=0) or self.mounted_ns
             return Attr(node.ino, stat.S_IFDIR | 0o755, 2 + len(self._models), 0, mtime)
-        m = self._model(node.model)
         if node.kind is Kind.MODEL:
+            m = self._models[node.model]  # _live: listed, perhaps unreadable (then empty)
             return Attr(node.ino, stat.S_IFDIR | 0o755, 2 + len(m.versions), 0, m.mtime_ns or self.mounted_ns)
+        m = self._model(node.model)
         if node.kind is Kind.LATEST:
             return Attr(node.ino, stat.S_IFLNK | 0o777, 1, len(version_dirname(m.latest.step)), m.latest.time_ns)
         info = self._version(node.model, node.step)
