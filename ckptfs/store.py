@@ -32,6 +32,20 @@ PIN_RETRIES = 20
 PIN_WAIT_S = 1.0  # the longest open_version waits for a version held exclusively (a slow disk's barrier)
 
 
+def _unmounted_mount_point(path: str) -> str | None:
+    """The nearest directory above ``path`` that exists, where it is empty and not a mount
+    point: where a filesystem meant to hold the region is missing (not mounted at a restart),
+    and a region created there would land on the filesystem below, a job resuming from step 0
+    on it. None otherwise."""
+    d = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(d):
+        d = os.path.dirname(d)
+    try:
+        return d if os.path.isdir(d) and not os.path.ismount(d) and not os.listdir(d) else None
+    except OSError:
+        return None
+
+
 def default_region_path() -> str:
     """``$CKPTFS_REGION``, else ``$XDG_DATA_HOME/ckptfs/default.region`` (~/.local/share/...)."""
     env = os.environ.get("CKPTFS_REGION")
@@ -155,6 +169,12 @@ class Store:
                     python="a writer of Store() creates the default one, or Store.create(path, size_bytes=...)",
                     cli=f"`ckptfs mkfs{'' if default else ' ' + path}` makes one"
                         + (" (so does a training job's first save)" if default else "")))
+            empty = _unmounted_mount_point(path) if os.environ.get("CKPTFS_REGION") else None
+            if empty is not None:
+                raise NotFoundError(
+                    f"no region at {path} ($CKPTFS_REGION), and {empty} is an empty directory, not a mount point: "
+                    "is the filesystem meant to hold the region not mounted? Mount it; to start a new region "
+                    "there, " + in_words(python=f"Store.create({path!r})", cli=f"`ckptfs mkfs {path}`"))
             try:
                 Region.format(path).close()
                 self.created = True

@@ -1,5 +1,6 @@
 """Tier 1-2: what goes in comes back, exactly; what cannot go in is refused before any write."""
 import math
+import os
 from collections import OrderedDict
 
 import pytest
@@ -280,6 +281,13 @@ def test_load_by_step_and_missing(store):
 
 def test_default_region_created_on_first_use(tmp_path, monkeypatch):
     monkeypatch.setenv("CKPTFS_REGION", str(tmp_path / "sub" / "default.region"))
+    # an empty directory that is not a mount point: the filesystem meant to be there may not
+    # be mounted (a job restarted on a node whose NVMe was not mounted made a region on / and
+    # resumed from step 0)
+    with pytest.raises(NotFoundError, match=f"{tmp_path} is an empty directory, not a mount point.*Store.create"):
+        ckptfs.Store()
+    assert os.listdir(tmp_path) == []
+    (tmp_path / "other").write_text("")
     with ckptfs.Store() as s:
         with s.writer("m") as w:
             w.save({"a": torch.ones(3)}, step=1).result()
