@@ -160,6 +160,27 @@ def test_a_region_file_truncated_under_a_writer_and_a_mount(tmp_path):
         store.close()
 
 
+def test_a_region_truncated_while_a_save_writes_fails_that_save(tmp_path, monkeypatch):
+    """The file cut short after the save claimed its slot (its check at the claim passed): the
+    save was reported committed, its direct writes having made the file longer again."""
+    from ckptfs.region.ring import Claim
+
+    path = str(tmp_path / "r.region")
+    write, cut = Claim.write, []
+
+    def truncating(self, offset, buf):
+        if self.step == 2 and not cut:
+            os.truncate(path, 32 * MIB)
+            cut.append(True)
+        return write(self, offset, buf)
+    with ckptfs.Store.create(path, size_bytes=64 * MIB) as store, store.writer("m") as w:
+        w.save({"w": torch.ones(MIB // 4)}, step=1).result()
+        monkeypatch.setattr(Claim, "write", truncating)
+        with pytest.raises(RegionIOError, match="was truncated to .* while in use"):
+            w.save({"w": torch.full((MIB // 4,), 2.0)}, step=2).result()
+        assert cut and store.latest("m").step == 1
+
+
 def _writer_threads() -> int:
     import threading
 

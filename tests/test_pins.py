@@ -164,3 +164,50 @@ def test_an_opened_version_says_whether_it_is_kept(store):
     with store.open_version("m", 1) as one, store.open_version("m", 2) as two:
         assert one.info == next(v for v in store.versions("m") if v.step == 1) and one.info.kept
         assert not two.info.kept
+
+
+def test_a_region_renamed_under_an_open_store_is_still_the_one_its_writers_lock(tmp_path):
+    """A writer's claims and its model's lock byte were taken on the region reopened by path:
+    once the file was renamed (an operator moving it), ``writer()`` failed with a bare
+    FileNotFoundError, and where another file had taken the name, its locks were on that one
+    while its writes went to the region. They are taken through the store's own descriptor."""
+    import os
+
+    first, moved = str(tmp_path / "r.region"), str(tmp_path / "moved.region")
+    with ckptfs.Store.create(first, size_bytes=64 << 20) as store:
+        _saved(store, "m", [1])
+        os.rename(first, moved)
+        ckptfs.Store.create(first, size_bytes=64 << 20).close()  # another region takes the name
+        with store.writer("m") as w, ckptfs.Store(moved) as other:
+            w.save({"w": torch.full((1024,), 2.0)}, 2).result()
+            with pytest.raises(ckptfs.errors.BusyError, match="one writer per model"):
+                other.writer("m").save({"w": torch.zeros(1024)}, 3)
+            assert other.latest("m").step == 2
+        with ckptfs.Store(first) as new:
+            assert new.models() == []
+
+
+def test_a_save_whose_pointer_could_not_be_made_durable_stands(store, caplog):
+    """The msync of the latest pointer failing once (a transient writeback error): the save
+    was reported failed, while every reader took it for the latest (it is durable: its header
+    is, and a committed version newer than the pointer on the media is latest after a crash)."""
+    import errno
+
+    _saved(store, "m", [1, 2, 3], slots=3)
+    backend, msync, failed = store.region.backend, store.region.backend._msync, []
+
+    def flaky(mapping, offset, length):
+        if not failed and length == 16:
+            failed.append(offset)
+            raise OSError(errno.EIO, "injected writeback error")
+        return msync(mapping, offset, length)
+    backend._msync = flaky
+    try:
+        with store.writer("m", max_inflight=1) as w:
+            assert w.save({"w": torch.full((1024,), 4.0)}, 4).result().published
+            assert failed
+            w.save({"w": torch.full((1024,), 5.0)}, 5).result()
+    finally:
+        del backend._msync
+    assert "the latest pointer to its save 4 was not made durable: msync of" in caplog.text
+    assert [(v.step, v.latest) for v in store.versions("m")] == [(3, False), (4, False), (5, True)]

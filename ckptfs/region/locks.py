@@ -74,6 +74,12 @@ class LockSpace:
         self._mutex = threading.Lock()
         _spaces.add(self)
 
+    def another(self, *, pins_in_child: bool = True) -> "LockSpace":
+        """A description of its own on the same open file, writable (for exclusive locks):
+        through this one's descriptor, not the path, where another file may be by now (the
+        region renamed, or removed and made again) or none (OSError)."""
+        return LockSpace(f"/proc/self/fd/{self._descriptor()}", writable=True, pins_in_child=pins_in_child)
+
     def _after_fork_in_child(self) -> None:
         """In a child of ``fork``: the parent's description (and its locks) would be shared
         with the parent, so that an unlock here (the child closing a Version it inherited, or

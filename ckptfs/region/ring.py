@@ -41,12 +41,12 @@ from dataclasses import dataclass
 
 from ckptfs.checksum import crc32
 from ckptfs.errors import BusyError, CheckpointTooLargeError, CkptfsError, NotFoundError, RegionFullError, in_words
-from ckptfs.region.backend import aligned_buffer
+from ckptfs.region.backend import aligned_buffer, io_step
 from ckptfs.region.extents import KEPT, Extents
 from ckptfs.region.format import (HEADER_COPY_OFFSETS, PAGE_BYTES, SLOT_COMMITTED, SLOT_HEADER_BYTES, SLOT_KEPT,
                                   SLOT_WRITING, ModelEntry, SlotHeader, pack_latest, slot_layout, unpack_latest)
 from ckptfs.region.holders import holders_in_words
-from ckptfs.region.locks import LockSpace, model_lock_offset, slot_lock_offset
+from ckptfs.region.locks import model_lock_offset, slot_lock_offset
 from ckptfs.region.slots import SlotVersion, hidden_by
 
 log = logging.getLogger("ckptfs")
@@ -100,7 +100,8 @@ class Ring:
         # Claims are held on a description of their own, so that they exclude this process's own
         # pins (OFD locks of one description never conflict in the kernel).
         # (a writer's, not a forked child's: its claims and the model stay with the parent's threads)
-        self._claims = LockSpace(region.path, writable=True, pins_in_child=False)
+        with io_step("open for a writer", region.path):  # a filesystem gone read-only: EROFS, worded
+            self._claims = region.pins.another(pins_in_child=False)
         # Open, the ring keeps the model from being removed (Region.remove_model: a training
         # job's writer between two saves holds no slot, and its next save found no model) and
         # from a second writer (see _hold_model).
@@ -377,7 +378,15 @@ class Ring:
             if region.cas_latest(entry, seen, desired)[0]:
                 published = True
                 break
-        region.persist_words(entry)
+        try:
+            region.persist_words(entry)
+        except (CkptfsError, OSError) as e:
+            # The version is durable already (its header, behind the commit's second barrier),
+            # and a committed version newer than the pointer on the media counts as latest
+            # (SlotReader.latest): the save stands. Failed here, it was reported failed while
+            # readers (and the next writer) took it for the latest.
+            log.warning("model %r: the latest pointer to its save %d was not made durable: %s; the version "
+                        "is durable, and latest after a crash too", entry.name, counter, e)
         return published
 
 
@@ -431,6 +440,9 @@ class Claim:
         # vouches for them is written, alone in its page: a torn commit leaves at worst an
         # invalid header (no version), never a valid header over a torn index.
         region.backend.barrier()
+        # the region truncated (or removed) since the claim: its data may be gone, and the
+        # direct writes re-extended the file, so that the save would be reported committed
+        region.backend.check_present(for_write=True)
         header = SlotHeader(SLOT_COMMITTED, self.counter, self.step, self.time_ns, entry.index, self.slot,
                             layout.index_offset, len(index), crc32(index), layout.data_offset, data_bytes,
                             SLOT_KEPT if keep else 0)

@@ -181,8 +181,11 @@ def one_run(path: str, fail_at: int, errno_code: int, step: int, model: str, dev
         region.close()
     run = Run(fail_at, errno_code, backend.failed, None if error is None else f"{type(error).__name__}: {error}")
     if backend.failed is not None:
-        if error is None and calls_at_commit and fail_at > calls_at_commit[0]:
-            pass  # after its commit (giving back spare slots): the save is complete; they go back later
+        if error is None and calls_at_commit and fail_at >= calls_at_commit[0]:
+            # the last call before the commit's notice: the latest pointer's persist, after the
+            # version's header was durable (Ring.publish: the save stands); after it, giving
+            # back spare slots: the save is complete, they go back later
+            pass
         elif backend.failed == "fallocate" and errno_code == errno_mod.ENOSPC and isinstance(error, RegionFullError):
             pass  # a ring that does not fit: the region-full error says what was needed and what is free
         elif backend.failed == "fallocate" and errno_code == errno_mod.ENOSPC and error is None and model == "g":
