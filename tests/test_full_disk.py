@@ -160,6 +160,25 @@ def test_a_region_file_truncated_under_a_writer_and_a_mount(tmp_path):
         store.close()
 
 
+def test_mkfs_on_a_full_filesystem_says_it_is_full(small_fs, capsys):
+    """The superblock and model table are written through the mapping: on a full filesystem
+    that was a SIGBUS, reported as "the device reported a media error" at a temporary name."""
+    from test_cli import run
+
+    with open(os.path.join(small_fs, "filler.bin"), "wb") as f:
+        while True:
+            try:
+                f.write(bytes(8 * MIB))
+                f.flush()
+            except OSError:
+                break
+    path = os.path.join(small_fs, "r.region")
+    code, _, err = run(capsys, "mkfs", path, "--size", "1GiB")
+    assert code == 1 and f"allocating the region's superblock and model table of {path} failed: No space left " \
+        "on device; the filesystem is full: free space on it" in err, err
+    assert sorted(os.listdir(small_fs)) == ["filler.bin", "lost+found"]  # no region, no temporary file
+
+
 def test_a_region_truncated_while_a_save_writes_fails_that_save(tmp_path, monkeypatch):
     """The file cut short after the save claimed its slot (its check at the claim passed): the
     save was reported committed, its direct writes having made the file longer again."""

@@ -196,6 +196,11 @@ class Backend:
     def reserve(self, offset: int, length: int) -> None:
         """Make sure writes to [offset, offset+length) cannot fail for lack of space."""
 
+    def allocate(self, offset: int, length: int) -> None:
+        """Allocate the blocks of [offset, offset+length) of a file (OSError as the system
+        says), so that writes through the mapping there cannot meet a full filesystem (a
+        SIGBUS, reported as a media error); nothing for a device."""
+
     def check_present(self, *, for_write: bool) -> None:
         """RegionIOError if the region file was truncated under this process (its mapping would
         kill the process with SIGBUS where it reaches past the end), or, ``for_write``, removed
@@ -376,14 +381,16 @@ class FileBackend(Backend):
             self._pread(self._fd, memoryview(buf), offset, self.path)
         return bytes(buf)
 
+    def allocate(self, offset: int, length: int) -> None:
+        if self.kind == "file":
+            self._fallocate(self._fd, offset, length)
+
     def reserve(self, offset: int, length: int) -> None:
         """Allocate the blocks of a new ring, all or nothing: when the filesystem runs out part
         way, what was allocated is given back (a hole punched over the range, which holds no
         version yet) and RegionFullError says what was needed and what is free."""
-        if self.kind != "file":
-            return
         try:
-            self._fallocate(self._fd, offset, length)
+            self.allocate(offset, length)
         except OSError as e:
             if e.errno == errno.ENOSPC:
                 _punch_hole(self._fd, offset, length)

@@ -8,7 +8,7 @@ import threading
 import time
 
 from ckptfs.errors import RegionFormatError, in_words
-from ckptfs.region.backend import open_backend
+from ckptfs.region.backend import io_step, open_backend
 from ckptfs.region.format import SUPERBLOCK_BYTES, SUPERBLOCK_MAGIC, Superblock
 from ckptfs.units import human_bytes
 
@@ -91,7 +91,7 @@ def format_new_file(path: str, size_bytes: int) -> None:
     tmp = os.path.join(directory, f".{os.path.basename(path)}.formatting-{os.getpid()}-{threading.get_ident()}")
     make_sparse_file(tmp, size_bytes, truncate=False, exclusive=True)
     try:
-        format_in_place(tmp, None)
+        format_in_place(tmp, None, shown=path)
         _publish_new_file(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
@@ -121,8 +121,9 @@ def _publish_new_file(tmp: str, path: str) -> None:
         os.rename(tmp, path)
 
 
-def format_in_place(path: str, size_bytes: int | None) -> None:
-    """Superblock, empty model table and the backup superblock, on a file or device of its own size."""
+def format_in_place(path: str, size_bytes: int | None, *, shown: str | None = None) -> None:
+    """Superblock, empty model table and the backup superblock, on a file or device of its own
+    size (``shown``: the path errors name, where ``path`` is a temporary name)."""
     backend = open_backend(path, writable=True)
     try:
         if size_bytes is not None and backend.kind != "file" and size_bytes != backend.size_bytes:
@@ -132,12 +133,17 @@ def format_in_place(path: str, size_bytes: int | None) -> None:
             check_region_size(backend.size_bytes, path)
         sb = Superblock.new(backend.size_bytes, backend.block_bytes, time.time_ns())
         table_bytes = sb.data_offset - sb.table_offset
+        backup = backend.size_bytes - SUPERBLOCK_BYTES
+        # written through the mapping: a full filesystem would answer with SIGBUS, reported
+        # as a media error (a full disk said "the device reported a media error")
+        for offset, length in ((0, sb.data_offset), (backup, SUPERBLOCK_BYTES)):
+            with io_step("allocating the region's superblock and model table", shown or path):
+                backend.allocate(offset, length)
         mapping = backend.mapping
         mapping[sb.table_offset:sb.table_offset + table_bytes] = bytes(table_bytes)
         backend.persist_mapped(sb.table_offset, table_bytes)
         # A backup in the last 4 KiB (never given to a ring): a damaged superblock does not
         # take every checkpoint of the region with it.
-        backup = backend.size_bytes - SUPERBLOCK_BYTES
         mapping[backup:backup + SUPERBLOCK_BYTES] = sb.pack()
         backend.persist_mapped(backup, SUPERBLOCK_BYTES)
         # The superblock goes last: a half-formatted region is not recognized as one.
