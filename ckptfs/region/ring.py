@@ -122,10 +122,11 @@ class Ring:
         naming the process whose writer holds it."""
         offset = model_lock_offset(entry.index)
         take = self._claims.try_exclusive if self.sole else self._claims.try_shared
-        deadline = time.monotonic() + MODEL_WAIT_S
+        deadline, looked = time.monotonic() + MODEL_WAIT_S, False
         while not take(offset):
-            if deadline - time.monotonic() > OWN_WAIT_S and holders_in_words(self.region.path, offset)[1]:
+            if not looked and holders_in_words(self.region.path, offset)[1]:  # once: a scan of every process
                 deadline = time.monotonic() + OWN_WAIT_S  # a writer of this process: no removal elsewhere to wait out
+            looked = True
             if time.monotonic() > deadline:
                 who, here_only = holders_in_words(self.region.path, offset)
                 if here_only:
