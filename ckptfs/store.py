@@ -8,18 +8,17 @@ import os
 import sys
 import time
 import warnings
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from ckptfs.errors import (BusyError, CkptfsError, CorruptionError, HeldError, NotFoundError, PartGoneError,
                            RegionFormatError, RegionFullError, in_words, no_step, no_version_yet)
 from ckptfs.manifest import Manifest
-from ckptfs.region.format import COUNTER_MAX, SUPERBLOCK_BYTES, Superblock
 from ckptfs.region.holders import lock_holders
 from ckptfs.region.locks import model_lock_offset, slot_lock_offset
 from ckptfs.region.region import Region, SlotVersion
 from ckptfs.region.slots import hidden_by
 from ckptfs.region.ring import latest_after_removal, mark_kept, room_after_keeping
+from ckptfs.version import Version, VersionInfo, version_info
 from ckptfs.writer.progress import read_progress
 
 if TYPE_CHECKING:  # the reader and the writer need torch, which listing a region does not
@@ -53,82 +52,6 @@ def default_region_path() -> str:
         return env
     base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
     return os.path.join(base, "ckptfs", "default.region")
-
-
-@dataclass(frozen=True, order=True)
-class VersionInfo:
-    """One committed version, as listed. Versions of a model order by (step, counter)."""
-
-    model: str
-    step: int
-    counter: int
-    slot: int
-    time_ns: int
-    data_bytes: int
-    latest: bool
-    kept: bool = False  # a milestone: never reused by the ring (Store.keep / unkeep)
-
-    @property
-    def save_id(self) -> tuple[int, int]:
-        """What tells this save from every other of its model and step, (counter, time_ns): a
-        model removed and made again counts its saves from 1 again, so the counter alone can
-        name a save of the model that was removed (a cache keyed by it would serve that one)."""
-        return (self.counter, self.time_ns)
-
-
-def version_info(v: SlotVersion, is_latest: bool) -> VersionInfo:
-    """What ``Store.versions`` and an opened ``Version`` say of the committed version ``v``."""
-    h = v.header
-    return VersionInfo(v.entry.name, h.step, h.counter, v.slot, h.time_ns, h.data_bytes, is_latest, h.kept)
-
-
-class Version:
-    """A pinned version: its slot cannot be reused until ``close``. Its bytes are read through
-    ``data`` (ckptfs.reader.VersionData: checked, data-relative offsets)."""
-
-    def __init__(self, store: "Store", slot_version: SlotVersion, manifest: Manifest, latest: bool,
-                 checked: set | None = None):
-        self._store = store
-        self._slot_version = slot_version
-        self.manifest = manifest
-        from ckptfs.reader import VersionData
-
-        self.data = VersionData(store.region, slot_version.data_base, manifest, checked)
-        self.info = version_info(slot_version, latest)
-        self._open = True
-
-    def read(self, offset: int, length: int) -> memoryview:
-        """Bytes of the data area (``record.offset`` is such an offset), zero-copy; every tensor
-        touched is checked against its CRC first (CorruptionError names a damaged one)."""
-        return self.data.read(offset, length)
-
-    def confirm(self) -> None:
-        """RegionIOError if what ``read`` handed out may be zeros of a faulted mapping (see
-        VersionData.confirm): call it after copying, before trusting the copy."""
-        self.data.confirm()
-
-    def load(self, map_location="cpu", verify: bool = True, into=None):
-        """The saved object (see Store.load)."""
-        return self.data.restore(map_location, verify, into)
-
-    def close(self) -> None:
-        if self._open:
-            self._open = False
-            self.data.close()  # its checks ahead end before the slot may be reused
-            self._store.region.unpin(self._slot_version)
-
-    def __enter__(self) -> "Version":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):
-        if getattr(self, "_open", False):
-            try:
-                self.close()
-            except Exception:
-                pass
 
 
 def _load_multi_rank_into(store, model: str, step: int, into):
@@ -444,96 +367,11 @@ class Store:
 
     def verify(self, model: str | None = None, step: int | None = None,
                progress: Callable[[int], None] | None = None) -> list[VerifyProblem]:
-        """Check every tensor of the selected versions against its CRC; [] means all good. Of
-        a ``model`` saved by many ranks (DCP), each version's parts in this region are checked
-        with it; a part that is gone is a problem of the latest, of a kept version and of a
-        ``step`` asked for (the other steps whose parts went back to their rings are not listed:
-        ``ckptfs ls``; nor is an earlier save of a step saved again, whose parts go back)."""
-        from ckptfs.dist.parts import part_problems
-        from ckptfs.reader import VerifyProblem, VersionData
+        """Check every tensor of the selected versions against its CRC; [] means all good
+        (ckptfs.verify.verify: what else is checked, and how multi-rank versions are)."""
+        from ckptfs.verify import verify
 
-        problems: list[VerifyProblem] = []
-        region_models = self.models()
-        models = [model] if model is not None else region_models  # the whole region: parts are models
-        if model is None:
-            problems += self._region_problems()
-        for name in models:
-            entry = self.region.get(name)
-            targets = [v for v in self.region.committed(entry) if step is None or v.header.step == step]
-            if step is not None and not targets:
-                raise no_step(name, step)
-            if step is None:
-                problems += self._model_problems(entry)
-            latest = self.region.latest(entry)
-            newest = {v.header.step: v.header.counter for v in targets}  # in counter order: a step's last save
-            for v in targets:
-                if not self.region.pin(v):
-                    continue  # reused since listing: nothing left to verify
-                try:
-                    manifest = self.region.read_manifest(v)
-                    problems += VersionData(self.region, v.data_base, manifest).verify(progress)
-                    if model is not None:
-                        info = self._info(v, latest)
-                        hidden = newest[info.step] != info.counter
-                        problems += part_problems(self, name, manifest, progress, skip_gone=hidden or (
-                            step is None and not info.latest and not info.kept), models=region_models)
-                except CorruptionError as e:
-                    problems.append(VerifyProblem(name, v.header.step, None, str(e)))
-                finally:
-                    self.region.unpin(v)
-        return problems
-
-    def _region_problems(self) -> list[VerifyProblem]:
-        """Damage outside the versions: superblock and its backup, model table entries."""
-        from ckptfs.reader import VerifyProblem
-
-        out = []
-        region = self.region
-        try:
-            primary = Superblock.unpack(bytes(region.backend.view(0, SUPERBLOCK_BYTES)), self.path)
-        except RegionFormatError as e:
-            primary = None
-            out.append(VerifyProblem("<region>", -1, None, f"{e}; the region was opened from its backup superblock"))
-        backup = region.backup_superblock()
-        if backup is None or (primary is not None and backup != primary):
-            out.append(VerifyProblem("<region>", -1, None, "the backup superblock in the region's last 4 KiB is "
-                                     "missing or damaged (the region still works; re-create it to restore the copy)"))
-        for index, name, what in region.damaged_entries():
-            out.append(VerifyProblem(name or f"<model table entry {index}>", -1, None,
-                                     f"{what}: the model is unreadable; its versions are lost"))
-        for entry, what in region.entry_problems():
-            out.append(VerifyProblem(entry.name, -1, None, f"model table entry {entry.index}: {'; '.join(what)}; the "
-                                     "intact copy is used, and the model's next writer rewrites the other copy",
-                                     repairable=True))
-        return out
-
-    def _model_problems(self, entry) -> list[VerifyProblem]:
-        """Damage of a model outside its intact versions: the latest pointer, unreadable headers."""
-        from ckptfs.reader import VerifyProblem
-
-        out = []
-        counter = self.region.counter_word(entry)
-        if counter > COUNTER_MAX:
-            out.append(VerifyProblem(entry.name, -1, None, f"the version counter holds {counter:#x}, more than a latest "
-                                     "pointer can name: the model table entry is damaged; new saves of this model "
-                                     "are refused (export its versions and re-create it)"))
-        problem = self.region.latest_problem(entry)
-        if problem is not None:
-            out.append(VerifyProblem(entry.name, -1, None, f"{problem}; `load` falls back to the newest intact version"))
-        for v in self.region.committed(entry):
-            if self.region.header_copy_lost(entry, v.slot):
-                out.append(VerifyProblem(entry.name, v.header.step, None,
-                                         f"one copy of the header of slot {v.slot} (region offset "
-                                         f"{entry.slot_offset(v.slot)}) is damaged, or was torn by a crash; the intact "
-                                         "copy is used, and the model's next writer rewrites the other copy",
-                                         repairable=True))
-        for slot, offset, index in self.region.unreadable_slots(entry):
-            said = (f"its index says step {index.step} ({len(index.tensors)} tensors)" if index is not None
-                    else "its index is unreadable too")
-            out.append(VerifyProblem(entry.name, index.step if index is not None else -1, None,
-                                     f"the header of slot {slot} (region offset {offset}) is unreadable -- damaged, "
-                                     f"or torn by a crash while it was rewritten; {said}; that version is lost"))
-        return out
+        return verify(self, model, step, progress)
 
     # ------------------------------------------------------------------ removal
     def remove(self, model: str, step: int, *, allow_latest: bool = False) -> None:

@@ -9,7 +9,7 @@ import torch
 import ckptfs
 from ckptfs.errors import BusyError
 from ckptfs.region.extents import GIVE_BACK_AFTER_COMMITS
-from ckptfs.region.ring import Claim
+from ckptfs.region.claim import Claim
 from ckptfs.writer.progress import progress_dir
 from conftest import fill_region, mp_context
 

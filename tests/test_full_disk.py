@@ -182,7 +182,7 @@ def test_mkfs_on_a_full_filesystem_says_it_is_full(small_fs, capsys):
 def test_a_region_truncated_while_a_save_writes_fails_that_save(tmp_path, monkeypatch):
     """The file cut short after the save claimed its slot (its check at the claim passed): the
     save was reported committed, its direct writes having made the file longer again."""
-    from ckptfs.region.ring import Claim
+    from ckptfs.region.claim import Claim
 
     path = str(tmp_path / "r.region")
     write, cut = Claim.write, []

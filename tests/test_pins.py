@@ -139,7 +139,7 @@ def _commit_without_publish(store, model, step) -> int:
     Its counter."""
     import json
 
-    from ckptfs.region.ring import SlotLayout
+    from ckptfs.region.claim import SlotLayout
 
     latest = store.region.latest(store.region.get(model))
     ring = store.region.ring(store.region.get(model), timeout_s=5)

@@ -10,7 +10,7 @@ import ckptfs
 from conftest import fill_region
 from ckptfs.errors import CkptfsError
 from ckptfs.region.format import unpack_latest
-from ckptfs.region.ring import Claim, Committed
+from ckptfs.region.claim import Claim, Committed
 
 
 def state(step, n=1024):

@@ -21,13 +21,14 @@ import weakref
 from ckptfs import _native
 from ckptfs.errors import BusyError, CkptfsError, CorruptionError, NotFoundError, RegionFormatError, in_words
 from ckptfs.region.backend import Backend, aligned_buffer, open_backend
+from ckptfs.region.claim import Committed
 from ckptfs.region.format import (COUNTER_MAX, COUNTER_WORD_OFFSET, LATEST_WORD_OFFSET, SLOT_COMMITTED,
                                   SLOT_HEADER_BYTES, SUPERBLOCK_BYTES, ModelEntry, Superblock, unpack_latest)
 from ckptfs.region.events import Subscribers
 from ckptfs.region.locks import LockSpace, slot_lock_offset
 from ckptfs.region.mkfs import (check_region_size, format_in_place, format_new_file, make_sparse_file,
                                 refuse_to_overwrite)
-from ckptfs.region.ring import Committed, Ring, move_latest_back
+from ckptfs.region.ring import Ring, move_latest_back
 from ckptfs.region.slots import SlotReader, SlotVersion
 from ckptfs.region.table import ModelTable, validate_model_name  # noqa: F401 - part of this module's API
 from ckptfs.units import human_bytes

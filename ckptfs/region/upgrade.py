@@ -21,7 +21,7 @@ from ckptfs.errors import CkptfsError, RegionFormatError
 from ckptfs.manifest import Manifest
 from ckptfs.region.backend import aligned_buffer
 from ckptfs.region.format import PAGE_BYTES, SUPERBLOCK_BYTES, Superblock, checked
-from ckptfs.region.ring import SlotLayout
+from ckptfs.region.claim import SlotLayout
 
 V1_ENTRY_BYTES = 512
 V1_ENTRY = struct.Struct("<8sIIQQQH255sI")          # from offset 16 of an entry: magic .. CRC

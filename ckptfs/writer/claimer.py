@@ -10,7 +10,7 @@ import queue
 import threading
 from typing import Callable
 
-from ckptfs.region.ring import Claim
+from ckptfs.region.claim import Claim
 from ckptfs.writer.job import Job
 
 

@@ -6,7 +6,7 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 from ckptfs.region.format import SLOTS_MAX
-from ckptfs.region.ring import Claim
+from ckptfs.region.claim import Claim
 from ckptfs.writer.plan import SavePlan
 
 

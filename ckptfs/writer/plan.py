@@ -15,7 +15,7 @@ from ckptfs.flatten import DTYPE_NAMES, Flattened, flatten
 from ckptfs.manifest import (CRC_BLOCK_BYTES, TENSOR_ALIGN_BYTES, EncodedTensors, Manifest, TensorRecord, align_up,
                               block_count, dumps_compact)
 from ckptfs.region.format import COUNTER_MAX
-from ckptfs.region.ring import SlotLayout
+from ckptfs.region.claim import SlotLayout
 from ckptfs.writer.replan import Structure
 
 
