@@ -20,10 +20,10 @@ import weakref
 
 from ckptfs import _native
 from ckptfs.errors import BusyError, CkptfsError, CorruptionError, NotFoundError, RegionFormatError, in_words
-from ckptfs.region.backend import Backend, aligned_buffer, open_backend
+from ckptfs.region.backend import Backend, open_backend
 from ckptfs.region.claim import Committed
 from ckptfs.region.format import (COUNTER_MAX, COUNTER_WORD_OFFSET, LATEST_WORD_OFFSET, SLOT_COMMITTED,
-                                  SLOT_HEADER_BYTES, SUPERBLOCK_BYTES, ModelEntry, Superblock, unpack_latest)
+                                  SUPERBLOCK_BYTES, ModelEntry, Superblock, unpack_latest)
 from ckptfs.region.events import Subscribers
 from ckptfs.region.locks import LockSpace, slot_lock_offset
 from ckptfs.region.mkfs import (check_region_size, format_in_place, format_new_file, make_sparse_file,
@@ -244,8 +244,7 @@ class Region(ModelTable, SlotReader):
             if is_latest or (latest is not None and latest[1] == version.slot):
                 # the pointer may name it (a newer unpublished version stays latest) or an older one
                 move_latest_back(self, version, word)
-            self.backend.write(entry.slot_offset(version.slot), aligned_buffer(SLOT_HEADER_BYTES))
-            self.backend.barrier()
+            self.wipe_slot_headers(entry, [version.slot])
         finally:
             self.pins.release(off)
 

@@ -349,7 +349,8 @@ class ModelTable:
                 cli="remove models or versions (`ckptfs rm`), or create a larger region (`ckptfs mkfs --size`)"))
 
     def wipe_slot_headers(self, entry: ModelEntry, slots) -> None:
-        """Zero the headers of ``slots`` (new slots: no stale header may look like a version)."""
+        """Zero the headers of ``slots``, durably: new slots (no stale header may look like a
+        version), a removed version's (its slot holds no version from then on)."""
         blank = aligned_buffer(SLOT_HEADER_BYTES)
         for slot in slots:
             self.backend.write(entry.slot_offset(slot), blank)
