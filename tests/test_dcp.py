@@ -808,6 +808,19 @@ def test_ls_hides_the_ranks_parts_unless_asked(store, capsys):
     assert code == 0 and "in 1 rank(s)" in out.splitlines()[1]
     code, out, _ = run(capsys, "ls", "-a", "--region", store.path)
     assert [line.split()[0] for line in out.splitlines()[1:]] == [".m.rank0", "m"]
+    # a version that goes between the listing and the look at its parts (a job saving every
+    # half second: its ring reused the slot) is left out; `ls` failed with "has no step 1"
+    dcp.save({"w": torch.ones(4)}, storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=2))
+    real = ckptfs.dist.parts.checkpoint_bytes
+
+    def gone_meanwhile(store, model, step):
+        if step == 1:
+            raise ckptfs.errors.NotFoundError(f"{model!r} has no step 1")
+        return real(store, model, step)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ckptfs.dist.parts, "checkpoint_bytes", gone_meanwhile)
+        code, out, err = run(capsys, "ls", "--region", store.path, "m")
+    assert code == 0 and [line.split()[0] for line in out.splitlines()[1:]] == ["2"], (out, err)
 
 
 @settings(max_examples=150, deadline=None)

@@ -8,6 +8,7 @@ import click
 from ckptfs.cli.common import (STEP, cli, info_dict, json_option, open_store, part_models, progress,
                                region_option, table, version_step, when)
 from ckptfs.dist.parts import loadable
+from ckptfs.errors import NotFoundError
 from ckptfs.units import human_bytes
 
 
@@ -31,7 +32,7 @@ def ls_(region, as_json, show_all, model):
                 rows.append({"model": name, "versions": len(versions),
                              "latest_step": latest.step if latest else None,
                              "latest_bytes": latest.data_bytes if latest else 0,
-                             "size": _size(store, latest) if latest else "-"})
+                             "size": (_size(store, latest) if latest else None) or "-"})
             if as_json:
                 click.echo(json.dumps([{k: v for k, v in r.items() if k != "size"} for r in rows], indent=1))
             else:
@@ -42,19 +43,25 @@ def ls_(region, as_json, show_all, model):
         if as_json:
             click.echo(json.dumps([info_dict(v) for v in versions], indent=1))
         else:
+            sized = [(v, _size(store, v)) for v in versions]
             table([[v.step, ", ".join(m for m, on in (("latest", v.latest), ("kept", v.kept),
                                                       ("damaged", not store.index_intact(v))) if on),
-                     when(v.time_ns), _size(store, v), v.counter] for v in versions], ["STEP", "", "TIME", "SIZE", "COUNTER"])
+                     when(v.time_ns), size, v.counter] for v, size in sized if size is not None],
+                  ["STEP", "", "TIME", "SIZE", "COUNTER"])
         return 0
 
 
-def _size(store, v) -> str:
+def _size(store, v) -> str | None:
     """A version's size as ls shows it; for a DCP checkpoint (no tensors of its own) the bytes of
-    its ranks' parts, and how many ranks."""
+    its ranks' parts, and how many ranks. None where it went since it was listed (a job saving
+    meanwhile: the ring reused its slot)."""
     if v.data_bytes == 0:
         from ckptfs.dist.parts import checkpoint_bytes
 
-        parts = checkpoint_bytes(store, v.model, v.step)
+        try:
+            parts = checkpoint_bytes(store, v.model, v.step)
+        except NotFoundError:
+            return None
         if parts is not None:
             nbytes, ranks, elsewhere = parts
             return (f"{human_bytes(nbytes)} in {ranks} rank(s)"
