@@ -7,6 +7,7 @@ import json
 import math
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -579,12 +580,54 @@ def _save_disagreeing(rank, world, region, what):
     step = 7 + (rank if what == "step" else 0)
     model = "agree" + (str(rank) if what == "model" else "")
     with ckptfs.Store(region) as store:
-        with pytest.raises(BaseException, match=f"do not save the same {what}.*rank\\(s\\) 0.*rank\\(s\\) 1"):
-            dcp.save({f"w{rank}": torch.ones(3)}, storage_writer=ckptfs.dcp.StorageWriter(store, model, step=step))
-        assert [m for m in store.models() if not m.startswith(".")] == []  # nothing committed
+        if what == "model":
+            with pytest.raises(BaseException, match="do not save the same model.*rank\\(s\\) 0.*rank\\(s\\) 1"):
+                dcp.save({f"w{rank}": torch.ones(3)}, storage_writer=ckptfs.dcp.StorageWriter(store, model, step=step))
+        else:
+            # rank 1 skipped step 7 (its state-dict code raised, and the loop went on): rank 0's
+            # step 7 fails, and rank 1 waits at step 8, rank 0's next save; both ranks failed,
+            # and every later save paired rank 0's step N with rank 1's N+1
+            if rank == 0:
+                with pytest.raises(BaseException, match="step 7 of 'agree' was skipped by rank\\(s\\) 1, which save "
+                                                        "step 8 already.*nothing was committed"):
+                    dcp.save({"w0": torch.ones(3)}, storage_writer=ckptfs.dcp.StorageWriter(store, model, step=7))
+            assert [m for m in store.models() if not m.startswith(".")] == []  # nothing committed
+            dcp.save({f"w{rank}": torch.ones(3)}, storage_writer=ckptfs.dcp.StorageWriter(store, model, step=8))
+            assert [v.step for v in store.versions(model)] == [8]
+            step = 7 + rank
+        assert [m for m in store.models() if not m.startswith(".")] == ([] if what == "model" else ["agree"])
         with pytest.raises(BaseException, match=f"do not load the same {what}.*rank\\(s\\) 0.*rank\\(s\\) 1.*"
                                                 f"StorageReader; nothing was read"):
             dcp.load({f"w{rank}": torch.ones(3)}, storage_reader=ckptfs.dcp.StorageReader(store, model, step=step))
+
+
+class _Unpicklable:
+    def __reduce__(self):
+        raise RuntimeError("cannot pickle this")
+
+
+def _one_rank_cannot_write_its_state(rank, world, region):
+    """Rank 1's state holds a value that cannot be written (its pickling raises) at step 2: every
+    rank fails at once, naming it (the others waited for its part until timeout_s, and the
+    coordination group was broken: every later save failed), and step 3 saves."""
+    with ckptfs.Store(region) as store:
+        for step in (1, 2, 3):
+            state = {"w": torch.full((4,), float(step)), "extra": _Unpicklable() if (rank, step) == (1, 2) else 0}
+            writer = ckptfs.dcp.StorageWriter(store, "m", step=step, timeout_s=60)
+            if step != 2:
+                dcp.save(state, storage_writer=writer)
+                continue
+            started = time.monotonic()
+            with pytest.raises(BaseException, match="step 2 of 'm' was not committed: rank 1: .*cannot pickle this"):
+                dcp.save(state, storage_writer=writer)
+            assert time.monotonic() - started < 20
+        assert [v.step for v in store.versions("m")] == [1, 3]
+
+
+def test_a_rank_whose_state_cannot_be_written_fails_every_rank_at_once(tmp_path):
+    region = str(tmp_path / "r.region")
+    ckptfs.Store.create(region, size_bytes=64 << 20).close()
+    run_ranks(_one_rank_cannot_write_its_state, 2, region)
 
 
 def _async_save_while_training(rank, world, region, kind):

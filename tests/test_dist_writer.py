@@ -328,6 +328,29 @@ def test_a_rank_that_never_comes_to_a_save_is_named_and_the_last_step_stays(tmp_
         assert store.latest("m").step == 1
 
 
+def _one_rank_skips_one_save(rank, world, region):
+    """Rank 1's state-dict code raised at step 2 and its loop went on to step 3: rank 0's step 2
+    fails at once, naming it, and rank 1's step 3 waits for rank 0's; from then on the steps
+    commit (every later save paired rank 0's step N with rank 1's N+1, and none committed)."""
+    store = ckptfs.Store(region)
+    with store.writer("m", group=dist.group.WORLD, timeout_s=30) as w:
+        state = {"w": torch.full((8,), float(rank)), "b": torch.ones(2)}
+        w.save(state, step=1).result()
+        if rank == 0:
+            started = time.monotonic()
+            with pytest.raises(CkptfsError, match=r"step 2 of 'm' was skipped by rank\(s\) 1, which save step 3"):
+                w.save(state, step=2).result()
+            assert time.monotonic() - started < 10
+        for step in (3, 4):
+            assert w.save(state, step=step).result().step == step
+    assert [v.step for v in store.versions("m")] == [1, 3, 4]
+    store.close()
+
+
+def test_a_rank_that_skips_one_save_fails_only_that_step(tmp_path):
+    run_ranks(_one_rank_skips_one_save, 2, _new_region(tmp_path))
+
+
 def _one_rank_never_calls_dcp_save(rank, world, region):
     """Rank 1 never calls dcp.save (nor async_save, nor load): rank 0's save fails after
     timeout_s with an error naming it, before DCP's own planning gather (which would wait for its

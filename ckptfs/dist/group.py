@@ -192,6 +192,14 @@ def _raise_if_elsewhere(kv, waiting: str, missing: list[int], mine: dict) -> Non
     elsewhere = [json.loads(v) for v in (kv.multi_get(keys) if keys else []) if v]
     elsewhere = [o for o in elsewhere if (waiting, o["rank"], o["n"]) not in _reported
                  and any(o[k] != mine[k] for k in ("load", "model", "step"))]
+    if elsewhere and not mine["load"] and all(o["model"] == mine["model"] and not o["load"] for o in elsewhere):
+        newer = newer_saves(mine, elsewhere)
+        if newer is None:
+            pass  # not steps that order: the disagreement below
+        elif newer:
+            raise skipped(mine, newer)
+        else:
+            return  # ahead: the ranks at older steps fail, and come to this step at their next save
     if elsewhere:
         # A rank that finds another at a different meeting fails, and stays visible a while so
         # that the other finds it too and fails alike; each remembers whom it failed over, so
@@ -245,6 +253,26 @@ def exchange(mine, group, what: str, arrival: Arrival | None = None) -> list:
     if arrival is not None:
         arrival.passed()
     return out
+
+
+def newer_saves(mine: dict, others: list[dict]) -> list[dict] | None:
+    """Of ``others`` (other ranks' saves of ``mine``'s model at other steps), those at a newer
+    step than ``mine``'s; None where the steps are not integers. A rank that skipped a save
+    (its state-dict code raised, and the loop went on) is at a newer step than the others: they
+    fail theirs (``skipped``), and it waits for them at its own, which is their next; without
+    this, every later save paired one rank's step N with another's N+1, and none committed."""
+    if not all(isinstance(p["step"], int) for p in [mine, *others]):
+        return None
+    return [p for p in others if p["step"] > mine["step"]]
+
+
+def skipped(mine: dict, newer: list[dict]) -> CkptfsError:
+    """The error of a rank whose save another rank skipped (``newer``: ``newer_saves``)."""
+    step = max(p["step"] for p in newer)
+    ranks = ", ".join(str(p["rank"]) for p in sorted(newer, key=lambda p: p["rank"]))
+    return CkptfsError(f"step {mine['step']} of {mine['model']!r} was skipped by rank(s) {ranks}, which save step "
+                       f"{step} already (a rank whose state-dict code raised, or that did not save this step); "
+                       f"nothing was committed; they wait for this rank's save of step {step}")
 
 
 def check_agreement(everyone: list[dict], passed_to: str = "StorageWriter", load: bool = False) -> None:

@@ -22,6 +22,7 @@ The load is ``ckptfs.dist.reader``; a part's places and lifecycle are ``ckptfs.d
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import threading
@@ -130,7 +131,13 @@ class StorageWriter(_DCPWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         """This rank's part, then the global commit (see the module's docstring); the future
         completes when the step is the global latest on every node, or fails on every rank."""
-        tensors, save = self.write_part(plan.items, resolve_items(plan.items, planner))
+        try:
+            tensors, save = self.write_part(plan.items, resolve_items(plan.items, planner))
+        except Exception as e:  # noqa: BLE001 - the commit tells every rank, which then all fail at once
+            # (raised here, the others waited for this rank's part in the commit's exchange
+            # until timeout_s, and the coordination group was broken for every later save)
+            tensors, save = [], concurrent.futures.Future()
+            save.set_exception(e)
         metadata = getattr(planner, "metadata", None) if self.is_coordinator else None
         done: Future = Future()
 
