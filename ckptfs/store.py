@@ -31,18 +31,27 @@ PIN_RETRIES = 20
 PIN_WAIT_S = 1.0  # the longest open_version waits for a version held exclusively (a slow disk's barrier)
 
 
+FSTAB = "/etc/fstab"
+
+
 def _unmounted_mount_point(path: str) -> str | None:
-    """The nearest directory above ``path`` that exists, where it is empty and not a mount
-    point: where a filesystem meant to hold the region is missing (not mounted at a restart),
+    """The directory above ``path`` that /etc/fstab names as a mount point where nothing is
+    mounted now: the filesystem meant to hold the region is missing (not mounted at a restart),
     and a region created there would land on the filesystem below, a job resuming from step 0
-    on it. None otherwise."""
-    d = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(d):
-        d = os.path.dirname(d)
+    on it. None otherwise (a directory made for the job is fine)."""
     try:
-        return d if os.path.isdir(d) and not os.path.ismount(d) and not os.listdir(d) else None
+        with open(FSTAB) as f:
+            points = {os.path.normpath(fields[1].replace("\\040", " ")) for fields in
+                      (line.split() for line in f if not line.lstrip().startswith("#")) if len(fields) > 1}
     except OSError:
         return None
+    d = os.path.dirname(os.path.abspath(path))
+    while True:
+        if d in points and d != "/" and os.path.isdir(d) and not os.path.ismount(d):
+            return d
+        if d == os.path.dirname(d):
+            return None
+        d = os.path.dirname(d)
 
 
 def default_region_path() -> str:
@@ -92,12 +101,12 @@ class Store:
                     python="a writer of Store() creates the default one, or Store.create(path, size_bytes=...)",
                     cli=f"`ckptfs mkfs{'' if default else ' ' + path}` makes one"
                         + (" (so does a training job's first save)" if default else "")))
-            empty = _unmounted_mount_point(path) if os.environ.get("CKPTFS_REGION") else None
-            if empty is not None:
+            unmounted = _unmounted_mount_point(path)
+            if unmounted is not None:
                 raise NotFoundError(
-                    f"no region at {path} ($CKPTFS_REGION), and {empty} is an empty directory, not a mount point: "
-                    "is the filesystem meant to hold the region not mounted? Mount it; to start a new region "
-                    "there, " + in_words(python=f"Store.create({path!r})", cli=f"`ckptfs mkfs {path}`"))
+                    f"no region at {path}, and nothing is mounted at {unmounted}, a mount point in {FSTAB}: is the "
+                    "filesystem meant to hold the region not mounted? Mount it; to start a new region there, "
+                    + in_words(python=f"Store.create({path!r})", cli=f"`ckptfs mkfs {path}`"))
             try:
                 Region.format(path).close()
                 self.created = True
@@ -298,8 +307,8 @@ class Store:
                 raise HeldError(f"could not pin the latest version of {model!r}: it kept changing; try again")
             latest = self.region.latest(v.entry)
             if is_latest or latest is None or v.header.counter > latest.header.counter:
-                raise HeldError(f"step {v.header.step} of {model!r} is being committed (held longer than "
-                                f"{wait_s:g} s); try again")
+                raise HeldError(f"step {v.header.step} of {model!r} is held by a save's commit or a removal (longer "
+                                f"than {wait_s:g} s); try again")
             raise no_step(model, step) if step is not None else _save_gone(model, counter)
 
     def load(self, model: str, step: int | None = None, map_location="cpu", verify: bool = True, into=None,

@@ -488,6 +488,13 @@ def test_a_save_that_failed_unseen_is_raised_by_wait_and_close(store, step_2_fai
             for step in (1, 2, 3):
                 w.save(state(step), step=step, async_snapshot=True)
     assert [v.step for v in store.versions("m")] == [1, 3]
+    with pytest.raises(TypeError, match="set"):  # an async save refused in the background, its future dropped
+        with store.writer("m", max_inflight=2) as w:
+            w.save({"w": torch.ones(4), "odd": {1, 2}}, step=4, async_snapshot=True)
+            time.sleep(0.5)
+    with pytest.raises(TypeError, match="set"):  # a synchronous refusal is raised by save(), once
+        with store.writer("m", max_inflight=2) as w:
+            w.save({"w": torch.ones(4), "odd": {1, 2}}, step=5)
     with store.writer("m", max_inflight=2) as w:  # seen through its future: not raised again
         futures = [w.save(state(step), step=step) for step in (1, 2, 3)]
         with pytest.raises(ckptfs.errors.CkptfsError):

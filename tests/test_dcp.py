@@ -580,22 +580,21 @@ def _save_disagreeing(rank, world, region, what):
     step = 7 + (rank if what == "step" else 0)
     model = "agree" + (str(rank) if what == "model" else "")
     with ckptfs.Store(region) as store:
-        if what == "model":
-            with pytest.raises(BaseException, match="do not save the same model.*rank\\(s\\) 0.*rank\\(s\\) 1"):
-                dcp.save({f"w{rank}": torch.ones(3)}, storage_writer=ckptfs.dcp.StorageWriter(store, model, step=step))
-        else:
-            # rank 1 skipped step 7 (its state-dict code raised, and the loop went on): rank 0's
-            # step 7 fails, and rank 1 waits at step 8, rank 0's next save; both ranks failed,
-            # and every later save paired rank 0's step N with rank 1's N+1
+        # ranks that count steps (or name the model) differently fail at once, every time
+        with pytest.raises(BaseException, match=f"do not save the same {what}.*rank\\(s\\) 0.*rank\\(s\\) 1"):
+            dcp.save({f"w{rank}": torch.ones(3)}, storage_writer=ckptfs.dcp.StorageWriter(store, model, step=step))
+        assert [m for m in store.models() if not m.startswith(".")] == []  # nothing committed
+        if what == "step":
+            # rank 1 skipped step 10 (its state-dict code raised, and the loop went on) after both
+            # saved step 9: rank 0's step 10 fails at once, and rank 1 waits at step 11, rank
+            # 0's next save (every later save paired rank 0's step N with rank 1's N+1)
+            dcp.save({f"w{rank}": torch.ones(3)}, storage_writer=ckptfs.dcp.StorageWriter(store, model, step=9))
             if rank == 0:
-                with pytest.raises(BaseException, match="step 7 of 'agree' was skipped by rank\\(s\\) 1, which save "
-                                                        "step 8 already.*nothing was committed"):
-                    dcp.save({"w0": torch.ones(3)}, storage_writer=ckptfs.dcp.StorageWriter(store, model, step=7))
-            assert [m for m in store.models() if not m.startswith(".")] == []  # nothing committed
-            dcp.save({f"w{rank}": torch.ones(3)}, storage_writer=ckptfs.dcp.StorageWriter(store, model, step=8))
-            assert [v.step for v in store.versions(model)] == [8]
-            step = 7 + rank
-        assert [m for m in store.models() if not m.startswith(".")] == ([] if what == "model" else ["agree"])
+                with pytest.raises(BaseException, match="step 10 of 'agree' was skipped by rank\\(s\\) 1, which "
+                                                        "save step 11 already.*nothing was committed"):
+                    dcp.save({"w0": torch.ones(3)}, storage_writer=ckptfs.dcp.StorageWriter(store, model, step=10))
+            dcp.save({f"w{rank}": torch.ones(3)}, storage_writer=ckptfs.dcp.StorageWriter(store, model, step=11))
+            assert [v.step for v in store.versions(model)] == [9, 11]
         with pytest.raises(BaseException, match=f"do not load the same {what}.*rank\\(s\\) 0.*rank\\(s\\) 1.*"
                                                 f"StorageReader; nothing was read"):
             dcp.load({f"w{rank}": torch.ones(3)}, storage_reader=ckptfs.dcp.StorageReader(store, model, step=step))

@@ -335,6 +335,12 @@ def _one_rank_skips_one_save(rank, world, region):
     store = ckptfs.Store(region)
     with store.writer("m", group=dist.group.WORLD, timeout_s=30) as w:
         state = {"w": torch.full((8,), float(rank)), "b": torch.ones(2)}
+        # ranks that count steps differently (no step agreed on yet) fail at once, every time
+        for step in (0, 1):
+            started = time.monotonic()
+            with pytest.raises(CkptfsError, match=r"do not save the same step"):
+                w.save(state, step=step + rank).result()
+            assert time.monotonic() - started < 10
         w.save(state, step=1).result()
         if rank == 0:
             started = time.monotonic()

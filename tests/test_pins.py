@@ -211,3 +211,22 @@ def test_a_save_whose_pointer_could_not_be_made_durable_stands(store, caplog):
         del backend._msync
     assert "the latest pointer to its save 4 was not made durable: msync of" in caplog.text
     assert [(v.step, v.latest) for v in store.versions("m")] == [(3, False), (4, False), (5, True)]
+
+
+def test_a_version_listed_before_its_model_took_larger_slots_is_removed_as_it_is(store):
+    """The caller's entry predates the slots a save took since (a writer outgrowing them between
+    Store.remove's look and its removal): the removal decided "latest" through that entry, found
+    the pointer naming a slot it lacked, refused a version that was not latest, and with
+    allow_latest moved the pointer back below the two newer steps."""
+    from ckptfs.region.format import unpack_latest
+
+    with store.writer("m", max_inflight=1, slots=3) as w:
+        for s in (1, 2, 3):
+            w.save({"t": torch.ones(1000) * s}, step=s).result()
+        three = next(v for v in store.region.committed(store.region.get("m")) if v.header.step == 3)
+        for s in (4, 5):
+            w.save({"t": torch.ones(200_000) * s}, step=s).result()
+    pointer = unpack_latest(store.region.latest_word(store.region.get("m")))
+    store.region.remove_version(three)
+    assert [(v.step, v.latest) for v in store.versions("m")] == [(1, False), (2, False), (4, False), (5, True)]
+    assert unpack_latest(store.region.latest_word(store.region.get("m"))) == pointer

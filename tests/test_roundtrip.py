@@ -281,13 +281,16 @@ def test_load_by_step_and_missing(store):
 
 def test_default_region_created_on_first_use(tmp_path, monkeypatch):
     monkeypatch.setenv("CKPTFS_REGION", str(tmp_path / "sub" / "default.region"))
-    # an empty directory that is not a mount point: the filesystem meant to be there may not
-    # be mounted (a job restarted on a node whose NVMe was not mounted made a region on / and
-    # resumed from step 0)
-    with pytest.raises(NotFoundError, match=f"{tmp_path} is an empty directory, not a mount point.*Store.create"):
+    # a mount point of /etc/fstab where nothing is mounted: the filesystem meant to hold the
+    # region is missing (a job restarted on a node whose NVMe was not mounted made a region on
+    # / and resumed from step 0)
+    fstab = tmp_path / "fstab"
+    fstab.write_text(f"# <file system> <mount point> <type>\nUUID=1 / ext4 defaults 0 1\n/dev/nvme0n1 {tmp_path} ext4 0 2\n")
+    monkeypatch.setattr(ckptfs.store, "FSTAB", str(fstab))
+    with pytest.raises(NotFoundError, match=f"nothing is mounted at {tmp_path}, a mount point in .*Store.create"):
         ckptfs.Store()
-    assert os.listdir(tmp_path) == []
-    (tmp_path / "other").write_text("")
+    assert not (tmp_path / "sub").exists()
+    fstab.write_text("UUID=1 / ext4 defaults 0 1\n")  # a directory made for the job: created there
     with ckptfs.Store() as s:
         with s.writer("m") as w:
             w.save({"a": torch.ones(3)}, step=1).result()

@@ -8,7 +8,7 @@ import click
 from ckptfs.cli.common import (STEP, cli, info_dict, json_option, open_store, part_models, progress,
                                region_option, table, version_step, when)
 from ckptfs.dist.parts import loadable
-from ckptfs.errors import NotFoundError
+from ckptfs.errors import HeldError, NotFoundError
 from ckptfs.units import human_bytes
 
 
@@ -60,7 +60,7 @@ def _size(store, v) -> str | None:
 
         try:
             parts = checkpoint_bytes(store, v.model, v.step)
-        except NotFoundError:
+        except (NotFoundError, HeldError):  # gone, or going (its slot claimed by a save)
             return None
         if parts is not None:
             nbytes, ranks, elsewhere = parts

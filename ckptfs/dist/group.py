@@ -51,11 +51,13 @@ def _forget_destroyed_world(world) -> None:
     _arrivals.clear()
     _meetings.clear()
     _reported.clear()
+    _agreed.clear()
 
 
 _arrivals: dict[str, int] = {}  # name -> how many rounds of it this process began
 _meetings: dict[str, int] = {}  # group name -> how many meetings (``meet``) this process began on it
 _reported: set[tuple[str, int, int]] = set()  # (group key, rank, its meeting) failed over (``meet``)
+_agreed: dict[tuple, object] = {}  # (group name, model, ...) -> the step last agreed on (``agreed``)
 _arrivals_lock = threading.Lock()
 
 
@@ -127,7 +129,8 @@ def meet(group, agree: dict, timeout_s: float, what: str, *, load: bool = False)
         return
     with _arrivals_lock:
         n = _meetings[group.group_name] = _meetings.get(group.group_name, 0) + 1
-    mine = {"rank": arrival.rank, "n": n, "load": load, **agree}
+    history = (group.group_name, "meet", agree.get("model"))
+    mine = {"rank": arrival.rank, "n": n, "load": load, "prev": None if load else agreed(history), **agree}
     waiting = f"ckptfs/meeting/{group.group_name}/"  # + rank: the save that rank waits at now
     kv.set(waiting + str(arrival.rank), json.dumps(mine))
     marks = [f"{arrival.key}/{r}" for r in arrival.ranks]
@@ -151,6 +154,8 @@ def meet(group, agree: dict, timeout_s: float, what: str, *, load: bool = False)
     finally:
         _quietly(kv.set, waiting + str(arrival.rank), "")
     arrival.passed()
+    if not load:
+        agreed(history, agree.get("step"))
 
 
 def meet_before_dcp(storage, dcp_function: str, what: str, *, load: bool = False) -> bool:
@@ -257,13 +262,28 @@ def exchange(mine, group, what: str, arrival: Arrival | None = None) -> list:
 
 def newer_saves(mine: dict, others: list[dict]) -> list[dict] | None:
     """Of ``others`` (other ranks' saves of ``mine``'s model at other steps), those at a newer
-    step than ``mine``'s; None where the steps are not integers. A rank that skipped a save
-    (its state-dict code raised, and the loop went on) is at a newer step than the others: they
-    fail theirs (``skipped``), and it waits for them at its own, which is their next; without
-    this, every later save paired one rank's step N with another's N+1, and none committed."""
+    step than ``mine``'s, where one rank skipped a save (its state-dict code raised, and its
+    loop went on): it is at a newer step than the others, which fail theirs (``skipped``), and
+    it waits for them at its own, their next (without this, every later save paired one rank's
+    step N with another's N+1, and none committed). A skip is told from ranks that count steps
+    differently (an off-by-one counter: they fail at once, every time, ``check_agreement``;
+    waiting there stalled both for timeout_s) by ``prev``, the step each rank last agreed on
+    with the others (``agreed``): the same on every rank, and not None. None where it is not a
+    skip."""
+    if mine.get("prev") is None or any(p.get("prev") != mine["prev"] for p in others):
+        return None
     if not all(isinstance(p["step"], int) for p in [mine, *others]):
         return None
     return [p for p in others if p["step"] > mine["step"]]
+
+
+def agreed(key: tuple, step=None):
+    """The step this process's ranks last agreed on for ``key`` (a group and model's saves);
+    with ``step``, record it."""
+    with _arrivals_lock:
+        if step is not None:
+            _agreed[key] = step
+        return _agreed.get(key)
 
 
 def skipped(mine: dict, newer: list[dict]) -> CkptfsError:

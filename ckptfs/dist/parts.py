@@ -36,7 +36,9 @@ def open_part(store, model: str, rank: int, counter: int, checked: set | None = 
     ``checked``: as ``Store.open_version``'s."""
     name = part_model(model, rank)
     try:
-        return store.open_version(name, checked=checked, counter=counter)
+        # not waited for where held: a part named by a committed global version is committed
+        # itself (held only by a removal, or a claim taking its slot), and the mount opens it on its loop
+        return store.open_version(name, checked=checked, counter=counter, wait_s=0.0)
     except NotFoundError:
         pass  # its slot was reused
     # no "load the latest" here: the latest's own part is gone where it was removed or damaged

@@ -36,8 +36,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ckptfs.dist.codec import encode_metadata
-from ckptfs.dist.group import (Arrival, check_agreement, coordination, exchange, newer_saves, skipped, this_rank,
-                               world_size)
+from ckptfs.dist.group import (Arrival, agreed, check_agreement, coordination, exchange, newer_saves, skipped,
+                               this_rank, world_size)
 from ckptfs.dist.reader import StorageReader
 from ckptfs.dist.resolve import ItemResolver, resolve_items
 from ckptfs.dist.storage import StorageWriter, close_idle_writers, write_results
@@ -256,7 +256,9 @@ class DistWriter:
         that did not, after ``timeout_s``) with the same model, step and keys (``keys``: the
         digest of ``state``'s, ``_key_digest``). Returns every rank's answer, with the step whose
         plan it would reuse (``plan``; None: it has none)."""
-        mine = {"rank": this_rank(), "model": self.model, "step": step, "keys": keys, "plan": plan_made_at}
+        history = (self._group.group_name if self._group is not None else None, "writer", self.model)
+        mine = {"rank": this_rank(), "model": self.model, "step": step, "keys": keys, "plan": plan_made_at,
+                "prev": agreed(history)}
         while True:
             everyone = exchange(mine, self._group, f"the start of step {step} of {self.model!r}",
                                 Arrival(self._group, f"{self.model}/save"))
@@ -268,6 +270,7 @@ class DistWriter:
                 raise skipped(mine, newer)
             # ahead of a rank that skipped a save: it fails that one, and its next save is this one
         check_agreement(everyone, "store.writer (the model) and Writer.save (the step)")
+        agreed(history, step)
         if len({p["keys"] for p in everyone}) > 1:
             # rare: the key lists themselves, to say which keys differ
             lists = exchange(sorted(_key_paths(state)), self._group, f"the comparison of the keys of step {step}")

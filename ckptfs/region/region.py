@@ -237,6 +237,10 @@ class Region(ModelTable, SlotReader):
         try:
             if not self._still_there(version):
                 raise NotFoundError(f"step {version.header.step} of {entry.name!r} is already gone")
+            # the model's entry as it is now (the caller's may predate slots it took since): what
+            # is latest, and where the pointer moves back to, are read through it
+            version = SlotVersion(self.reload(entry), version.slot, version.header)
+            entry = version.entry
             word = self.latest_word(entry)
             latest, is_latest = unpack_latest(word), self._is_latest(version)
             if is_latest and not allow_latest:
@@ -249,8 +253,9 @@ class Region(ModelTable, SlotReader):
             self.pins.release(off)
 
     def _is_latest(self, version: SlotVersion) -> bool:
-        """Whether ``version`` is its model's latest as listed (``SlotReader.latest``)."""
-        latest = self.latest(version.entry)
+        """Whether ``version`` is its model's latest as listed (``SlotReader.latest``, through
+        the model's entry as it is now)."""
+        latest = self.latest(self.reload(version.entry))
         return latest is not None and latest.slot == version.slot and latest.header.counter == version.header.counter
 
 

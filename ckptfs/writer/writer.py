@@ -199,6 +199,7 @@ class Writer:
                 self._last_snapshot = future.snapshotted  # before the thread can take it: see wait_snapshot
                 self._snapshot_queue.put((future, obj, step, files, bool(keep), started, caller_mark()))
         except BaseException as e:
+            future.error_reported = True  # raised to the caller here (a synchronous save's refusal)
             # a Ctrl-C before _start or the snapshot thread took the save (SaveFuture.take): it
             # is given up here, or wait() would wait for it forever; once taken, it is theirs
             if not future.done():
@@ -417,8 +418,8 @@ class Writer:
 
     def _start_failed(self, job: Job | None, future: SaveFuture, error: BaseException) -> None:
         """A save whose permit is held failed before its snapshot was taken: its job (None: not
-        made yet) fails, or the permit goes back; raised by ``_start``, not again by wait()."""
-        future.error_reported = True  # save() raises it
+        made yet) fails, or the permit goes back; raised by ``_start`` (to save()'s caller, which
+        then does not see it again from wait(); an async save's is wait()'s to raise)."""
         if job is None:
             self._permits.release()
             self._drop(future, error)
@@ -428,11 +429,18 @@ class Writer:
             self._outstanding.discard(future)
 
     def _drop(self, future: SaveFuture, error: BaseException) -> None:
-        """Fail a save that never got a slot (its save() call raises the error)."""
-        future.error_reported = True
+        """Fail a save that never got a slot."""
         with self._outstanding_lock:
             self._outstanding.discard(future)
+            self._keep_failed(future)
         future.fail(error)
+
+    def _keep_failed(self, future: SaveFuture) -> None:
+        """Keep a failed save for wait() to raise unless reported otherwise (the outstanding
+        lock held): the first few, for memory."""
+        self._failed = [f for f in self._failed if not f.failure_reported]
+        if len(self._failed) < FAILED_KEPT:
+            self._failed.append(future)
 
     def _give_up(self, future: SaveFuture, error: BaseException, last_snapshot: Future | None) -> None:
         """A save whose caller was interrupted before its start took it: failed, forgotten, and
@@ -450,10 +458,8 @@ class Writer:
         self._permits.release()
         with self._outstanding_lock:
             self._outstanding.discard(job.future)
-            if error is not None:  # the first ones are what wait() raises; a few, for memory
-                self._failed = [f for f in self._failed if not f.failure_reported]
-                if len(self._failed) < FAILED_KEPT:
-                    self._failed.append(job.future)
+            if error is not None:
+                self._keep_failed(job.future)
         if error is not None:
             job.future.fail(error)
         else:
