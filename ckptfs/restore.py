@@ -179,8 +179,14 @@ def matching_tensors(manifest: Manifest, into) -> list[torch.Tensor]:
     except UnsupportedObjectError as e:
         raise ValueError(f"into= holds something that is not a state: {e}") from None
     if len(flat.tensors) != len(manifest.tensors):
-        raise ValueError(f"into= holds {len(flat.tensors)} tensors, {manifest.model} step {manifest.step} "
-                         f"{len(manifest.tensors)}: pass the state dicts the checkpoint was saved from")
+        have, saved = [name for name, _, _ in flat.signature], [r.name for r in manifest.tensors]
+        only_into, only_saved = sorted(set(have) - set(saved)), sorted(set(saved) - set(have))
+        said = "; ".join(part for part in (
+            f"only into= has {', '.join(map(repr, only_into[:3]))}" if only_into else "",
+            f"only the checkpoint has {', '.join(map(repr, only_saved[:3]))}" if only_saved else "") if part)
+        raise ValueError(f"into= holds {len(flat.tensors)} tensors and {manifest.model} step {manifest.step} holds "
+                         f"{len(manifest.tensors)}" + (f" ({said})" if said else "")
+                         + ": pass the state dicts the checkpoint was saved from")
     for (name, dtype, shape), t, record in zip(flat.signature, flat.tensors, manifest.tensors):
         if (name, dtype, shape) != (record.name, record.dtype, record.shape):
             raise ValueError(f"into= differs from {manifest.model} step {manifest.step} at {record.name!r}: saved "

@@ -618,6 +618,50 @@ def test_a_killed_writers_progress_file_is_swept_away(store):
     open(os.path.join(directory, f"{'0' * 40}.{dead.pid}.json.tmp"), "w").close()  # killed mid-publish
     assert store.status()["saves_in_flight"] == []
     assert not os.path.exists(directory)
+    # a job that is always preempted (SIGKILLed) never closes, and nobody runs status: its next
+    # writer sweeps them (they piled up in /dev/shm, one per run)
+    os.makedirs(directory, exist_ok=True)
+    open(os.path.join(directory, f"{'0' * 40}.{dead.pid}.json"), "w").close()
+    with store.writer("swept") as w:
+        assert f"{'0' * 40}.{dead.pid}.json" not in os.listdir(directory) if os.path.exists(directory) else True
+        w.save({"w": torch.ones(4)}, step=1).result()
+
+
+_OLD_INSTANCE = r'''
+import sys, time, torch, ckptfs
+store = ckptfs.Store(sys.argv[1])
+w = store.writer("job")
+w.save({"w": torch.zeros(4)}, step=1).result()
+open(sys.argv[2], "w").close()
+time.sleep(1.0)  # its preemption notice: it finishes the step, saves it, and exits
+w.save({"w": torch.ones(4)}, step=2).result()
+w.close()
+'''
+
+
+def test_a_restart_beside_its_old_process_still_saving_is_told(store, tmp_path):
+    """A job restarted while its old process still finishes its preemption save: the new one
+    loaded step 1, its writer waited for the old one to close, meanwhile the old one committed
+    step 2, and the new job's saves of step 2 on hid it with older data, without a word."""
+    import subprocess
+    import sys
+
+    ready = tmp_path / "ready"
+    old = subprocess.Popen([sys.executable, "-c", _OLD_INSTANCE, store.path, str(ready)])
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            assert time.monotonic() < deadline and old.poll() is None
+            time.sleep(0.01)
+        assert store.latest("job").step == 1  # what the restarted job loads
+        with pytest.raises(BusyError, match="that one committed step 2 \\(latest was step 1\\).*Open the writer "
+                                            "before loading"):
+            store.writer("job")
+    finally:
+        assert old.wait(30) == 0
+    with store.writer("job") as w:  # opened first: nothing to wait for, and the load sees step 2
+        assert torch.equal(store.load("job")["w"], torch.ones(4))
+        w.save({"w": torch.full((4,), 3.0)}, step=3).result()
 
 
 def test_closing_a_store_commits_and_stops_the_writers_left_open_on_it(region_path):

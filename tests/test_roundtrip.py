@@ -462,3 +462,14 @@ def test_a_channels_last_model_and_its_optimizer_resume_in_place(store):
         store.load("overlap", into={"a": a, "b": b})
     assert not a.any() and not b.any()
 
+
+
+def test_into_of_another_structure_names_what_differs(store):
+    """A model grown since the save (a layer added): the error said "into= holds 3 tensors, m
+    step 1 2" and named no key."""
+    with store.writer("m") as w:
+        w.save({"a": torch.ones(2), "b": torch.ones(3)}, 1).result()
+    with pytest.raises(ValueError, match=r"into= holds 3 tensors and m step 1 holds 2 \(only into= has 'c'\): pass"):
+        store.load("m", into={"a": torch.zeros(2), "b": torch.zeros(3), "c": torch.zeros(1)})
+    with pytest.raises(ValueError, match=r"\(only into= has 'c'; only the checkpoint has 'a', 'b'\)"):
+        store.load("m", into={"c": torch.zeros(1)})

@@ -93,10 +93,14 @@ class Ring:
         naming the process whose writer holds it."""
         offset = model_lock_offset(entry.index)
         take = self._claims.try_exclusive if self.sole else self._claims.try_shared
-        deadline, looked = time.monotonic() + MODEL_WAIT_S, False
+        deadline, looked, waited_from, elsewhere = time.monotonic() + MODEL_WAIT_S, False, None, False
         while not take(offset):
-            if not looked and holders_in_words(self.region.path, offset)[1]:  # once: a scan of every process
-                deadline = time.monotonic() + OWN_WAIT_S  # a writer of this process: no removal elsewhere to wait out
+            if not looked:
+                waited_from = self._latest_now(entry)  # what a job resumed from just now loaded, perhaps
+                if holders_in_words(self.region.path, offset)[1]:  # once: a scan of every process
+                    deadline = time.monotonic() + OWN_WAIT_S  # a writer of this process: no removal elsewhere to wait out
+                else:
+                    elsewhere = True
             looked = True
             if time.monotonic() > deadline:
                 who, here_only = holders_in_words(self.region.path, offset)
@@ -107,7 +111,29 @@ class Ring:
                 raise BusyError(f"model {entry.name!r} has a writer open in {who}: one writer per "
                                 "model; close it (or stop that job) first, or save under another name")
             time.sleep(CLAIM_POLL_S)
-        self.region.reload(entry)  # NotFoundError if it was removed meanwhile
+        now = self.region.reload(entry)  # NotFoundError if it was removed meanwhile
+        if elsewhere and self.sole:
+            self._check_not_overtaken(now, waited_from)
+
+    def _latest_now(self, entry: ModelEntry):
+        """The model's latest through its entry as it is now (None: none, or the model is gone)."""
+        try:
+            return self.region.latest(self.region.reload(entry))
+        except NotFoundError:
+            return None
+
+    def _check_not_overtaken(self, entry: ModelEntry, waited_from) -> None:
+        """BusyError where the writer this one waited for (another process's, closing: a job's
+        old process still saving while its restart resumed) committed a newer version meanwhile:
+        the job loaded an older state, and its saves would hide those steps with older data."""
+        now = self.region.latest(entry)
+        if now is None or (waited_from is not None and now.header.counter <= waited_from.header.counter):
+            return
+        was = "none" if waited_from is None else f"step {waited_from.header.step}"
+        raise BusyError(f"while this writer of {entry.name!r} waited for another writer of it to close (a job's old "
+                        f"process, still saving), that one committed step {now.header.step} (latest was {was}): "
+                        "what this job loaded may be older. Open the writer before loading (then the old process is "
+                        "waited for first), and load again")
 
     def _open(self, entry: ModelEntry) -> None:
         self._ages_lock = threading.Lock()

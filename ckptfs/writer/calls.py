@@ -33,6 +33,10 @@ def close_writers(which, when: str) -> None:
     for writer in [w for w in list(open_writers) if which(w)]:
         try:
             writer.close()
+        except (KeyboardInterrupt, SystemExit):
+            # not a failed save: the wait for them was cut (a second Ctrl-C at exit, say)
+            log.error("ckptfs: the wait for the saves of %s in flight was interrupted %s: the newest of them may "
+                      "not be committed (`ckptfs ls %s` lists what is)", writer.model, when, writer.model)
         except BaseException as e:  # noqa: BLE001 - report and go on with the others
             log.error("ckptfs: a save of %s failed %s: %s", writer.model, when, e)
 

@@ -39,6 +39,7 @@ class ProgressBoard:
         self._dirty = False
         self._closed = False
         self._publisher: threading.Thread | None = None
+        sweep(self._dir)  # the files of writers SIGKILLed before (a job that is always preempted)
 
     def start(self, counter: int, step: int, total_bytes: int) -> None:
         with self._changed:
