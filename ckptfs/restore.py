@@ -184,9 +184,12 @@ def matching_tensors(manifest: Manifest, into) -> list[torch.Tensor]:
         said = "; ".join(part for part in (
             f"only into= has {', '.join(map(repr, only_into[:3]))}" if only_into else "",
             f"only the checkpoint has {', '.join(map(repr, only_saved[:3]))}" if only_saved else "") if part)
+        fresh = only_saved and not only_into and len(flat.tensors) < len(manifest.tensors)
         raise ValueError(f"into= holds {len(flat.tensors)} tensors and {manifest.model} step {manifest.step} holds "
-                         f"{len(manifest.tensors)}" + (f" ({said})" if said else "")
-                         + ": pass the state dicts the checkpoint was saved from")
+                         f"{len(manifest.tensors)}" + (f" ({said})" if said else "") + (
+                             ": an optimizer has no state before its first step; load without into= and pass the "
+                             "parts to load_state_dict (obj = store.load(...); opt.load_state_dict(obj['optim']))"
+                             if fresh else ": pass state dicts of the structure the checkpoint was saved from"))
     for (name, dtype, shape), t, record in zip(flat.signature, flat.tensors, manifest.tensors):
         if (name, dtype, shape) != (record.name, record.dtype, record.shape):
             raise ValueError(f"into= differs from {manifest.model} step {manifest.step} at {record.name!r}: saved "

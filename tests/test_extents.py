@@ -252,6 +252,15 @@ def test_keep_and_unkeep_on_the_command_line(store, capsys):
     assert code == 0 and not store.versions("m")[1].kept
     code, _, err = run(capsys, "keep", "--region", store.path, "m", "7")
     assert code != 0 and "step 7" in err and len(err.strip().splitlines()) == 1
+    # several steps, one mistyped: nothing changes (the others were kept, unkept or removed
+    # before the error, a milestone among them)
+    code, out, err = run(capsys, "keep", "--region", store.path, "m", "1", "7")
+    assert code == 1 and out == "" and "no step 7" in err and not store.versions("m")[0].kept
+    store.keep("m", 1)
+    for command in (["unkeep"], ["rm"]):
+        code, out, err = run(capsys, *command, "--region", store.path, "m", "1", "98")
+        assert code == 1 and out == "" and "no step 98" in err, (command, out, err)
+        assert [(v.step, v.kept) for v in store.versions("m")][0] == (1, True)
 
 
 def test_a_region_too_full_for_a_kept_versions_replacement_keeps_saving(store):

@@ -79,7 +79,7 @@ def export(region, step, file_name, key, force, model, output):
                 raise
         if output != "-":
             what = file_name if file_name is not None else f"{len(names)} files"
-            click.echo(f"exported {model} step {v.info.step} {what} to {output} ({human_bytes(written)})")
+            click.echo(f"exported {what} of {model} step {v.info.step} to {output} ({human_bytes(written)})")
         return 0
 
 

@@ -152,6 +152,7 @@ def rm(region, all_, step_options, allow_latest, model, steps):
         if all_:
             store.remove_model(model)
             click.echo(f"removed {model}")
+        _check_present(store, model, steps)
         for s in _removal_order(store, model, steps, allow_latest):
             store.remove(model, s, allow_latest=allow_latest)
             click.echo(f"removed {model} step {s}")
@@ -192,8 +193,16 @@ def unkeep(region, model, steps):
     return _set_kept(region, model, steps, False)
 
 
+def _check_present(store, model: str, steps) -> None:
+    """NotFoundError for the first of ``steps`` that ``model`` lacks, before any is changed (a
+    mistyped step among several removed the others, a milestone among them)."""
+    for s in steps:
+        version_step(store, model, s)
+
+
 def _set_kept(region, model: str, steps, kept: bool) -> int:
     with open_store(region) as store:
+        _check_present(store, model, steps)
         for s in steps:
             changed = (store.keep if kept else store.unkeep)(model, s)
             if changed:
