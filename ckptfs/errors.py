@@ -117,6 +117,14 @@ def no_version_yet(model: str) -> NotFoundError:
     return NotFoundError(f"{model!r} has no committed version yet")
 
 
+def not_a_region(path: str, why: str) -> "RegionFormatError":
+    """The error for a path that holds no ckptfs region (an empty file, another file, a
+    directory), in the words of the interface in use."""
+    return RegionFormatError(f"{path} is not a ckptfs region ({why}): " + in_words(
+        python="give the path of a region, or make one with Store.create(path, size_bytes=...)",
+        cli="give the path of a region (--region, or $CKPTFS_REGION); `ckptfs mkfs NEW_PATH` makes one"))
+
+
 def no_step(model: str, step: int) -> NotFoundError:
     return NotFoundError(f"{model!r} has no step {step} (never saved, removed, or its slot was reused by a "
                          "newer save); " + in_words(python=f"Store.versions({model!r}) lists them",

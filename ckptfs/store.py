@@ -11,7 +11,7 @@ import warnings
 from typing import TYPE_CHECKING, Callable
 
 from ckptfs.errors import (BusyError, CkptfsError, CorruptionError, HeldError, NotFoundError, PartGoneError,
-                           RegionFormatError, RegionFullError, in_words, no_step, no_version_yet)
+                           RegionFormatError, RegionFullError, in_words, no_step, no_version_yet, not_a_region)
 from ckptfs.manifest import Manifest
 from ckptfs.region.holders import lock_holders
 from ckptfs.region.locks import model_lock_offset, slot_lock_offset
@@ -95,6 +95,8 @@ class Store:
         default = path is None
         path = default_region_path() if default else path
         self.created = False  # made here: the default region, at a writer's first use
+        if os.path.isdir(path):
+            raise not_a_region(path, "a directory")
         if not os.path.exists(path):
             if not (default and create):
                 raise NotFoundError(f"no region yet at {path}: " + in_words(

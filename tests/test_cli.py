@@ -133,6 +133,21 @@ def test_mkfs(capsys, tmp_path):
     assert code == 2 and "Traceback" not in err
 
 
+def test_a_path_that_is_not_a_region_is_said_so_without_sending_to_mkfs(capsys, tmp_path):
+    """A read-only command given a file that is not a region (or a directory) said "format it with
+    `ckptfs mkfs <that file>`", which leads to mkfs --force over it; a directory gave a bare
+    "Is a directory"."""
+    small = tmp_path / "notes.txt"
+    small.write_text("hello")
+    empty = tmp_path / "empty.region"
+    empty.write_bytes(b"")
+    for path, why in ((small, "5 bytes, too small to be one"), (empty, "it is empty"), (tmp_path, "a directory")):
+        code, _, err = run(capsys, "ls", "--region", path)
+        line = one_error_line(err)
+        assert code == 1 and f"{path} is not a ckptfs region ({why}): give the path of a region" in line, line
+        assert f"mkfs {path}" not in line
+
+
 def test_mkfs_refuses_to_overwrite_unless_forced(capsys, tmp_path):
     precious = tmp_path / "model.pt"
     precious.write_bytes(b"weights" * 1000)

@@ -33,7 +33,7 @@ import weakref
 
 from ckptfs import _native
 from ckptfs.checksum import crc32
-from ckptfs.errors import CkptfsError, RegionFormatError, RegionFullError, RegionIOError, in_words
+from ckptfs.errors import CkptfsError, RegionFullError, RegionIOError, in_words, not_a_region
 from ckptfs.units import human_bytes
 
 PAGE_BYTES = mmap.PAGESIZE
@@ -282,7 +282,7 @@ class FileBackend(Backend):
         if writable:
             self._direct_fd = self._open_direct(path)
         if self.size_bytes == 0:
-            raise RegionFormatError(f"{path} is empty; format it with `ckptfs mkfs {path}`")
+            raise not_a_region(path, "it is empty")
         self._map_region(self._fd)
 
     @staticmethod

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ckptfs.checksum import crc32
-from ckptfs.errors import IncompatibleVersionError, OldFormatError, RegionFormatError, in_words
+from ckptfs.errors import IncompatibleVersionError, OldFormatError, RegionFormatError, in_words, not_a_region
 
 if TYPE_CHECKING:
     import numpy as np
@@ -119,8 +119,7 @@ class Superblock:
         """The superblock of ``raw`` (checked); OldFormatError for an older major version unless
         ``older_ok`` (``ckptfs upgrade`` reads those: the superblock's layout is the same)."""
         if not cls.begins(raw):
-            raise RegionFormatError(
-                f"{path} is not a ckptfs region (no superblock magic); format it with `ckptfs mkfs {path}`")
+            raise not_a_region(path, "no superblock magic")
         if len(raw) < cls._FMT.size:
             raise RegionFormatError(f"superblock of {path} is truncated ({len(raw)} bytes); the region is damaged")
         major, minor = struct.unpack_from("<HH", raw, 8)

@@ -19,7 +19,8 @@ import threading
 import weakref
 
 from ckptfs import _native
-from ckptfs.errors import BusyError, CkptfsError, CorruptionError, NotFoundError, RegionFormatError, in_words
+from ckptfs.errors import (BusyError, CkptfsError, CorruptionError, NotFoundError, RegionFormatError, in_words,
+                           not_a_region)
 from ckptfs.region.backend import Backend, open_backend
 from ckptfs.region.claim import Committed
 from ckptfs.region.format import (COUNTER_MAX, COUNTER_WORD_OFFSET, LATEST_WORD_OFFSET, SLOT_COMMITTED,
@@ -78,8 +79,7 @@ class Region(ModelTable, SlotReader):
     def _read_superblock(self) -> Superblock:
         """The superblock; if it is damaged, the backup mkfs wrote in the region's last 4 KiB."""
         if self.backend.size_bytes < SUPERBLOCK_BYTES:
-            raise RegionFormatError(f"{self.path} is {self.backend.size_bytes} bytes, too small to be a ckptfs region; "
-                                    f"format it with `ckptfs mkfs {self.path}`")
+            raise not_a_region(self.path, f"{self.backend.size_bytes} bytes, too small to be one")
         try:
             return Superblock.unpack(bytes(self.backend.view(0, SUPERBLOCK_BYTES)), self.path)
         except RegionFormatError as primary_error:
