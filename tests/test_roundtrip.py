@@ -254,7 +254,8 @@ def test_bad_model_name_via_api(store):
 def test_unknown_format_region(tmp_path):
     p = tmp_path / "junk"
     p.write_bytes(b"not a region" * 1000)
-    with pytest.raises(ckptfs.errors.RegionFormatError, match=r"junk is not a ckptfs region \(no superblock magic\): give the path of a region, or make one with Store.create"):
+    with pytest.raises(ckptfs.errors.RegionFormatError, match=r"junk is not a ckptfs region \(no superblock magic\): "
+                                                              r"give the path of a region, or make one with Store.create"):
         ckptfs.Store(str(p))
     assert p.read_bytes() == b"not a region" * 1000  # untouched
     with pytest.raises(NotFoundError, match=r"Store.create\(path"):
