@@ -622,7 +622,14 @@ def test_a_killed_writers_progress_file_is_swept_away(store):
     # writer sweeps them (they piled up in /dev/shm, one per run)
     os.makedirs(directory, exist_ok=True)
     open(os.path.join(directory, f"{'0' * 40}.{dead.pid}.json"), "w").close()
+    other = progress_dir(b"\x01" * 16)  # a region deleted after its writer was killed: nobody else sweeps it
+    os.makedirs(other, exist_ok=True)
+    open(os.path.join(other, f"{'0' * 40}.{dead.pid}.json"), "w").close()
+    from ckptfs.writer import progress
+
+    progress._swept_all[0] = False  # as in a process whose first writer this is
     with store.writer("swept") as w:
+        assert not os.path.exists(other)
         assert f"{'0' * 40}.{dead.pid}.json" not in os.listdir(directory) if os.path.exists(directory) else True
         w.save({"w": torch.ones(4)}, step=1).result()
 

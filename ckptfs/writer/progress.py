@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 import threading
 
@@ -39,7 +40,7 @@ class ProgressBoard:
         self._dirty = False
         self._closed = False
         self._publisher: threading.Thread | None = None
-        sweep(self._dir)  # the files of writers SIGKILLed before (a job that is always preempted)
+        sweep_boards(self._dir)  # the files of writers SIGKILLed before (a job that is always preempted)
 
     def start(self, counter: int, step: int, total_bytes: int) -> None:
         with self._changed:
@@ -130,6 +131,27 @@ def _alive(pid: int) -> bool:
     except OSError:
         pass  # another user's process (EPERM): alive
     return True
+
+
+_BOARD_NAME = re.compile(r"ckptfs-[0-9a-f]{16}")
+_swept_all = [False]
+
+
+def sweep_boards(own: str) -> None:
+    """``sweep`` the board ``own`` (a writer's region's), and at the first writer of this
+    process every region's (a region deleted after its writer was SIGKILLed leaves its directory
+    to nobody else: a directory per such region piled up in /dev/shm)."""
+    sweep(own)
+    if _swept_all[0]:
+        return
+    _swept_all[0] = True
+    base = os.path.dirname(progress_dir(bytes(8)))
+    try:
+        names = [n for n in os.listdir(base) if _BOARD_NAME.fullmatch(n)]
+    except OSError:
+        return
+    for name in names:
+        sweep(os.path.join(base, name))
 
 
 def sweep(directory: str) -> None:
