@@ -192,7 +192,7 @@ class Region(ModelTable, SlotReader):
         if not self.pins.try_shared(off):
             return False
         try:
-            if self._still_there(version):
+            if self._still_there(version) is not None:
                 return True
         except BaseException:
             self.pins.release(off)
@@ -200,17 +200,20 @@ class Region(ModelTable, SlotReader):
         self.pins.release(off)
         return False
 
-    def _still_there(self, version: SlotVersion) -> bool:
-        """Whether ``version`` is still in its slot, the slot's lock byte held: the slot is still
-        its model's, where it was (a slot given back keeps its header, its bytes another model's
-        from then on), and its header still the version's."""
+    def _still_there(self, version: SlotVersion) -> ModelEntry | None:
+        """The model's entry as it is now if ``version`` is still in its slot, the slot's lock
+        byte held: the slot is still its model's, where it was (a slot given back keeps its
+        header, its bytes another model's from then on), and its header still the version's;
+        else None."""
         try:
-            if not self.reload(version.entry).same_slot(version.entry, version.slot):
-                return False
+            now = self.reload(version.entry)
         except NotFoundError:
-            return False  # the model was removed
+            return None  # the model was removed
+        if not now.same_slot(version.entry, version.slot):
+            return None
         header = self.read_header(version.entry, version.slot)
-        return header is not None and header.state == SLOT_COMMITTED and header.counter == version.header.counter
+        ok = header is not None and header.state == SLOT_COMMITTED and header.counter == version.header.counter
+        return now if ok else None
 
     def unpin(self, version: SlotVersion) -> None:
         self.pins.release(slot_lock_offset(version.entry.index, version.slot))
@@ -225,7 +228,7 @@ class Region(ModelTable, SlotReader):
         ``ring.move_latest_back``). Latest as listed (``SlotReader.latest``): a version committed
         newer than the pointer (a commit cut before its publish) is latest too."""
         entry = version.entry
-        if self._is_latest(version) and not allow_latest:
+        if not allow_latest and self._is_latest(SlotVersion(self.reload(entry), version.slot, version.header)):
             raise BusyError(f"step {version.header.step} is the latest version of {entry.name!r}; it is removed only "
                             "on request, to roll the model back to its newest older version: " + in_words(
                                 python="store.remove(model, step, allow_latest=True)",
@@ -235,12 +238,12 @@ class Region(ModelTable, SlotReader):
             raise BusyError(f"step {version.header.step} of {entry.name!r} is open or being written; "
                             "close readers and try again")
         try:
-            if not self._still_there(version):
+            now = self._still_there(version)
+            if now is None:
                 raise NotFoundError(f"step {version.header.step} of {entry.name!r} is already gone")
             # the model's entry as it is now (the caller's may predate slots it took since): what
             # is latest, and where the pointer moves back to, are read through it
-            version = SlotVersion(self.reload(entry), version.slot, version.header)
-            entry = version.entry
+            version, entry = SlotVersion(now, version.slot, version.header), now
             word = self.latest_word(entry)
             latest, is_latest = unpack_latest(word), self._is_latest(version)
             if is_latest and not allow_latest:
@@ -253,9 +256,9 @@ class Region(ModelTable, SlotReader):
             self.pins.release(off)
 
     def _is_latest(self, version: SlotVersion) -> bool:
-        """Whether ``version`` is its model's latest as listed (``SlotReader.latest``, through
-        the model's entry as it is now)."""
-        latest = self.latest(self.reload(version.entry))
+        """Whether ``version`` is its model's latest as listed (``SlotReader.latest``); its entry
+        read as it is now by the caller."""
+        latest = self.latest(version.entry)
         return latest is not None and latest.slot == version.slot and latest.header.counter == version.header.counter
 
 

@@ -1,8 +1,9 @@
 """The slot lifecycle of one model's ring: claim -> begin -> write -> commit -> publish, or abort.
 
 This module, with ``ckptfs.region.claim`` (one slot's claim: steps 2-6 below), is the only code
-that writes slot headers, takes claim locks, issues the barriers of a commit and moves the latest pointer (forward in ``publish``; back only in
-``move_latest_back``, the removal of the latest version). The order it keeps (docs/FORMAT.md, PCcheck §3.1):
+that writes slot headers, takes claim locks, issues the barriers of a commit and moves the
+latest pointer (forward in ``publish``; back only in ``move_latest_back``, the removal of the
+latest version). The order it keeps (docs/FORMAT.md, PCcheck §3.1):
 
   1. ``Ring.claim``: a slot large enough that is neither latest, kept, pinned nor claimed (an
      exclusive lock byte, re-checked against latest and kept once held), the one holding the

@@ -258,7 +258,7 @@ class Writer:
             except BaseException as e:  # noqa: BLE001 - collected and re-raised below
                 first_error = first_error or e
         with self._outstanding_lock:  # those that failed while we waited were reported above
-            self._failed = [f for f in self._failed if not f.failure_reported]
+            self._prune_failed()
         if first_error is not None:
             raise first_error
         return results
@@ -435,10 +435,14 @@ class Writer:
             self._keep_failed(future)
         future.fail(error)
 
+    def _prune_failed(self) -> None:
+        """Forget the failed saves reported since (the outstanding lock held)."""
+        self._failed = [f for f in self._failed if not f.failure_reported]
+
     def _keep_failed(self, future: SaveFuture) -> None:
         """Keep a failed save for wait() to raise unless reported otherwise (the outstanding
         lock held): the first few, for memory."""
-        self._failed = [f for f in self._failed if not f.failure_reported]
+        self._prune_failed()
         if len(self._failed) < FAILED_KEPT:
             self._failed.append(future)
 
