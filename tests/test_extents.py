@@ -283,6 +283,45 @@ def test_one_model_extends_its_extent_in_place(store):
     assert len(entry.extents) == 1 and entry.nslots == 7  # grown where it lies: no entry runs out of extents
 
 
+def test_milestones_kept_in_outgrown_slots_hold_only_their_own(store):
+    """keep_every's milestones scattered over a model's first slots, then the model grows (an
+    EMA copy added, the optimizer's state appears): every old slot but the milestones' goes
+    back, the extent split around them."""
+    with store.writer("m", slots=4, max_inflight=1, keep_every=3) as w:
+        for step in range(1, 12):
+            w.save(state(step), step).result()
+        small = store.region.get("m").slot_bytes
+        for step in range(12, 16):
+            w.save(state(step, n=20000), step).result()
+    entry = store.region.get("m")
+    old = [s for s in entry.slots() if entry.slot_size(s) == small]
+    assert sorted(v.slot for v in store.region.committed(entry) if v.header.step < 12) == old
+    assert len(old) == 3 and len(entry.extents) >= 3  # steps 3, 6 and 9; the middle slots went back
+    assert [v.step for v in store.versions("m")] == [3, 6, 9, 12, 13, 14, 15]
+    for v in store.versions("m"):
+        assert store.load("m", v.step)["step"] == v.step
+    assert store.verify() == []
+
+
+def test_splitting_extents_leaves_an_entry_room_to_grow(store):
+    """Milestones in every other slot of a large extent, then the model grows: the extent is
+    split only as far as the entry keeps two extents free, and the model outgrows its slots
+    once more afterwards."""
+    from ckptfs.region.format import MAX_EXTENTS
+    with store.writer("m", slots=40, max_inflight=1) as w:
+        for step in range(1, 41):
+            w.save(state(step), step, keep=step % 2 == 0).result()
+        for step in range(41, 82):
+            w.save(state(step, n=3000), step).result()
+        entry = store.region.get("m")
+        assert len(entry.extents) == MAX_EXTENTS - 2
+        assert entry.nslots < 40 + 40 - 5  # most of the 20 unkept old slots went back
+        for step in range(82, 86):
+            assert w.save(state(step, n=6000), step).result().published  # outgrown once more: an extent was free
+    assert [v.step for v in store.versions("m") if v.kept] == list(range(2, 41, 2))
+    assert store.verify() == []
+
+
 def _format1_region(tmp_path) -> str:
     """The format-1 region of tests/data (made by ckptfs 3cc2de9: models gpt at 20, 30, 40, tiny at 7)."""
     path = str(tmp_path / "old.region")

@@ -12,9 +12,9 @@ for more here:
     more slot of the model's size, placed right after an extent of that size where the bytes are
     free (the extent grows, so the entry does not run out of extents). Readers never stall
     training while the region has room.
-After a commit ``give_back`` returns the slots at the end of each extent that hold nothing the
-model keeps and that the ring does not need to keep ``ring_slots`` versions of its size, once the
-model has had slots to spare at GIVE_BACK_AFTER_COMMITS commits in a row: a ring whose kept or
+After a commit ``give_back`` returns the slots that hold nothing the model keeps and that the
+ring does not need to keep ``ring_slots`` versions of its size (an extent is split around a slot
+kept in its middle, while the entry has extents to spare), once the model has had slots to spare at GIVE_BACK_AFTER_COMMITS commits in a row: a ring whose kept or
 pinned versions come and go (a multi-rank job's parts stay kept until their step is global) would
 otherwise give back at one commit the slot it must take again at the next claim.
 Every change is written with the table lock held, new slots' headers wiped before the entry that
@@ -35,6 +35,7 @@ log = logging.getLogger("ckptfs")
 
 GROWTH_HEADROOM = 1.25  # an outgrown model's new slots leave room for it to grow a little more
 GIVE_BACK_AFTER_COMMITS = 8  # spare slots go back once they were spare at this many commits in a row
+EXTENTS_FOR_GROWTH = 2  # extents an entry keeps free when splitting extents: room to outgrow them again
 
 
 class Extents:
@@ -168,9 +169,12 @@ class Extents:
         return given
 
     def _give_back_locked(self, entry: ModelEntry) -> bool:
-        """Trim the tails of the extents of ``entry`` (the table lock is held). Kept: latest, kept
-        versions, pinned or claimed slots, the newest ``ring_slots`` versions, and enough slots of
-        the model's size for ``ring_slots`` versions."""
+        """Give back the slots of ``entry`` it does not keep (the table lock is held). Kept:
+        latest, kept versions, pinned or claimed slots, the newest ``ring_slots`` versions, and
+        enough slots of the model's size for ``ring_slots`` versions. A slot it keeps in the
+        middle of an extent splits the extent (a milestone kept in an outgrown model's old slots
+        must not hold the slots around it), as far as the entry has extents to spare
+        (``_within_extent_limit``)."""
         region = self.region
         headers = {s: region.read_header(entry, s) for s in entry.slots()}
         latest = unpack_latest(region.latest_word(entry))
@@ -182,31 +186,54 @@ class Extents:
         keep |= {s for _, s in committed[-entry.ring_slots:]}
         size = entry.slot_bytes
         usable = sum(1 for s in entry.slots() if entry.slot_size(s) >= size and s not in kept)
-        locks, dropped, extents = [], [], []
-        # smaller slots first (they can never take a save of the model's size), newest extents next
-        for x in sorted(entry.extents, key=lambda x: (x.slot_bytes >= size, -x.first_slot)):
-            n = x.nslots
-            while n > 0:
-                slot = x.first_slot + n - 1
-                if slot in keep or (x.slot_bytes >= size and usable <= entry.ring_slots):
-                    break
-                lock = slot_lock_offset(entry.index, slot)
-                if not self.ring._claims.try_exclusive(lock):
-                    break
-                locks.append(lock)
-                dropped.append(slot)
-                usable -= x.slot_bytes >= size
-                n -= 1
-            if n:
-                extents.append(Extent(x.offset, x.slot_bytes, n, x.first_slot))
+        locks: dict[int, int] = {}  # dropped slot -> its lock byte, held exclusively
+        runs: list[tuple[Extent, list[int]]] = []  # per extent, the slots it still holds
         try:
-            if not dropped:
-                return False
-            if not extents:  # a model keeps at least one extent
+            # smaller slots first (they can never take a save of the model's size), newest extents next
+            for x in sorted(entry.extents, key=lambda x: (x.slot_bytes >= size, -x.first_slot)):
+                held = []
+                for slot in reversed(x.slots):
+                    if slot in keep or (x.slot_bytes >= size and usable <= entry.ring_slots):
+                        held.append(slot)
+                        continue
+                    lock = slot_lock_offset(entry.index, slot)
+                    if not self.ring._claims.try_exclusive(lock):
+                        held.append(slot)  # a reader or a claim is in it
+                        continue
+                    locks[slot] = lock
+                    usable -= x.slot_bytes >= size
+                runs.append((x, sorted(held)))
+            extents = _within_extent_limit(runs, max(len(entry.extents), MAX_EXTENTS - EXTENTS_FOR_GROWTH))
+            for slot in [s for x in extents for s in x.slots if s in locks]:  # held again to stay in the limit
+                self.ring._claims.release(locks.pop(slot))
+            if not extents or not locks:  # a model keeps at least one extent
                 return False
             region.write_entry(entry.with_extents(sorted(extents, key=lambda x: x.first_slot)), entry)
             self.ring.refresh()
             return True
         finally:
-            for lock in locks:
+            for lock in locks.values():
                 self.ring._claims.release(lock)
+
+
+def _within_extent_limit(runs: list[tuple[Extent, list[int]]], limit: int) -> list[Extent]:
+    """The extents that hold the slots each extent of ``runs`` still holds (ascending ids): one
+    per run of consecutive ids, at most ``limit`` in all. Over the limit, the runs of one extent
+    closest to each other are joined again, slots between them included (they stay the model's:
+    an entry holds MAX_EXTENTS extents, and an outgrown model needs one more)."""
+    pieces: list[list[Extent]] = []
+    for x, held in runs:
+        mine: list[Extent] = []
+        for slot in held:
+            if mine and mine[-1].first_slot + mine[-1].nslots == slot:
+                last = mine[-1]
+                mine[-1] = Extent(last.offset, last.slot_bytes, last.nslots + 1, last.first_slot)
+            else:
+                mine.append(Extent(x.offset + (slot - x.first_slot) * x.slot_bytes, x.slot_bytes, 1, slot))
+        pieces.append(mine)
+    while sum(map(len, pieces)) > limit:
+        gap, i, j = min((b.first_slot - (a.first_slot + a.nslots), i, j)
+                        for i, mine in enumerate(pieces) for j, (a, b) in enumerate(zip(mine, mine[1:])))
+        a, b = pieces[i][j], pieces[i][j + 1]
+        pieces[i][j:j + 2] = [Extent(a.offset, a.slot_bytes, b.first_slot + b.nslots - a.first_slot, a.first_slot)]
+    return [x for mine in pieces for x in mine]
