@@ -16,7 +16,8 @@ After a commit ``give_back`` returns the slots that hold nothing the model keeps
 ring does not need to keep ``ring_slots`` versions of its size (an extent is split around a slot
 kept in its middle, while the entry has extents to spare), once the model has had slots to
 spare at GIVE_BACK_AFTER_COMMITS commits in a row: a ring whose kept or pinned versions come and
-go (a multi-rank job's parts stay kept until their step is global) would otherwise give back at one commit the slot it must take again at the next claim.
+go (a multi-rank job's parts stay kept until their step is global) would otherwise give back at
+one commit the slot it must take again at the next claim.
 Every change is written with the table lock held, new slots' headers wiped before the entry that
 names them is written (a stale header there must not look like a version), and slots given back
 are locked exclusively first (no reader or writer is in them).
