@@ -311,7 +311,7 @@ def _one_rank_skips_a_step(rank, world, region):
     w.save(state, step=1).result()
     if rank == 0:
         started = time.monotonic()
-        with pytest.raises(CkptfsError, match=r"rank\(s\) 1 never came"):
+        with pytest.raises(CkptfsError, match=r"rank\(s\) 1 did not come within timeout_s=4"):
             w.save(state, step=2).result()
         assert time.monotonic() - started >= 3
         assert store.latest("m").step == 1
@@ -326,6 +326,31 @@ def test_a_rank_that_never_comes_to_a_save_is_named_and_the_last_step_stays(tmp_
     run_ranks(_one_rank_skips_a_step, 2, region)
     with ckptfs.Store(region) as store:
         assert store.latest("m").step == 1
+
+
+def _one_rank_trains_on_past_a_save(rank, world, region):
+    """Synchronous saves with training collectives between them; rank 1 skips the save of step
+    2 and goes on into the next all_reduce: rank 0's save fails after timeout_s naming it, and
+    the saves after that commit (the timed-out gloo all-gather had left ckptfs's group unusable,
+    and every later save failed)."""
+    store = ckptfs.Store(region)
+    with store.writer("m", group=dist.group.WORLD, timeout_s=3) as w:
+        state = {"w": torch.full((8,), float(rank)), "b": torch.ones(2)}
+        w.save(state, step=1).result()
+        if rank == 0:
+            with pytest.raises(CkptfsError, match=r"rank\(s\) 1 did not come within timeout_s=3"):
+                w.save(state, step=2)
+        for step in (3, 4):
+            grad = torch.ones(4)
+            dist.all_reduce(grad)  # the training's own collective
+            assert grad.tolist() == [2.0] * 4
+            assert w.save(state, step=step).result().step == step
+    assert [v.step for v in store.versions("m")] == [1, 3, 4]
+    store.close()
+
+
+def test_a_rank_that_trains_on_past_a_save_fails_only_that_step(tmp_path):
+    run_ranks(_one_rank_trains_on_past_a_save, 2, _new_region(tmp_path))
 
 
 def _one_rank_skips_one_save(rank, world, region):

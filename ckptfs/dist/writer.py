@@ -36,8 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ckptfs.dist.codec import encode_metadata
-from ckptfs.dist.group import (Arrival, agreed, check_agreement, coordination, exchange, newer_saves, skipped,
-                               this_rank, world_size)
+from ckptfs.dist.group import coordination, exchange, meet, this_rank, world_size
 from ckptfs.dist.reader import StorageReader
 from ckptfs.dist.resolve import ItemResolver, resolve_items
 from ckptfs.dist.storage import StorageWriter, close_idle_writers, write_results
@@ -255,22 +254,15 @@ class DistWriter:
         """Before anything is written: every rank came to this save (CkptfsError naming those
         that did not, after ``timeout_s``) with the same model, step and keys (``keys``: the
         digest of ``state``'s, ``_key_digest``). Returns every rank's answer, with the step whose
-        plan it would reuse (``plan``; None: it has none)."""
-        history = (self._group.group_name if self._group is not None else None, "writer", self.model)
-        mine = {"rank": this_rank(), "model": self.model, "step": step, "keys": keys, "plan": plan_made_at,
-                "prev": agreed(history)}
-        while True:
-            everyone = exchange(mine, self._group, f"the start of step {step} of {self.model!r}",
-                                Arrival(self._group, f"{self.model}/save"))
-            others = [p for p in everyone if p["step"] != step]
-            newer = newer_saves(mine, others) if all(p["model"] == self.model for p in everyone) else None
-            if not others or newer is None:
-                break
-            if newer:
-                raise skipped(mine, newer)
-            # ahead of a rank that skipped a save: it fails that one, and its next save is this one
-        check_agreement(everyone, "store.writer (the model) and Writer.save (the step)")
-        agreed(history, step)
+        plan it would reuse (``plan``; None: it has none).
+
+        The ranks meet through the job's key-value store first (``meet``), and exchange their
+        answers on the gloo group only once all have come: a rank that skipped this save and went
+        on into a training collective keeps the others waiting until ``timeout_s``, and a gloo
+        collective that timed out there left the group unusable, failing every later save."""
+        what = f"the start of step {step} of {self.model!r}"
+        meet(self._group, {"model": self.model, "step": step}, self.timeout_s, what)
+        everyone = exchange({"rank": this_rank(), "keys": keys, "plan": plan_made_at}, self._group, what)
         if len({p["keys"] for p in everyone}) > 1:
             # rare: the key lists themselves, to say which keys differ
             lists = exchange(sorted(_key_paths(state)), self._group, f"the comparison of the keys of step {step}")
