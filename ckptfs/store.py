@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import os
 import sys
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Callable
 
 from ckptfs.errors import (BusyError, CkptfsError, CorruptionError, HeldError, NotFoundError, PartGoneError,
                            RegionFormatError, RegionFullError, in_words, no_step, no_version_yet, not_a_region)
+from ckptfs.fs.readers import MOUNT_COMMAND, mount_readers
 from ckptfs.manifest import Manifest
 from ckptfs.region.holders import lock_holders
 from ckptfs.region.locks import model_lock_offset, slot_lock_offset
@@ -502,6 +504,7 @@ class Store:
         sb = self.region.superblock
         models = []
         holders = lock_holders(self.path) if os.path.exists(self.path) else {}
+        readers = functools.cache(lambda: mount_readers(self.path))  # /proc scanned once, if a mount pins
         for entry in self.region.entries():
             latest = self.region.latest(entry)
             committed = {v.slot: v.header for v in self.region.committed(entry)}  # one pass over the headers
@@ -512,6 +515,7 @@ class Store:
             pinned = [{"step": committed[s].step, "slot": s,
                        "holders": [(pid, cmd) for pid, cmd, kind in holders.get(slot_lock_offset(entry.index, s), ())
                                    if kind == "READ"]} for s in busy if s in committed]
+            _readers_behind_mounts(entry.name, pinned, readers)
             models.append({
                 "name": entry.name,
                 "slots": entry.nslots,
@@ -543,3 +547,14 @@ class Store:
         st, fs = os.stat(self.path), os.statvfs(self.path)
         return {"unallocated_bytes": max(0, st.st_size - st.st_blocks * 512),
                 "filesystem_free_bytes": fs.f_bavail * fs.f_frsize}
+
+
+def _readers_behind_mounts(model: str, pinned: list[dict], readers: Callable[[], dict]) -> None:
+    """Give each of ``pinned`` (``Store.status``'s) that a mount daemon holds ``readers``: the
+    processes with its files open or mapped in a mount of the region (``readers()``:
+    ``ckptfs.fs.readers.mount_readers``). A file opened through ``latest`` is counted for the
+    mount's pins of the model that no file opened by its step explains."""
+    for p in pinned:
+        if any(cmd == MOUNT_COMMAND for _, cmd in p["holders"]):
+            by_step = readers()
+            p["readers"] = sorted(by_step.get((model, p["step"])) or by_step.get((model, None)) or ())

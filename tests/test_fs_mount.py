@@ -294,6 +294,33 @@ def test_rm_r_removes_a_version_but_not_latest_or_pinned(toy, store):
     assert [v.step for v in store.versions("rmme")] == [3]
 
 
+def test_status_names_the_processes_reading_behind_the_mount(toy, store, tmp_path):
+    """The mount's daemon holds the pins of every file open in it: status names, behind it, the
+    process holding a file open by step and the one whose torch.load(mmap=True) result maps a
+    file opened through latest (its file long closed)."""
+    save_versions(store, "readers", [1, 2])
+    wait_for(lambda: os.path.exists(os.path.join(toy / "readers", vdir(2))), what="readers step 2")
+    code = ("import sys, time, torch\n"
+            "if sys.argv[1] == 'open':\n    f = open(sys.argv[2], 'rb'); f.read(1)\n"
+            "else:\n    x = torch.load(sys.argv[2], mmap=True, weights_only=True)\n"
+            "print('ready', flush=True); sys.stdin.read()\n")
+    readers = [subprocess.Popen([sys.executable, "-c", code, how, toy / path], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+               for how, path in (("open", f"readers/{vdir(1)}/metadata.json"), ("mmap", "readers/latest/checkpoint.pt"))]
+    try:
+        for p in readers:
+            assert p.stdout.readline() == "ready\n"
+        pinned = {p["step"]: p for m in store.status()["models"] if m["name"] == "readers" for p in m["pinned"]}
+        assert [pid for pid, _ in pinned[1]["readers"]] == [readers[0].pid]
+        assert [pid for pid, _ in pinned[2]["readers"]] == [readers[1].pid]
+        out = subprocess.run([sys.executable, "-m", "ckptfs.cli", "status", "--region", store.path],
+                             capture_output=True, text=True, check=True).stdout
+        assert f"(ckptfs-mount) for {readers[0].pid} (python" in out, out
+    finally:
+        for p in readers:
+            p.communicate("", timeout=30)
+
+
 def test_errno_of_everything_else(toy):
     m = toy / TOY_MODEL
     latest_dir = os.path.join(m, vdir(TOY_STEPS[-1]))

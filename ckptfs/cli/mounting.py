@@ -10,6 +10,7 @@ import click
 from ckptfs.cli.common import cli, one_line, open_store, region_option
 from ckptfs.errors import CkptfsError
 from ckptfs.fs.daemon import READAHEAD_KB
+from ckptfs.fs.readers import MOUNT_COMMAND
 
 
 @cli.command()
@@ -69,7 +70,7 @@ def mount(region, foreground, allow_other, options, auto_unmount, readahead_kb, 
     except CkptfsError as exc:
         daemon.report_failure(ready_fd, str(exc))
         raise
-    _name_process("ckptfs-mount")  # `ckptfs status` shows the pins of the mount's readers under it
+    _name_process(MOUNT_COMMAND)  # `ckptfs status` looks behind it for the processes reading the mount
     try:
         daemon.serve(store, mountpoint, allow_other=allow_other, auto_unmount=auto_unmount,
                      extra_options=[o for o in extra if not o.startswith("views=")], views=views,

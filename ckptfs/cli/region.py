@@ -95,7 +95,8 @@ def status(region, as_json):
     if not pins:
         click.echo("no versions pinned by readers")
     else:
-        table([[name, p["step"], " ".join(f"{pid} ({cmd})" for pid, cmd in p["holders"]) or "?"]
+        table([[name, p["step"], " ".join(f"{pid} ({cmd})" for pid, cmd in p["holders"]) + (
+                    " for " + ", ".join(f"{pid} ({cmd})" for pid, cmd in p["readers"]) if p.get("readers") else "")]
                 for name, p in pins], ["PINNED", "STEP", "BY PROCESS"])
     saves = st.get("saves_in_flight") or []
     click.echo()

@@ -4,6 +4,8 @@ the tree to parse a step.
 """
 from __future__ import annotations
 
+LATEST = "latest"  # the directory of a model's newest version
+
 
 def version_dirname(step: int) -> str:
     """``step-00001200``: zero-padded to at least 8 digits so that ``ls`` sorts versions."""

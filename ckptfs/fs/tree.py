@@ -62,7 +62,7 @@ from typing import Any, Callable
 from ckptfs.dist.parts import loadable
 from ckptfs.errors import NotFoundError
 from ckptfs.fs.errors import read_only
-from ckptfs.fs.names import version_dirname
+from ckptfs.fs.names import LATEST, version_dirname
 from ckptfs.gcpause import paused_gc
 
 log = logging.getLogger("ckptfs.fs")
@@ -74,7 +74,6 @@ REFRESH_INTERVAL = 0.5  # seconds between two snapshots of the Store's listing
 # version stopped being latest, and a path through ``latest`` must reach a version still there
 # (from a 0.5 s old listing a quarter of the opens of ``latest/...`` failed with ENOENT).
 LATEST_FRESH_S = 0.01
-LATEST = "latest"
 
 
 class Kind(enum.Enum):

@@ -1,0 +1,89 @@
+"""Who reads a region through its mounts: the pins of files open in a mount are held by the
+mount daemon (one process for every reader), so ``ckptfs status`` looks behind it at the processes
+that have a file of the mount open or mapped (a ``torch.load(mmap=True)`` result keeps its file
+mapped after the file is closed). Best effort, as ``ckptfs.region.holders``: other users'
+processes need root. No pyfuse3."""
+from __future__ import annotations
+
+import os
+import re
+
+from ckptfs.fs.names import LATEST, step_of
+
+MOUNT_COMMAND = "ckptfs-mount"  # the mount daemon's process name (/proc/PID/comm)
+MOUNT_FSTYPE = "fuse.ckptfs"
+
+
+def mount_points(region_path: str) -> list[str]:
+    """The mount points of the ckptfs mounts of the region at ``region_path``."""
+    real = os.path.realpath(region_path)
+    points = []
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 2 and fields[2] == MOUNT_FSTYPE and os.path.realpath(_unescape(fields[0])) == real:
+                    points.append(_unescape(fields[1]))
+    except OSError:
+        pass
+    return points
+
+
+def mount_readers(region_path: str) -> dict[tuple[str, int | None], set[tuple[int, str]]]:
+    """{(model, step): {(pid, command)}} of the processes with a version's file open or mapped
+    in a mount of the region at ``region_path``; step None: a file opened through ``latest`` (the
+    step it pins is the one latest named when it was opened)."""
+    points = [p.rstrip("/") + "/" for p in mount_points(region_path)]
+    out: dict[tuple[str, int | None], set[tuple[int, str]]] = {}
+    if not points:
+        return out
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        for target in _files_of(pid):
+            point = next((p for p in points if target.startswith(p)), None)
+            key = _version_of(target[len(point):]) if point else None
+            if key is not None:
+                out.setdefault(key, set()).add((pid, _command(pid)))
+    return out
+
+
+def _files_of(pid: int) -> set[str]:
+    """The paths of the files process ``pid`` has open or mapped."""
+    files = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                files.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+            except OSError:
+                continue
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].startswith("/"):
+                    files.add(fields[5].rstrip("\n"))
+    except OSError:
+        pass
+    return files
+
+
+def _version_of(relative: str) -> tuple[str, int | None] | None:
+    """(model, step, None for latest) of a path inside a mount, or None outside any version."""
+    parts = relative.split("/")
+    for i, part in enumerate(parts[1:], 1):
+        if part == LATEST:
+            return "/".join(parts[:i]), None
+        if part.startswith("step-") and step_of(part) is not None:
+            return "/".join(parts[:i]), step_of(part)
+    return None
+
+
+def _unescape(field: str) -> str:
+    """A /proc/mounts field with its octal escapes (a space is \\040) undone."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def _command(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
