@@ -203,7 +203,7 @@ def scan_together(scans: list[Scan], buffers: "ReadBuffers", ahead: ReadAhead | 
         pre, ahead.items = ahead.items, []
     rest = work[len(pre):]
     checks = []
-    failed = threading.Event()  # a check failed: the reads not started are not made
+    failed = threading.Event()  # a read or a check failed: the reads not started are not made
 
     def check(scan: Scan, read, chunk: Chunk) -> None:
         """``read``: the buffer ``chunk`` was read into, or the future of a read ahead's."""
@@ -227,8 +227,14 @@ def scan_together(scans: list[Scan], buffers: "ReadBuffers", ahead: ReadAhead | 
             read.exception()
 
         def read(chunk: Chunk, scan: Scan) -> None:
-            if not failed.is_set():
-                checks.append(checkers.submit(check, scan, _read_into(scan, chunk, buffers), chunk))
+            if failed.is_set():
+                return
+            try:
+                buf = _read_into(scan, chunk, buffers)
+            except BaseException:
+                failed.set()  # at once: the other readers start no more reads while this one's error travels
+                raise
+            checks.append(checkers.submit(check, scan, buf, chunk))
 
         readers = ThreadPoolExecutor(max(1, min(READ_THREADS, len(rest))), thread_name_prefix="ckptfs-read")
         try:
