@@ -322,6 +322,35 @@ def test_splitting_extents_leaves_an_entry_room_to_grow(store):
     assert store.verify() == []
 
 
+def test_a_model_and_its_ema_keeping_milestones_take_slots_not_extents(store):
+    """Two models saving in turn, each keeping a milestone every few steps: each milestone takes
+    a slot out of its ring, which takes one more in its place. First fit put each model's new
+    slot right after the other's, a new extent per milestone, and after 16 the saves failed in
+    a region 94 % free. A new slot is now placed where the next can extend it."""
+    sd = {"w": torch.randn(64, 64)}
+    with store.writer("model", keep_every=3, timeout_s=5) as a, store.writer("model-ema", keep_every=3,
+                                                                               timeout_s=5) as b:
+        for step in range(100):
+            a.save(sd, step).result()
+            b.save(sd, step).result()
+    for name in ("model", "model-ema"):
+        assert len(store.region.get(name).extents) <= 3
+        assert [v.step for v in store.versions(name) if v.kept] == list(range(0, 100, 3))
+        assert [v.step for v in store.versions(name) if not v.kept][-2:] == [97, 98] and store.latest(name).step == 99
+    assert store.verify() == []
+
+
+def test_extents_that_continue_one_another_are_one():
+    from ckptfs.region.format import Extent, ModelEntry
+
+    entry = ModelEntry.new(0, "m", 2, 4096, 1 << 20, 0)
+    joined = entry.with_extents([Extent((1 << 20) + 2 * 4096, 4096, 3, 2), Extent(1 << 20, 4096, 2, 0),
+                                 Extent(9 << 20, 4096, 1, 5), Extent(10 << 20, 8192, 1, 6)])
+    assert joined.extents == (Extent(1 << 20, 4096, 5, 0), Extent(9 << 20, 4096, 1, 5), Extent(10 << 20, 8192, 1, 6))
+    assert joined.generation == 2 and [joined.slot_offset(s) for s in (0, 4, 5)] == [1 << 20, (1 << 20) + 4 * 4096,
+                                                                                       9 << 20]
+
+
 def _format1_region(tmp_path) -> str:
     """The format-1 region of tests/data (made by ckptfs 3cc2de9: models gpt at 20, 30, 40, tiny at 7)."""
     path = str(tmp_path / "old.region")

@@ -130,8 +130,10 @@ class Extents:
             first = next(i for i in range(SLOTS_MAX) if not taken_ids.intersection(range(i, i + nslots)))
             if first + nslots > SLOTS_MAX:
                 raise RegionFullError(f"model {entry.name!r} has {SLOTS_MAX} slots, the most it can have")
-            new = Extent(region.find_gap(nbytes, what=f"more slots of {entry.name!r}", entries=others),
-                         slot_bytes, nslots, first)
+            # one slot more (a busy ring, a kept version's place) is where it can grow in place:
+            # the next one extends it, instead of taking one more of the entry's MAX_EXTENTS
+            new = Extent(region.find_gap(nbytes, what=f"more slots of {entry.name!r}", entries=others,
+                                         room_to_grow=slot_bytes == entry.slot_bytes), slot_bytes, nslots, first)
             extents.append(new)
         region.backend.reserve(new.offset, nbytes)
         grown = entry.with_extents(extents)
@@ -209,7 +211,7 @@ class Extents:
                 self.ring._claims.release(locks.pop(slot))
             if not extents or not locks:  # a model keeps at least one extent
                 return False
-            region.write_entry(entry.with_extents(sorted(extents, key=lambda x: x.first_slot)), entry)
+            region.write_entry(entry.with_extents(extents), entry)
             self.ring.refresh()
             return True
         finally:

@@ -233,9 +233,19 @@ class ModelEntry:
         return self.extent_of(slot).slot_bytes
 
     def with_extents(self, extents, ring_slots: int | None = None) -> "ModelEntry":
-        """The next generation of this entry, with ``extents`` (and ``ring_slots``)."""
+        """The next generation of this entry, with ``extents`` (and ``ring_slots``), ascending
+        by slot id, each two that continue one another (bytes and ids) joined into one: every
+        slot keeps its id and offset, and the entry the room for more of its MAX_EXTENTS."""
+        joined: list[Extent] = []
+        for x in sorted(extents, key=lambda x: x.first_slot):
+            last = joined[-1] if joined else None
+            if last and (last.end, last.first_slot + last.nslots, last.slot_bytes) == (x.offset, x.first_slot,
+                                                                                         x.slot_bytes):
+                joined[-1] = Extent(last.offset, last.slot_bytes, last.nslots + x.nslots, last.first_slot)
+            else:
+                joined.append(x)
         return ModelEntry(self.index, self.name, self.ring_slots if ring_slots is None else ring_slots,
-                          self.created_ns, tuple(extents), self.generation + 1)
+                          self.created_ns, tuple(joined), self.generation + 1)
 
     def pack_copy(self) -> bytes:
         """One copy of the entry (the table holds two, at ENTRY_COPY_OFFSETS)."""

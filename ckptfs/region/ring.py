@@ -69,6 +69,7 @@ class Ring:
         self.entry = entry
         self.timeout_s = timeout_s
         self.sole = sole
+        self._short_said = False  # the warning that kept versions leave fewer than ring_slots was given
         # Claims are held on a description of their own, so that they exclude this process's own
         # pins (OFD locks of one description never conflict in the kernel).
         # (a writer's, not a forked child's: its claims and the model stay with the parent's threads)
@@ -222,10 +223,14 @@ class Ring:
                     # each global commit: a ring of parts waits a while for that first
                     if stuck_since is not None and (self.sole or now - stuck_since >= PARTS_STUCK_S):
                         raise RegionFullError(
-                            f"every slot of {entry.name!r} holds its latest or a kept version, and {e}; unkeep or "
-                            "remove a version of it: " + in_words(python="Store.unkeep / Store.remove",
-                                                                   cli="`ckptfs unkeep` / `ckptfs rm`")) from None
+                            f"every slot of {entry.name!r} holds its latest or a kept version, and {e}" + (
+                                "" if "unkeep" in str(e) else "; unkeep or remove a version of it") + ": " + in_words(
+                                python="Store.unkeep / Store.remove", cli="`ckptfs unkeep` / `ckptfs rm`")) from None
                     if short:  # no room for the ring's share: make do with its other slots
+                        if not self._short_said:
+                            self._short_said = True
+                            log.warning("ckptfs: %r keeps fewer than its %d recent versions: its kept versions took "
+                                        "the other slots, and %s", entry.name, entry.ring_slots, e)
                         continue
             if now > deadline:
                 raise BusyError(f"every slot of {entry.name!r} is latest, kept, pinned by a reader or being written "

@@ -323,23 +323,32 @@ class ModelTable:
         return self._data_end() - self.superblock.data_offset
 
     def find_gap(self, nbytes: int, *, prefer: int | None = None, what: str = "new slots",
-                 entries: list[ModelEntry] | None = None) -> int:
+                 entries: list[ModelEntry] | None = None, room_to_grow: bool = False) -> int:
         """The offset of ``nbytes`` of the data area that no model's extent holds (``prefer`` if
         that one is free); RegionFullError when there is none. The caller holds the table lock
-        (and passes ``entries`` if it has just scanned them)."""
+        (and passes ``entries`` if it has just scanned them). First fit, or ``room_to_grow``:
+        the middle of the largest free run, so that what is placed there can grow in place as
+        far as whatever grows into the run from its start (two models that each take one slot
+        at a time, a model and its EMA keeping milestones, each took a new extent per slot
+        when first fit put them one after the other)."""
         sb = self.superblock
         entries = self._scan_entries()[0] if entries is None else entries
         taken = sorted((x.offset, x.end) for e in entries for x in e.extents)
         end = self._data_end()
         if prefer is not None and prefer + nbytes <= end and all(b <= prefer or a >= prefer + nbytes for a, b in taken):
             return prefer
-        cursor = sb.data_offset
+        runs, cursor = [], sb.data_offset  # the free runs, in order
         for a, b in taken:
-            if a - cursor >= nbytes:
-                return cursor
+            if a > cursor:
+                runs.append((cursor, a))
             cursor = max(cursor, b)
-        if end - cursor >= nbytes:
-            return cursor
+        runs.append((cursor, end))
+        fits = [(a, b) for a, b in runs if b - a >= nbytes]
+        if fits and room_to_grow:
+            a, b = max(fits, key=lambda run: (run[1] - run[0], -run[0]))
+            return a + (b - a - nbytes) // 2 // sb.block_bytes * sb.block_bytes
+        if fits:
+            return fits[0][0]
         free = end - sb.data_offset - sum(b - a for a, b in taken)
         raise RegionFullError(
             f"region {self.path} has no contiguous {human_bytes(nbytes)} free for {what} "
