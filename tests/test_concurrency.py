@@ -77,6 +77,20 @@ def test_older_commit_never_replaces_newer(store, monkeypatch):
     assert store.load("ooo", step=1)["step"] == 1
 
 
+def test_a_synchronous_save_after_an_async_one_is_latest(store):
+    """A periodic async save, then at once the job's final (or preemption) save, synchronous:
+    it claimed its slot on the caller's thread while the async one still waited in the queue,
+    took the smaller counter, and the older step stayed latest."""
+    model = torch.nn.Linear(256, 256)
+    with store.writer("m") as w:
+        for step in range(0, 10, 2):
+            w.save({"model": model.state_dict(), "step": step}, step=step, async_snapshot=True)
+            w.save({"model": model.state_dict(), "step": step + 1}, step=step + 1).result()
+            assert store.latest("m").step == step + 1
+    counters = {v.step: v.counter for v in store.versions("m")}
+    assert sorted(counters, key=counters.get) == sorted(counters)
+
+
 def test_latest_and_pinned_slots_are_never_reused(store):
     with store.writer("pin", max_inflight=1, slots=3, timeout_s=0.5) as w:
         w.save(state(1), step=1).result()

@@ -22,6 +22,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import wait as wait_for_futures
 
 import torch
 
@@ -192,6 +193,11 @@ class Writer:
         try:
             self._register(future)
             if plan is not None:
+                if last_snapshot is not None and not last_snapshot.done():
+                    # an async save still queued claims its slot first: the counters, and so
+                    # latest, follow the order of the saves (the final save after a periodic
+                    # async one was overtaken by it, and latest was the older step)
+                    wait_for_futures([last_snapshot])
                 self._start(future, plan, started, keep=bool(keep))
             else:
                 if self._snapshot_thread is None:
