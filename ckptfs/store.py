@@ -118,13 +118,13 @@ class Store:
                 pass  # another process created it first
         self.path = path
         try:
-            self.region = Region(path, writable=writable)
+            self._region = Region(path, writable=writable)
         except OSError as e:
             # no write access, or a filesystem that is (or went) read-only: still readable
             if not writable or e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
                 raise
-            self.region = Region(path, writable=False)
-            self.region.read_only_reason = e.strerror or "no write access"
+            self._region = Region(path, writable=False)
+            self._region.read_only_reason = e.strerror or "no write access"
 
     @classmethod
     def create(cls, path: str, size_bytes: int | None = None, *, exist_ok: bool = False,
@@ -141,14 +141,25 @@ class Store:
         Region.format(path, size_bytes, force=force).close()
         return cls(path)
 
+    @property
+    def region(self) -> Region:
+        """The open region; CkptfsError once the Store is closed (anything of it used after
+        ``close``: not a bare error of a released mapping)."""
+        if self._region.closed:
+            raise CkptfsError(f"this Store of {self.path} is closed: open it again (ckptfs.Store({self.path!r}))")
+        return self._region
+
     def close(self) -> None:
         """Close the region, once the writers open on it (``writer``, and those DCP's storage
         keeps across steps) have committed their saves in flight and stopped: nothing of the
-        store outlives it."""
+        store outlives it. The versions open from it are let go. Nothing to do twice."""
+        region = self._region
+        if region.closed:
+            return
         writers = sys.modules.get("ckptfs.writer.calls")  # not imported (a listing, the CLI): none open
         if writers is not None:
-            writers.close_writers(lambda writer: writer.region is self.region, "as its store closed")
-        self.region.close()
+            writers.close_writers(lambda writer: writer.region is region, "as its store closed")
+        region.close()
 
     def __enter__(self) -> "Store":
         return self

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ckptfs.errors import CkptfsError
 from ckptfs.manifest import Manifest
 from ckptfs.region.slots import SlotVersion
 
@@ -44,18 +45,19 @@ class Version:
 
     def __init__(self, store: "Store", slot_version: SlotVersion, manifest: Manifest, latest: bool,
                  checked: set | None = None):
-        self._store = store
         self._slot_version = slot_version
         self.manifest = manifest
         from ckptfs.reader import VersionData
 
-        self.data = VersionData(store.region, slot_version.data_base, manifest, checked)
+        self._region = store.region
+        self.data = VersionData(self._region, slot_version.data_base, manifest, checked)
         self.info = version_info(slot_version, latest)
         self._open = True
 
     def read(self, offset: int, length: int) -> memoryview:
         """Bytes of the data area (``record.offset`` is such an offset), zero-copy; every tensor
         touched is checked against its CRC first (CorruptionError names a damaged one)."""
+        self._check_usable()
         return self.data.read(offset, length)
 
     def confirm(self) -> None:
@@ -65,13 +67,22 @@ class Version:
 
     def load(self, map_location="cpu", verify: bool = True, into=None):
         """The saved object (see Store.load)."""
+        self._check_usable()
         return self.data.restore(map_location, verify, into)
 
+    def _check_usable(self) -> None:
+        if not self._open:
+            raise CkptfsError(f"{self.info.model} step {self.info.step} was closed: open it again (Store.open_version)")
+        self._region.check_open(f"{self.info.model} step {self.info.step}")
+
     def close(self) -> None:
+        """Let go of the version (its slot may be reused). Nothing to do twice, nor after the
+        Store was closed (its pins went with it)."""
         if self._open:
             self._open = False
             self.data.close()  # its checks ahead end before the slot may be reused
-            self._store.region.unpin(self._slot_version)
+            if not self._region.closed:
+                self._region.unpin(self._slot_version)
 
     def __enter__(self) -> "Version":
         return self

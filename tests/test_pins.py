@@ -231,3 +231,29 @@ def test_a_version_listed_before_its_model_took_larger_slots_is_removed_as_it_is
     # steps 1 and 2 went back with their outgrown slots (older than the ring's newest 3)
     assert [(v.step, v.latest) for v in store.versions("m")] == [(4, False), (5, True)]
     assert unpack_latest(store.region.latest_word(store.region.get("m"))) == pointer
+
+
+def test_a_version_or_store_used_after_the_store_closed_says_so(region_path):
+    """Store.close lets go of the versions open from it: closing one afterwards raised 'lock
+    byte ... is not held', loading it 'Bad file descriptor', and the store's own methods a
+    released memoryview's ValueError."""
+    store = ckptfs.Store.create(region_path, size_bytes=64 << 20)
+    with store.writer("m") as w:
+        w.save({"t": torch.ones(10)}, step=1).result()
+    v = store.open_version("m")
+    store.close()
+    store.close()  # nothing to do twice
+    for use in (v.load, lambda: v.read(0, 4)):
+        with pytest.raises(ckptfs.errors.CkptfsError, match="opened from a Store that is closed since"):
+            use()
+    v.close()
+    for use in (lambda: store.load("m"), lambda: store.versions("m"), lambda: store.writer("m")):
+        with pytest.raises(ckptfs.errors.CkptfsError, match="this Store of .* is closed: open it again"):
+            use()
+    with ckptfs.Store(region_path) as again:
+        v = again.open_version("m")
+        v.close()
+        with pytest.raises(ckptfs.errors.CkptfsError, match="m step 1 was closed"):
+            v.load()
+        assert again.load("m")["t"].sum() == 10  # its pin went, the slot is free: nothing held twice
+

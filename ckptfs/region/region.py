@@ -142,6 +142,16 @@ class Region(ModelTable, SlotReader):
     def close(self) -> None:
         self.pins.close()
         self.backend.close()
+        self.closed = True
+
+    closed = False
+
+    def check_open(self, what: str) -> None:
+        """CkptfsError if the region was closed (its Store's ``close``): ``what`` (a version
+        opened from it, say) cannot be used any more."""
+        if self.closed:
+            raise CkptfsError(f"{what} was opened from a Store that is closed since: open the Store again "
+                              f"(ckptfs.Store({self.path!r})) and the version from it")
 
     def ring(self, entry: ModelEntry, *, timeout_s: float, sole: bool = True) -> Ring:
         """The slot lifecycle of ``entry``'s ring for one writer (ckptfs.region.ring); close it

@@ -73,7 +73,7 @@ def store_on(region: Region) -> Store:
     """A Store around an already open Region (e.g. one with an injected backend)."""
     store = Store.__new__(Store)
     store.path = region.path
-    store.region = region
+    store._region = region
     return store
 
 
