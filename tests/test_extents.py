@@ -340,6 +340,23 @@ def test_a_model_and_its_ema_keeping_milestones_take_slots_not_extents(store):
     assert store.verify() == []
 
 
+def test_a_kept_first_save_in_smaller_slots_costs_the_later_commits_nothing(store, monkeypatch):
+    """Step 0 saved before the optimizer had state, kept by keep_every, in slots smaller than
+    the model's since: each later commit took the table lock and read every slot header (209 a
+    save with 200 milestones) to give back small slots that held only kept versions."""
+    with store.writer("m", keep_every=1000) as w:
+        w.save(state(0, n=10), 0).result()
+        for step in range(1, 60):
+            w.save(state(step, n=20000), step, keep=True).result()
+        reads = []
+        read_header = store.region.read_header
+        monkeypatch.setattr(store.region, "read_header", lambda *a, **k: reads.append(a) or read_header(*a, **k))
+        for step in range(60, 80):
+            w.save(state(step, n=20000), step).result()
+    assert len(reads) / 20 < 10, len(reads) / 20
+    assert [v.step for v in store.versions("m") if v.kept] == list(range(60))
+
+
 def test_extents_that_continue_one_another_are_one():
     from ckptfs.region.format import Extent, ModelEntry
 

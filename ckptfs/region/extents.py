@@ -149,12 +149,15 @@ class Extents:
         once). Cheap when there is nothing to return: the table lock is taken only then. Never
         raises: the commit it follows is complete; slots not given back now go at a later one."""
         entry = self.ring.entry
-        outgrown = any(x.slot_bytes < entry.slot_bytes for x in entry.extents)
         try:  # from the cached ages (no header read) unless another claim's wait cleared them
-            kept = sum(1 for age in self.ring._slot_ages(entry).values() if age == KEPT)
+            ages = self.ring._slot_ages(entry)
         except (CkptfsError, OSError) as e:
             log.warning("model %r: spare slots not given back this time: %s", entry.name, e)
             return False
+        kept = sum(1 for age in ages.values() if age == KEPT)
+        # smaller slots that all hold kept versions (step 0, saved before the optimizer had state,
+        # kept by keep_every) have nothing to give: every commit scanned every header for them
+        outgrown = any(ages[s] != KEPT for x in entry.extents if x.slot_bytes < entry.slot_bytes for s in x.slots)
         if entry.nslots - kept > entry.ring_slots:  # no lock
             self._spare_commits += 1
         else:
