@@ -545,7 +545,7 @@ class Store:
             })
         used = sum(m["used_bytes"] for m in models)
         return {"path": self.path, "kind": self.region.backend.kind, "region_bytes": sb.region_bytes,
-                "used_bytes": used, "free_bytes": sb.region_bytes - sb.data_offset - used,
+                "used_bytes": used, "free_bytes": self.region.data_area_bytes() - used,
                 **self._unbacked_bytes(), "models": models, "saves_in_flight": read_progress(sb.uuid)}
 
     def _unbacked_bytes(self) -> dict:

@@ -357,6 +357,17 @@ def test_a_kept_first_save_in_smaller_slots_costs_the_later_commits_nothing(stor
     assert [v.step for v in store.versions("m") if v.kept] == list(range(60))
 
 
+def test_status_free_bytes_is_what_slots_can_take(store):
+    with store.writer("m") as w:
+        w.save(state(1), 1).result()
+    free = store.status()["free_bytes"]
+    block = store.region.superblock.block_bytes
+    with store.region.meta_locked():
+        store.region.find_gap(free)  # one free run after the only ring: all of it can be had
+        with pytest.raises(ckptfs.errors.RegionFullError):
+            store.region.find_gap(free + block)
+
+
 def test_extents_that_continue_one_another_are_one():
     from ckptfs.region.format import Extent, ModelEntry
 
