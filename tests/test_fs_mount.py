@@ -270,6 +270,29 @@ def test_a_step_saved_again_shows_its_new_files_within_a_second(toy, store):
     assert listing(model_dir) == ["latest", vdir(1), vdir(2)]
 
 
+@pytest.mark.parametrize("spelling", [["--allow-other", "-o", "rw"], ["-o", "allow_other,rw"]])
+def test_other_users_may_read_an_allow_other_mount_but_not_remove(tmp_path, spelling):
+    """allow_other given as an -o option (fstab's spelling, the mount helper's) went to libfuse
+    without default_permissions, and any local user could rm -r the owner's versions."""
+    import tempfile
+
+    top = tempfile.mkdtemp(prefix="ckptfs-allow-other-")  # not under pytest's 0700 tmp: others must reach it
+    try:
+        os.chmod(top, 0o755)
+        region = str(tmp_path / "r.region")
+        make_toy_region(region)
+        with mounted(region, os.path.join(top, "mnt"), *spelling) as m:
+            nobody = 65534
+            step = os.path.join(m.path, TOY_MODEL, vdir(TOY_STEPS[0]))
+            r = subprocess.run(["cat", os.path.join(step, "metadata.json")], user=nobody, capture_output=True)
+            assert r.returncode == 0 and r.stdout.startswith(b"{"), r.stderr
+            r = subprocess.run(["rm", "-r", step], user=nobody, capture_output=True, text=True)
+            assert r.returncode != 0 and "Permission denied" in r.stderr, r.stderr
+            assert os.path.isdir(step)
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
 def test_rm_r_removes_a_version_but_not_latest_or_pinned(toy, store):
     model_dir = toy / "rmme"
     save_versions(store, "rmme", [1, 2, 3])

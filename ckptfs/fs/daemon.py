@@ -154,10 +154,11 @@ def fuse_options(store_path: str, *, allow_other: bool = False, auto_unmount: bo
     allows one change: ``rm -r`` of a version that is not the latest (see ckptfs.fs.tree).
     ``default_permissions`` is off: the operations decide. With ``allow_other`` it is turned on,
     so that other users can read but only the owner (and root) can remove versions, per the
-    directory modes."""
+    directory modes; ``allow_other`` in ``extra`` (fstab's, the mount helper's spelling) is the
+    same (without ``default_permissions`` any user could remove versions of a ``-o rw`` mount)."""
     extra = {o for o in extra if o}
     opts = {"fsname=" + store_path.replace(",", "_"), "subtype=ckptfs", "noatime"}
-    if allow_other:
+    if allow_other or "allow_other" in extra:
         opts |= {"allow_other", "default_permissions"}
     if auto_unmount:
         opts.add("auto_unmount")
