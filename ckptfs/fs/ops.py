@@ -17,9 +17,11 @@ Caching contract with the kernel:
 from __future__ import annotations
 
 import errno
+import functools
 import itertools
 import logging
 import os
+from typing import Callable, TypeVar
 
 import pyfuse3
 import trio
@@ -34,7 +36,8 @@ assert ROOT_INODE == pyfuse3.ROOT_INODE
 
 LISTING_TTL = 0.5  # seconds: directories and latest
 IMMUTABLE_TTL = 5.0  # seconds: files of a version
-HELD_WAIT_S = 1.0  # seconds open waits for a version its save holds (Store.open_version's wait)
+HELD_WAIT_S = 1.0  # seconds a request waits for a version its save holds (Store.open_version's wait)
+T = TypeVar("T")
 RELEASE_GRACE = 0.5  # seconds rmdir waits for this mount's own pending releases
 BLOCK_SIZE = 1 << 20  # st_blksize, by which `cp` sizes its reads: each FUSE read also revalidates attributes
 
@@ -78,13 +81,28 @@ class CkptfsOperations(pyfuse3.Operations):
         e.st_atime_ns = e.st_mtime_ns = e.st_ctime_ns = a.mtime_ns
         return e
 
+    async def _unheld(self, call: Callable[[], T]) -> T:
+        """``call()``, again while it raises HeldError (a version its save's commit holds:
+        listed from the moment its header is written), up to HELD_WAIT_S, without blocking the
+        loop's other requests: the tree never waits (Store.open_version's ``wait_s``), as a
+        wait there stalled every request of the mount, every model's, for the commit's
+        barrier."""
+        deadline = trio.current_time() + HELD_WAIT_S
+        while True:
+            try:
+                return call()
+            except HeldError:
+                if trio.current_time() >= deadline:
+                    raise
+            await trio.sleep(0.002)
+
     async def lookup(self, parent_inode, name, ctx=None):
         with fuse_errors("lookup"):
-            return self._entry(self.tree.lookup(parent_inode, os.fsdecode(name)))
+            return await self._unheld(lambda: self._entry(self.tree.lookup(parent_inode, os.fsdecode(name))))
 
     async def getattr(self, inode, ctx=None):
         with fuse_errors("getattr"):
-            return self._entry(self.tree.node(inode))
+            return await self._unheld(lambda: self._entry(self.tree.node(inode)))
 
     async def readlink(self, inode, ctx):
         with fuse_errors("readlink"):
@@ -98,7 +116,7 @@ class CkptfsOperations(pyfuse3.Operations):
     async def opendir(self, inode, ctx):
         """Snapshot the entries now, so that a listing that changes meanwhile is read consistently."""
         with fuse_errors("opendir"):
-            entries = [(os.fsencode(n), node) for n, node in self.tree.children(inode)]
+            entries = [(os.fsencode(n), node) for n, node in await self._unheld(lambda: self.tree.children(inode))]
             fh = next(self._fh)
             self._dirs[fh] = (inode, entries)
             return fh
@@ -109,7 +127,7 @@ class CkptfsOperations(pyfuse3.Operations):
             for i in range(start_id, len(entries)):
                 name, node = entries[i]
                 try:
-                    entry = self._entry(node)
+                    entry = await self._unheld(functools.partial(self._entry, node))
                 except FileNotFoundError:  # gone since opendir
                     continue
                 if not pyfuse3.readdir_reply(token, name, entry, i + 1):
@@ -121,19 +139,8 @@ class CkptfsOperations(pyfuse3.Operations):
     # -------------------------------------------------------------- files
 
     async def open(self, inode, flags, ctx):
-        """The latest version held by its save's commit (listed from the moment its header is
-        written) is waited for here, up to ``HELD_WAIT_S``, without blocking the loop's other
-        requests (the tree's open does not wait: Store.open_version's ``wait_s``)."""
         with fuse_errors("open"):
-            deadline = trio.current_time() + HELD_WAIT_S
-            while True:
-                try:
-                    handle = self.tree.open(self.tree.node(inode), flags)
-                    break
-                except HeldError:
-                    if trio.current_time() >= deadline:
-                        raise
-                await trio.sleep(0.002)
+            handle = await self._unheld(lambda: self.tree.open(self.tree.node(inode), flags))
             fh = next(self._fh)
             self._files[fh] = handle
             return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=False)

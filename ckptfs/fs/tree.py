@@ -381,7 +381,9 @@ class Tree:
                 if version is not None:
                     views = self._views_of(version, info)
                 else:
-                    with self._whole(key, self.store.open_version(model, step, counter=info.counter)) as pinned:
+                    # HeldError at once while its commit holds it: the caller waits (ops._unheld)
+                    with self._whole(key, self.store.open_version(model, step, counter=info.counter,
+                                                                  wait_s=0.0)) as pinned:
                         views = self._views_of(pinned, info)
                         version = pinned
             self._files[key] = views
