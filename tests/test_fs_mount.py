@@ -110,9 +110,10 @@ def test_tree_names_sizes_times_and_links(toy, store):
 
 
 def test_mount_options_and_readahead(toy):
-    from ckptfs.fs.daemon import READAHEAD_KB, _mountinfo
+    from ckptfs.fs.daemon import READAHEAD_KB
+    from ckptfs.mounttable import mountinfo
 
-    dev, fstype, source = _mountinfo(toy.path)
+    dev, fstype, source = mountinfo(toy.path)
     assert (fstype, source) == ("fuse.ckptfs", toy.region)
     if os.geteuid() == 0:
         with open(f"/sys/class/bdi/{dev}/read_ahead_kb") as f:

@@ -2,6 +2,8 @@
 before its slot was given back (or its model removed) cannot be pinned; an I/O error while a
 pin or a claim checks its slot leaves no lock byte held; a save committed and published is not
 failed by what follows its publish. (Found by a review; each confirmed by a reproducer first.)"""
+import os
+
 import pytest
 import torch
 
@@ -256,4 +258,26 @@ def test_a_version_or_store_used_after_the_store_closed_says_so(region_path):
         with pytest.raises(ckptfs.errors.CkptfsError, match="m step 1 was closed"):
             v.load()
         assert again.load("m")["t"].sum() == 10  # its pin went, the slot is free: nothing held twice
+
+
+def test_a_region_in_use_is_not_formatted_over(region_path):
+    """mkfs --force under a reader holding a version open: the reader, whose CRCs were checked
+    already, then read the new region's bytes as that version's, without an error."""
+    import subprocess
+    import sys
+
+    with ckptfs.Store.create(region_path, size_bytes=64 << 20) as store:
+        with store.writer("m") as w:
+            w.save({"t": torch.ones(10)}, step=1).result()
+        with store.open_version("m") as v:
+            with pytest.raises(ckptfs.errors.BusyError, match=rf"is in use by .*pid {os.getpid()}"):
+                ckptfs.Store.create(region_path, size_bytes=64 << 20, force=True)
+            r = subprocess.run([sys.executable, "-m", "ckptfs.cli", "mkfs", "--force", "--size", "64M", region_path],
+                               capture_output=True, text=True)
+            assert r.returncode == 1 and "is in use by" in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+            assert v.load()["t"].sum() == 10
+        with store.writer("m") as w:  # an open writer is a use too
+            with pytest.raises(ckptfs.errors.BusyError, match="is in use by"):
+                ckptfs.Store.create(region_path, size_bytes=64 << 20, force=True)
+    ckptfs.Store.create(region_path, size_bytes=64 << 20, force=True).close()  # nobody holds it now
 

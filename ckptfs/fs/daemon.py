@@ -28,11 +28,12 @@ import tempfile
 import time
 from typing import Callable, Iterable
 
+from ckptfs.mounttable import mountinfo
+
 log = logging.getLogger("ckptfs.fs")
 
 READY = b"ok\n"
 READAHEAD_KB = 4096  # kernel readahead of a mount (FUSE's default is 128 KiB)
-FSTYPE = "fuse.ckptfs"
 
 
 class MountError(Exception):
@@ -42,47 +43,12 @@ class MountError(Exception):
 # ------------------------------------------------------------------------------ mount table
 
 
-def _unescape(field: str) -> str:
-    """Undo the octal escapes of /proc/self/mountinfo (``\\040`` for a space, ...)."""
-    out, i = [], 0
-    while i < len(field):
-        code = field[i + 1:i + 4]
-        if field[i] == "\\" and len(code) == 3 and code.isdigit():
-            out.append(chr(int(code, 8)))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return "".join(out)
-
-
-def _mountinfo(path: str) -> tuple[str, str, str] | None:
-    """(device "major:minor", fstype, source) of the mount at ``path`` per /proc/self/mountinfo.
-
-    Never touches ``path`` itself (only its parent directory): stat of a mount point would wait
-    for the daemon, which may be the caller, or be dead."""
-    path = os.path.abspath(path)
-    path = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
-    found = None
-    try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                left, _, right = line.partition(" - ")
-                fields = left.split()
-                if len(fields) >= 5 and _unescape(fields[4]) == path:
-                    fstype, source = (right.split() + ["", ""])[:2]
-                    found = (fields[2], fstype, _unescape(source))  # the last one is the top of the stack
-    except OSError:
-        return None
-    return found
-
-
 def mount_entry(path: str) -> tuple[str, str] | None:
     """(fstype, source) of the mount at ``path`` per /proc/self/mountinfo, or None.
 
     Unlike ``os.path.ismount`` this also finds a mount whose daemon died ("Transport endpoint
     is not connected"), where ``stat`` fails."""
-    info = _mountinfo(path)
+    info = mountinfo(path)
     return None if info is None else info[1:]
 
 
@@ -92,7 +58,7 @@ def set_readahead(mountpoint: str, kb: int) -> bool:
     FUSE mounts start at 128 KiB, so a sequential reader gets 128 KiB requests, one after the
     other; a larger window lets the kernel send 1 MiB requests (max_pages) ahead of the reader,
     which roughly halves the time of a cold ``cp`` (tools/bench_read.py)."""
-    info = _mountinfo(mountpoint)
+    info = mountinfo(mountpoint)
     if info is None:
         return False
     try:

@@ -6,27 +6,11 @@ processes need root. No pyfuse3."""
 from __future__ import annotations
 
 import os
-import re
 
 from ckptfs.fs.names import LATEST, step_of
+from ckptfs.mounttable import mount_points
 
 MOUNT_COMMAND = "ckptfs-mount"  # the mount daemon's process name (/proc/PID/comm)
-MOUNT_FSTYPE = "fuse.ckptfs"
-
-
-def mount_points(region_path: str) -> list[str]:
-    """The mount points of the ckptfs mounts of the region at ``region_path``."""
-    real = os.path.realpath(region_path)
-    points = []
-    try:
-        with open("/proc/self/mounts") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) > 2 and fields[2] == MOUNT_FSTYPE and os.path.realpath(_unescape(fields[0])) == real:
-                    points.append(_unescape(fields[1]))
-    except OSError:
-        pass
-    return points
 
 
 def mount_readers(region_path: str) -> dict[tuple[str, int | None], set[tuple[int, str]]]:
@@ -74,11 +58,6 @@ def _version_of(relative: str) -> tuple[str, int | None] | None:
         if part.startswith("step-") and step_of(part) is not None:
             return "/".join(parts[:i]), step_of(part)
     return None
-
-
-def _unescape(field: str) -> str:
-    """A /proc/mounts field with its octal escapes (a space is \\040) undone."""
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
 
 def _command(pid: int) -> str:

@@ -54,3 +54,4 @@ def _command(pid: int) -> str:
             return f.read().strip()
     except OSError:
         return "?"
+

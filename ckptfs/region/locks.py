@@ -32,6 +32,22 @@ SLOT_LOCK_STRIDE = 1 << 16
 EXCLUSIVE = -1  # LockSpace._counts value of a byte held exclusively
 
 
+def any_lock_held(path: str) -> bool:
+    """Whether any process holds a lock byte of the region at ``path`` (a writer's model, a
+    claim, a pin, the table's lock); False where the file cannot be opened or has no OFD locks."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        probe = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, META_LOCK_OFFSET, 0, 0)  # length 0: to the end
+        return _FLOCK.unpack(fcntl.fcntl(fd, fcntl.F_OFD_GETLK, probe))[0] != fcntl.F_UNLCK
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def slot_lock_offset(model_index: int, slot: int) -> int:
     return SLOT_LOCK_BASE + model_index * SLOT_LOCK_STRIDE + slot
 

@@ -7,9 +7,11 @@ import os
 import threading
 import time
 
-from ckptfs.errors import RegionFormatError, in_words
+from ckptfs.errors import BusyError, RegionFormatError, in_words
 from ckptfs.region.backend import io_step, open_backend
+from ckptfs.mounttable import mount_points
 from ckptfs.region.format import SUPERBLOCK_BYTES, SUPERBLOCK_MAGIC, Superblock
+from ckptfs.region.locks import any_lock_held
 from ckptfs.units import human_bytes
 
 
@@ -72,6 +74,22 @@ def refuse_to_overwrite(path: str, special: bool) -> None:
     raise RegionFormatError(f"{path} exists and is not a ckptfs region ({human_bytes(size)}); formatting "
                             "would destroy it. Choose a new path, or "
                             + in_words(python="pass force=True", cli="add --force") + " to overwrite it")
+
+
+def refuse_if_in_use(path: str) -> None:
+    """BusyError if the region at ``path`` is in use: a lock byte held (a writer open, a reader's
+    pin, a claim), or mounted. Formatting it under them would hand a reader holding a version
+    open the new region's bytes as that version's, checked already, without an error."""
+    points = mount_points(path)
+    if points:
+        raise BusyError(f"{path} is mounted at {', '.join(points)}: unmount it first (`ckptfs umount "
+                        f"{points[0]}`), then format it")
+    if any_lock_held(path):
+        from ckptfs.region.holders import lock_holders
+
+        pids = sorted({f"{command} (pid {pid})" for held in lock_holders(path).values() for pid, command, _ in held})
+        raise BusyError(f"{path} is in use by {', '.join(pids) or 'another process'} (a training job's writer, a "
+                        "reader holding a version): stop them, then format it")
 
 
 def make_sparse_file(path: str, size_bytes: int, *, truncate: bool, exclusive: bool = False) -> None:

@@ -28,7 +28,7 @@ from ckptfs.region.format import (COUNTER_MAX, COUNTER_WORD_OFFSET, LATEST_WORD_
 from ckptfs.region.events import Subscribers
 from ckptfs.region.locks import LockSpace, slot_lock_offset
 from ckptfs.region.mkfs import (check_region_size, format_in_place, format_new_file, make_sparse_file,
-                                refuse_to_overwrite)
+                                refuse_if_in_use, refuse_to_overwrite)
 from ckptfs.region.ring import Ring, move_latest_back
 from ckptfs.region.slots import SlotReader, SlotVersion
 from ckptfs.region.table import ModelTable, validate_model_name  # noqa: F401 - part of this module's API
@@ -127,6 +127,8 @@ class Region(ModelTable, SlotReader):
                                     f"such as {os.path.join(path, 'ckptfs.region')}")
         if exists and not force:
             refuse_to_overwrite(path, special)
+        if exists:
+            refuse_if_in_use(path)
         if special:
             format_in_place(path, size_bytes)
             return cls(path)
