@@ -287,6 +287,9 @@ def test_mount_refuses_damaged_bytes_with_eio(pristine, tmp_path):
                 with pytest.raises(OSError) as err:
                     f.read()
             assert err.value.errno == errno.EIO, name
+        # the daemon's log names the damage, once (a reader sees only EIO)
+        said = [line for line in m.log().splitlines() if "WARNING" in line and "model.w" in line]
+        assert len(said) == 1, m.log()
         # the other versions read back exactly
         got = torch.load(m / "m/step-00000010/checkpoint.pt", weights_only=True)
         assert same(F.fault_state("m", 10), got) is None

@@ -64,16 +64,34 @@ def read_only(what: str) -> OSError:
 def fuse_errors(op: str) -> Iterator[None]:
     """Run a handler body; re-raise any exception as ``pyfuse3.FUSEError(errno_for(exc))``.
 
-    Expected errors (ckptfs errors, OSError) are logged at debug level; anything else is a bug
-    and is logged with its traceback.
+    Expected errors (ckptfs errors, OSError) are logged at debug level, but damage and I/O
+    errors (a reader gets EIO: the log must say which tensor, which device) at warning level,
+    each distinct one once; anything else is a bug and is logged with its traceback.
     """
     try:
         yield
     except pyfuse3.FUSEError:
         raise
     except (E.CkptfsError, OSError) as exc:
-        log.debug("%s: %s", op, exc)
+        if isinstance(exc, (E.CorruptionError, E.RegionIOError)) and _first_time(str(exc)):
+            log.warning("%s: %s", op, exc)
+        else:
+            log.debug("%s: %s", op, exc)
         raise pyfuse3.FUSEError(errno_for(exc)) from None
     except Exception as exc:  # noqa: BLE001 - a bug must not end the mount
         log.exception("%s failed unexpectedly", op)
         raise pyfuse3.FUSEError(errno_for(exc)) from None
+
+
+_said: set[str] = set()
+SAID_MAX = 1000  # distinct warnings remembered (a region full of damage must not grow the daemon)
+
+
+def _first_time(message: str) -> bool:
+    """Whether ``message`` is new to this mount's log (then remembered)."""
+    if message in _said:
+        return False
+    if len(_said) < SAID_MAX:
+        _said.add(message)
+    return True
+
