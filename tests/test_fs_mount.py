@@ -431,6 +431,17 @@ def test_errno_of_everything_else(toy):
     finally:
         os.close(fd)
     assert os.path.exists(f)
+    # ... by the process that has it open only: with an `ls` or an rsync walking the version
+    # elsewhere, `rm file` said nothing and exited 0, the file still there
+    walker = subprocess.Popen([sys.executable, "-c", "import os, sys; fd = os.open(sys.argv[1], os.O_RDONLY | "
+                               "os.O_DIRECTORY); os.listdir(fd); print('ready', flush=True); sys.stdin.read()",
+                               old_dir], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert walker.stdout.readline() == "ready\n"
+        r = subprocess.run(["rm", f], capture_output=True, text=True)
+        assert r.returncode != 0 and "Operation not permitted" in r.stderr and os.path.exists(f)
+    finally:
+        walker.communicate("", timeout=30)
     assert os.listdir(m) == ["latest"] + [vdir(s) for s in TOY_STEPS]
 
 

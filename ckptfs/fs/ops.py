@@ -53,7 +53,8 @@ class CkptfsOperations(pyfuse3.Operations):
         self.store = store
         self.tree = tree or Tree(store, views=views)
         self._files: dict[int, OpenFile] = {}
-        self._dirs: dict[int, tuple[int, list[tuple[bytes, Node]]]] = {}  # fh -> (inode, entries)
+        # fh -> (inode, entries, the pid that opened it)
+        self._dirs: dict[int, tuple[int, list[tuple[bytes, Node]], int]] = {}
         self._fh = itertools.count(1)
         self.initialized = False  # set once the kernel's INIT request has been answered
 
@@ -118,7 +119,7 @@ class CkptfsOperations(pyfuse3.Operations):
         with fuse_errors("opendir"):
             entries = [(os.fsencode(n), node) for n, node in await self._unheld(lambda: self.tree.children(inode))]
             fh = next(self._fh)
-            self._dirs[fh] = (inode, entries)
+            self._dirs[fh] = (inode, entries, ctx.pid)
             return fh
 
     async def readdir(self, fh, start_id, token):
@@ -189,10 +190,11 @@ class CkptfsOperations(pyfuse3.Operations):
         return any(h.version.info.model == model and h.version.info.step == step for h in self._files.values())
 
     async def unlink(self, parent_inode, name, ctx):
-        """Accepted as a no-op for files of a non-latest version while their directory is open,
-        as ``rm -r`` holds it (see ckptfs.fs.tree)."""
+        """Accepted as a no-op for files of a non-latest version while the process removing them
+        has their directory open, as ``rm -r`` does (see ckptfs.fs.tree): another process's
+        listing (an ``ls``, an rsync) made a lone ``rm FILE`` exit 0, the file still there."""
         with fuse_errors("unlink"):
-            walking = any(ino == parent_inode for ino, _ in self._dirs.values())
+            walking = any(ino == parent_inode and pid == ctx.pid for ino, _, pid in self._dirs.values())
             self.tree.check_unlink(parent_inode, os.fsdecode(name), walking=walking)
 
     # -------------------------------------------------------------- everything else is read-only
