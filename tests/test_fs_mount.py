@@ -377,6 +377,14 @@ def test_a_version_held_by_its_commit_stalls_no_other_request(toy, store):
         waiting.join()
 
 
+def test_df_shows_the_regions_space_and_no_inode_limit(toy, store):
+    st = os.statvfs(toy.path)
+    assert st.f_blocks * st.f_frsize == store.region.superblock.region_bytes // 4096 * 4096
+    assert (st.f_files, st.f_ffree) == (0, 0)  # inodes used with none free alarmed every host's monitoring
+    out = subprocess.run(["df", "-i", toy.path], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[1].split()[4] == "-", out
+
+
 def test_errno_of_everything_else(toy):
     m = toy / TOY_MODEL
     latest_dir = os.path.join(m, vdir(TOY_STEPS[-1]))

@@ -565,6 +565,3 @@ class Tree:
     def removed(self) -> None:
         """Call after ``store.remove`` succeeded: the next lookup sees the new listing."""
         self.refresh(force=True)
-
-    def inode_count(self) -> int:
-        return len(self._by_ino)
