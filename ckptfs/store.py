@@ -214,8 +214,11 @@ class Store:
         entry = self._entry(model, missing_ok)
         if entry is None:
             return []
-        latest = self.region.latest(entry)
         committed = self.region.committed(entry)  # in counter order
+        latest = self.region.latest(entry, committed)  # from the same read of the headers
+        if latest is not None and not any(v.slot == latest.slot and v.header.counter == latest.header.counter
+                                          for v in committed):
+            committed = self.region.committed(entry)  # published since: the listing holds its latest
         if hidden:
             return sorted(self._info(v, latest) for v in committed)
         by_step: dict[int, SlotVersion] = {}
@@ -264,13 +267,14 @@ class Store:
         twice the newer, or the one whose counter is ``counter`` (with ``step`` None: the save
         ``counter`` whatever its step, a part or version named by its counter alone)."""
         entry = self.region.get(model)
-        latest = self.region.latest(entry)
         if step is None and counter is None:
+            latest = self.region.latest(entry)
             if latest is None:
                 raise no_version_yet(model)
             return latest, True
-        matches = [v for v in self.region.committed(entry)
-                   if step in (None, v.header.step) and counter in (None, v.header.counter)]
+        committed = self.region.committed(entry)  # one read of the headers for both (hundreds of kept versions)
+        latest = self.region.latest(entry, committed)
+        matches = [v for v in committed if step in (None, v.header.step) and counter in (None, v.header.counter)]
         if not matches and step is None:
             raise _save_gone(model, counter)
         if not matches and any(m is not None and m.step == step for _, _, m in self.region.unreadable_slots(entry)):

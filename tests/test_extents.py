@@ -368,6 +368,22 @@ def test_status_free_bytes_is_what_slots_can_take(store):
             store.region.find_gap(free + block)
 
 
+def test_an_open_of_a_model_with_many_kept_versions_reads_each_header_once(store, monkeypatch):
+    """Each open of a version (each file opened in the mount) read every slot header two or
+    three times: 14 ms an open at 600 kept versions, 115 ms at 2000."""
+    with store.writer("m", keep_every=1) as w:
+        for step in range(60):
+            w.save(state(step, n=10), step).result()
+    nslots = store.region.get("m").nslots
+    reads = []
+    read_bytes = store.region.backend.read_bytes
+    monkeypatch.setattr(store.region.backend, "read_bytes", lambda *a: reads.append(a) or read_bytes(*a))
+    for how in (lambda: store.open_version("m", 7).close(), lambda: store.versions("m")):
+        reads.clear()
+        how()
+        assert nslots <= len(reads) <= nslots + 4, (len(reads), nslots)
+
+
 def test_extents_that_continue_one_another_are_one():
     from ckptfs.region.format import Extent, ModelEntry
 

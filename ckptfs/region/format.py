@@ -329,7 +329,12 @@ class SlotHeader:
     @classmethod
     def unpack_copies(cls, raw: bytes) -> "list[SlotHeader | None]":
         """Each copy of a header page (None where a copy is not a valid header)."""
-        return [cls.unpack(raw[off:off + cls._FMT.size]) for off in HEADER_COPY_OFFSETS]
+        return [cls.unpack(copy) for copy in cls.copy_bytes(raw)]
+
+    @classmethod
+    def copy_bytes(cls, raw: bytes) -> tuple[bytes, ...]:
+        """The bytes of each copy of a header page (what ``unpack`` reads)."""
+        return tuple(raw[off:off + cls._FMT.size] for off in HEADER_COPY_OFFSETS)
 
     @classmethod
     def unpack(cls, raw: bytes) -> "SlotHeader | None":

@@ -3,8 +3,10 @@ damage diagnostics, and indexes. A part of ``Region`` (``ckptfs.region.region``)
 of a slot's life is ``ckptfs.region.ring``."""
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ckptfs.checksum import crc32
 from ckptfs.errors import CorruptionError, MalformedInputError, warn_once
@@ -50,12 +52,8 @@ class SlotReader:
         committed one wins: a committed header is only ever written after its version is durable,
         and a slot's data is only overwritten after both copies say WRITING durably, so a copy
         that is committed vouches for a complete version even when the other was torn."""
-        copies = [SlotReader._valid_copy(entry, slot, h) for h in SlotHeader.unpack_copies(raw)]
-        valid = [h for h in copies if h is not None]
-        if not valid:
-            return None, any(raw)
-        best = next((h for h in valid if h.state == SLOT_COMMITTED), valid[0])
-        return best, copies[0] != copies[1]
+        best, differ = _parsed(entry.index, slot, entry.slot_size(slot), SlotHeader.copy_bytes(raw))
+        return best, differ if best is not None else raw.count(0) != len(raw)
 
     @staticmethod
     def _valid_copy(entry: ModelEntry, slot: int, header: SlotHeader | None) -> SlotHeader | None:
@@ -95,17 +93,18 @@ class SlotReader:
                 out.append(SlotVersion(entry, slot, header))
         return sorted(out, key=lambda v: v.header.counter)
 
-    def latest(self, entry: ModelEntry) -> SlotVersion | None:
+    def latest(self, entry: ModelEntry, committed: list[SlotVersion] | None = None) -> SlotVersion | None:
         """The version the latest pointer names, or a newer one: the newest committed version
         whose index verifies, when its counter is above the pointer's (a commit cut between its
         header and its publish; the next writer of the model publishes it, ``Ring``). So latest
-        is always the newest version listed, and reading never writes.
+        is always the newest version listed, and reading never writes. ``committed``: the
+        model's committed versions as ``committed`` just read them (not read again).
 
         If the pointer names a slot that does not hold that version, or one whose index fails its
         checksum (a damaged region), falls back to the newest committed version whose index
         verifies, with a warning. (Tensor bytes are checked by ``load``, which falls back too.)
         """
-        version, problem = self._resolve_latest(entry)
+        version, problem = self._resolve_latest(entry, committed)
         if problem is None:
             return version
         for version in reversed(self.committed(entry)):
@@ -120,7 +119,8 @@ class SlotReader:
         """None if the latest pointer is empty or names an intact version, else what is wrong."""
         return self._resolve_latest(entry)[1]
 
-    def _resolve_latest(self, entry: ModelEntry) -> tuple[SlotVersion | None, str | None]:
+    def _resolve_latest(self, entry: ModelEntry, committed: list[SlotVersion] | None = None
+                        ) -> tuple[SlotVersion | None, str | None]:
         for _ in range(100):
             word = self.latest_word(entry)
             target = unpack_latest(word)
@@ -128,14 +128,14 @@ class SlotReader:
                 # Nothing published yet. A committed version can still be there: its save's commit
                 # was cut before the pointer reached the media (never reported durable, but
                 # complete), or the pointer word itself was zeroed. Take the newest intact one.
-                return self.newest_intact(entry, above_counter=0), None
+                return self.newest_intact(entry, above_counter=0, committed=committed), None
             counter, slot = target
             header = self.read_header(entry, slot)
             version = None
             if header is not None and header.state == SLOT_COMMITTED and header.counter == counter:
                 version = SlotVersion(entry, slot, header)
                 if self.index_ok(version):
-                    return self.newest_intact(entry, above_counter=counter) or version, None
+                    return self.newest_intact(entry, above_counter=counter, committed=committed) or version, None
             if self.latest_word(entry) == word:
                 break
             # The pointer moved on while we looked (a newer save published and the old slot is
@@ -144,13 +144,13 @@ class SlotReader:
             return None, f"the latest pointer names slot {slot} counter {counter}, which does not hold it"
         return None, f"the index of the latest version (step {version.header.step}, slot {slot}) fails its checksum"
 
-    def newest_intact(self, entry: ModelEntry, above_counter: int, *, below: SlotVersion | None = None
-                      ) -> SlotVersion | None:
+    def newest_intact(self, entry: ModelEntry, above_counter: int, *, below: SlotVersion | None = None,
+                      committed: list[SlotVersion] | None = None) -> SlotVersion | None:
         """The committed version with the highest counter above ``above_counter`` whose index
         verifies, or None: the one rule of which complete version is newer than the pointer.
         ``below``: only versions older than it, of another step (the latest once ``below``, the
-        latest, is removed: ``ring.move_latest_back``)."""
-        for version in reversed(self.committed(entry)):
+        latest, is removed: ``ring.move_latest_back``). ``committed``: as ``latest``'s."""
+        for version in reversed(self.committed(entry) if committed is None else committed):
             if version.header.counter <= above_counter:
                 return None
             if below is not None and (version.header.counter >= below.header.counter
@@ -231,4 +231,28 @@ class SlotReader:
         if offset < 0 or offset + len(buf) > size:
             raise ValueError(f"write of {len(buf)} bytes at {offset} overflows slot of {size}")
         self.backend.write(entry.slot_offset(slot) + offset, buf)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _parsed(model_index: int, slot: int, slot_bytes: int, copies: tuple[bytes, ...]) -> tuple[SlotHeader | None, bool]:
+    """(the valid header of ``copies``, the committed one first; whether they disagree) for a
+    slot of ``slot_bytes``: a header page read again unchanged is not parsed again (listing a
+    model of hundreds of kept versions read each of their headers at every open)."""
+    entry = _SlotOf(model_index, slot_bytes)
+    valid_copies = [SlotReader._valid_copy(entry, slot, SlotHeader.unpack(c)) for c in copies]
+    valid = [h for h in valid_copies if h is not None]
+    if not valid:
+        return None, False
+    best = next((h for h in valid if h.state == SLOT_COMMITTED), valid[0])
+    return best, valid_copies[0] != valid_copies[1]
+
+
+class _SlotOf(NamedTuple):
+    """What ``SlotReader._valid_copy`` asks of a model entry, for one slot."""
+
+    index: int
+    bytes_: int
+
+    def slot_size(self, slot: int) -> int:
+        return self.bytes_
 
