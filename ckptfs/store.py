@@ -331,7 +331,7 @@ class Store:
             raise no_step(model, step) if step is not None else _save_gone(model, counter)
 
     def load(self, model: str, step: int | None = None, map_location="cpu", verify: bool = True, into=None,
-             group=None, peers=()):
+             group=None, peers=(), timeout_s: float = 300.0):
         """The saved object of a version (``step`` None: latest), tensors on ``map_location``.
 
         ``into``: the state to resume, of the saved object's structure (e.g. ``{"model":
@@ -348,12 +348,13 @@ class Store:
         ``group``: the job's process group: a load of many ranks (every rank calls it, with its
         own state dict of any sharding and world size as ``into``, loaded in place through DCP's
         resharding) of the newest step every node records; ``peers``: other nodes' stores whose
-        parts this rank may read (ckptfs.dist.writer.load).
+        parts this rank may read (ckptfs.dist.writer.load); ``timeout_s``: how long the ranks
+        wait for one another (a rank that never comes to the load is named after it).
         """
         if group is not None:
             from ckptfs.dist.writer import load
 
-            return load(self, model, into, group=group, step=step, peers=peers)
+            return load(self, model, into, group=group, step=step, peers=peers, timeout_s=timeout_s)
         try:
             return self._load_opened(self.open_version(model, step), map_location, verify, into)
         except (CorruptionError, PartGoneError) as damaged:  # damaged, or a part of it is

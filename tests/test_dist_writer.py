@@ -600,6 +600,39 @@ def test_a_load_that_fails_on_one_rank_fails_on_every_rank(tmp_path):
     run_ranks(_load_damaged, 2, region)
 
 
+def _first_start_and_a_rank_that_cannot_list(rank, world, region):
+    """A job's first start: every rank's load says NotFoundError (it was DCP's AssertionError,
+    'metadata is None; ...', which a resume-or-start loop could not tell from a failure). Then
+    one rank whose listing of the region fails: every rank fails at once (DCP called that rank's
+    read_metadata again, whose collectives met the others' next ones: 300 s, then a bare gloo
+    timeout naming no one)."""
+    store = ckptfs.Store(region)
+    state = {"w": torch.zeros(4)}
+    with pytest.raises(ckptfs.errors.NotFoundError, match="'m' has no committed version yet"):
+        store.load("m", group=dist.group.WORLD, into=state, timeout_s=20)
+    # (dcp.load says it in its own CheckpointException, as of any storage)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(CheckpointException, match="'m' has no committed version yet"):
+        dcp.load(state, storage_reader=ckptfs.dcp.StorageReader(store, "m", timeout_s=20))
+    with store.writer("m", group=dist.group.WORLD) as w:
+        w.save({"w": torch.ones(4)}, step=1).result()
+    if rank == 1:
+        store.versions = lambda *a, **k: (_ for _ in ()).throw(OSError(5, "Input/output error"))
+    started = time.monotonic()
+    with pytest.raises((OSError, CkptfsError), match="Input/output error"):
+        store.load("m", group=dist.group.WORLD, into=state, timeout_s=20)
+    assert time.monotonic() - started < 10
+    store.__dict__.pop("versions", None)
+    store.load("m", group=dist.group.WORLD, into=state, timeout_s=20)  # the ranks still meet in step
+    assert torch.equal(state["w"], torch.ones(4))
+    store.close()
+
+
+def test_a_first_start_and_a_rank_that_cannot_list_fail_at_once_on_every_rank(tmp_path):
+    run_ranks(_first_start_and_a_rank_that_cannot_list, 2, _new_region(tmp_path))
+
+
 def _two_nodes_reuse_a_plan(rank, world, regions):
     """4 ranks on 2 simulated nodes save steps 1-3 through one writer (the plan made at step 1,
     reused by 2 and 3: each node's leader splices the counters into the metadata it kept), then

@@ -47,6 +47,7 @@ class StorageReader(_DCPReader):
         self.timeout_s = timeout_s
         self.regions = {s.region.superblock.uuid.hex(): s for s in (store, *peers)}
         self.metadata: Metadata | None = None
+        self.metadata_error: BaseException | None = None  # what stopped read_metadata (see there)
         self._ahead: _LoadAhead | None = None  # see prepare_local_plan
         self._gc_hold = GCHold()  # see checkpoint_id
 
@@ -72,22 +73,38 @@ class StorageReader(_DCPReader):
         return f"ckptfs:{self.model}@{'newest' if self.step is None else self.step}"
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        # every rank runs this (DCP's local step of a load): the ranks agree on the step here
+        # Every rank runs this (DCP's local step of a load): the ranks agree on the step here, in
+        # collectives. A rank whose first call failed is called again by DCP (``rank=``: a
+        # rank-local metadata it falls back to); that call raises the same error at once, as its
+        # collectives would have met the other ranks' next ones and waited timeout_s for nothing.
+        if self.metadata_error is not None:
+            raise self.metadata_error
         try:
             with paused_gc():  # the metadata's thousands of objects: see ckptfs.gcpause
                 return self._read_metadata()
-        except BaseException:
+        except BaseException as e:
+            self.metadata_error = e
             self._gc_hold.release()  # no load follows (none to read yet, another job's region)
             raise
 
     def _read_metadata(self) -> Metadata:
         # the group first: made collectively, it must not wait for a rank that failed before it
         group = self.group if self.group is not None else coordination(self.timeout_s, self.model, "load")
-        steps = {v.step for v in self.store.versions(self.model, missing_ok=True)}
+        failure = None
+        try:
+            steps = {v.step for v in self.store.versions(self.model, missing_ok=True)}
+        except Exception as e:  # noqa: BLE001 - said to the other ranks, which would wait for this one
+            steps, failure = set(), e
         if self.step is not None:
             steps &= {self.step}
-        agreed = set.intersection(*[set(s) for s in exchange(sorted(steps), group,
-                                                              f"the agreement on a step of {self.model!r} to load")])
+        everyone = exchange((sorted(steps), None if failure is None else f"{type(failure).__name__}: {failure}"),
+                            group, f"the agreement on a step of {self.model!r} to load")
+        if failure is not None:
+            raise failure
+        failed = [why for _, why in everyone if why is not None]
+        if failed:
+            raise CkptfsError(f"the load of {self.model!r} failed on another rank, listing its steps ({failed[0]})")
+        agreed = set.intersection(*[set(s) for s, _ in everyone])
         if not agreed:
             if self.step is not None:
                 raise NotFoundError(f"step {self.step} of {self.model!r} is not a version that every node records; "
@@ -99,9 +116,9 @@ class StorageReader(_DCPReader):
         self.metadata = metadata
         return metadata
 
-    def _read_step(self, step: int) -> tuple[Metadata | None, bytes, CkptfsError | None]:
+    def _read_step(self, step: int) -> tuple[Metadata | None, bytes, Exception | None]:
         """(the DCP Metadata of ``step``, the bytes the nodes compare, None), or (None, b"", the
-        CkptfsError that stopped this rank: said to the others, which would wait for it)."""
+        error that stopped this rank: said to the others, which would wait for it)."""
         try:
             with self.store.open_version(self.model, step) as v:
                 if is_global_version(v.manifest):
@@ -109,10 +126,10 @@ class StorageReader(_DCPReader):
                     return decode_metadata(text), text.encode(), None
                 # saved by one process: its metadata made from its index (ckptfs.dist.single)
                 return one_process_metadata(v, self.store.region.superblock.uuid.hex()), v.manifest.encode(), None
-        except CkptfsError as e:
+        except Exception as e:  # noqa: BLE001 - said to the other ranks, which would wait for this one
             return None, b"", e
 
-    def _compare_nodes(self, step: int, record: bytes, failure: CkptfsError | None, group) -> None:
+    def _compare_nodes(self, step: int, record: bytes, failure: Exception | None, group) -> None:
         """Every rank's outcome of ``_read_step``: this rank's failure, another's, or nodes whose
         regions hold different checkpoints as ``step`` (a node whose region holds the model of
         another job at the same step would load a mixture) raise, on every rank."""

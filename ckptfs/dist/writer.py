@@ -372,6 +372,8 @@ def load(store, model: str, into: dict, *, group=None, step: int | None = None, 
     except CheckpointException as e:  # DCP's wrapping of every failed rank's error: say it as ckptfs's
         failures = {rank: error for rank, (error, _) in e.failures.items()}
         rank = this_rank()
+        if reader.metadata_error is not None:  # ours, not DCP's AssertionError that words it again
+            raise reader.metadata_error from None
         if rank in failures:
             raise failures[rank] from None
         other, error = min(failures.items())
