@@ -6,6 +6,7 @@ import itertools
 import json
 import math
 import os
+import subprocess
 import threading
 import time
 
@@ -22,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
 import ckptfs
 from ckptfs.errors import MalformedInputError
 from ckptfs.testing.ranks import run_ranks, sharded, toy_model, train_steps
-from conftest_mount import mounted, requires_fuse
+from conftest_mount import CLI, mounted, requires_fuse
 from test_views import assert_same
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -277,7 +278,15 @@ def test_two_nodes_each_record_the_global_version_and_load_across_them(tmp_path)
     with mounted(regions[0], str(tmp_path / "mnt")) as m:
         files = sorted(os.listdir(m / "fsdp/latest"))
         parts = json.load(open(m / "fsdp/latest/dcp-parts.json"))
-    assert "state.safetensors" not in files and "model.safetensors" not in files
+    # no file of whole tensors at all (checkpoint.pt was an empty dict); what says where the parts are
+    assert {"checkpoint.pt", "state.safetensors", "model.safetensors", "hf"}.isdisjoint(files)
+    assert {"metadata.json", "dcp-parts.json"} <= set(files)
+    info = subprocess.run(CLI + ["info", "--region", regions[0], "fsdp"], capture_output=True, text=True)
+    assert info.returncode == 0 and "whole    not shown here: the parts of rank(s) 2, 3" in info.stdout, info.stdout
+    export = subprocess.run(CLI + ["export", "--region", regions[0], "fsdp", str(tmp_path / "x.pt")],
+                            capture_output=True, text=True)
+    assert export.returncode == 1 and "has no checkpoint.pt here (the parts of rank(s) 2, 3" in export.stderr
+    assert not os.path.exists(tmp_path / "x.pt")
     assert [(p["rank"], p["in_this_region"]) for p in parts["ranks"]] == [(0, True), (1, True), (2, False), (3, False)]
     assert "rank(s) 2, 3 are in another node's region" in parts["whole_tensors"]
     # a rank that cannot reach the other node's region says which part it misses

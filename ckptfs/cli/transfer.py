@@ -35,7 +35,7 @@ def export(region, step, file_name, key, force, model, output):
     Every tensor is checked as it streams: a damaged version fails with the tensor's name and
     leaves no file behind (on standard output, the stream stops short). Existing files are
     replaced only with --force."""
-    from ckptfs.dist.whole import as_whole, version_files
+    from ckptfs.dist.whole import as_whole, version_files, whole_absent
     from ckptfs.views import files_for
 
     if key is not None:
@@ -55,7 +55,10 @@ def export(region, step, file_name, key, force, model, output):
         with v:
             views = version_files(v, files_for)
             if file_name is not None and file_name not in views:
-                raise CkptfsError(f"{model} step {v.info.step} has no {file_name}; it has: {', '.join(views)}")
+                why = whole_absent(v)
+                raise CkptfsError(f"{model} step {v.info.step} has no {file_name}" + (
+                    f" here ({why}: export it on a node that holds them all, or load it at the ranks)" if why
+                    else f"; it has: {', '.join(views)}"))
             names = [file_name] if file_name is not None else list(views)
             targets = {n: os.path.join(output, n) if to_dir else output for n in names}
             if not force:

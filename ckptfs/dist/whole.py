@@ -339,11 +339,27 @@ def _skeleton(paths: list[tuple[tuple, dict]]) -> dict:
 
 def version_files(version, files_for) -> dict:
     """{path: View} of a pinned version as the mount shows it: ``files_for(version.manifest)``,
-    and for a multi-rank version each rank's own files under ``parts/rank-NNNNN/``."""
+    and for a multi-rank version each rank's own files under ``parts/rank-NNNNN/``. Where some
+    of its parts are in another node's region (``whole_absent``) no file of whole tensors is
+    shown (checkpoint.pt was an empty dict), only metadata.json and the files saved with it."""
     files = dict(files_for(version.manifest))
+    if whole_absent(version):
+        from ckptfs.views.metadata import METADATA_FILE
+
+        saved = {name for name, _ in version.manifest.files}
+        files = {path: view for path, view in files.items() if path == METADATA_FILE or path in saved}
     for directory, manifest in getattr(version, "sub_manifests", ()):
         files.update((directory + path, view) for path, view in files_for(manifest).items())
     return files
+
+
+def whole_absent(version) -> str | None:
+    """Why the whole tensors of ``version`` (as ``as_whole`` gives it) cannot be read here, or
+    None: the parts of some ranks are in another node's region."""
+    remote = getattr(getattr(version, "layout", None), "remote", ())
+    if not remote:
+        return None
+    return f"the parts of rank(s) {', '.join(map(str, remote))} are in another node's region"
 
 
 def as_whole(store, version, layout: WholeLayout | bool | None = None):
@@ -427,11 +443,11 @@ class WholeVersion:
         """The whole state, as ``Version.load`` gives a single process's (``Store.load``): whole
         tensors and the plain values the parts stored. Every read is checked, ``verify`` or not
         (each part's checked read path). NotFoundError if some parts are in another node's region."""
-        if self.layout.remote:
+        absent = whole_absent(self)
+        if absent:
             m = self.manifest
             raise NotFoundError(
-                f"{m.model} step {m.step}: the parts of rank(s) {', '.join(map(str, self.layout.remote))} are in "
-                "another node's region; load it at the ranks (group=, peers=[their nodes' stores]) or "
+                f"{m.model} step {m.step}: {absent}; load it at the ranks (group=, peers=[their nodes' stores]) or "
                 "through ckptfs.dcp.StorageReader(store, model, peers=...)")
         if self.layout.not_shown:
             import warnings
