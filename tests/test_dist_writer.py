@@ -633,6 +633,35 @@ def test_a_first_start_and_a_rank_that_cannot_list_fail_at_once_on_every_rank(tm
     run_ranks(_first_start_and_a_rank_that_cannot_list, 2, _new_region(tmp_path))
 
 
+def _nodes_on_copies_of_one_region(rank, world, regions):
+    """Two nodes whose regions are copies of one (a template image, a cloned disk: one uuid).
+    They counted as one node: one leader recorded each step, naming the other node's part in its
+    own region; every save was reported committed, and no load found anything."""
+    store = ckptfs.Store(regions[rank])
+    for how in ("writer", "dcp"):
+        with pytest.raises(CkptfsError, match=r"the regions of ranks 0 and 1 are copies of one region"):
+            if how == "writer":
+                with store.writer("m", group=dist.group.WORLD, timeout_s=30) as w:
+                    w.save({"w": torch.full((4,), float(rank))}, step=1).result()
+            else:
+                try:
+                    dcp.save({"w": torch.full((4,), float(rank))},
+                             storage_writer=ckptfs.dcp.StorageWriter(store, "d", step=1, timeout_s=30))
+                except BaseException as e:  # DCP's CheckpointException: the ranks' errors inside
+                    raise CkptfsError(str(e)) from None
+    assert store.versions("m", missing_ok=True) == [] and store.versions("d", missing_ok=True) == []
+    store.close()
+
+
+def test_nodes_on_copies_of_one_region_commit_nothing_and_say_so(tmp_path):
+    import shutil
+
+    regions = [str(tmp_path / "a.region"), str(tmp_path / "b.region")]
+    ckptfs.Store.create(regions[0], size_bytes=64 << 20).close()
+    shutil.copyfile(regions[0], regions[1])
+    run_ranks(_nodes_on_copies_of_one_region, 2, regions)
+
+
 def _two_nodes_reuse_a_plan(rank, world, regions):
     """4 ranks on 2 simulated nodes save steps 1-3 through one writer (the plan made at step 1,
     reused by 2 and 3: each node's leader splices the counters into the metadata it kept), then

@@ -25,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import socket
 import threading
 import time
 
@@ -48,6 +49,33 @@ __all__ = ["StorageWriter"]
 log = logging.getLogger("ckptfs")
 _writers: dict[tuple[str, str], object] = {}  # (region, model) -> its Writer, kept across steps (_kept_writer)
 _writers_lock = threading.Lock()
+
+
+def region_identity(store) -> str:
+    """The machine (its boot id) and the file (device and inode) of ``store``'s region: the same
+    for every rank that opens it, whatever the path, and different for a copy of it."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            machine = f.read().strip()
+    except OSError:
+        machine = socket.gethostname()
+    st = store.region.backend.stat()
+    return f"{machine}:{st.st_dev}:{st.st_ino}:{st.st_rdev}"
+
+
+def check_distinct_regions(everyone: list[dict]) -> None:
+    """CkptfsError (on every rank alike) where two ranks' regions are copies of one region (the
+    same uuid, another file or machine: a template image, a cloned disk). They count as one node,
+    so only one of them recorded each step, whose other parts it named in its own region: every
+    save was reported committed and nothing could be loaded."""
+    seen: dict[str, dict] = {}
+    for p in everyone:
+        first = seen.setdefault(p["region"], p)
+        if first["where"] != p["where"]:
+            raise CkptfsError(f"the regions of ranks {first['rank']} and {p['rank']} are copies of one region (the "
+                              f"same uuid {p['region'][:8]}..., other files): give each node a region of its own "
+                              "(`ckptfs mkfs --force` on the copy gives it a uuid of its own, erasing it); nothing was "
+                              "committed")
 
 
 class StorageWriter(_DCPWriter):
@@ -214,13 +242,15 @@ class StorageWriter(_DCPWriter):
         region = self.store.region.superblock.uuid.hex()
         places = self.plan_places
         mine = {"rank": self.rank, "region": region, "ok": ok, "error": error, "counter": counter,
-                "model": self.model, "step": self.step, "items": None, "metadata": None}
+                "model": self.model, "step": self.step, "items": None, "metadata": None,
+                "where": region_identity(self.store)}
         if not places:
             mine.update(items=[encode_index(item.index) for item in items],
                         metadata=metadata if metadata is None or isinstance(metadata, str) else encode_metadata(metadata))
         everyone = exchange(mine, self._group, f"the exchange of parts of {self.model!r} step {self.step}",
                              Arrival(self._group, f"{self.model}/parts"))
         check_agreement(everyone)
+        check_distinct_regions(everyone)
         failed = [p["error"] for p in everyone if not p["ok"]]
         if failed:
             raise CkptfsError(f"step {self.step} of {self.model!r} was not committed: " + "; ".join(failed))

@@ -201,6 +201,11 @@ class Backend:
         says), so that writes through the mapping there cannot meet a full filesystem (a
         SIGBUS, reported as a media error); nothing for a device."""
 
+    def stat(self) -> os.stat_result:
+        """The region file's (or device's) stat, through the descriptor it was opened by (a
+        renamed or removed region is still the same file)."""
+        return os.fstat(self._fd)
+
     def check_present(self, *, for_write: bool) -> None:
         """RegionIOError if the region file was truncated under this process (its mapping would
         kill the process with SIGBUS where it reaches past the end), or, ``for_write``, removed
