@@ -662,6 +662,37 @@ def test_nodes_on_copies_of_one_region_commit_nothing_and_say_so(tmp_path):
     run_ranks(_nodes_on_copies_of_one_region, 2, regions)
 
 
+def _save_steps(rank, world, regions, steps):
+    store = ckptfs.Store(regions[rank])
+    with store.writer("m", group=dist.group.WORLD, timeout_s=30) as w:
+        for step in steps:
+            w.save({"w": torch.full((4,), float(step))}, step=step).result()
+    store.close()
+
+
+def _resume_behind_one_node(rank, world, regions):
+    store = ckptfs.Store(regions[rank])
+    with store.writer("m", group=dist.group.WORLD, timeout_s=30) as w:
+        with pytest.raises(CkptfsError, match=r"step 3 of 'm' was not committed on any node: 'm' in region .*a.region "
+                                              r"is already at step 5"):
+            w.save({"w": torch.full((4,), 3.0)}, step=3).result()
+    store.close()
+
+
+def test_a_step_one_nodes_leader_refuses_is_recorded_by_none(tmp_path):
+    """Node A's region is at step 5 (a run without node B got further), node B's at step 2: the
+    job resumed at 2 saves step 3. A's leader refused it, B's recorded it, and from then on the
+    nodes' regions held different steps and every load failed. Now no leader records it."""
+    regions = [str(tmp_path / "a.region"), str(tmp_path / "b.region")]
+    for r in regions:
+        ckptfs.Store.create(r, size_bytes=64 << 20).close()
+    run_ranks(_save_steps, 2, regions, [1, 2])
+    run_ranks(_save_steps, 1, regions[:1], [5])
+    run_ranks(_resume_behind_one_node, 2, regions)
+    with ckptfs.Store(regions[1]) as b:
+        assert [v.step for v in b.versions("m")] == [1, 2]
+
+
 def _two_nodes_reuse_a_plan(rank, world, regions):
     """4 ranks on 2 simulated nodes save steps 1-3 through one writer (the plan made at step 1,
     reused by 2 and 3: each node's leader splices the counters into the metadata it kept), then

@@ -243,7 +243,8 @@ class StorageWriter(_DCPWriter):
         places = self.plan_places
         mine = {"rank": self.rank, "region": region, "ok": ok, "error": error, "counter": counter,
                 "model": self.model, "step": self.step, "items": None, "metadata": None,
-                "where": region_identity(self.store)}
+                "where": region_identity(self.store),
+                "refuse": refuse_to_record(self.store, self.model, self.step, self.started_ns)}
         if not places:
             mine.update(items=[encode_index(item.index) for item in items],
                         metadata=metadata if metadata is None or isinstance(metadata, str) else encode_metadata(metadata))
@@ -256,6 +257,9 @@ class StorageWriter(_DCPWriter):
             raise CkptfsError(f"step {self.step} of {self.model!r} was not committed: " + "; ".join(failed))
         leaders = {p["region"]: p["rank"] for p in sorted(everyone, key=lambda p: -p["rank"])}
         leader = leaders[region] == self.rank
+        refused = [p["refuse"] for p in everyone if p["refuse"] and leaders[p["region"]] == p["rank"]]
+        if refused:  # the leaders' own verdicts (the steps each recorded are its process's to know)
+            raise CkptfsError(f"step {self.step} of {self.model!r} was not committed on any node: {refused[0]}")
         recorded, why = True, None
         if leader:
             try:
@@ -319,20 +323,34 @@ def _record_here(store, model: str, step: int, record: str, started_ns: int, kee
     become latest, and this job's saves would all vanish: CkptfsError, saying what to do. A step saved again (a job resumed at the step it saves next) is recorded again:
     the new version names the new parts, which hide the earlier save's in the part models (an
     earlier version not recorded again would name parts that no listing finds)."""
+    refusal = refuse_to_record(store, model, step, started_ns)
+    if refusal is not None:
+        raise CkptfsError(refusal)
     latest = store.latest(model, missing_ok=True)
-    key = (store.region.superblock.uuid.hex(), model)
-    if (latest is not None and latest.step > step and latest.step not in _recorded.get(key, ())
-            and latest.time_ns < started_ns):
-        raise CkptfsError(
-            f"{model!r} in region {store.path} is already at step {latest.step} (another job's, or an earlier run "
-            f"that got further), so step {step} would never become its latest: save under another model name, "
-            f"or remove the versions after the step you resumed from, in every node's region (`ckptfs rm "
-            f"--allow-latest {model} STEP...`)")
     if latest is not None and latest.step > step:
         return
     w = _kept_writer(store, model, 1)
     w.save({"dcp": {"step": step}}, step=step, extra={**(extra or {}), METADATA_FILE: record}, keep=keep).result()
-    _recorded.setdefault(key, set()).add(step)
+    _recorded.setdefault(_recorded_key(store, model), set()).add(step)
+
+
+def refuse_to_record(store, model: str, step: int, started_ns: int) -> str | None:
+    """Why the node of ``store`` would not record ``step`` of ``model`` (``_record_here``), or
+    None. Every leader says it in the exchange of parts, before any of them records: one that
+    refused while another recorded left the nodes' regions holding different steps, and every
+    later load failed."""
+    latest = store.latest(model, missing_ok=True)
+    if (latest is not None and latest.step > step and latest.step not in _recorded.get(_recorded_key(store, model), ())
+            and latest.time_ns < started_ns):
+        return (f"{model!r} in region {store.path} is already at step {latest.step} (another job's, or an earlier "
+                f"run that got further), so step {step} would never become its latest: save under another model "
+                f"name, or remove the versions after the step you resumed from, in every node's region (`ckptfs rm "
+                f"--allow-latest {model} STEP...`)")
+    return None
+
+
+def _recorded_key(store, model: str) -> tuple[str, str]:
+    return store.region.superblock.uuid.hex(), model
 
 
 def write_results(items: list, tensors: list, rank: int, counter: int | None) -> list[WriteResult]:
