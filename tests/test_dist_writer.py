@@ -693,6 +693,65 @@ def test_a_step_one_nodes_leader_refuses_is_recorded_by_none(tmp_path):
         assert [v.step for v in b.versions("m")] == [1, 2]
 
 
+def _load_after_a_run_without_one_node(rank, world, regions, older):
+    store, peer = ckptfs.Store(regions[rank]), ckptfs.Store(regions[1 - rank])
+    state = {"w": torch.zeros(4)}
+    said = (r"step 4 of 'm', the newest, is recorded in the region of rank\(s\) 0 only, and was saved without the "
+            r"region of rank\(s\) 1 .*" + (r"or load step=2, the newest every node records" if older
+                                             else r"no step is recorded by every node"))
+    with pytest.raises(CkptfsError, match=said):
+        store.load("m", group=dist.group.WORLD, into=state, peers=[peer], timeout_s=30)
+    if older:
+        store.load("m", group=dist.group.WORLD, into=state, step=2, peers=[peer], timeout_s=30)
+        assert torch.equal(state["w"], torch.full((4,), 2.0))
+    store.close()
+    peer.close()
+
+
+def test_a_load_does_not_silently_fall_back_behind_a_run_without_one_node(tmp_path):
+    """Two nodes saved steps 1 and 2; a run on node A alone went on to steps 3 and 4. The job
+    back on both nodes loaded step 2 without a word, and its next save told it to remove steps
+    3 and 4, the newest good checkpoints; with node B's region replaced (a fresh machine) the
+    load said 'no committed version yet', and a resume-or-start job began again from step 0."""
+    regions = [str(tmp_path / "a.region"), str(tmp_path / "b.region")]
+    for r in regions:
+        ckptfs.Store.create(r, size_bytes=64 << 20).close()
+    run_ranks(_save_steps, 2, regions, [1, 2])
+    run_ranks(_save_steps, 1, regions[:1], [3, 4])
+    run_ranks(_load_after_a_run_without_one_node, 2, regions, True)
+    ckptfs.Store.create(regions[1], size_bytes=64 << 20, force=True).close()  # node B's region replaced
+    run_ranks(_load_after_a_run_without_one_node, 2, regions, False)
+
+
+def _one_leader_fails_to_record(rank, world, regions):
+    """Node A's leader records step 3, node B's fails to (a commit cut between the leaders'
+    records); then the load takes step 2, the newest both record, without an error: step 3's
+    metadata names B's region, which lacks it."""
+    import ckptfs.dist.storage as storage
+
+    store, peer = ckptfs.Store(regions[rank]), ckptfs.Store(regions[1 - rank])
+    if rank == 1:
+        storage._record_here = lambda *a, **k: (_ for _ in ()).throw(OSError(5, "injected: B's record failed"))
+    with store.writer("m", group=dist.group.WORLD, timeout_s=30) as w:
+        with pytest.raises(CkptfsError, match="is not recorded on every node"):
+            w.save({"w": torch.full((4,), 3.0)}, step=3).result()
+    state = {"w": torch.zeros(4)}
+    store.load("m", group=dist.group.WORLD, into=state, peers=[peer], timeout_s=30)
+    assert torch.equal(state["w"], torch.full((4,), 2.0))
+    store.close()
+    peer.close()
+
+
+def test_a_commit_cut_between_the_leaders_records_loads_the_step_before(tmp_path):
+    regions = [str(tmp_path / "a.region"), str(tmp_path / "b.region")]
+    for r in regions:
+        ckptfs.Store.create(r, size_bytes=64 << 20).close()
+    run_ranks(_save_steps, 2, regions, [1, 2])
+    run_ranks(_one_leader_fails_to_record, 2, regions)
+    with ckptfs.Store(regions[0]) as a, ckptfs.Store(regions[1]) as b:
+        assert [v.step for v in a.versions("m")] == [1, 2, 3] and [v.step for v in b.versions("m")] == [1, 2]
+
+
 def _two_nodes_reuse_a_plan(rank, world, regions):
     """4 ranks on 2 simulated nodes save steps 1-3 through one writer (the plan made at step 1,
     reused by 2 and 3: each node's leader splices the counters into the metadata it kept), then

@@ -105,6 +105,9 @@ class StorageReader(_DCPReader):
         if failed:
             raise CkptfsError(f"the load of {self.model!r} failed on another rank, listing its steps ({failed[0]})")
         agreed = set.intersection(*[set(s) for s, _ in everyone])
+        newest = max((step for s, _ in everyone for step in s), default=None)
+        if newest is not None and newest > max(agreed, default=-1):
+            self._check_newer_step(newest, newest in steps, agreed, [set(s) for s, _ in everyone], group)
         if not agreed:
             if self.step is not None:
                 raise NotFoundError(f"step {self.step} of {self.model!r} is not a version that every node records; "
@@ -115,6 +118,45 @@ class StorageReader(_DCPReader):
         self._compare_nodes(step, record, failure, group)
         self.metadata = metadata
         return metadata
+
+    def _check_newer_step(self, newest: int, mine: bool, agreed: set, steps: list[set], group) -> None:
+        """Some nodes record ``newest``, newer than every step all nodes record (``agreed``).
+        Where it was saved with the region of a node that lacks it, its commit was cut between
+        the leaders' records: the newest step all nodes record is the one to load. Where it
+        names none of them, it was saved without those nodes (a run on fewer nodes got further),
+        or their regions were replaced since: loading an older step silently threw that progress
+        away (and with nothing older, 'no committed version yet' restarted the job from step 0).
+        Then CkptfsError, on every rank, says so. ``mine``: whether this rank's region records
+        ``newest``; ``steps``: what every rank's records, in rank order."""
+        named = None  # the regions of every node that saved ``newest`` (None: not known)
+        if mine:
+            try:
+                with self.store.open_version(self.model, newest) as v:
+                    if is_global_version(v.manifest):
+                        saved = v.load()
+                        named = saved["dcp"].get("regions") if isinstance(saved.get("dcp"), dict) else None
+                    else:  # saved by one process
+                        named = [self.store.region.superblock.uuid.hex()]
+            except Exception:  # noqa: BLE001 - not to be told apart here: the older step, as before
+                named = None
+        here = self.store.region.superblock.uuid.hex()
+        answers = exchange((here, named), group, f"the look at step {newest} of {self.model!r}")
+        lacking = {region for (region, _), s in zip(answers, steps) if newest not in s}
+        if any(named is None for (_, named), s in zip(answers, steps) if newest in s):
+            return
+        if lacking & {region for _, named in answers if named for region in named}:
+            return  # a commit cut between the leaders' records
+        have = [rank for rank, s in enumerate(steps) if newest in s]
+        lack = [rank for rank, s in enumerate(steps) if newest not in s]
+        older = max(agreed, default=None)
+        raise CkptfsError(
+            f"step {newest} of {self.model!r}, the newest, is recorded in the region of rank(s) "
+            f"{', '.join(map(str, have))} only, and was saved without the region of rank(s) "
+            f"{', '.join(map(str, lack))} (a run without their nodes got further, or their regions were replaced "
+            "since): resume with the nodes and regions that saved it" + (
+                f", or load step={older}, the newest every node records (the newer steps must then be removed "
+                f"before they are saved again: `ckptfs rm --allow-latest {self.model} STEP...`)" if older is not None
+                else "; no step is recorded by every node"))
 
     def _read_step(self, step: int) -> tuple[Metadata | None, bytes, Exception | None]:
         """(the DCP Metadata of ``step``, the bytes the nodes compare, None), or (None, b"", the

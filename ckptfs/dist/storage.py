@@ -267,8 +267,7 @@ class StorageWriter(_DCPWriter):
                 if places is not None:
                     places["placed"] = placed  # the later commits of the plan send no items
                 _record_here(self.store, self.model, self.step, placed.render({p["rank"]: p["counter"] for p in everyone}),
-                             self.started_ns,
-                             self.keep, self.extra)
+                             self.started_ns, self.keep, self.extra, regions=sorted(leaders))
             except BaseException as e:  # noqa: BLE001 - told to every rank
                 recorded, why = False, f"rank {self.rank} (region {region}): {e}"
         acks = exchange({"ok": recorded, "error": why}, self._group,
@@ -315,7 +314,7 @@ _recorded: dict[tuple[str, str], set[int]] = {}  # (region, model) -> steps this
 
 
 def _record_here(store, model: str, step: int, record: str, started_ns: int, keep: bool = False,
-                 extra: dict | None = None) -> None:
+                 extra: dict | None = None, regions: list[str] = ()) -> None:
     """Commit the global version of ``step`` in this node's region, unless a newer step is latest:
     one of this job's saves that finished first (recorded by this process, or after this save
     was asked for at ``started_ns``: an older save never wins), or else one of another job, or of
@@ -330,7 +329,10 @@ def _record_here(store, model: str, step: int, record: str, started_ns: int, kee
     if latest is not None and latest.step > step:
         return
     w = _kept_writer(store, model, 1)
-    w.save({"dcp": {"step": step}}, step=step, extra={**(extra or {}), METADATA_FILE: record}, keep=keep).result()
+    # ``regions``: the uuids of every node's region, which each records the step (a load tells a
+    # commit cut between the leaders' records from a step saved without some node: reader.py)
+    w.save({"dcp": {"step": step, "regions": list(regions)}}, step=step,
+           extra={**(extra or {}), METADATA_FILE: record}, keep=keep).result()
     _recorded.setdefault(_recorded_key(store, model), set()).add(step)
 
 
