@@ -271,7 +271,9 @@ class DistWriter:
             said = "; ".join(f"rank {r} also has {', '.join(map(repr, keys))}" for r, keys in odd.items() if keys)
             said = said or "some ranks lack keys the others have"
             raise CkptfsError(f"the ranks do not save the same keys in step {step} of {self.model!r} ({said}): "
-                              "every rank must save the same state dict keys; nothing was committed")
+                              "every rank must save the same state dict keys (keys of one rank, such as a "
+                              "dataloader's position per rank, go through dcp.save with ckptfs.dcp.StorageWriter, "
+                              "which takes them); nothing was committed")
         return everyone
 
     def _done(self, future) -> None:
