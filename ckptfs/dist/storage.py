@@ -23,6 +23,7 @@ The load is ``ckptfs.dist.reader``; a part's places and lifecycle are ``ckptfs.d
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import os
 import socket
@@ -54,13 +55,17 @@ _writers_lock = threading.Lock()
 def region_identity(store) -> str:
     """The machine (its boot id) and the file (device and inode) of ``store``'s region: the same
     for every rank that opens it, whatever the path, and different for a copy of it."""
+    st = store.region.backend.stat()
+    return f"{_machine()}:{st.st_dev}:{st.st_ino}:{st.st_rdev}"
+
+
+@functools.cache
+def _machine() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
-            machine = f.read().strip()
+            return f.read().strip()
     except OSError:
-        machine = socket.gethostname()
-    st = store.region.backend.stat()
-    return f"{machine}:{st.st_dev}:{st.st_ino}:{st.st_rdev}"
+        return socket.gethostname()
 
 
 def check_distinct_regions(everyone: list[dict]) -> None:
