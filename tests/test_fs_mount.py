@@ -385,6 +385,19 @@ def test_df_shows_the_regions_space_and_no_inode_limit(toy, store):
     assert out.splitlines()[1].split()[4] == "-", out
 
 
+def test_rm_rf_of_a_model_leaves_its_milestones_and_latest(toy, store):
+    """`rm -rf` of a model's directory through a -o rw mount took every kept milestone with it."""
+    save_versions(store, "milestones", [1, 2, 3, 4, 5], keep_every=2, slots=8)
+    wait_for(lambda: os.path.exists(os.path.join(toy / "milestones", vdir(5))), what="milestones step 5")
+    r = subprocess.run(["rm", "-rf", toy / "milestones"], capture_output=True, text=True)
+    assert r.returncode != 0 and "Operation not permitted" in r.stderr, r.stderr
+    assert [(v.step, v.kept) for v in store.versions("milestones")] == [(2, True), (4, True), (5, False)]
+    store.unkeep("milestones", 2)
+    wait_for(lambda: subprocess.run(["rm", "-r", os.path.join(toy / "milestones", vdir(2))]).returncode == 0,
+             what="step 2 removable once unkept")
+    assert [v.step for v in store.versions("milestones")] == [4, 5]
+
+
 def test_errno_of_everything_else(toy):
     m = toy / TOY_MODEL
     latest_dir = os.path.join(m, vdir(TOY_STEPS[-1]))

@@ -529,7 +529,8 @@ class Tree:
         version goes on).
 
         ENOTDIR for a file or ``latest``, EBUSY for a subdirectory inside the latest version,
-        EROFS for a model directory, ENOENT if absent."""
+        EROFS for a model directory, EPERM for a kept version (a milestone: an ``rm -rf`` of the
+        model's directory took every one of them), ENOENT if absent."""
         parent = self.node(parent_ino)
         node = self.lookup(parent_ino, name)
         if not node.is_dir:
@@ -539,6 +540,9 @@ class Tree:
             return None
         if parent.kind is not Kind.MODEL:
             raise read_only(f"rmdir {name} (remove its versions, or use `ckptfs rm`)")
+        if self._version(node.model, node.step).kept:
+            raise PermissionError(errno.EPERM, f"{name} of {node.model} is kept: `ckptfs unkeep {node.model} "
+                                               f"{node.step}` first, or `ckptfs rm {node.model} {node.step}`")
         return node.model, node.step
 
     def check_unlink(self, parent_ino: int, name: str, *, walking: bool) -> None:
