@@ -353,8 +353,27 @@ def test_a_kept_first_save_in_smaller_slots_costs_the_later_commits_nothing(stor
         monkeypatch.setattr(store.region, "read_header", lambda *a, **k: reads.append(a) or read_header(*a, **k))
         for step in range(60, 80):
             w.save(state(step, n=20000), step).result()
-    assert len(reads) / 20 < 10, len(reads) / 20
+    assert len(reads) / 20 < 25, len(reads) / 20  # 71 before (every header at each commit); 5 + one look per 8
     assert [v.step for v in store.versions("m") if v.kept] == list(range(60))
+
+
+def test_a_kept_first_save_unkept_by_another_process_goes_back(store):
+    """The smaller slots are looked at again from the headers now and then: an unkeep by another
+    process does not reach the writer's own view of its slots, and the slot stayed for good."""
+    with store.writer("m", keep_every=1000) as w:
+        w.save(state(0, n=10), 0).result()
+        small = store.region.get("m").slot_bytes
+        for step in range(1, 6):
+            w.save(state(step, n=20000), step).result()
+        assert any(x.slot_bytes == small for x in store.region.get("m").extents)
+        other = ckptfs.Store(store.path)
+        other.unkeep("m", 0)
+        other.close()
+        for step in range(6, 6 + 2 * GIVE_BACK_AFTER_COMMITS):
+            w.save(state(step, n=20000), step).result()
+        entry = store.region.get("m")
+        assert all(x.slot_bytes > small for x in entry.extents), entry.extents
+    assert 0 not in [v.step for v in store.versions("m")]
 
 
 def test_status_free_bytes_is_what_slots_can_take(store):
@@ -382,6 +401,22 @@ def test_an_open_of_a_model_with_many_kept_versions_reads_each_header_once(store
         reads.clear()
         how()
         assert nslots <= len(reads) <= nslots + 4, (len(reads), nslots)
+
+
+def test_one_slot_more_does_not_halve_the_free_space_of_a_later_model(tmp_path):
+    """A model that keeps two versions took its one slot more in the middle of the region's free
+    space, and a model made next found no room for its ring (first fit, as before, until a model
+    could not grow in place twice)."""
+    with ckptfs.Store.create(str(tmp_path / "r"), size_bytes=64 << 20) as s:
+        for name in ("a", "b"):
+            with s.writer(name) as w:
+                w.save({"x": torch.zeros(512 * 1024)}, step=1).result()
+        with s.writer("a") as w:
+            for step in (2, 3):
+                w.save({"x": torch.zeros(512 * 1024)}, step=step, keep=True).result()
+        with s.writer("c") as w:
+            w.save({"x": torch.zeros(8 * 256 * 1024)}, step=1).result()
+        assert s.region.get("c").nslots == 4
 
 
 def test_extents_that_continue_one_another_are_one():

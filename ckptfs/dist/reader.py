@@ -52,8 +52,11 @@ class StorageReader(_DCPReader):
         self._gc_hold = GCHold()  # see checkpoint_id
 
     def reset(self, checkpoint_id=None) -> None:
+        """At the start of each load (DCP's): nothing of an earlier load is kept (its failure
+        would fail every later load of a reader used again, an eval loop polling for a step)."""
         self._drop_ahead()
         self._gc_hold.release()
+        self.metadata, self.metadata_error = None, None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:

@@ -27,6 +27,7 @@ import functools
 import logging
 import os
 import socket
+import stat
 import threading
 import time
 
@@ -56,7 +57,9 @@ def region_identity(store) -> str:
     """The machine (its boot id) and the file (device and inode) of ``store``'s region: the same
     for every rank that opens it, whatever the path, and different for a copy of it."""
     st = store.region.backend.stat()
-    return f"{_machine()}:{st.st_dev}:{st.st_ino}:{st.st_rdev}"
+    if stat.S_ISBLK(st.st_mode) or stat.S_ISCHR(st.st_mode):  # the device, whatever node names it
+        return f"{_machine()}:device:{st.st_rdev}"
+    return f"{_machine()}:{st.st_dev}:{st.st_ino}"
 
 
 @functools.cache
@@ -246,20 +249,25 @@ class StorageWriter(_DCPWriter):
         self.part_durable_at = time.time()
         region = self.store.region.superblock.uuid.hex()
         places = self.plan_places
+        where = refuse = None
+        try:  # a failure here is told to every rank, as the part's: not raised alone before the exchange
+            where, refuse = region_identity(self.store), refuse_to_record(self.store, self.model, self.step,
+                                                                           self.started_ns)
+        except BaseException as e:  # noqa: BLE001
+            ok, error = False, error or f"rank {self.rank}: {e}"
         mine = {"rank": self.rank, "region": region, "ok": ok, "error": error, "counter": counter,
                 "model": self.model, "step": self.step, "items": None, "metadata": None,
-                "where": region_identity(self.store),
-                "refuse": refuse_to_record(self.store, self.model, self.step, self.started_ns)}
+                "where": where, "refuse": refuse}
         if not places:
             mine.update(items=[encode_index(item.index) for item in items],
                         metadata=metadata if metadata is None or isinstance(metadata, str) else encode_metadata(metadata))
         everyone = exchange(mine, self._group, f"the exchange of parts of {self.model!r} step {self.step}",
                              Arrival(self._group, f"{self.model}/parts"))
         check_agreement(everyone)
-        check_distinct_regions(everyone)
         failed = [p["error"] for p in everyone if not p["ok"]]
         if failed:
             raise CkptfsError(f"step {self.step} of {self.model!r} was not committed: " + "; ".join(failed))
+        check_distinct_regions(everyone)
         leaders = {p["region"]: p["rank"] for p in sorted(everyone, key=lambda p: -p["rank"])}
         leader = leaders[region] == self.rank
         refused = [p["refuse"] for p in everyone if p["refuse"] and leaders[p["region"]] == p["rank"]]

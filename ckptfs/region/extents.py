@@ -10,8 +10,9 @@ for more here:
     back once those versions are older than the newest ``ring_slots``;
   * **busy**: every slot large enough is latest, kept, pinned by a reader or being written: one
     more slot of the model's size, placed right after an extent of that size where the bytes are
-    free (the extent grows, so the entry does not run out of extents). Readers never stall
-    training while the region has room.
+    free (the extent grows, so the entry does not run out of extents), else first fit, or, for a
+    model that could not grow in place before, the middle of the largest free run (room to grow
+    there). Readers never stall training while the region has room.
 After a commit ``give_back`` returns the slots that hold nothing the model keeps and that the
 ring does not need to keep ``ring_slots`` versions of its size (an extent is split around a slot
 kept in its middle, while the entry has extents to spare), once the model has had slots to
@@ -46,6 +47,7 @@ class Extents:
         self.ring = ring
         self.region = ring.region
         self._spare_commits = 0  # commits in a row (of this process) after which slots were spare
+        self._kept_small_commits = 0  # commits since smaller slots holding kept versions were looked at
 
     # ------------------------------------------------------------------ taking
     def reshape(self, ring_slots: int | None, slot_bytes: int | None) -> None:
@@ -130,10 +132,13 @@ class Extents:
             first = next(i for i in range(SLOTS_MAX) if not taken_ids.intersection(range(i, i + nslots)))
             if first + nslots > SLOTS_MAX:
                 raise RegionFullError(f"model {entry.name!r} has {SLOTS_MAX} slots, the most it can have")
-            # one slot more (a busy ring, a kept version's place) is where it can grow in place:
-            # the next one extends it, instead of taking one more of the entry's MAX_EXTENTS
+            # A model that could not extend its slots in place before (another model's follow
+            # them: a model and its EMA keeping milestones in turn) takes its next where they can
+            # grow, instead of one more of the entry's MAX_EXTENTS per slot; first fit otherwise
+            # (the middle of the largest free run halves it: a larger ring may not fit any more)
+            crowded = sum(1 for x in extents if x.slot_bytes == slot_bytes) >= 2
             new = Extent(region.find_gap(nbytes, what=f"more slots of {entry.name!r}", entries=others,
-                                         room_to_grow=slot_bytes == entry.slot_bytes), slot_bytes, nslots, first)
+                                         room_to_grow=crowded), slot_bytes, nslots, first)
             extents.append(new)
         region.backend.reserve(new.offset, nbytes)
         grown = entry.with_extents(extents)
@@ -155,9 +160,17 @@ class Extents:
             log.warning("model %r: spare slots not given back this time: %s", entry.name, e)
             return False
         kept = sum(1 for age in ages.values() if age == KEPT)
-        # smaller slots that all hold kept versions (step 0, saved before the optimizer had state,
-        # kept by keep_every) have nothing to give: every commit scanned every header for them
-        outgrown = any(ages[s] != KEPT for x in entry.extents if x.slot_bytes < entry.slot_bytes for s in x.slots)
+        # Smaller slots that all hold kept versions (step 0, saved before the optimizer had
+        # state, kept by keep_every) have nothing to give: every commit scanned every header for
+        # them. They are looked at again every GIVE_BACK_AFTER_COMMITS commits, from the headers:
+        # an unkeep by another process does not reach this ring's ages.
+        small = [s for x in entry.extents if x.slot_bytes < entry.slot_bytes for s in x.slots]
+        outgrown = any(ages[s] != KEPT for s in small)
+        if small and not outgrown:
+            self._kept_small_commits += 1
+            if self._kept_small_commits >= GIVE_BACK_AFTER_COMMITS:
+                self._kept_small_commits, outgrown = 0, True
+                self.ring._forget_ages()
         if entry.nslots - kept > entry.ring_slots:  # no lock
             self._spare_commits += 1
         else:
