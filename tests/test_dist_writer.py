@@ -752,6 +752,47 @@ def test_a_commit_cut_between_the_leaders_records_loads_the_step_before(tmp_path
         assert [v.step for v in a.versions("m")] == [1, 2, 3] and [v.step for v in b.versions("m")] == [1, 2]
 
 
+def _a_commit_check_fails_on_one_rank(rank, world, region):
+    """The leader's look at its region's latest fails (an EIO reading a header) at a commit: the
+    error was raised on that rank alone before the exchange of parts, the other waited timeout_s,
+    and every later save failed. Now both fail at once, and the next save commits."""
+    import errno
+
+    store = ckptfs.Store(region)
+    real, armed = ckptfs.Store.latest, [False]
+
+    def latest(self, model, **kw):
+        if armed[0] and rank == 0:
+            raise OSError(errno.EIO, "injected: a header unreadable")
+        return real(self, model, **kw)
+
+    ckptfs.Store.latest = latest
+    with store.writer("m", group=dist.group.WORLD, timeout_s=20) as w:
+        w.save({"w": torch.ones(4)}, step=1).result()
+        armed[0] = True
+        started = time.monotonic()
+        with pytest.raises(CkptfsError, match="step 2 of 'm' was not committed: rank 0: .*injected"):
+            w.save({"w": torch.ones(4)}, step=2).result()
+        assert time.monotonic() - started < 10
+        armed[0] = False
+        assert w.save({"w": torch.ones(4)}, step=3).result().step == 3
+    ckptfs.Store.latest = real
+    assert [v.step for v in store.versions("m")] == [1, 3]
+    # a StorageReader used again after a load that failed (nothing saved yet) loads what is there
+    reader = ckptfs.dcp.StorageReader(store, "fresh", timeout_s=20)
+    state = {"w": torch.zeros(4)}
+    with pytest.raises(BaseException, match="has no committed version yet"):
+        dcp.load(state, storage_reader=reader)
+    dcp.save({"w": torch.full((4,), 7.0)}, storage_writer=ckptfs.dcp.StorageWriter(store, "fresh", step=1))
+    dcp.load(state, storage_reader=reader)
+    assert torch.equal(state["w"], torch.full((4,), 7.0))
+    store.close()
+
+
+def test_a_commit_check_that_fails_on_one_rank_fails_every_rank_at_once(tmp_path):
+    run_ranks(_a_commit_check_fails_on_one_rank, 2, _new_region(tmp_path))
+
+
 def _two_nodes_reuse_a_plan(rank, world, regions):
     """4 ranks on 2 simulated nodes save steps 1-3 through one writer (the plan made at step 1,
     reused by 2 and 3: each node's leader splices the counters into the metadata it kept), then

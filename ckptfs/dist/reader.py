@@ -52,8 +52,8 @@ class StorageReader(_DCPReader):
         self._gc_hold = GCHold()  # see checkpoint_id
 
     def reset(self, checkpoint_id=None) -> None:
-        """At the start of each load (DCP's): nothing of an earlier load is kept (its failure
-        would fail every later load of a reader used again, an eval loop polling for a step)."""
+        """Nothing of an earlier load is kept (its failure would fail every later load of a
+        reader used again: an eval loop polling for a step)."""
         self._drop_ahead()
         self._gc_hold.release()
         self.metadata, self.metadata_error = None, None
@@ -73,6 +73,9 @@ class StorageReader(_DCPReader):
         reader's reset or next load, when the reader goes, or after ``timeout_s``."""
         if meet_before_dcp(self, "_load_state_dict", f"dcp.load of {self.model!r}", load=True):
             self._gc_hold.hold(self.timeout_s)
+            # a load starts (DCP resets a reader only when given a checkpoint_id): nothing of an
+            # earlier one is kept; its failure failed every later load of a reader used again
+            self.metadata, self.metadata_error = None, None
         return f"ckptfs:{self.model}@{'newest' if self.step is None else self.step}"
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
