@@ -107,11 +107,13 @@ class Arrival:
 
 
 MEET_POLL_S = (0.001, 0.05)  # a meeting looks for the others' marks this often: at first, at most
-MEET_LOOK_S = 0.1  # and this often, which of them are missing, and whether they wait elsewhere
+MEET_LOOK_S = 0.1  # after this, which of them are missing and whether they wait elsewhere,
+MEET_LOOK_MAX_S = 2.0  # then at doubling intervals up to this
 MEET_LINGER_S = 0.5  # a rank that finds another at a different save stays visible this long
 
 
-def meet(group, agree: dict, timeout_s: float, what: str, *, load: bool = False) -> None:
+def meet(group, agree: dict, timeout_s: float, what: str, *, load: bool = False,
+         passed_to: str = "StorageWriter") -> None:
     """Wait until every rank of ``group`` has come to the same save (``load``: load), named by
     ``agree`` ({"model": m, "step": s}), at most ``timeout_s``: marks in the job's key-value
     store, no collective, for a collective that is not ckptfs's own (DCP's planning gather,
@@ -122,7 +124,12 @@ def meet(group, agree: dict, timeout_s: float, what: str, *, load: bool = False)
     way this rank's marks are taken back first, so that a rank that comes later finds it gone
     and fails in turn, rather than going on alone. One meeting at a time per rank and group (as
     DCP's collectives on a group). Without torch.distributed, without a store, or in a group of
-    one rank, returns at once."""
+    one rank, returns at once. ``passed_to``: where the user gives the model and step (the error
+    of ranks that disagree says it).
+
+    Ranks that come together cost three store requests each: who is missing and where they wait
+    is looked up (a request per rank) only once a meeting has waited MEET_LOOK_S, then at
+    doubling intervals (a job of thousands of ranks must not flood its one store)."""
     arrival = Arrival(group, f"meet/{'load' if load else 'save'}/" + "/".join(str(agree[k]) for k in sorted(agree)))
     kv = arrival.kv
     if kv is None:
@@ -134,13 +141,16 @@ def meet(group, agree: dict, timeout_s: float, what: str, *, load: bool = False)
     waiting = f"ckptfs/meeting/{group.group_name}/"  # + rank: the save that rank waits at now
     kv.set(waiting + str(arrival.rank), json.dumps(mine))
     marks = [f"{arrival.key}/{r}" for r in arrival.ranks]
-    deadline, pause_s, look_at = time.monotonic() + timeout_s, MEET_POLL_S[0], 0.0
+    started = time.monotonic()
+    deadline, pause_s, look_s = started + timeout_s, MEET_POLL_S[0], MEET_LOOK_S
+    look_at = started + look_s
     try:
         while not kv.check(marks):  # one request, whatever the number of ranks
-            if time.monotonic() >= look_at:  # now and then: who is missing, and where are they?
-                look_at = time.monotonic() + MEET_LOOK_S
+            if time.monotonic() >= min(look_at, deadline):  # now and then: who is missing, and where?
+                look_s = min(2 * look_s, MEET_LOOK_MAX_S)
+                look_at = time.monotonic() + look_s
                 missing = arrival.missing()
-                _raise_if_elsewhere(kv, waiting, missing, mine)
+                _raise_if_elsewhere(kv, waiting, missing, mine, passed_to)
                 if time.monotonic() >= deadline and missing:
                     raise CkptfsError(f"{what}: rank(s) {', '.join(map(str, missing))} did not come within "
                                       f"timeout_s={timeout_s:g} (stopped, or not "
@@ -190,7 +200,7 @@ def _quietly(call, *args) -> None:
         pass
 
 
-def _raise_if_elsewhere(kv, waiting: str, missing: list[int], mine: dict) -> None:
+def _raise_if_elsewhere(kv, waiting: str, missing: list[int], mine: dict, passed_to: str = "StorageWriter") -> None:
     """check_agreement's error if one of the ``missing`` ranks waits at another save or load
     now (``waiting`` + rank: where each rank waits, as ``mine``)."""
     keys = [waiting + str(r) for r in missing if kv.check([waiting + str(r)])]
@@ -218,7 +228,7 @@ def _raise_if_elsewhere(kv, waiting: str, missing: list[int], mine: dict) -> Non
                               f"{', '.join(str(p['rank']) for p in everyone if not p['load'])} save it: every "
                               "rank must call the same dcp function; nothing was read or committed")
         load = mine["load"]
-        check_agreement(everyone, "StorageReader" if load else "StorageWriter", load)
+        check_agreement(everyone, "StorageReader" if load else passed_to, load)
 
 
 def _kv_store():

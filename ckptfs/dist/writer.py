@@ -261,7 +261,8 @@ class DistWriter:
         on into a training collective keeps the others waiting until ``timeout_s``, and a gloo
         collective that timed out there left the group unusable, failing every later save."""
         what = f"the start of step {step} of {self.model!r}"
-        meet(self._group, {"model": self.model, "step": step}, self.timeout_s, what)
+        meet(self._group, {"model": self.model, "step": step}, self.timeout_s, what,
+             passed_to="store.writer (the model) and Writer.save (the step)")
         everyone = exchange({"rank": this_rank(), "keys": keys, "plan": plan_made_at}, self._group, what)
         if len({p["keys"] for p in everyone}) > 1:
             # rare: the key lists themselves, to say which keys differ
