@@ -548,10 +548,17 @@ class Store:
                 # the processes with a writer of the model open (its ring's lock: ring.Ring)
                 "writers": sorted({(pid, cmd) for pid, cmd, _ in holders.get(model_lock_offset(entry.index), ())}),
             })
-        used = sum(m["used_bytes"] for m in models)
-        return {"path": self.path, "kind": self.region.backend.kind, "region_bytes": sb.region_bytes,
-                "used_bytes": used, "free_bytes": self.region.data_area_bytes() - used,
+        return {"path": self.path, "kind": self.region.backend.kind, **self.space(models),
                 **self._unbacked_bytes(), "models": models, "saves_in_flight": read_progress(sb.uuid)}
+
+    def space(self, models: list[dict] | None = None) -> dict:
+        """{"region_bytes", "used_bytes" (the models' slots), "free_bytes" (what slots can
+        still take)}: from the model table alone (``models``: status's, already listed), with no
+        look at processes or headers (the mount's statfs)."""
+        used = (sum(m["used_bytes"] for m in models) if models is not None
+                else sum(e.nbytes for e in self.region.entries()))
+        return {"region_bytes": self.region.superblock.region_bytes, "used_bytes": used,
+                "free_bytes": self.region.data_area_bytes() - used}
 
     def _unbacked_bytes(self) -> dict:
         """Of a sparse region file: {"unallocated_bytes": its bytes the filesystem has not

@@ -463,6 +463,24 @@ def test_errno_of_everything_else(toy):
         assert r.returncode != 0 and "Operation not permitted" in r.stderr and os.path.exists(f)
     finally:
         walker.communicate("", timeout=30)
+    # ... and from any thread of the process that has it open (a request names its thread)
+    fd = os.open(old_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.listdir(fd)
+        failed = []
+
+        def unlink() -> None:
+            try:
+                os.unlink(f)
+            except OSError as e:
+                failed.append(e)
+
+        other = threading.Thread(target=unlink)
+        other.start()
+        other.join()
+        assert failed == [], failed
+    finally:
+        os.close(fd)
     assert os.listdir(m) == ["latest"] + [vdir(s) for s in TOY_STEPS]
 
 

@@ -91,8 +91,8 @@ class FakeStore:
             raise E.BusyError("busy")
         del self.table[model][step]
 
-    def status(self):
-        return {"region_bytes": 1 << 30, "used_bytes": 1 << 20}
+    def space(self):
+        return {"region_bytes": 1 << 30, "used_bytes": 1 << 20, "free_bytes": (1 << 30) - (2 << 20)}
 
 
 def fake_files_for(info):
@@ -362,7 +362,7 @@ def test_ops_translate_errors_and_survive_bugs(env):
         assert 10 not in store.table["gpt"]
         assert [n for n, _ in tree.children(path(tree, "gpt").ino)] == ["latest", "step-00000020", "step-00000030"]
         st = await ops.statfs(None)
-        assert st.f_blocks == (1 << 30) // 4096
+        assert st.f_blocks == (1 << 30) // 4096 and st.f_bfree == ((1 << 30) - (2 << 20)) // 4096
 
     trio.run(scenario)
 
@@ -446,3 +446,13 @@ def test_a_model_made_again_is_never_served_from_the_removed_ones_files(tmp_path
         assert load_safetensors(new)["w"].tolist() == [2.0] * 3000
         assert new_node.ino != old_node.ino and err(tree.attr, old_node) == errno.ENOENT
         assert new == read(Tree(store), "state.safetensors")[1]
+
+
+def test_each_damage_is_logged_once_and_none_past_the_cap(monkeypatch):
+    from ckptfs.fs import errors as fe
+
+    monkeypatch.setattr(fe, "_said", set())
+    monkeypatch.setattr(fe, "SAID_MAX", 3)
+    assert [fe._first_time(m) for m in ("a", "a", "b", "c", "d", "d", "a")] == [True, False, True, True, False,
+                                                                             False, False]
+

@@ -89,9 +89,8 @@ SAID_MAX = 1000  # distinct warnings remembered (a region full of damage must no
 
 def _first_time(message: str) -> bool:
     """Whether ``message`` is new to this mount's log (then remembered)."""
-    if message in _said:
+    if message in _said or len(_said) >= SAID_MAX:  # past the cap: to the debug log, not again and again
         return False
-    if len(_said) < SAID_MAX:
-        _said.add(message)
+    _said.add(message)
     return True
 

@@ -119,7 +119,7 @@ class CkptfsOperations(pyfuse3.Operations):
         with fuse_errors("opendir"):
             entries = [(os.fsencode(n), node) for n, node in await self._unheld(lambda: self.tree.children(inode))]
             fh = next(self._fh)
-            self._dirs[fh] = (inode, entries, ctx.pid)
+            self._dirs[fh] = (inode, entries, _process_of(ctx.pid))
             return fh
 
     async def readdir(self, fh, start_id, token):
@@ -194,7 +194,8 @@ class CkptfsOperations(pyfuse3.Operations):
         has their directory open, as ``rm -r`` does (see ckptfs.fs.tree): another process's
         listing (an ``ls``, an rsync) made a lone ``rm FILE`` exit 0, the file still there."""
         with fuse_errors("unlink"):
-            walking = any(ino == parent_inode and pid == ctx.pid for ino, _, pid in self._dirs.values())
+            me = _process_of(ctx.pid)
+            walking = any(ino == parent_inode and pid == me for ino, _, pid in self._dirs.values())
             self.tree.check_unlink(parent_inode, os.fsdecode(name), walking=walking)
 
     # -------------------------------------------------------------- everything else is read-only
@@ -244,9 +245,9 @@ class CkptfsOperations(pyfuse3.Operations):
         with fuse_errors("statfs"):
             st = pyfuse3.StatvfsData()
             st.f_bsize = st.f_frsize = 4096
-            total, used = _region_usage(self.store)
+            total, free = _region_space(self.store)
             st.f_blocks = total // 4096
-            st.f_bfree = st.f_bavail = max(total - used, 0) // 4096
+            st.f_bfree = st.f_bavail = max(free, 0) // 4096
             # no inode limit: none counted, as procfs and sysfs (`df -i` shows "-"); the inodes in
             # use with none free read as a full filesystem to the monitoring of every host
             st.f_files = st.f_ffree = st.f_favail = 0
@@ -267,13 +268,25 @@ class CkptfsOperations(pyfuse3.Operations):
         self._dirs.clear()
 
 
-def _region_usage(store) -> tuple[int, int]:
-    """(total, used) bytes of the region, from ``store.status()``; zeros if it does not say."""
+def _process_of(pid: int) -> int:
+    """The process (thread group) of ``pid``: a request's pid is its thread's id (one thread of
+    a process opened a directory, another removes its files)."""
     try:
-        status = store.status()
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Tgid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return pid
+
+
+def _region_space(store) -> tuple[int, int]:
+    """(total, free) bytes of the region (``Store.space``: the model table only, not
+    ``status``, which looks at every process for the holders of pins); zeros if it cannot say."""
+    try:
+        space = store.space()
     except Exception:  # noqa: BLE001 - statfs must answer
-        log.exception("store.status()")
+        log.exception("store.space()")
         return 0, 0
-    total = status.get("region_bytes") or status.get("size_bytes") or 0
-    used = status.get("used_bytes") or 0
-    return int(total), int(used)
+    return space["region_bytes"], space["free_bytes"]
