@@ -193,10 +193,14 @@ class Writer:
         try:
             self._register(future)
             if plan is not None:
-                if last_snapshot is not None and not last_snapshot.done():
-                    # an async save still queued claims its slot first: the counters, and so
+                if (last_snapshot is not None and not last_snapshot.done()
+                        and threading.current_thread() is not self._snapshot_thread):
+                    # An async save still queued claims its slot first: the counters, and so
                     # latest, follow the order of the saves (the final save after a periodic
-                    # async one was overtaken by it, and latest was the older step)
+                    # async one was overtaken by it, and latest was the older step). Its snapshot
+                    # is waited for, its copy with its claim (the claim is made beside the copy).
+                    # Not on the snapshot thread (a save from a ``snapshotted`` callback): that
+                    # would wait for itself.
                     wait_for_futures([last_snapshot])
                 self._start(future, plan, started, keep=bool(keep))
             else:
@@ -276,7 +280,8 @@ class Writer:
 
     def model_removed(self) -> bool:
         """Whether the model this writer saved to is gone (its ring keeps ``Store.remove_model``
-        away while the writer is open; a region made again with ``mkfs --force`` does not ask):
+        away while the writer is open, and ``mkfs --force`` refuses a region with one open; a
+        region file replaced under it, or a damaged table, can still lose it):
         its next save would fail with NotFoundError (a new writer makes the model again)."""
         ring = self._ring
         if ring is None:
