@@ -794,6 +794,51 @@ def test_a_commit_check_that_fails_on_one_rank_fails_every_rank_at_once(tmp_path
     run_ranks(_a_commit_check_fails_on_one_rank, 2, _new_region(tmp_path))
 
 
+def _late_and_disagreeing(rank, world, region):
+    """Ranks that count steps differently, one coming 2.5 s after the other: the first failed
+    only at timeout_s, saying the other never came (it looked for the others at intervals longer
+    than the other stays visible once it has failed)."""
+    store = ckptfs.Store(region)
+    with store.writer("m", group=dist.group.WORLD, timeout_s=30) as w:
+        if rank == 1:
+            time.sleep(2.5)
+        started = time.monotonic()
+        with pytest.raises(CkptfsError, match="do not save the same step"):
+            w.save({"w": torch.ones(4)}, step=5 + rank)
+        assert time.monotonic() - started < (2 if rank else 5)
+    store.close()
+
+
+def test_a_late_rank_at_another_step_fails_both_at_once(tmp_path):
+    run_ranks(_late_and_disagreeing, 2, _new_region(tmp_path))
+
+
+def _a_planner_whose_data_cannot_be_stored(rank, world, region):
+    import dataclasses
+
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    class Planner(DefaultSavePlanner):
+        def create_global_plan(self, plans):
+            plans, md = super().create_global_plan(plans)
+            self.metadata = md = dataclasses.replace(md, planner_data={"tags": {"a", "b"}})
+            return plans, md
+
+    store = ckptfs.Store(region)
+    started = time.monotonic()
+    with pytest.raises(BaseException, match="planner_data holds a set, which ckptfs cannot store"):
+        dcp.save({f"w{rank}": torch.ones(3)}, planner=Planner(),
+                 storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=1, timeout_s=20))
+    assert time.monotonic() - started < 10  # the coordinator's failure told to every rank, not a timeout
+    dcp.save({f"w{rank}": torch.ones(3)}, storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=2, timeout_s=20))
+    assert [v.step for v in store.versions("m")] == [2]
+    store.close()
+
+
+def test_a_planner_whose_data_cannot_be_stored_fails_every_rank_at_once(tmp_path):
+    run_ranks(_a_planner_whose_data_cannot_be_stored, 2, _new_region(tmp_path))
+
+
 def _two_nodes_reuse_a_plan(rank, world, regions):
     """4 ranks on 2 simulated nodes save steps 1-3 through one writer (the plan made at step 1,
     reused by 2 and 3: each node's leader splices the counters into the metadata it kept), then

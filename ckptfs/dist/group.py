@@ -107,9 +107,9 @@ class Arrival:
 
 
 MEET_POLL_S = (0.001, 0.05)  # a meeting looks for the others' marks this often: at first, at most
-MEET_LOOK_S = 0.1  # after this, which of them are missing and whether they wait elsewhere,
-MEET_LOOK_MAX_S = 2.0  # then at doubling intervals up to this
-MEET_LINGER_S = 0.5  # a rank that finds another at a different save stays visible this long
+MEET_LOOK_S = 0.1  # after this, which of them are missing and whether they wait elsewhere
+MEET_LINGER_S = 0.5  # a rank that finds another at a different save stays visible this long,
+MEET_LOOK_MAX_S = 0.4  # so the looks, at doubling intervals, come at most this far apart
 
 
 def meet(group, agree: dict, timeout_s: float, what: str, *, load: bool = False,
@@ -127,9 +127,12 @@ def meet(group, agree: dict, timeout_s: float, what: str, *, load: bool = False,
     one rank, returns at once. ``passed_to``: where the user gives the model and step (the error
     of ranks that disagree says it).
 
-    Ranks that come together cost three store requests each: who is missing and where they wait
+    Ranks that come together cost a few store requests each: who is missing and where they wait
     is looked up (a request per rank) only once a meeting has waited MEET_LOOK_S, then at
-    doubling intervals (a job of thousands of ranks must not flood its one store)."""
+    doubling intervals up to MEET_LOOK_MAX_S, shorter than MEET_LINGER_S so that a rank that
+    failed over this one is seen (a job of thousands of ranks that waits for one still sends its
+    store a request per rank and waiting rank at each look: a count of arrivals would do with
+    one)."""
     arrival = Arrival(group, f"meet/{'load' if load else 'save'}/" + "/".join(str(agree[k]) for k in sorted(agree)))
     kv = arrival.kv
     if kv is None:

@@ -249,18 +249,18 @@ class StorageWriter(_DCPWriter):
         self.part_durable_at = time.time()
         region = self.store.region.superblock.uuid.hex()
         places = self.plan_places
-        where = refuse = None
-        try:  # a failure here is told to every rank, as the part's: not raised alone before the exchange
-            where, refuse = region_identity(self.store), refuse_to_record(self.store, self.model, self.step,
-                                                                           self.started_ns)
-        except BaseException as e:  # noqa: BLE001
-            ok, error = False, error or f"rank {self.rank}: {e}"
         mine = {"rank": self.rank, "region": region, "ok": ok, "error": error, "counter": counter,
-                "model": self.model, "step": self.step, "items": None, "metadata": None,
-                "where": where, "refuse": refuse}
-        if not places:
-            mine.update(items=[encode_index(item.index) for item in items],
-                        metadata=metadata if metadata is None or isinstance(metadata, str) else encode_metadata(metadata))
+                "model": self.model, "step": self.step, "items": None, "metadata": None, "where": None,
+                "refuse": None}
+        try:  # a failure here is told to every rank, as the part's: not raised alone before the exchange
+            mine.update(where=region_identity(self.store),
+                        refuse=refuse_to_record(self.store, self.model, self.step, self.started_ns))
+            if not places:
+                mine.update(items=[encode_index(item.index) for item in items],
+                            metadata=metadata if metadata is None or isinstance(metadata, str)
+                            else encode_metadata(metadata))
+        except Exception as e:  # noqa: BLE001 - an unreadable header, a planner's data that JSON cannot hold
+            mine.update(ok=False, error=error or f"rank {self.rank}: {e}")
         everyone = exchange(mine, self._group, f"the exchange of parts of {self.model!r} step {self.step}",
                              Arrival(self._group, f"{self.model}/parts"))
         check_agreement(everyone)

@@ -228,7 +228,12 @@ class DistWriter:
             raise
         written = storage.written
         if written.metadata is not None:  # encoded once per plan, not at every commit
-            written.metadata = encode_metadata(written.metadata)
+            try:
+                written.metadata = encode_metadata(written.metadata)
+            except Exception as e:  # noqa: BLE001 - a failed part: the commit tells every rank, which wait there
+                written.part = Future()
+                written.part.set_exception(e)
+                return written
         self._plan = _Plan(structure, keys, step, written.items, written.metadata, storage.resolver)
         written.storage.plan_places = self._plan.places  # its first commit keeps them
         return written

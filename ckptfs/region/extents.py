@@ -179,7 +179,8 @@ class Extents:
             return False  # the usual case: no scan, no lock
         try:
             with self.region.meta_locked():
-                given = self._give_back_locked(self.ring.refresh())
+                given = self._give_back_locked(self.ring.refresh(), spare=now or
+                                               self._spare_commits >= GIVE_BACK_AFTER_COMMITS)
         except (CkptfsError, OSError) as e:
             log.warning("model %r: spare slots not given back this time: %s", entry.name, e)
             return False
@@ -187,12 +188,13 @@ class Extents:
             self._spare_commits = 0
         return given
 
-    def _give_back_locked(self, entry: ModelEntry) -> bool:
-        """Give back the slots of ``entry`` it does not keep (the table lock is held). Kept:
-        latest, kept versions, pinned or claimed slots, the newest ``ring_slots`` versions, and
-        enough slots of the model's size for ``ring_slots`` versions. A slot it keeps in the
-        middle of an extent splits the extent (a milestone kept in an outgrown model's old slots
-        must not hold the slots around it), as far as the entry has extents to spare
+    def _give_back_locked(self, entry: ModelEntry, spare: bool = True) -> bool:
+        """Give back the slots of ``entry`` it does not keep (the table lock is held); those of
+        the model's size only where ``spare`` (else only smaller ones). Kept: latest, kept
+        versions, pinned or claimed slots, the newest ``ring_slots`` versions, and enough slots
+        of the model's size for ``ring_slots`` versions. A slot it keeps in the middle of an
+        extent splits the extent (a milestone kept in an outgrown model's old slots must not
+        hold the slots around it), as far as the entry has extents to spare
         (``_within_extent_limit``)."""
         region = self.region
         headers = {s: region.read_header(entry, s) for s in entry.slots()}
@@ -212,7 +214,7 @@ class Extents:
             for x in sorted(entry.extents, key=lambda x: (x.slot_bytes >= size, -x.first_slot)):
                 held = []
                 for slot in reversed(x.slots):
-                    if slot in keep or (x.slot_bytes >= size and usable <= entry.ring_slots):
+                    if slot in keep or (x.slot_bytes >= size and (usable <= entry.ring_slots or not spare)):
                         held.append(slot)
                         continue
                     lock = slot_lock_offset(entry.index, slot)
