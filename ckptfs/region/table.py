@@ -21,6 +21,7 @@ from ckptfs.region.locks import META_LOCK_OFFSET, model_lock_offset, slot_lock_o
 from ckptfs.units import human_bytes
 
 log = logging.getLogger("ckptfs")
+ROOM_TO_GROW_RUNS = 4  # find_gap(room_to_grow=) places in the middle of a free run at least this many times the size
 
 
 def validate_model_name(name) -> str:
@@ -346,7 +347,8 @@ class ModelTable:
         fits = [(a, b) for a, b in runs if b - a >= nbytes]
         if fits and room_to_grow:
             a, b = max(fits, key=lambda run: (run[1] - run[0], -run[0]))
-            return a + (b - a - nbytes) // 2 // sb.block_bytes * sb.block_bytes
+            if b - a >= ROOM_TO_GROW_RUNS * nbytes:  # else first fit: halves too small to hold one were lost
+                return a + (b - a - nbytes) // 2 // sb.block_bytes * sb.block_bytes
         if fits:
             return fits[0][0]
         free = end - sb.data_offset - sum(b - a for a, b in taken)
