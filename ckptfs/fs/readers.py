@@ -9,6 +9,7 @@ import os
 
 from ckptfs.fs.names import LATEST, step_of
 from ckptfs.mounttable import mount_points
+from ckptfs.region.holders import command_of
 
 MOUNT_COMMAND = "ckptfs-mount"  # the mount daemon's process name (/proc/PID/comm)
 
@@ -26,7 +27,7 @@ def mount_readers(region_path: str) -> dict[tuple[str, int | None], set[tuple[in
             point = next((p for p in points if target.startswith(p)), None)
             key = _version_of(target[len(point):]) if point else None
             if key is not None:
-                out.setdefault(key, set()).add((pid, _command(pid)))
+                out.setdefault(key, set()).add((pid, command_of(pid)))
     return out
 
 
@@ -59,10 +60,3 @@ def _version_of(relative: str) -> tuple[str, int | None] | None:
             return "/".join(parts[:i]), step_of(part)
     return None
 
-
-def _command(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return "?"

@@ -44,11 +44,12 @@ def lock_holders(path: str) -> dict[int, list[tuple[int, str, str]]]:
                 for byte in range(int(fields[7]), int(fields[8]) + 1):
                     if (byte, kind) not in seen:
                         seen.add((byte, kind))
-                        out.setdefault(byte, []).append((pid, _command(pid), kind))
+                        out.setdefault(byte, []).append((pid, command_of(pid), kind))
     return out
 
 
-def _command(pid: int) -> str:
+def command_of(pid: int) -> str:
+    """The command name of process ``pid`` ("?" where it cannot be read)."""
     try:
         with open(f"/proc/{pid}/comm") as f:
             return f.read().strip()
