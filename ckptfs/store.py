@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import functools
 import logging
 import os
 import sys
@@ -13,8 +12,9 @@ from typing import TYPE_CHECKING, Callable
 
 from ckptfs.errors import (BusyError, CkptfsError, CorruptionError, HeldError, NotFoundError, PartGoneError,
                            RegionFormatError, RegionFullError, in_words, no_step, no_version_yet, not_a_region)
-from ckptfs.fs.readers import MOUNT_COMMAND, mount_readers
+from ckptfs.fs.readers import readers_behind_mounts
 from ckptfs.manifest import Manifest
+from ckptfs import mounttable
 from ckptfs.region.holders import lock_holders
 from ckptfs.region.locks import model_lock_offset, slot_lock_offset
 from ckptfs.region.region import Region, SlotVersion
@@ -31,29 +31,6 @@ log = logging.getLogger("ckptfs")
 
 PIN_RETRIES = 20
 PIN_WAIT_S = 1.0  # the longest open_version waits for a version held exclusively (a slow disk's barrier)
-
-
-FSTAB = "/etc/fstab"
-
-
-def _unmounted_mount_point(path: str) -> str | None:
-    """The directory above ``path`` that /etc/fstab names as a mount point where nothing is
-    mounted now: the filesystem meant to hold the region is missing (not mounted at a restart),
-    and a region created there would land on the filesystem below, a job resuming from step 0
-    on it. None otherwise (a directory made for the job is fine)."""
-    try:
-        with open(FSTAB) as f:
-            points = {os.path.normpath(fields[1].replace("\\040", " ")) for fields in
-                      (line.split() for line in f if not line.lstrip().startswith("#")) if len(fields) > 1}
-    except OSError:
-        return None
-    d = os.path.dirname(os.path.abspath(path))
-    while True:
-        if d in points and d != "/" and os.path.isdir(d) and not os.path.ismount(d):
-            return d
-        if d == os.path.dirname(d):
-            return None
-        d = os.path.dirname(d)
 
 
 def default_region_path() -> str:
@@ -105,11 +82,12 @@ class Store:
                     python="a writer of Store() creates the default one, or Store.create(path, size_bytes=...)",
                     cli=f"`ckptfs mkfs{'' if default else ' ' + path}` makes one"
                         + (" (so does a training job's first save)" if default else "")))
-            unmounted = _unmounted_mount_point(path)
+            unmounted = mounttable.unmounted_fstab_point(path)
             if unmounted is not None:
                 raise NotFoundError(
-                    f"no region at {path}, and nothing is mounted at {unmounted}, a mount point in {FSTAB}: is the "
-                    "filesystem meant to hold the region not mounted? Mount it; to start a new region there, "
+                    f"no region at {path}, and nothing is mounted at {unmounted}, a mount point in "
+                    f"{mounttable.FSTAB}: is the filesystem meant to hold the region not mounted? Mount it; to start "
+                    "a new region there, "
                     + in_words(python=f"Store.create({path!r})", cli=f"`ckptfs mkfs {path}`"))
             try:
                 Region.format(path).close()
@@ -520,10 +498,11 @@ class Store:
         sb = self.region.superblock
         models = []
         holders = lock_holders(self.path) if os.path.exists(self.path) else {}
-        readers = functools.cache(lambda: mount_readers(self.path))  # /proc scanned once, if a mount pins
+        pins_by_model = []
         for entry in self.region.entries():
-            latest = self.region.latest(entry)
-            committed = {v.slot: v.header for v in self.region.committed(entry)}  # one pass over the headers
+            versions = self.region.committed(entry)  # one pass over the headers
+            latest = self.region.latest(entry, versions)
+            committed = {v.slot: v.header for v in versions}
             latest_slot = latest.slot if latest else -1
             busy = [s for s in entry.slots() if self.region.is_busy(entry, s)]
             # a reader's pin is a shared (READ) lock; a writer's claim an exclusive one (shared from
@@ -531,7 +510,7 @@ class Store:
             pinned = [{"step": committed[s].step, "slot": s,
                        "holders": [(pid, cmd) for pid, cmd, kind in holders.get(slot_lock_offset(entry.index, s), ())
                                    if kind == "READ"]} for s in busy if s in committed]
-            _readers_behind_mounts(entry.name, pinned, readers)
+            pins_by_model.append((entry.name, pinned))
             models.append({
                 "name": entry.name,
                 "slots": entry.nslots,
@@ -548,6 +527,7 @@ class Store:
                 # the processes with a writer of the model open (its ring's lock: ring.Ring)
                 "writers": sorted({(pid, cmd) for pid, cmd, _ in holders.get(model_lock_offset(entry.index), ())}),
             })
+        readers_behind_mounts(self.path, pins_by_model)
         return {"path": self.path, "kind": self.region.backend.kind, **self.space(models),
                 **self._unbacked_bytes(), "models": models, "saves_in_flight": read_progress(sb.uuid)}
 
@@ -570,14 +550,3 @@ class Store:
         st, fs = os.stat(self.path), os.statvfs(self.path)
         return {"unallocated_bytes": max(0, st.st_size - st.st_blocks * 512),
                 "filesystem_free_bytes": fs.f_bavail * fs.f_frsize}
-
-
-def _readers_behind_mounts(model: str, pinned: list[dict], readers: Callable[[], dict]) -> None:
-    """Give each of ``pinned`` (``Store.status``'s) that a mount daemon holds ``readers``: the
-    processes with its files open or mapped in a mount of the region (``readers()``:
-    ``ckptfs.fs.readers.mount_readers``). A file opened through ``latest`` is counted for the
-    mount's pins of the model that no file opened by its step explains."""
-    for p in pinned:
-        if any(cmd == MOUNT_COMMAND for _, cmd in p["holders"]):
-            by_step = readers()
-            p["readers"] = sorted(by_step.get((model, p["step"])) or by_step.get((model, None)) or ())

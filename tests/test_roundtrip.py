@@ -287,7 +287,7 @@ def test_default_region_created_on_first_use(tmp_path, monkeypatch):
     # / and resumed from step 0)
     fstab = tmp_path / "fstab"
     fstab.write_text(f"# <file system> <mount point> <type>\nUUID=1 / ext4 defaults 0 1\n/dev/nvme0n1 {tmp_path} ext4 0 2\n")
-    monkeypatch.setattr(ckptfs.store, "FSTAB", str(fstab))
+    monkeypatch.setattr(ckptfs.mounttable, "FSTAB", str(fstab))
     with pytest.raises(NotFoundError, match=f"nothing is mounted at {tmp_path}, a mount point in .*Store.create"):
         ckptfs.Store()
     assert not (tmp_path / "sub").exists()

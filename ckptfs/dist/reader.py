@@ -148,9 +148,9 @@ class StorageReader(_DCPReader):
         here = self.store.region.superblock.uuid.hex()
         answers = exchange((here, named), group, f"the look at step {newest} of {self.model!r}")
         lacking = {region for (region, _), s in zip(answers, steps) if newest not in s}
-        if any(named is None for (_, named), s in zip(answers, steps) if newest in s):
+        if any(theirs is None for (_, theirs), s in zip(answers, steps) if newest in s):
             return
-        if lacking & {region for _, named in answers if named for region in named}:
+        if lacking & {region for _, theirs in answers if theirs for region in theirs}:
             return  # a commit cut between the leaders' records
         have = [rank for rank, s in enumerate(steps) if newest in s]
         lack = [rank for rank, s in enumerate(steps) if newest not in s]

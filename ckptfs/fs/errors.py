@@ -93,4 +93,3 @@ def _first_time(message: str) -> bool:
         return False
     _said.add(message)
     return True
-

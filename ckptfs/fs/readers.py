@@ -60,3 +60,16 @@ def _version_of(relative: str) -> tuple[str, int | None] | None:
             return "/".join(parts[:i]), step_of(part)
     return None
 
+
+def readers_behind_mounts(region_path: str, pinned: list[tuple[str, list[dict]]]) -> None:
+    """Give each pin of ``pinned`` ((model, its pins as ``Store.status`` lists them)) that a
+    mount daemon holds ``readers``: the processes with its files open or mapped in a mount of
+    the region (``mount_readers``: /proc scanned once, only where a mount holds a pin). A file
+    opened through ``latest`` is counted for the mount's pins of the model that no file opened by
+    its step explains."""
+    by_step = None
+    for model, pins in pinned:
+        for p in pins:
+            if any(cmd == MOUNT_COMMAND for _, cmd in p["holders"]):
+                by_step = mount_readers(region_path) if by_step is None else by_step
+                p["readers"] = sorted(by_step.get((model, p["step"])) or by_step.get((model, None)) or ())

@@ -55,4 +55,3 @@ def command_of(pid: int) -> str:
             return f.read().strip()
     except OSError:
         return "?"
-

@@ -8,8 +8,8 @@ import threading
 import time
 
 from ckptfs.errors import BusyError, RegionFormatError, in_words
-from ckptfs.region.backend import io_step, open_backend
 from ckptfs.mounttable import mount_points
+from ckptfs.region.backend import io_step, open_backend
 from ckptfs.region.format import SUPERBLOCK_BYTES, SUPERBLOCK_MAGIC, Superblock
 from ckptfs.region.locks import any_lock_held
 from ckptfs.units import human_bytes

@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from ckptfs.checksum import crc32
 from ckptfs.errors import CorruptionError, MalformedInputError, warn_once
@@ -57,15 +56,7 @@ class SlotReader:
 
     @staticmethod
     def _valid_copy(entry: ModelEntry, slot: int, header: SlotHeader | None) -> SlotHeader | None:
-        if header is None or header.model_index != entry.index or header.slot != slot:
-            return None
-        if header.state == SLOT_COMMITTED:
-            end = header.data_offset + header.data_bytes
-            if (header.manifest_offset < SLOT_HEADER_BYTES or header.data_offset % PAGE_BYTES
-                    or header.manifest_offset + header.manifest_bytes > header.data_offset
-                    or end > entry.slot_size(slot)):
-                return None
-        return header
+        return _valid_copy(entry.index, slot, entry.slot_size(slot), header)
 
     def header_copies_differ(self, entry: ModelEntry, slot: int) -> bool:
         """Whether one copy of the slot's header is damaged or stale while the other is valid
@@ -233,26 +224,28 @@ class SlotReader:
         self.backend.write(entry.slot_offset(slot) + offset, buf)
 
 
+
+def _valid_copy(model_index: int, slot: int, slot_bytes: int, header: SlotHeader | None) -> SlotHeader | None:
+    """``header`` if it is a valid header of slot ``slot`` (of ``slot_bytes``) of the model
+    ``model_index``: its index and data inside the slot, in that order; else None."""
+    if header is None or header.model_index != model_index or header.slot != slot:
+        return None
+    if header.state == SLOT_COMMITTED:
+        end = header.data_offset + header.data_bytes
+        if (header.manifest_offset < SLOT_HEADER_BYTES or header.data_offset % PAGE_BYTES
+                or header.manifest_offset + header.manifest_bytes > header.data_offset or end > slot_bytes):
+            return None
+    return header
+
+
 @functools.lru_cache(maxsize=1 << 14)
 def _parsed(model_index: int, slot: int, slot_bytes: int, copies: tuple[bytes, ...]) -> tuple[SlotHeader | None, bool]:
     """(the valid header of ``copies``, the committed one first; whether they disagree) for a
     slot of ``slot_bytes``: a header page read again unchanged is not parsed again (listing a
     model of hundreds of kept versions read each of their headers at every open)."""
-    entry = _SlotOf(model_index, slot_bytes)
-    valid_copies = [SlotReader._valid_copy(entry, slot, SlotHeader.unpack(c)) for c in copies]
+    valid_copies = [_valid_copy(model_index, slot, slot_bytes, SlotHeader.unpack(c)) for c in copies]
     valid = [h for h in valid_copies if h is not None]
     if not valid:
         return None, False
     best = next((h for h in valid if h.state == SLOT_COMMITTED), valid[0])
     return best, valid_copies[0] != valid_copies[1]
-
-
-class _SlotOf(NamedTuple):
-    """What ``SlotReader._valid_copy`` asks of a model entry, for one slot."""
-
-    index: int
-    bytes_: int
-
-    def slot_size(self, slot: int) -> int:
-        return self.bytes_
-
