@@ -993,3 +993,33 @@ def _keep_every_step_in_a_small_region(rank, world, region):
 def test_a_multi_rank_job_that_keeps_every_step_in_a_region_that_fills_fails_in_time(tmp_path):
     region = _new_region(tmp_path)
     run_ranks(_keep_every_step_in_a_small_region, 1, region)
+
+
+class _CountingStore:
+    """A real TCPStore on loopback whose ``check`` requests are counted."""
+
+    def __init__(self):
+        self.kv = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+        self.checks = 0
+
+    def check(self, keys):
+        self.checks += 1
+        return self.kv.check(keys)
+
+
+@pytest.mark.parametrize("missing", [set(), {517}, {0, 1023}, set(range(0, 1024, 3))])
+def test_who_is_missing_of_many_ranks_takes_few_store_requests(missing):
+    # a meeting's look for one straggler of 1024 ranks, made now and then by every waiting rank,
+    # asked the store once per rank: a million requests a look
+    from ckptfs.dist.group import present
+
+    store = _CountingStore()
+    keys = [f"arrivals/x/1/{r}" for r in range(1024)]
+    for r in range(1024):
+        if r not in missing:
+            store.kv.set(keys[r], "1")
+    found = present(store, keys)
+    assert [r for r, here in enumerate(found) if not here] == sorted(missing)
+    if len(missing) <= 2:
+        assert store.checks <= 1 + 2 * max(len(missing), 1) * 10
+    assert present(store, []) == []
