@@ -175,10 +175,36 @@ def test_a_step_whose_commit_failed_is_never_visible_and_its_parts_are_reclaimed
     dcp.load(back, storage_reader=ckptfs.dcp.StorageReader(store, "m"))
     assert torch.equal(back["w"], torch.arange(10.0) * 3)
     # an older step finishing after a newer one never wins
-    dcp.save({"w": torch.arange(10.0) * 4}, storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=2))
-    assert store.latest("m").step == 3
+    older = ckptfs.dcp.StorageWriter(store, "m", step=2)  # asked for before step 4 ...
+    dcp.save({"w": torch.arange(10.0) * 5}, storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=4))
+    dcp.save({"w": torch.arange(10.0) * 4}, storage_writer=older)  # ... finished after it
+    assert store.latest("m").step == 4 and 2 not in [v.step for v in store.versions("m")]
     dcp.load(back, storage_reader=ckptfs.dcp.StorageReader(store, "m", step=1))  # a given global step
     assert torch.equal(back["w"], torch.arange(10.0))
+
+
+def test_an_older_step_asked_for_after_the_newer_is_refused_and_a_late_milestone_too(store, caplog):
+    """A process gone back (a load of step 1 after a loss spike at step 3) that saves step 2
+    again: refused, with the way out (it was dropped in silence, with a future that
+    succeeded, when this process had recorded step 3). A save asked for before a newer one that
+    finishes after it is not recorded, said in the log; as a milestone (keep=True) it fails: a
+    milestone never vanishes in silence."""
+    for step in (1, 2, 3):
+        dcp.save({"w": torch.full((4,), float(step))}, storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=step))
+    back = {"w": torch.zeros(4)}
+    dcp.load(back, storage_reader=ckptfs.dcp.StorageReader(store, "m", step=1))
+    with pytest.raises(BaseException, match=r"already at step 3 .*ckptfs rm --allow-latest m"):
+        dcp.save({"w": torch.full((4,), 22.0)}, storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=2))
+    assert store.latest("m").step == 3
+    late = ckptfs.dcp.StorageWriter(store, "m", step=3)
+    milestone = ckptfs.dcp.StorageWriter(store, "m", step=4, keep=True)
+    dcp.save({"w": torch.full((4,), 5.0)}, storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=5))
+    with caplog.at_level("WARNING", logger="ckptfs"):
+        dcp.save({"w": torch.full((4,), 3.0)}, storage_writer=late)
+    assert "step 3 of 'm' finished after step 5" in caplog.text
+    with pytest.raises(BaseException, match=r"keep=True\) finished after step 5.*not recorded"):
+        dcp.save({"w": torch.full((4,), 4.0)}, storage_writer=milestone)
+    assert store.latest("m").step == 5 and 4 not in [v.step for v in store.versions("m")]
 
 
 def test_dcp_metadata_codec_roundtrips_and_refuses_what_is_not_its_own(store):
@@ -1365,8 +1391,6 @@ def test_an_older_step_of_this_job_finishing_after_a_newer_one_is_quiet_in_any_p
     state = {"w": torch.arange(8.0)}
     older = ckptfs.dcp.StorageWriter(store, "j", step=1)  # asked for first ...
     dcp.save(state, storage_writer=ckptfs.dcp.StorageWriter(store, "j", step=2))
-    from ckptfs.dist import storage
-    storage._recorded.clear()  # ... as if step 2 was recorded by another process of the job
     dcp.save(state, storage_writer=older)  # ... finished last
     assert store.latest("j").step == 2
     with pytest.raises(BaseException, match=r"already at step 2 .*ckptfs rm --allow-latest j"):

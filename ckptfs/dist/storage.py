@@ -254,7 +254,7 @@ class StorageWriter(_DCPWriter):
                 "refuse": None}
         try:  # a failure here is told to every rank, as the part's: not raised alone before the exchange
             mine.update(where=region_identity(self.store),
-                        refuse=refuse_to_record(self.store, self.model, self.step, self.started_ns))
+                        refuse=refuse_to_record(self.store, self.model, self.step, self.started_ns, self.keep))
             if not places:
                 mine.update(items=[encode_index(item.index) for item in items],
                             metadata=metadata if metadata is None or isinstance(metadata, str)
@@ -323,49 +323,58 @@ def _placed(everyone: list[dict]) -> PlacedMetadata:
                                      for p in everyone for pos, index in enumerate(p["items"])])
 
 
-_recorded: dict[tuple[str, str], set[int]] = {}  # (region, model) -> steps this process recorded there
-
-
 def _record_here(store, model: str, step: int, record: str, started_ns: int, keep: bool = False,
                  extra: dict | None = None, regions: list[str] = ()) -> None:
-    """Commit the global version of ``step`` in this node's region, unless a newer step is latest:
-    one of this job's saves that finished first (recorded by this process, or after this save
-    was asked for at ``started_ns``: an older save never wins), or else one of another job, or of
-    an earlier run that got further than where this one resumed. The step would then never
-    become latest, and this job's saves would all vanish: CkptfsError, saying what to do. A step saved again (a job resumed at the step it saves next) is recorded again:
-    the new version names the new parts, which hide the earlier save's in the part models (an
-    earlier version not recorded again would name parts that no listing finds)."""
-    refusal = refuse_to_record(store, model, step, started_ns)
+    """Commit the global version of ``step`` in this node's region, unless a newer step is latest
+    (an older step never becomes latest): one of this job's saves, recorded after this one was
+    asked for at ``started_ns``, that finished first (then not recorded, said in the log; a
+    milestone, ``keep``, raises CkptfsError), or one recorded before it was asked for (another
+    job's, an earlier run that got further, this job gone back to an older step): CkptfsError,
+    saying what to do (``refuse_to_record``). A step saved again (a job resumed at the step it
+    saves next) is recorded again: the new version names the new parts, which hide the earlier
+    save's in the part models (an earlier version not recorded again would name parts that no
+    listing finds)."""
+    refusal = refuse_to_record(store, model, step, started_ns, keep)
     if refusal is not None:
         raise CkptfsError(refusal)
     latest = store.latest(model, missing_ok=True)
-    if latest is not None and latest.step > step:
+    if latest is not None and latest.step > step and latest.time_ns >= started_ns:
+        # one of this job's newer saves finished first: this one would be latest (the highest
+        # counter), so it is not recorded, and said (a ring version, superseded as it came; a
+        # milestone is refused in refuse_to_record)
+        log.warning("ckptfs: step %d of %r finished after step %d, already latest, and is not recorded (an older "
+                    "step never becomes latest)", step, model, latest.step)
         return
     w = _kept_writer(store, model, 1)
     # ``regions``: the uuids of every node's region, which each records the step (a load tells a
     # commit cut between the leaders' records from a step saved without some node: reader.py)
     w.save({"dcp": {"step": step, "regions": list(regions)}}, step=step,
            extra={**(extra or {}), METADATA_FILE: record}, keep=keep).result()
-    _recorded.setdefault(_recorded_key(store, model), set()).add(step)
 
 
-def refuse_to_record(store, model: str, step: int, started_ns: int) -> str | None:
+def refuse_to_record(store, model: str, step: int, started_ns: int, keep: bool = False) -> str | None:
     """Why the node of ``store`` would not record ``step`` of ``model`` (``_record_here``), or
     None. Every leader says it in the exchange of parts, before any of them records: one that
     refused while another recorded left the nodes' regions holding different steps, and every
-    later load failed."""
+    later load failed. ``keep``: the step is a milestone, which must not go unrecorded in
+    silence when a newer save of the job finished first."""
     latest = store.latest(model, missing_ok=True)
-    if (latest is not None and latest.step > step and latest.step not in _recorded.get(_recorded_key(store, model), ())
-            and latest.time_ns < started_ns):
-        return (f"{model!r} in region {store.path} is already at step {latest.step} (another job's, or an earlier "
-                f"run that got further), so step {step} would never become its latest: save under another model "
-                f"name, or remove the versions after the step you resumed from, in every node's region (`ckptfs rm "
-                f"--allow-latest {model} STEP...`)")
-    return None
-
-
-def _recorded_key(store, model: str) -> tuple[str, str]:
-    return store.region.superblock.uuid.hex(), model
+    if latest is None or latest.step <= step:
+        return None
+    if latest.time_ns >= started_ns:  # one of this job's newer saves finished first
+        if keep:
+            return (f"step {step} of {model!r} (keep=True) finished after step {latest.step}, already latest, and an "
+                    "older step never becomes latest: the milestone was not recorded; save milestones with no newer "
+                    "save in flight (wait for the previous save's future first)")
+        return None
+    # asked for after the newer step was recorded: another job's, an earlier run that got further,
+    # or this job gone back (a load of an older step after a loss spike), which the region cannot
+    # tell apart; it would never become latest (and was dropped in silence when this process had
+    # recorded the newer step itself)
+    return (f"{model!r} in region {store.path} is already at step {latest.step} (another job's, an earlier "
+            f"run that got further, or this job gone back to an older step), so step {step} would never become its "
+            f"latest: save under another model name, or remove the versions after the step you resumed from, in "
+            f"every node's region (`ckptfs rm --allow-latest {model} STEP...`)")
 
 
 def write_results(items: list, tensors: list, rank: int, counter: int | None) -> list[WriteResult]:
