@@ -205,6 +205,29 @@ def test_new_versions_and_latest_show_within_a_second(toy, store):
     assert torch.load(os.path.join(model_dir, "latest", "checkpoint.pt"), weights_only=True)["step"] == 2
 
 
+def test_a_process_holding_a_file_of_latest_is_given_that_version_again(toy, store):
+    """One torch.load(mmap=True) of latest/checkpoint.pt walks the path twice (the zip reader's
+    open, then UntypedStorage.from_file): a save committed between the two mixed the older
+    version's index with the newer's tensors. A process holding a file of the version latest
+    gave it is given it again (for LATEST_HELD_S); any other process, the newest."""
+    model_dir = toy / "held"
+    link = os.path.join(model_dir, "latest")
+    save_versions(store, "held", [1])
+    wait_for(lambda: os.path.exists(os.path.join(model_dir, vdir(1))), what="held/step-00000001")
+    assert os.readlink(link) == vdir(1)
+    with open(os.path.join(link, "checkpoint.pt"), "rb"):
+        save_versions(store, "held", [2])
+        elsewhere = [sys.executable, "-c", f"import os; print(os.readlink({link!r}))"]
+        wait_for(lambda: subprocess.run(elsewhere, capture_output=True, text=True).stdout.strip() == vdir(2),
+                 what="latest -> step 2 in another process")
+        assert os.readlink(link) == vdir(1)
+        obj = torch.load(os.path.join(link, "checkpoint.pt"), weights_only=True, mmap=True)
+        assert obj["step"] == 1 and torch.equal(obj["x"], torch.full((1000,), 1.0))
+        del obj  # its mapping holds the file open too
+    # the files closed (their releases come asynchronously): the newest again
+    wait_for(lambda: os.readlink(link) == vdir(2), what="latest -> step 2 once the file is closed")
+
+
 def test_version_whose_slot_is_reused_disappears(toy, store):
     model_dir = toy / "ring"
     save_versions(store, "ring", [1, 2], max_inflight=1, slots=2)

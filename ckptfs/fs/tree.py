@@ -491,11 +491,15 @@ class Tree:
     def readlink(self, node: Node) -> str:
         """Target of ``<model>/latest``: ``step-…`` of the newest committed version, from a
         listing at most ``LATEST_FRESH_S`` old."""
+        return version_dirname(self.latest_step(node))
+
+    def latest_step(self, node: Node) -> int:
+        """The step ``<model>/latest`` names (``readlink``)."""
         if node.kind is not Kind.LATEST:
             raise OSError(errno.EINVAL, "not a symbolic link")
         self._refresh_model(node.model, LATEST_FRESH_S)
         self._live(node)
-        return version_dirname(self._model(node.model).latest.step)
+        return self._model(node.model).latest.step
 
     def open(self, node: Node, flags: int) -> OpenFile:
         """Open a file for reading and pin its version (EROFS for writing, EISDIR, ENOENT;
