@@ -421,6 +421,35 @@ def test_a_rank_that_never_calls_dcp_save_or_load_fails_the_others_naming_it(tmp
     run_ranks(_one_rank_never_calls_dcp_save, 2, region)
 
 
+def _one_rank_saves_alone(rank, world, region):
+    import torch.distributed.checkpoint as dcp
+
+    store = ckptfs.Store(region)
+    only_0 = dist.new_group([0])  # made by every rank, as new_group asks; used by rank 0 alone
+    dist.barrier()
+    if rank == 0:  # as a DDP job saves: one rank, with DCP's no_dist or a group of its own
+        t0 = time.monotonic()
+        state = {"w": torch.arange(6.0), "n": 3}
+        dcp.save(state, no_dist=True, storage_writer=ckptfs.dcp.StorageWriter(store, "alone", step=1, timeout_s=20))
+        dcp.save({"w": torch.arange(6.0) * 2, "n": 4}, process_group=only_0,
+                 storage_writer=ckptfs.dcp.StorageWriter(store, "alone", step=2, timeout_s=20))
+        back = {"w": torch.zeros(6), "n": 0}
+        dcp.load(back, no_dist=True, storage_reader=ckptfs.dcp.StorageReader(store, "alone", step=1, timeout_s=20))
+        assert torch.equal(back["w"], torch.arange(6.0)) and back["n"] == 3
+        dcp.load(back, process_group=only_0, storage_reader=ckptfs.dcp.StorageReader(store, "alone", timeout_s=20))
+        assert torch.equal(back["w"], torch.arange(6.0) * 2) and back["n"] == 4
+        assert time.monotonic() - t0 < 15  # no wait for rank 1, which never comes
+    dist.barrier()
+    assert [v.step for v in store.versions("alone")] == [1, 2]
+    store.close()
+
+
+def test_one_rank_saves_and_loads_alone_with_dcps_no_dist_or_a_process_group_of_its_own(tmp_path):
+    """DCP's no_dist=True and process_group= were not consulted: a rank saving alone (as a DDP
+    job's rank 0 does) waited timeout_s for the others, then failed naming them."""
+    run_ranks(_one_rank_saves_alone, 2, _new_region(tmp_path))
+
+
 def _two_models_commit_in_crossed_order(rank, world, region):
     """A model's writer and its EMA's in one process: rank 0 commits the EMA's step first,
     rank 1 the model's (a slower commit on each); with one group for both their exchanges met

@@ -13,11 +13,11 @@ from datetime import timedelta
 
 from ckptfs.errors import CkptfsError
 
-_groups: dict[tuple[float, str, str], object] = {}
+_groups: dict[tuple[float, str, str, tuple[int, ...] | None], object] = {}
 _world: list = [None]  # the default process group that _groups and the counts below were made under
 
 
-def coordination(timeout_s: float, model: str, purpose: str = "save"):
+def coordination(timeout_s: float, model: str, purpose: str = "save", ranks: tuple[int, ...] | None = None):
     """The gloo group the checkpoint's ranks coordinate through (None without torch.distributed):
     one of its own per process, ``model`` and ``purpose``, made collectively at the first save or
     load of it on every rank, so that its collectives run from background threads beside the
@@ -25,18 +25,37 @@ def coordination(timeout_s: float, model: str, purpose: str = "save"):
     behind its NCCL traffic. A group's collectives must come in the same order on every rank, so
     two threads that each keep their own order each take a group of their own: a writer's
     snapshots and its commits, and the writers of two models in one process (a model and its
-    EMA: one's commit met the other's on another rank, and gloo aborted the process)."""
+    EMA: one's commit met the other's on another rank, and gloo aborted the process).
+    ``ranks``: the global ranks of a subgroup (DCP's ``process_group=``), made by those ranks
+    alone (``use_local_synchronization``: the others never come to this save)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
     with _arrivals_lock:
         _forget_destroyed_world(dist.group.WORLD)
-    key = (timeout_s, model, purpose)
+    if ranks is not None and len(ranks) == dist.get_world_size():
+        ranks = None
+    key = (timeout_s, model, purpose, ranks)
     group = _groups.get(key)
     if group is None:
-        group = _groups[key] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        group = _groups[key] = (dist.new_group(backend="gloo", timeout=timeout) if ranks is None else
+                                dist.new_group(list(ranks), backend="gloo", timeout=timeout,
+                                               use_local_synchronization=True))
     return group
+
+
+def storage_group(storage, purpose: str):
+    """The gloo group a DCP storage (``ckptfs.dcp.StorageWriter`` / ``StorageReader``)
+    coordinates through: the one it was given (``group=``); none where DCP runs without
+    collectives (``no_dist=True``: one process saves or loads alone); else ckptfs's own over the
+    ranks of DCP's ``process_group=``, or of the whole job (``meet_before_dcp`` reads which)."""
+    if storage.group is not None:
+        return storage.group
+    if storage.dcp_solo:
+        return None
+    return coordination(storage.timeout_s, storage.model, purpose, storage.dcp_ranks)
 
 
 def _forget_destroyed_world(world) -> None:
@@ -212,14 +231,24 @@ def meet_before_dcp(storage, dcp_function: str, what: str, *, load: bool = False
     happens, so that no rank waits for another outside the thread that plans. ``load``: a
     load's meeting (a step of None is the newest). True where the caller is ``dcp_function``
     (a save or load starts), after the meeting."""
-    if sys._getframe(2).f_code.co_name != dcp_function:
+    frame = sys._getframe(2)
+    if frame.f_code.co_name != dcp_function:
         return False
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    # DCP's own view of the ranks (its _DistWrapper): no_dist=True (a process that saves or loads
+    # alone: it waited timeout_s for the others, then failed naming them) or process_group=
+    # (a subgroup: the ranks outside it never come); see storage_group
+    wrapper = frame.f_locals.get("distW")
+    storage.dcp_solo = wrapper is not None and not getattr(wrapper, "use_dist", True)
+    storage.dcp_ranks = None
+    if dist.is_available() and dist.is_initialized() and not storage.dcp_solo:
+        dcp_group = getattr(wrapper, "group", None)
+        if storage.group is None and dcp_group is not None:
+            storage.dcp_ranks = tuple(dist.get_process_group_ranks(dcp_group))
         step = storage.step if storage.step is not None else "newest"
-        meet(storage.group or dist.group.WORLD, {"model": storage.model, "step": step}, storage.timeout_s, what,
-             load=load)
+        meet(storage.group or dcp_group or dist.group.WORLD, {"model": storage.model, "step": step},
+             storage.timeout_s, what, load=load)
     return True
 
 

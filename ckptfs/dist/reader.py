@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
 
 from ckptfs.dist.codec import decode_metadata
-from ckptfs.dist.group import coordination, exchange, meet_before_dcp
+from ckptfs.dist.group import exchange, meet_before_dcp, storage_group
 from ckptfs.dist.load import PartRead, read_parts, wanted_tensors
 from ckptfs.dist.names import METADATA_FILE, is_global_version
 from ckptfs.dist.parts import item_records, open_part
@@ -41,6 +41,7 @@ class StorageReader(_DCPReader):
                  group=None):
         super().__init__()
         self.group = group
+        self.dcp_solo, self.dcp_ranks = False, None  # DCP's no_dist and process_group (group.storage_group)
         self.store = store
         self.model = model
         self.step = step
@@ -95,7 +96,7 @@ class StorageReader(_DCPReader):
 
     def _read_metadata(self) -> Metadata:
         # the group first: made collectively, it must not wait for a rank that failed before it
-        group = self.group if self.group is not None else coordination(self.timeout_s, self.model, "load")
+        group = storage_group(self, "load")
         failure = None
         try:
             steps = {v.step for v in self.store.versions(self.model, missing_ok=True)}

@@ -40,7 +40,7 @@ from torch.futures import Future
 
 from ckptfs.dist import parts
 from ckptfs.dist.codec import PlacedMetadata, encode_index, encode_metadata
-from ckptfs.dist.group import Arrival, check_agreement, coordination, exchange, meet_before_dcp, this_rank
+from ckptfs.dist.group import Arrival, check_agreement, exchange, meet_before_dcp, storage_group, this_rank
 from ckptfs.dist.names import METADATA_FILE, part_model, part_models, refuse_part_name
 from ckptfs.dist.resolve import Resolved, resolve_items
 from ckptfs.errors import CkptfsError
@@ -102,6 +102,7 @@ class StorageWriter(_DCPWriter):
         super().__init__()
         refuse_part_name(model)
         self.group = group  # the gloo group to coordinate through (default: one of ckptfs's own)
+        self.dcp_solo, self.dcp_ranks = False, None  # DCP's no_dist and process_group (group.storage_group)
         self.store = store
         self.model = model
         self.step = step
@@ -146,7 +147,7 @@ class StorageWriter(_DCPWriter):
         # every rank runs this, in the same order: the place to make the coordination group
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank", this_rank())
-        self._group = self.group if self.group is not None else coordination(self.timeout_s, self.model)
+        self._group = storage_group(self, "save")
 
     @property
     def checkpoint_id(self) -> str:
