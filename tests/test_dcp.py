@@ -1396,3 +1396,28 @@ def test_an_older_step_of_this_job_finishing_after_a_newer_one_is_quiet_in_any_p
     with pytest.raises(BaseException, match=r"already at step 2 .*ckptfs rm --allow-latest j"):
         dcp.save(state, storage_writer=ckptfs.dcp.StorageWriter(store, "j", step=1))
     assert store.latest("j").step == 2
+
+
+def test_a_checkpoint_id_beside_the_storage_names_the_step_or_is_refused(store, tmp_path):
+    """torchtitan passes checkpoint_id (a folder ending in step-N) with its storage: it was
+    ignored, and a load of step 1 loaded the newest in silence."""
+    for step in (1, 2):
+        dcp.save({"w": torch.full((3,), float(step))}, checkpoint_id=f"ckptfs:ck@{step}",
+                 storage_writer=ckptfs.dcp.StorageWriter(store, "ck", step=step))
+    back = {"w": torch.zeros(3)}
+    reader = ckptfs.dcp.StorageReader(store, "ck")
+    dcp.load(back, checkpoint_id="ckptfs:ck@1", storage_reader=reader)
+    assert back["w"][0] == 1.0
+    dcp.load(back, checkpoint_id=tmp_path / "outputs" / "checkpoint" / "step-2", storage_reader=reader)
+    assert back["w"][0] == 2.0
+    dcp.load(back, checkpoint_id="/ckpt/ck/step-00000001/", storage_reader=reader)
+    assert back["w"][0] == 1.0
+    dcp.load(back, checkpoint_id="ckptfs:ck@newest", storage_reader=reader)
+    assert back["w"][0] == 2.0
+    for bad, said in (("ckptfs:other@1", "names model 'other'"), ("/ckpt/ck/latest", "names no step"),
+                      ("step-x", "is not a step")):
+        with pytest.raises(ValueError, match=said):
+            dcp.load(back, checkpoint_id=bad, storage_reader=reader)
+    with pytest.raises(ValueError, match=r"names step 4, and StorageWriter\(step=3\)"):
+        dcp.save({"w": torch.zeros(3)}, checkpoint_id="run/step-4", storage_writer=ckptfs.dcp.StorageWriter(store, "ck", step=3))
+    assert [v.step for v in store.versions("ck")] == [1, 2]

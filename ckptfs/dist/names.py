@@ -47,3 +47,37 @@ def part_models(store, model: str, models: list[str] | None = None) -> list[str]
 def is_global_version(manifest) -> bool:
     """Whether a version (its manifest) is the global version of a multi-rank DCP checkpoint."""
     return any(name == METADATA_FILE for name, _ in manifest.files)
+
+
+def checkpoint_id_of(model: str, step) -> str:
+    """The ``checkpoint_id`` of a DCP storage of ``model`` at ``step`` (None: the newest):
+    ``ckptfs:MODEL@STEP``, which ``step_of_checkpoint_id`` reads back."""
+    return f"ckptfs:{model}@{'newest' if step is None else step}"
+
+
+def step_of_checkpoint_id(checkpoint_id, model: str, given_as: str) -> int | None:
+    """The step a ``checkpoint_id`` passed to ``dcp.save`` / ``dcp.load`` beside a ckptfs storage
+    of ``model`` names (None: the newest): ``ckptfs:MODEL@STEP`` (or ``@newest``), as the storage's
+    own ``checkpoint_id`` says, or a path whose last name is ``step-N`` (torchtitan's folders, the
+    mount's version directories). ValueError, in the words of ``given_as`` (where the user gave
+    the model), for another model or anything else: an id that was ignored loaded the newest step
+    in silence where the caller asked for another."""
+    import os
+
+    text = os.fspath(checkpoint_id)
+    text = text.decode(errors="replace") if isinstance(text, bytes) else text
+    if text.startswith("ckptfs:"):
+        named, at, step = text[len("ckptfs:"):].rpartition("@")
+        if not at or named != model:
+            raise ValueError(f"checkpoint_id={text!r} names {'model ' + repr(named) if at else 'no step'}, and the "
+                             f"{given_as} is of {model!r}: pass checkpoint_id='ckptfs:{model}@STEP', or none")
+    else:
+        head, dash, step = os.path.basename(text.rstrip("/")).rpartition("-")
+        if head != "step" or not dash:
+            raise ValueError(f"checkpoint_id={text!r} names no step of {model!r}: pass 'ckptfs:{model}@STEP', a path "
+                             f"ending in step-N, or no checkpoint_id (the {given_as}'s step is used)")
+    if step == "newest":
+        return None
+    if not (step.isascii() and step.isdigit()):
+        raise ValueError(f"checkpoint_id={text!r}: {step!r} is not a step (a whole number)")
+    return int(step)

@@ -21,7 +21,7 @@ from torch.futures import Future
 from ckptfs.dist.codec import decode_metadata
 from ckptfs.dist.group import exchange, meet_before_dcp, storage_group
 from ckptfs.dist.load import PartRead, read_parts, wanted_tensors
-from ckptfs.dist.names import METADATA_FILE, is_global_version
+from ckptfs.dist.names import METADATA_FILE, checkpoint_id_of, is_global_version, step_of_checkpoint_id
 from ckptfs.dist.parts import item_records, open_part
 from ckptfs.dist.single import ONE_PROCESS, one_process_metadata, open_one_process
 from ckptfs.errors import CkptfsError, CorruptionError, NotFoundError, no_version_yet
@@ -54,7 +54,11 @@ class StorageReader(_DCPReader):
 
     def reset(self, checkpoint_id=None) -> None:
         """Nothing of an earlier load is kept (its failure would fail every later load of a
-        reader used again: an eval loop polling for a step)."""
+        reader used again: an eval loop polling for a step). A ``checkpoint_id`` given to DCP
+        names the step to load from now on (``names.step_of_checkpoint_id``; ValueError for one
+        that names none)."""
+        if checkpoint_id is not None:
+            self.step = step_of_checkpoint_id(checkpoint_id, self.model, "StorageReader")
         self._drop_ahead()
         self._gc_hold.release()
         self.metadata, self.metadata_error = None, None
@@ -77,7 +81,7 @@ class StorageReader(_DCPReader):
             # a load starts (DCP resets a reader only when given a checkpoint_id): nothing of an
             # earlier one is kept; its failure failed every later load of a reader used again
             self.metadata, self.metadata_error = None, None
-        return f"ckptfs:{self.model}@{'newest' if self.step is None else self.step}"
+        return checkpoint_id_of(self.model, self.step)
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         # Every rank runs this (DCP's local step of a load): the ranks agree on the step here, in

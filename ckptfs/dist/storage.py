@@ -41,7 +41,8 @@ from torch.futures import Future
 from ckptfs.dist import parts
 from ckptfs.dist.codec import PlacedMetadata, encode_index, encode_metadata
 from ckptfs.dist.group import Arrival, check_agreement, exchange, meet_before_dcp, storage_group, this_rank
-from ckptfs.dist.names import METADATA_FILE, part_model, part_models, refuse_part_name
+from ckptfs.dist.names import (METADATA_FILE, checkpoint_id_of, part_model, part_models, refuse_part_name,
+                               step_of_checkpoint_id)
 from ckptfs.dist.resolve import Resolved, resolve_items
 from ckptfs.errors import CkptfsError
 from ckptfs.writer.writer import Writer
@@ -137,7 +138,15 @@ class StorageWriter(_DCPWriter):
 
     # ---------------------------------------------------------------- DCP's StorageWriter
     def reset(self, checkpoint_id=None) -> None:
-        pass  # the checkpoint is (model, step), given to the constructor
+        """The checkpoint is (model, step), given to the constructor; a ``checkpoint_id`` given
+        to DCP beside it must name the same (``names.step_of_checkpoint_id``): ValueError, before
+        anything is written, where it names another step."""
+        if checkpoint_id is None:
+            return
+        step = step_of_checkpoint_id(checkpoint_id, self.model, "StorageWriter")
+        if step != self.step:
+            raise ValueError(f"checkpoint_id={checkpoint_id!r} names step {'newest' if step is None else step}, and "
+                             f"StorageWriter(step={self.step}) saves step {self.step}: pass the same step to both")
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
@@ -154,7 +163,7 @@ class StorageWriter(_DCPWriter):
         """This save's name in DCP's logs and metadata: ``ckptfs:MODEL@STEP``. Where DCP reads it
         just before its planning gather, the ranks meet first (``meet_before_dcp``)."""
         meet_before_dcp(self, "_save_state_dict", f"dcp.save of step {self.step} of {self.model!r}")
-        return f"ckptfs:{self.model}@{self.step}"
+        return checkpoint_id_of(self.model, self.step)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.checkpoint_id)
