@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 import threading
+import time
 import weakref
 
 _lock = threading.Lock()
@@ -47,42 +49,75 @@ def paused_gc():
         _resume()
 
 
+HOLD_LOOK_S = 0.25  # how often a hold looks whether the call it spans has returned
+
+
 class GCHold:
     """A pause of the cyclic GC that spans calls (a DCP load's, from its start to the end of
-    its reads, which torch's code runs between): ``hold(expire_s)`` and ``release()``, both
-    idempotent. A load that fails between the reader's calls never says so: the pause ends
-    after ``expire_s`` anyway, or when the hold goes (its reader with it), or at its next
-    ``hold`` or ``release``."""
+    its reads, which torch's code runs between): ``hold(expire_s, frame)`` and ``release()``,
+    both idempotent. A load that fails between the reader's calls never says so: the pause
+    ends within HOLD_LOOK_S of the return (or raise) of ``frame``, the call that runs the load
+    (DCP's ``_load_state_dict``), after ``expire_s`` at the latest, when the hold goes (its
+    reader with it), or at its next ``hold`` or ``release``. (Only at ``expire_s``, the load's
+    timeout_s, before: a failed load's reader, held by its exception's traceback, stayed, and
+    the GC with it off for 300 s.)"""
 
     def __init__(self):
         self._state = _Hold()
         weakref.finalize(self, self._state.release)
 
-    def hold(self, expire_s: float) -> None:
+    def hold(self, expire_s: float, frame=None) -> None:
         self._state.release()  # a hold an earlier, failed load left
-        self._state.hold(expire_s)
+        self._state.hold(expire_s, frame)
 
     def release(self) -> None:
         self._state.release()
 
 
+def _running(thread_id: int, frame_id: int, code) -> bool:
+    """Whether the frame of id ``frame_id`` running ``code`` is still on the stack of thread
+    ``thread_id``. (Ids, not the frame: a reference to it would keep the load's locals.)"""
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        if id(frame) == frame_id and frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
 class _Hold:
     def __init__(self):
         self._mutex = threading.Lock()
-        self._timer: threading.Timer | None = None
+        self._done: threading.Event | None = None
 
-    def hold(self, expire_s: float) -> None:
+    def hold(self, expire_s: float, frame=None) -> None:
         with self._mutex:
-            if self._timer is None:
-                _pause()
-                self._timer = threading.Timer(expire_s, self.release)
-                self._timer.daemon = True
-                self._timer.name = "ckptfs-gc-hold"
-                self._timer.start()
+            if self._done is not None:
+                return
+            _pause()
+            done = self._done = threading.Event()
+        span = None if frame is None else (threading.get_ident(), id(frame), frame.f_code)
+        deadline = time.monotonic() + expire_s
+
+        def watch() -> None:
+            while not done.wait(min(HOLD_LOOK_S, max(deadline - time.monotonic(), 0))):
+                if time.monotonic() >= deadline or (span is not None and not _running(*span)):
+                    self._end(done)
+                    return
+
+        threading.Thread(target=watch, name="ckptfs-gc-hold", daemon=True).start()
 
     def release(self) -> None:
         with self._mutex:
-            timer, self._timer = self._timer, None
-        if timer is not None:
-            timer.cancel()
-            _resume()
+            done = self._done
+        if done is not None:
+            self._end(done)
+
+    def _end(self, done: threading.Event) -> None:
+        """End the hold whose event is ``done``, once (a release and its watcher may race)."""
+        with self._mutex:
+            if self._done is not done:
+                return
+            self._done = None
+        done.set()
+        _resume()

@@ -1332,8 +1332,9 @@ def test_a_load_pauses_the_gc_from_its_start_to_its_reads_end(store, monkeypatch
     """From DCP's start of a load (its read of checkpoint_id) to the end of read_data the
     cyclic GC is paused (DCP's planning, between the reader's calls, started a full collection of
     the heap in most loads); on again after the load, after a load that found nothing to read,
-    and after one that failed in planning once its reader is reset, or after its timeout_s. A GC
-    someone else switched off stays off."""
+    and within a moment of the return of DCP's call that failed in planning (its reader, held by
+    the error's traceback, kept the GC off for its timeout_s, 300 s by default). A GC someone
+    else switched off stays off."""
     import gc
     import time
 
@@ -1358,18 +1359,17 @@ def test_a_load_pauses_the_gc_from_its_start_to_its_reads_end(store, monkeypatch
         raise RuntimeError("injected: planning failed")
     monkeypatch.setattr(ckptfs.dcp.StorageReader, "prepare_global_plan", failing)
     r = ckptfs.dcp.StorageReader(store, "m")
-    with pytest.raises(CheckpointException):
+    with pytest.raises(CheckpointException) as failed:  # its reader is kept by the error's traceback
         dcp.load(back, storage_reader=r)
-    assert not gc.isenabled()  # until the reader is reset, used again, goes, or times out
-    r.reset()
+    r.reset()  # a reset ends it at once
     assert gc.isenabled()
-    with pytest.raises(CheckpointException):  # its reader is kept by the error's traceback
-        dcp.load(back, storage_reader=ckptfs.dcp.StorageReader(store, "m", timeout_s=0.5))
-    assert not gc.isenabled()
-    deadline = time.monotonic() + 10
-    while not gc.isenabled() and time.monotonic() < deadline:
+    with pytest.raises(CheckpointException) as failed:
+        dcp.load(back, storage_reader=ckptfs.dcp.StorageReader(store, "m"))
+    t0 = time.monotonic()
+    while not gc.isenabled() and time.monotonic() < t0 + 10:
         time.sleep(0.05)
-    assert gc.isenabled()  # after its timeout_s
+    assert gc.isenabled() and time.monotonic() - t0 < 2  # not after its timeout_s (300 s)
+    assert failed.value is not None
 
     monkeypatch.setattr(ckptfs.dcp.StorageReader, "prepare_global_plan", planning)
     gc.disable()  # someone else's
@@ -1421,3 +1421,33 @@ def test_a_checkpoint_id_beside_the_storage_names_the_step_or_is_refused(store, 
     with pytest.raises(ValueError, match=r"names step 4, and StorageWriter\(step=3\)"):
         dcp.save({"w": torch.zeros(3)}, checkpoint_id="run/step-4", storage_writer=ckptfs.dcp.StorageWriter(store, "ck", step=3))
     assert [v.step for v in store.versions("ck")] == [1, 2]
+
+
+def test_a_gc_hold_ends_at_its_expiry_or_when_the_call_it_spans_returns():
+    import gc
+    import sys
+    import time
+
+    from ckptfs.gcpause import GCHold
+
+    hold = GCHold()
+    t0 = time.monotonic()
+    hold.hold(0.3)  # no call to watch: its expiry alone
+    assert not gc.isenabled()
+    while not gc.isenabled() and time.monotonic() < t0 + 5:
+        time.sleep(0.02)
+    assert gc.isenabled() and 0.25 < time.monotonic() - t0 < 2
+
+    def load():  # as DCP's _load_state_dict: holds, then fails
+        hold.hold(60, sys._getframe(0))
+        raise RuntimeError("planning failed")
+    with pytest.raises(RuntimeError) as kept:  # the traceback keeps the frame object alive
+        load()
+    t0 = time.monotonic()
+    while not gc.isenabled() and time.monotonic() < t0 + 5:
+        time.sleep(0.02)
+    assert gc.isenabled() and time.monotonic() - t0 < 1 and kept.value.__traceback__ is not None
+    hold.hold(60)
+    hold.release()
+    hold.release()  # idempotent: the GC's state is counted once
+    assert gc.isenabled()

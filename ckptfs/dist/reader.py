@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from torch.distributed.checkpoint import StorageReader as _DCPReader
@@ -74,10 +75,10 @@ class StorageReader(_DCPReader):
         (``meet_before_dcp``): a rank that never calls ``dcp.load`` is named after ``timeout_s``.
         From there to the end of read_data the cyclic GC is paused: DCP's metadata and
         planning, much of it between our calls, started a full collection of the rank's heap in
-        most loads (see ckptfs.gcpause). A load that fails before read_data resumes it at the
-        reader's reset or next load, when the reader goes, or after ``timeout_s``."""
+        most loads (see ckptfs.gcpause). A load that fails before read_data resumes it as DCP's
+        call returns (GCHold: within a quarter of a second), or after ``timeout_s``."""
         if meet_before_dcp(self, "_load_state_dict", f"dcp.load of {self.model!r}", load=True):
-            self._gc_hold.hold(self.timeout_s)
+            self._gc_hold.hold(self.timeout_s, sys._getframe(1))  # until DCP's _load_state_dict returns
             # a load starts (DCP resets a reader only when given a checkpoint_id): nothing of an
             # earlier one is kept; its failure failed every later load of a reader used again
             self.metadata, self.metadata_error = None, None
