@@ -36,14 +36,13 @@ from ckptfs.dist.names import RECORD_FILES
 from ckptfs.flatten import DTYPES
 from ckptfs.manifest import check_file_name, check_skeleton, expected_nbytes, map_tensor_refs, unflatten
 from ckptfs.views.metadata import METADATA_FILE
-from ckptfs.views.safetensors import ALIASES_KEY, SAFETENSORS_DTYPES, SKELETON_KEY, STATE_FILE
+from ckptfs.views.safetensors import ALIASES_KEY, MAX_HEADER_BYTES, SAFETENSORS_DTYPES, SKELETON_KEY, STATE_FILE
 from ckptfs.views.torchzip import CHECKPOINT_FILE
 
 log = logging.getLogger(__name__)
 
 # safetensors dtype code -> ckptfs (torch) dtype name: the inverse of the map the views write with.
 FROM_SAFETENSORS = {code: name for name, code in SAFETENSORS_DTYPES.items() if name in DTYPES}
-MAX_HEADER_BYTES = 100_000_000  # the limit of the safetensors reference implementation
 
 
 @dataclass(frozen=True)

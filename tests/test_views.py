@@ -308,6 +308,22 @@ def test_safetensors_header_is_byte_exact():
     assert b"ckptfs.skeleton" not in stored.materialize(safetensors_view(stored.manifest, key="w"))
 
 
+def test_a_skeleton_past_the_header_limit_of_safetensors_is_left_out_and_said(monkeypatch):
+    # plain values of hundreds of MB (a sampler's permutation as a list) made a header that no
+    # safetensors reader opens ("header too large")
+    from ckptfs.views import safetensors as view_module
+
+    stored = lay_out({"w": torch.tensor([1.0, 2.0]), "order": list(range(50))}, model="m", step=5)
+    whole = stored.materialize(safetensors_view(stored.manifest))
+    assert b"ckptfs.skeleton" in whole and len(whole) - 8 - 8 < 1000
+    monkeypatch.setattr(view_module, "MAX_HEADER_BYTES", 200)
+    small = stored.materialize(safetensors_view(stored.manifest))
+    header = json.loads(small[8:8 + struct.unpack("<Q", small[:8])[0]])
+    assert "ckptfs.skeleton" not in header["__metadata__"] and len(small) < len(whole)
+    assert "over the 200 that safetensors reads" in header["__metadata__"]["ckptfs.skeleton_omitted"]
+    assert safetensors.torch.load(small)["w"].tolist() == [1.0, 2.0]
+
+
 def test_safetensors_every_dtype_round_trips(tmp_path):
     obj = {**all_dtypes(),
            "f4_scalar": torch.tensor(7, dtype=torch.uint8).view(torch.float4_e2m1fn_x2),

@@ -39,7 +39,9 @@ METADATA_KEY = "__metadata__"
 SKIPPED_KEY = "ckptfs.skipped"
 ALIASES_KEY = "ckptfs.aliases"
 SKELETON_KEY = "ckptfs.skeleton"
+SKELETON_OMITTED_KEY = "ckptfs.skeleton_omitted"
 _HEADER_ALIGN = 8
+MAX_HEADER_BYTES = 100_000_000  # the largest header the safetensors reference implementation reads
 
 
 def safetensors_view(manifest: Manifest, *, key: str | None = None,
@@ -57,7 +59,8 @@ def safetensors_view(manifest: Manifest, *, key: str | None = None,
     ``format`` ("pt"), ``model`` and ``step``; entries of ``metadata`` (strings only) are added
     and win over those. The whole-state file (``key=None``) with every tensor kept also carries
     the saved object's skeleton (``ckptfs.skeleton``: the manifest's, its tensor ``i`` being the
-    file's i-th tensor), so that ``ckptfs import`` rebuilds the nesting and the plain values.
+    file's i-th tensor), so that ``ckptfs import`` rebuilds the nesting and the plain values,
+    unless the header would then pass MAX_HEADER_BYTES (``ckptfs.skeleton_omitted`` says so).
     The header is a pure function of the arguments (byte-exact tests).
     """
     selected, aliases, first_name = _select(manifest, key)
@@ -73,8 +76,15 @@ def safetensors_view(manifest: Manifest, *, key: str | None = None,
         kept_names = {name for name, _ in kept}
         aliases = {alias: name for alias, name in aliases.items() if name in kept_names}
     meta = dict(metadata or {})
-    if key is None and not skipped:
-        meta.setdefault(SKELETON_KEY, dumps_named_skeleton(manifest.skeleton, first_name))
+    if key is None and not skipped and SKELETON_KEY not in meta:
+        meta[SKELETON_KEY] = dumps_named_skeleton(manifest.skeleton, first_name)
+        header, extents, data_bytes = _header_and_extents(_metadata(manifest, skipped, aliases, meta), kept)
+        if len(header) - 8 > MAX_HEADER_BYTES:
+            # plain values of hundreds of MB (a sampler's permutation as a list): no reader would
+            # open the file ("header too large"); its tensors without them (checkpoint.pt has all)
+            del meta[SKELETON_KEY]
+            meta[SKELETON_OMITTED_KEY] = (f"{len(header) - 8} bytes of header with the skeleton, over the "
+                                          f"{MAX_HEADER_BYTES} that safetensors reads: see checkpoint.pt")
     header, extents, data_bytes = _header_and_extents(_metadata(manifest, skipped, aliases, meta), kept)
 
     def segments():
