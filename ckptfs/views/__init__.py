@@ -27,7 +27,22 @@ from ckptfs.views.metadata import METADATA_FILE, metadata_json_view
 from ckptfs.views.hf import HF_DIR, extra_files, hf_files
 from ckptfs.views.registry import ViewSpec, check_view_ids, files_for, register, registered_views
 
-__all__ = ["CHECKPOINT_FILE", "HF_DIR", "METADATA_FILE", "STATE_FILE", "Extent", "Literal", "View", "ViewBuilder",
-           "extra_files", "hf_files",
+# the names ckptfs's own views take at a version's root: an extra file of one of these names was
+# hidden by the view's file, or hid the view's (a file "hf" hid the hf/ directory), in silence
+OWN_ROOT_NAMES = (CHECKPOINT_FILE, STATE_FILE, METADATA_FILE, HF_DIR)
+OWN_ROOT_SUFFIX = ".safetensors"  # <key>.safetensors
+
+
+def check_extra_names(names) -> None:
+    """ValueError, in the words of ``save(extra=)``, for an extra file named as a file that the
+    views of every version show themselves (``OWN_ROOT_NAMES``, ``*.safetensors``)."""
+    for name in names:
+        if name in OWN_ROOT_NAMES or name.endswith(OWN_ROOT_SUFFIX):
+            raise ValueError(f"extra: {name!r} is a name ckptfs gives its own files in every version "
+                             f"({', '.join(OWN_ROOT_NAMES[:3])}, {HF_DIR}/, <key>{OWN_ROOT_SUFFIX}): name it otherwise")
+
+
+__all__ = ["CHECKPOINT_FILE", "HF_DIR", "METADATA_FILE", "OWN_ROOT_NAMES", "STATE_FILE", "Extent", "Literal", "View",
+           "ViewBuilder", "check_extra_names", "extra_files", "hf_files",
            "ViewSpec", "check_view_ids", "files_for", "key_file_name", "metadata_json_view", "register",
            "registered_views", "safetensors_view", "torch_zip_view"]

@@ -31,6 +31,7 @@ from ckptfs.manifest import align_up, encode_files
 from ckptfs.memcopy import default_copy_threads
 from ckptfs.region.region import Region, validate_model_name
 from ckptfs.region.ring import Ring
+from ckptfs.views import check_extra_names
 from ckptfs.writer.calls import SaveCalls, open_writers
 from ckptfs.writer.claimer import Claimer
 from ckptfs.writer.cuda import CallerMark, caller_mark
@@ -183,6 +184,7 @@ class Writer:
     def _save(self, obj, step: int, async_snapshot: bool, extra: dict | None, keep: bool | None) -> SaveFuture:
         keep = is_kept(step, keep, self.keep_every)
         files = encode_files(extra)
+        check_extra_names(name for name, _ in files)
         started = time.perf_counter()
         future = SaveFuture()
         # with async_snapshot nothing else happens on the caller's thread: right after its
