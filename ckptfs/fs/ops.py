@@ -119,7 +119,7 @@ class CkptfsOperations(pyfuse3.Operations):
         with fuse_errors("readlink"):
             node = self.tree.node(inode)
             step = self.tree.latest_step(node)
-            key, now = (_process_of(ctx.pid), node.model), time.monotonic()
+            key, now = (_requester(ctx), node.model), time.monotonic()
             given = self._latest_given.get(key)
             if (given is not None and now - given[1] < LATEST_HELD_S and given[0] != step
                     and (*key, given[0]) in self._opened_by.values()):
@@ -166,7 +166,7 @@ class CkptfsOperations(pyfuse3.Operations):
             handle = await self._unheld(lambda: self.tree.open(node, flags))
             fh = next(self._fh)
             self._files[fh] = handle
-            self._opened_by[fh] = (_process_of(ctx.pid), node.model, node.step)
+            self._opened_by[fh] = (_requester(ctx), node.model, node.step)
             return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=False)
 
     async def read(self, fh, off, size):
@@ -290,6 +290,11 @@ class CkptfsOperations(pyfuse3.Operations):
                 log.exception("closing a pinned version")
         self._files.clear()
         self._dirs.clear()
+
+
+def _requester(ctx) -> int:
+    """The process behind a request (0 where its context is not known)."""
+    return _process_of(ctx.pid) if ctx is not None else 0
 
 
 def _process_of(pid: int) -> int:
