@@ -140,7 +140,7 @@ class CkptfsOperations(pyfuse3.Operations):
         with fuse_errors("opendir"):
             entries = [(os.fsencode(n), node) for n, node in await self._unheld(lambda: self.tree.children(inode))]
             fh = next(self._fh)
-            self._dirs[fh] = (inode, entries, _process_of(ctx.pid))
+            self._dirs[fh] = (inode, entries, _requester(ctx))
             return fh
 
     async def readdir(self, fh, start_id, token):
@@ -218,7 +218,7 @@ class CkptfsOperations(pyfuse3.Operations):
         has their directory open, as ``rm -r`` does (see ckptfs.fs.tree): another process's
         listing (an ``ls``, an rsync) made a lone ``rm FILE`` exit 0, the file still there."""
         with fuse_errors("unlink"):
-            me = _process_of(ctx.pid)
+            me = _requester(ctx)
             walking = any(ino == parent_inode and pid == me for ino, _, pid in self._dirs.values())
             self.tree.check_unlink(parent_inode, os.fsdecode(name), walking=walking)
 
