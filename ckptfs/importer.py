@@ -36,7 +36,8 @@ from ckptfs.dist.names import RECORD_FILES
 from ckptfs.flatten import DTYPES
 from ckptfs.manifest import check_file_name, check_skeleton, expected_nbytes, map_tensor_refs, unflatten
 from ckptfs.views.metadata import METADATA_FILE
-from ckptfs.views.safetensors import ALIASES_KEY, MAX_HEADER_BYTES, SAFETENSORS_DTYPES, SKELETON_KEY, STATE_FILE
+from ckptfs.views.safetensors import (ALIASES_KEY, MAX_HEADER_BYTES, SAFETENSORS_DTYPES, SKELETON_KEY,
+                                     SKELETON_OMITTED_KEY, STATE_FILE)
 from ckptfs.views.torchzip import CHECKPOINT_FILE
 
 log = logging.getLogger(__name__)
@@ -190,6 +191,9 @@ def nested(path: str, tensors: "OrderedDict[str, torch.Tensor]", metadata: dict[
     """The object that a ckptfs ``state.safetensors`` was exported from, rebuilt from the
     skeleton in its ``__metadata__`` (nesting, plain values, ties); ``tensors`` as they are for
     any other file, or for one whose tensors no longer match its skeleton (with a warning)."""
+    if SKELETON_OMITTED_KEY in metadata:  # tensors without their nesting and plain values: not the object
+        raise _reject(path, f"it holds the tensors of a version whose skeleton was left out "
+                            f"({metadata[SKELETON_OMITTED_KEY]}): import the version's {CHECKPOINT_FILE}")
     text = metadata.get(SKELETON_KEY)
     if text is None:
         return with_aliases(path, tensors, metadata)
@@ -358,7 +362,8 @@ def version_directory(path: str) -> tuple[list[str], dict[str, str]] | None:
     Face directory, such a directory gave its ``model.safetensors`` alone (the optimizer state
     and plain values were dropped)."""
     meta_path = os.path.join(path, METADATA_FILE)
-    whole = next((os.path.join(path, n) for n in VERSION_FILES if os.path.isfile(os.path.join(path, n))), None)
+    whole = next((os.path.join(path, n) for n in VERSION_FILES if os.path.isfile(os.path.join(path, n))
+                  and not (n == STATE_FILE and _skeleton_omitted(os.path.join(path, n)))), None)
     if whole is None or not os.path.isfile(meta_path):
         return None
     try:
@@ -373,6 +378,16 @@ def version_directory(path: str) -> tuple[list[str], dict[str, str]] | None:
         raise _reject(meta_path, f"its files must be names of extra files of a version ({exc})") from None
     # a multi-rank version's own records are left: the copy is a version of one process
     return [whole], _read_texts(path, [n for n in names if n not in RECORD_FILES], missing_ok=False)
+
+
+def _skeleton_omitted(path: str) -> bool:
+    """Whether the ckptfs ``state.safetensors`` at ``path`` was made without its skeleton (see
+    ``views.safetensors``); False for a file that cannot be read (its import says why)."""
+    try:
+        with SafetensorsFile(path) as f:
+            return SKELETON_OMITTED_KEY in f.header.metadata
+    except (OSError, MalformedInputError):
+        return False
 
 
 def _read_texts(path: str, names, missing_ok: bool) -> dict[str, str]:

@@ -858,3 +858,23 @@ def test_status_shows_many_kept_steps_as_a_count_and_a_range():
 
     assert _kept_column([]) == "-" and _kept_column([2, 3]) == "2 3"
     assert _kept_column(list(range(0, 740, 10))) == "0..730 (74)"
+
+
+def test_a_version_whose_skeleton_was_left_out_imports_whole_from_its_checkpoint(capsys, tmp_path, monkeypatch):
+    # state.safetensors without its skeleton (a header past safetensors' 100 MB; the limit lowered
+    # here to stand for it) was imported flat, its plain values and nesting lost, exit 0
+    import ckptfs.views.safetensors as view
+
+    region = str(tmp_path / "k.region")
+    state = {"model": {"w": torch.arange(4.0)}, "sampler": {"order": list(range(3000))}, "step": 7}
+    with ckptfs.Store.create(region, size_bytes=64 << 20) as s, s.writer("m") as w:
+        w.save(state, 7).result()
+    monkeypatch.setattr(view, "MAX_HEADER_BYTES", 5000)
+    assert run(capsys, "export", "--region", region, "m", f"{tmp_path / 'exp'}/")[0] == 0
+    assert run(capsys, "import", "--region", region, "back", tmp_path / "exp")[0] == 0
+    with ckptfs.Store(region) as s:
+        back = s.load("back")
+    assert back["sampler"]["order"] == list(range(3000)) and back["step"] == 7
+    assert torch.equal(back["model"]["w"], torch.arange(4.0))
+    code, _, err = run(capsys, "import", "--region", region, "flat", tmp_path / "exp" / "state.safetensors")
+    assert code == 1 and "skeleton was left out" in one_error_line(err) and "checkpoint.pt" in err
