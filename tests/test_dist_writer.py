@@ -450,6 +450,38 @@ def test_one_rank_saves_and_loads_alone_with_dcps_no_dist_or_a_process_group_of_
     run_ranks(_one_rank_saves_alone, 2, _new_region(tmp_path))
 
 
+def _subgroups_load_apart(rank, world, region):
+    import torch.distributed.checkpoint as dcp
+
+    store = ckptfs.Store(region)
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # made by every rank, in one order
+    mine = pairs[rank // 2]
+    if rank == 0:
+        dcp.save({"w": torch.arange(6.0)}, no_dist=True, storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=1))
+    dist.barrier()
+    with pytest.raises(CkptfsError, match=r"process_group= holds ranks (0, 1|2, 3) of the job's 4: pass a gloo group"):
+        dcp.load({"w": torch.zeros(6)}, process_group=mine,
+                 storage_reader=ckptfs.dcp.StorageReader(store, "m", timeout_s=10))
+    t0 = time.monotonic()
+    back = {"w": torch.zeros(6)}
+    if rank == 0:  # its partner, rank 1, never loads: named, not passed by ranks 2 and 3
+        with pytest.raises(BaseException, match=r"rank\(s\) 1 did not come within timeout_s=3"):
+            dcp.load(back, process_group=mine, storage_reader=ckptfs.dcp.StorageReader(store, "m", timeout_s=3, group=mine))
+    elif rank > 1:
+        time.sleep(0.3)  # rank 0 waits already
+        dcp.load(back, process_group=mine, storage_reader=ckptfs.dcp.StorageReader(store, "m", timeout_s=3, group=mine))
+        assert torch.equal(back["w"], torch.arange(6.0)) and time.monotonic() - t0 < 3
+    dist.barrier()
+    store.close()
+
+
+def test_two_subgroups_loading_one_model_meet_apart(tmp_path):
+    """The meetings of two subgroups at the same load were one (their names did not hold the
+    group): a rank passed with the other group's, and the rest waited past timeout_s. A
+    process_group= of some ranks needs their gloo group as group= too, and says so at once."""
+    run_ranks(_subgroups_load_apart, 4, _new_region(tmp_path))
+
+
 def _two_models_commit_in_crossed_order(rank, world, region):
     """A model's writer and its EMA's in one process: rank 0 commits the EMA's step first,
     rank 1 the model's (a slower commit on each); with one group for both their exchanges met

@@ -13,11 +13,11 @@ from datetime import timedelta
 
 from ckptfs.errors import CkptfsError
 
-_groups: dict[tuple[float, str, str, tuple[int, ...] | None], object] = {}
+_groups: dict[tuple[float, str, str], object] = {}
 _world: list = [None]  # the default process group that _groups and the counts below were made under
 
 
-def coordination(timeout_s: float, model: str, purpose: str = "save", ranks: tuple[int, ...] | None = None):
+def coordination(timeout_s: float, model: str, purpose: str = "save"):
     """The gloo group the checkpoint's ranks coordinate through (None without torch.distributed):
     one of its own per process, ``model`` and ``purpose``, made collectively at the first save or
     load of it on every rank, so that its collectives run from background threads beside the
@@ -25,37 +25,30 @@ def coordination(timeout_s: float, model: str, purpose: str = "save", ranks: tup
     behind its NCCL traffic. A group's collectives must come in the same order on every rank, so
     two threads that each keep their own order each take a group of their own: a writer's
     snapshots and its commits, and the writers of two models in one process (a model and its
-    EMA: one's commit met the other's on another rank, and gloo aborted the process).
-    ``ranks``: the global ranks of a subgroup (DCP's ``process_group=``), made by those ranks
-    alone (``use_local_synchronization``: the others never come to this save)."""
+    EMA: one's commit met the other's on another rank, and gloo aborted the process)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
     with _arrivals_lock:
         _forget_destroyed_world(dist.group.WORLD)
-    if ranks is not None and len(ranks) == dist.get_world_size():
-        ranks = None
-    key = (timeout_s, model, purpose, ranks)
+    key = (timeout_s, model, purpose)
     group = _groups.get(key)
     if group is None:
-        timeout = timedelta(seconds=timeout_s)
-        group = _groups[key] = (dist.new_group(backend="gloo", timeout=timeout) if ranks is None else
-                                dist.new_group(list(ranks), backend="gloo", timeout=timeout,
-                                               use_local_synchronization=True))
+        group = _groups[key] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     return group
 
 
 def storage_group(storage, purpose: str):
     """The gloo group a DCP storage (``ckptfs.dcp.StorageWriter`` / ``StorageReader``)
     coordinates through: the one it was given (``group=``); none where DCP runs without
-    collectives (``no_dist=True``: one process saves or loads alone); else ckptfs's own over the
-    ranks of DCP's ``process_group=``, or of the whole job (``meet_before_dcp`` reads which)."""
+    collectives (``no_dist=True``, or a ``process_group=`` of one rank: it saves or loads alone;
+    ``meet_before_dcp`` reads which); else ckptfs's own over the whole job."""
     if storage.group is not None:
         return storage.group
     if storage.dcp_solo:
         return None
-    return coordination(storage.timeout_s, storage.model, purpose, storage.dcp_ranks)
+    return coordination(storage.timeout_s, storage.model, purpose)
 
 
 def _forget_destroyed_world(world) -> None:
@@ -142,6 +135,7 @@ class Arrival:
                 self.kv.delete_key(f"{self.key}/{r}")
             self.kv.delete_key(f"{self.key}/passed")
             self.kv.delete_key(f"{self.key}/count")  # a meeting's (``meet``)
+            self.kv.delete_key(f"{self.key}/came")
 
     def naming(self, what: str, error: BaseException) -> BaseException:
         """``error``, or a CkptfsError ``what`` naming the ranks that never came."""
@@ -177,7 +171,12 @@ def meet(group, agree: dict, timeout_s: float, what: str, *, load: bool = False,
     is looked up (``present``: about 2·log2(W) requests for one straggler of W ranks) only once
     a meeting has waited MEET_LOOK_S, then at doubling intervals up to MEET_LOOK_MAX_S, shorter
     than MEET_LINGER_S so that a rank that failed over this one is seen."""
-    arrival = Arrival(group, f"meet/{'load' if load else 'save'}/" + "/".join(str(agree[k]) for k in sorted(agree)))
+    if world_size(group) == 1:
+        return
+    # the group's ranks in the name: the ranks of two subgroups at the same save counted as one
+    # meeting (a rank passed with the other group's, and the last deleted the count under the rest)
+    arrival = Arrival(group, f"meet/{_ranks_tag(group)}/{'load' if load else 'save'}/"
+                      + "/".join(str(agree[k]) for k in sorted(agree)))
     kv = arrival.kv
     if kv is None:
         return
@@ -187,25 +186,31 @@ def meet(group, agree: dict, timeout_s: float, what: str, *, load: bool = False,
     mine = {"rank": arrival.rank, "n": n, "load": load, "prev": None if load else agreed(history), **agree}
     waiting = f"ckptfs/meeting/{group.group_name}/"  # + rank: the save that rank waits at now
     kv.set(waiting + str(arrival.rank), json.dumps(mine))
-    # the ranks come: a count, polled in one small request (a check of every rank's mark, asked
-    # 20-odd times a meeting by each rank, sent the store W keys each time); the marks name them
-    count = f"{arrival.key}/count"
-    kv.add(count, 1)
+    # the ranks come: a count, and the rank that brings it to W marks "all came", which the others
+    # poll, one key (a check of every rank's mark, asked 20-odd times a meeting by each rank, sent
+    # the store W keys each time; a poll of the count itself appended a record to a FileStore each
+    # time); the marks name the ranks that did not come
+    count, came = f"{arrival.key}/count", f"{arrival.key}/came"
+    if kv.add(count, 1) == len(arrival.ranks):
+        kv.set(came, "1")
     started = time.monotonic()
     deadline, pause_s, look_s = started + timeout_s, MEET_POLL_S[0], MEET_LOOK_S
     look_at = started + look_s
     try:
-        while kv.add(count, 0) < len(arrival.ranks):
+        while not kv.check([came]):
             if time.monotonic() >= min(look_at, deadline):  # now and then: who is missing, and where?
                 look_s = min(2 * look_s, MEET_LOOK_MAX_S)
                 look_at = time.monotonic() + look_s
                 missing = arrival.missing()
                 _raise_if_elsewhere(kv, waiting, missing, mine, passed_to)
-                if time.monotonic() >= deadline and missing:
-                    raise CkptfsError(f"{what}: rank(s) {', '.join(map(str, missing))} did not come within "
-                                      f"timeout_s={timeout_s:g} (stopped, or not "
-                                      f"{'loading' if load else 'saving this step'}); "
-                                      f"{'nothing was read' if load else 'nothing was committed'}")
+                if time.monotonic() >= deadline:
+                    nothing = 'nothing was read' if load else 'nothing was committed'
+                    if missing:
+                        raise CkptfsError(f"{what}: rank(s) {', '.join(map(str, missing))} did not come within "
+                                          f"timeout_s={timeout_s:g} (stopped, or not "
+                                          f"{'loading' if load else 'saving this step'}); {nothing}")
+                    raise CkptfsError(f"{what}: the ranks did not all come within timeout_s={timeout_s:g} (one "
+                                      f"stopped as it came?); {nothing}")
             time.sleep(pause_s)
             pause_s = min(2 * pause_s, MEET_POLL_S[1])
     except BaseException:
@@ -236,20 +241,42 @@ def meet_before_dcp(storage, dcp_function: str, what: str, *, load: bool = False
         return False
     import torch.distributed as dist
 
-    # DCP's own view of the ranks (its _DistWrapper): no_dist=True (a process that saves or loads
-    # alone: it waited timeout_s for the others, then failed naming them) or process_group=
-    # (a subgroup: the ranks outside it never come); see storage_group
+    # DCP's own view of the ranks (its _DistWrapper): no_dist=True, or a process_group= of one
+    # rank (a process that saves or loads alone: it waited timeout_s for the others, then failed
+    # naming them), or of some ranks (the others never come); see storage_group
     wrapper = frame.f_locals.get("distW")
     storage.dcp_solo = wrapper is not None and not getattr(wrapper, "use_dist", True)
-    storage.dcp_ranks = None
     if dist.is_available() and dist.is_initialized() and not storage.dcp_solo:
         dcp_group = getattr(wrapper, "group", None)
         if storage.group is None and dcp_group is not None:
-            storage.dcp_ranks = tuple(dist.get_process_group_ranks(dcp_group))
+            ranks = dist.get_process_group_ranks(dcp_group)
+            if len(ranks) == 1:
+                storage.dcp_solo = True
+                return True
+            if len(ranks) < dist.get_world_size():
+                # a group of ckptfs's own over those ranks would have to be made by them alone, and
+                # torch names such groups by a count of each process's own (ranks holding different
+                # numbers of groups never met)
+                raise CkptfsError(
+                    f"{what}: process_group= holds ranks {', '.join(map(str, ranks[:8]))}"
+                    f"{', ...' if len(ranks) > 8 else ''} of the job's {dist.get_world_size()}: pass a gloo group of "
+                    f"those ranks to {type(storage).__name__}(group=...) too (made on every rank of the job, in "
+                    f"the same order: dist.new_group(ranks, backend='gloo'))")
         step = storage.step if storage.step is not None else "newest"
         meet(storage.group or dcp_group or dist.group.WORLD, {"model": storage.model, "step": step},
              storage.timeout_s, what, load=load)
     return True
+
+
+def _ranks_tag(group) -> str:
+    """A short name of ``group``'s ranks, the same on each of them (a group's own name may not
+    be: torch names a group made with use_local_synchronization by a count of this process's)."""
+    import hashlib
+
+    import torch.distributed as dist
+
+    ranks = ",".join(map(str, dist.get_process_group_ranks(group)))
+    return hashlib.sha1(ranks.encode(), usedforsecurity=False).hexdigest()[:12]
 
 
 def _quietly(call, *args) -> None:

@@ -42,7 +42,7 @@ class StorageReader(_DCPReader):
                  group=None):
         super().__init__()
         self.group = group
-        self.dcp_solo, self.dcp_ranks = False, None  # DCP's no_dist and process_group (group.storage_group)
+        self.dcp_solo = False  # DCP's no_dist, or a process_group= of one rank (group.storage_group)
         self.store = store
         self.model = model
         self.step = step

@@ -103,7 +103,7 @@ class StorageWriter(_DCPWriter):
         super().__init__()
         refuse_part_name(model)
         self.group = group  # the gloo group to coordinate through (default: one of ckptfs's own)
-        self.dcp_solo, self.dcp_ranks = False, None  # DCP's no_dist and process_group (group.storage_group)
+        self.dcp_solo = False  # DCP's no_dist, or a process_group= of one rank (group.storage_group)
         self.store = store
         self.model = model
         self.step = step
