@@ -209,23 +209,22 @@ def test_a_process_holding_a_file_of_latest_is_given_that_version_again(toy, sto
     """One torch.load(mmap=True) of latest/checkpoint.pt walks the path twice (the zip reader's
     open, then UntypedStorage.from_file): a save committed between the two mixed the older
     version's index with the newer's tensors. A process holding a file of the version latest
-    gave it is given it again (for LATEST_HELD_S); any other process, the newest."""
+    gave it, opened in the last second, is given it again; any other process, the newest, and so
+    is this one once its file is older (a server keeping the weights it loaded long ago mapped)."""
     model_dir = toy / "held"
     link = os.path.join(model_dir, "latest")
     save_versions(store, "held", [1])
     wait_for(lambda: os.path.exists(os.path.join(model_dir, vdir(1))), what="held/step-00000001")
-    assert os.readlink(link) == vdir(1)
-    with open(os.path.join(link, "checkpoint.pt"), "rb"):
-        save_versions(store, "held", [2])
-        elsewhere = [sys.executable, "-c", f"import os; print(os.readlink({link!r}))"]
-        wait_for(lambda: subprocess.run(elsewhere, capture_output=True, text=True).stdout.strip() == vdir(2),
-                 what="latest -> step 2 in another process")
+    elsewhere = [sys.executable, "-c", f"import os; print(os.readlink({link!r}))"]
+    with store.writer("held") as w, open(os.path.join(link, "checkpoint.pt"), "rb"):
+        w.save({"x": torch.full((1000,), 2.0), "step": 2}, 2).result()
         assert os.readlink(link) == vdir(1)
         obj = torch.load(os.path.join(link, "checkpoint.pt"), weights_only=True, mmap=True)
         assert obj["step"] == 1 and torch.equal(obj["x"], torch.full((1000,), 1.0))
-        del obj  # its mapping holds the file open too
-    # the files closed (their releases come asynchronously): the newest again
-    wait_for(lambda: os.readlink(link) == vdir(2), what="latest -> step 2 once the file is closed")
+        assert subprocess.run(elsewhere, capture_output=True, text=True).stdout.strip() == vdir(2)
+        time.sleep(1.1)  # ops.LATEST_OPENED_S: the files held are no longer fresh
+        assert os.readlink(link) == vdir(2)
+        del obj
 
 
 def test_version_whose_slot_is_reused_disappears(toy, store):

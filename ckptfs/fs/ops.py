@@ -40,12 +40,15 @@ LISTING_TTL = 0.5  # seconds: directories and latest
 IMMUTABLE_TTL = 5.0  # seconds: files of a version
 HELD_WAIT_S = 1.0  # seconds a request waits for a version its save holds (Store.open_version's wait)
 T = TypeVar("T")
-# A process that holds a file of the version ``latest`` gave it, at most this long ago, is given
-# that version again: one torch.load(mmap=True) of latest/checkpoint.pt walks the path twice (the
-# zip reader's open, then UntypedStorage.from_file), and a save committed between the two mixed
-# the older version's index with the newer's tensors, in silence (11 of 292 loads at a save
-# every 0.2 s)
+# A process that holds a file of the version ``latest`` gave it at most LATEST_HELD_S ago, opened
+# in the last LATEST_OPENED_S, is given that version again: one torch.load(mmap=True) of
+# latest/checkpoint.pt walks the path twice (the zip reader's open, then UntypedStorage.from_file),
+# and a save committed between the two mixed the older version's index with the newer's tensors,
+# in silence (11 of 292 loads at a save every 0.2 s). A file opened long ago (a server that keeps
+# the weights it loaded mapped) does not hold latest back: its next load's first open would get
+# the older version, and its second, once LATEST_HELD_S had passed, the newer.
 LATEST_HELD_S = 5.0
+LATEST_OPENED_S = 1.0
 RELEASE_GRACE = 0.5  # seconds rmdir waits for this mount's own pending releases
 BLOCK_SIZE = 1 << 20  # st_blksize, by which `cp` sizes its reads: each FUSE read also revalidates attributes
 
@@ -64,7 +67,8 @@ class CkptfsOperations(pyfuse3.Operations):
         # fh -> (inode, entries, the pid that opened it)
         self._dirs: dict[int, tuple[int, list[tuple[bytes, Node]], int]] = {}
         self._fh = itertools.count(1)
-        self._opened_by: dict[int, tuple[int, str, int]] = {}  # fh of a version's file -> (process, model, step)
+        # fh of a version's file -> (process, model, step, when opened)
+        self._opened_by: dict[int, tuple[int, str, int, float]] = {}
         self._latest_given: dict[tuple[int, str], tuple[int, float]] = {}  # (process, model) -> (step, when)
         self.initialized = False  # set once the kernel's INIT request has been answered
 
@@ -122,7 +126,8 @@ class CkptfsOperations(pyfuse3.Operations):
             key, now = (_requester(ctx), node.model), time.monotonic()
             given = self._latest_given.get(key)
             if (given is not None and now - given[1] < LATEST_HELD_S and given[0] != step
-                    and (*key, given[0]) in self._opened_by.values()):
+                    and any(opened[:3] == (*key, given[0]) and now - opened[3] < LATEST_OPENED_S
+                            for opened in self._opened_by.values())):
                 step = given[0]  # see LATEST_HELD_S; pinned by that file, so still there
             elif given is None or given[0] != step or now - given[1] >= LATEST_HELD_S:
                 if len(self._latest_given) > 4096:
@@ -166,7 +171,7 @@ class CkptfsOperations(pyfuse3.Operations):
             handle = await self._unheld(lambda: self.tree.open(node, flags))
             fh = next(self._fh)
             self._files[fh] = handle
-            self._opened_by[fh] = (_requester(ctx), node.model, node.step)
+            self._opened_by[fh] = (_requester(ctx), node.model, node.step, time.monotonic())
             return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=False)
 
     async def read(self, fh, off, size):
