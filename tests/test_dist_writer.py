@@ -482,6 +482,25 @@ def test_two_subgroups_loading_one_model_meet_apart(tmp_path):
     run_ranks(_subgroups_load_apart, 4, _new_region(tmp_path))
 
 
+def _goes_back_a_step(rank, world, region):
+    store = ckptfs.Store(region)
+    with store.writer("back", group=dist.group.WORLD, timeout_s=20) as w:
+        w.save({"w": torch.full((8,), 10.0)}, step=10).result()
+        later = w.save({"w": torch.full((8,), 20.0)}, step=20, async_snapshot=True)
+        with pytest.raises(CkptfsError, match=r"step 11 of 'back' is older than step 20, which this writer saved"):
+            w.save({"w": torch.full((8,), 11.0)}, step=11, async_snapshot=True)
+        later.result()
+        w.save({"w": torch.full((8,), 21.0)}, step=21).result()
+    assert [v.step for v in store.versions("back")] == [10, 20, 21]
+    store.close()
+
+
+def test_a_writer_of_many_ranks_refuses_a_step_older_than_its_last_at_once(tmp_path):
+    """Its commits come in the order of its saves: an older step after a newer one is the job
+    gone back, which would never become latest; its future succeeded, nothing recorded."""
+    run_ranks(_goes_back_a_step, 2, _new_region(tmp_path))
+
+
 def _two_models_commit_in_crossed_order(rank, world, region):
     """A model's writer and its EMA's in one process: rank 0 commits the EMA's step first,
     rank 1 the model's (a slower commit on each); with one group for both their exchanges met

@@ -139,6 +139,7 @@ class DistWriter:
         self._plan: _Plan | None = None
         self._last_snapshot: Future | None = None
         self._closed = False
+        self._newest_step: int | None = None  # of this writer's saves (see save)
         self._pid = os.getpid()  # see _commit_in_flight_at_exit
         _open_writers.add(self)
 
@@ -153,6 +154,14 @@ class DistWriter:
         version."""
         if self._closed:
             raise CkptfsError("this writer is closed; open a new one with store.writer(..., group=...)")
+        if self._newest_step is not None and step < self._newest_step:
+            # its commits come in the order of the saves: an older step after a newer one is the job
+            # gone back, which would never become latest (it was committed "successfully" unseen)
+            raise CkptfsError(f"step {step} of {self.model!r} is older than step {self._newest_step}, which this writer "
+                              "saved, and an older step never becomes the job's latest: to go back, close this "
+                              "writer, remove the later steps in every node's region (`ckptfs rm --allow-latest "
+                              f"{self.model} STEP...`) and save with a new one")
+        self._newest_step = step
         keep = is_kept(step, keep, self.keep_every)
         started = time.perf_counter()
         if not self._slots.acquire(timeout=self.timeout_s):
