@@ -487,18 +487,42 @@ def _goes_back_a_step(rank, world, region):
     with store.writer("back", group=dist.group.WORLD, timeout_s=20) as w:
         w.save({"w": torch.full((8,), 10.0)}, step=10).result()
         later = w.save({"w": torch.full((8,), 20.0)}, step=20, async_snapshot=True)
+        older = w.save({"w": torch.full((8,), 11.0)}, step=11, async_snapshot=True)
         with pytest.raises(CkptfsError, match=r"step 11 of 'back' is older than step 20, which this writer saved"):
-            w.save({"w": torch.full((8,), 11.0)}, step=11, async_snapshot=True)
+            older.result()
         later.result()
         w.save({"w": torch.full((8,), 21.0)}, step=21).result()
     assert [v.step for v in store.versions("back")] == [10, 20, 21]
     store.close()
 
 
-def test_a_writer_of_many_ranks_refuses_a_step_older_than_its_last_at_once(tmp_path):
+def test_a_writer_of_many_ranks_refuses_a_step_older_than_its_last(tmp_path):
     """Its commits come in the order of its saves: an older step after a newer one is the job
     gone back, which would never become latest; its future succeeded, nothing recorded."""
     run_ranks(_goes_back_a_step, 2, _new_region(tmp_path))
+
+
+def _one_rank_skips_a_load(rank, world, region):
+    import torch.distributed.checkpoint as dcp
+
+    store = ckptfs.Store(region)
+    dcp.save({"w": torch.arange(4.0)}, storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=1))
+    back = {"w": torch.zeros(4)}
+    if rank == 0:  # rank 1 skips this load (its evaluation was skipped)
+        with pytest.raises(BaseException, match=r"rank\(s\) 1 did not come within timeout_s=2"):
+            dcp.load(back, storage_reader=ckptfs.dcp.StorageReader(store, "m", timeout_s=2))
+    dist.barrier()
+    for _ in range(2):  # then both load, together: they meet again
+        back = {"w": torch.zeros(4)}
+        dcp.load(back, storage_reader=ckptfs.dcp.StorageReader(store, "m", timeout_s=10))
+        assert torch.equal(back["w"], torch.arange(4.0))
+    store.close()
+
+
+def test_ranks_meet_again_after_one_skipped_a_load(tmp_path):
+    """Each process counted its own rounds of a meeting: after one rank skipped a load, its n-th
+    load met the others' (n+1)-th, and every later load failed on both, each naming the other."""
+    run_ranks(_one_rank_skips_a_load, 2, _new_region(tmp_path))
 
 
 def _two_models_commit_in_crossed_order(rank, world, region):

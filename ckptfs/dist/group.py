@@ -103,7 +103,7 @@ class Arrival:
     (each rank's n-th round of a name meets the others' n-th), so that when a collective of the
     round fails (gloo says only that it timed out) the ranks that never came can be named."""
 
-    def __init__(self, group, name: str):
+    def __init__(self, group, name: str, shared: bool = False):
         import torch.distributed as dist
 
         # a group of one rank has no one to wait for or name: no marks (each a store round trip)
@@ -113,6 +113,12 @@ class Arrival:
         with _arrivals_lock:
             _forget_destroyed_world(dist.group.WORLD)
             seq = _arrivals[name] = _arrivals.get(name, 0) + 1
+        # ``shared``: the round is the one the store holds open for ``name`` (``close`` moves it
+        # on once all came), not this process's count of its rounds: a rank that missed one round
+        # (a load it skipped) met the others' next rounds never again
+        self.opened = f"ckptfs/arrivals/{name}/open" if shared else None
+        if shared:
+            seq = self.kv.add(self.opened, 0)
         self.key = f"ckptfs/arrivals/{name}/{seq}"
         self.ranks = dist.get_process_group_ranks(group)
         self.rank = dist.get_rank()
@@ -127,6 +133,12 @@ class Arrival:
         except Exception:  # noqa: BLE001 - the store itself is gone: nothing to name
             return []
         return [r for r, here in zip(self.ranks, found) if not here]
+
+    def close(self) -> None:
+        """Every rank came (said by the one that came last): a shared round's next comers start
+        the next round."""
+        if self.opened is not None:
+            self.kv.add(self.opened, 1)
 
     def passed(self) -> None:
         """After the round's collective succeeded: the last rank to pass removes the marks."""
@@ -175,8 +187,10 @@ def meet(group, agree: dict, timeout_s: float, what: str, *, load: bool = False,
         return
     # the group's ranks in the name: the ranks of two subgroups at the same save counted as one
     # meeting (a rank passed with the other group's, and the last deleted the count under the rest)
+    # a load's rounds are the store's (a rank that skipped a load met the others' later ones never
+    # again); a save's name holds its step, a new name each step (no key left behind per step)
     arrival = Arrival(group, f"meet/{_ranks_tag(group)}/{'load' if load else 'save'}/"
-                      + "/".join(str(agree[k]) for k in sorted(agree)))
+                      + "/".join(str(agree[k]) for k in sorted(agree)), shared=load)
     kv = arrival.kv
     if kv is None:
         return
@@ -192,6 +206,7 @@ def meet(group, agree: dict, timeout_s: float, what: str, *, load: bool = False,
     # time); the marks name the ranks that did not come
     count, came = f"{arrival.key}/count", f"{arrival.key}/came"
     if kv.add(count, 1) == len(arrival.ranks):
+        arrival.close()
         kv.set(came, "1")
     started = time.monotonic()
     deadline, pause_s, look_s = started + timeout_s, MEET_POLL_S[0], MEET_LOOK_S

@@ -139,7 +139,7 @@ class DistWriter:
         self._plan: _Plan | None = None
         self._last_snapshot: Future | None = None
         self._closed = False
-        self._newest_step: int | None = None  # of this writer's saves (see save)
+        self._newest_step: int | None = None  # of this writer's snapshots taken (_refuse_going_back)
         self._pid = os.getpid()  # see _commit_in_flight_at_exit
         _open_writers.add(self)
 
@@ -154,14 +154,6 @@ class DistWriter:
         version."""
         if self._closed:
             raise CkptfsError("this writer is closed; open a new one with store.writer(..., group=...)")
-        if self._newest_step is not None and step < self._newest_step:
-            # its commits come in the order of the saves: an older step after a newer one is the job
-            # gone back, which would never become latest (it was committed "successfully" unseen)
-            raise CkptfsError(f"step {step} of {self.model!r} is older than step {self._newest_step}, which this writer "
-                              "saved, and an older step never becomes the job's latest: to go back, close this "
-                              "writer, remove the later steps in every node's region (`ckptfs rm --allow-latest "
-                              f"{self.model} STEP...`) and save with a new one")
-        self._newest_step = step
         keep = is_kept(step, keep, self.keep_every)
         started = time.perf_counter()
         if not self._slots.acquire(timeout=self.timeout_s):
@@ -175,7 +167,9 @@ class DistWriter:
 
         def snapshot() -> None:
             try:
+                self._refuse_going_back(step)
                 written = self._snapshot(state, step, keep, extra)
+                self._newest_step = max(step, self._newest_step or step)
             except BaseException as e:  # noqa: BLE001 - delivered through both futures
                 future.snapshotted.set_exception(e)
                 self._done(future)
@@ -195,6 +189,17 @@ class DistWriter:
         if not async_snapshot:
             task.result()
         return future
+
+    def _refuse_going_back(self, step: int) -> None:
+        """CkptfsError for a step older than one this writer's snapshots took (on the snapshot
+        thread: in the order of the saves, on every rank alike). Its commits come in that order,
+        so such a step is the job gone back, which would never become latest: its future
+        succeeded with nothing recorded."""
+        if self._newest_step is not None and step < self._newest_step:
+            raise CkptfsError(f"step {step} of {self.model!r} is older than step {self._newest_step}, which this writer "
+                              "saved, and an older step never becomes the job's latest: to go back, close this "
+                              "writer, remove the later steps in every node's region (`ckptfs rm --allow-latest "
+                              f"{self.model} STEP...`) and save with a new one")
 
     def _snapshot(self, state: dict, step: int, keep: bool, extra: dict | None) -> _Written:
         """Agree with the other ranks, then start this rank's part: through the plan made for
