@@ -878,3 +878,21 @@ def test_a_version_whose_skeleton_was_left_out_imports_whole_from_its_checkpoint
     assert torch.equal(back["model"]["w"], torch.arange(4.0))
     code, _, err = run(capsys, "import", "--region", region, "flat", tmp_path / "exp" / "state.safetensors")
     assert code == 1 and "skeleton was left out" in one_error_line(err) and "checkpoint.pt" in err
+
+
+def test_an_export_listing_an_extra_named_as_a_views_file_imports_without_it(capsys, tmp_path, caplog):
+    # an older ckptfs let a save name an extra metadata.json (hidden by the view's own); a save now
+    # refuses such a name, and its import refused the whole export
+    region = str(tmp_path / "o.region")
+    with ckptfs.Store.create(region, size_bytes=64 << 20) as s, s.writer("m") as w:
+        w.save({"w": torch.arange(3.0)}, 1, extra={"notes.txt": "kept"}).result()
+    out = tmp_path / "exp"
+    assert run(capsys, "export", "--region", region, "m", f"{out}/")[0] == 0
+    meta = json.loads((out / "metadata.json").read_text())
+    meta["files"] = meta["files"] + ["metadata.json"]
+    (out / "metadata.json").write_text(json.dumps(meta))
+    with caplog.at_level("WARNING", logger="ckptfs"):
+        assert run(capsys, "import", "--region", region, "back", out)[0] == 0
+    assert "metadata.json, named as ckptfs's own files, are left out" in caplog.text
+    with ckptfs.Store(region) as s, s.open_version("back") as v:
+        assert dict(v.manifest.files) == {"notes.txt": "kept"}

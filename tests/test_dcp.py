@@ -1414,7 +1414,13 @@ def test_a_checkpoint_id_beside_the_storage_names_the_step_or_is_refused(store, 
     assert back["w"][0] == 1.0
     dcp.load(back, checkpoint_id="ckptfs:ck@newest", storage_reader=reader)
     assert back["w"][0] == 2.0
-    for bad, said in (("ckptfs:other@1", "names model 'other'"), ("/ckpt/ck/latest", "names no step"),
+    dcp.load(back, checkpoint_id="out/checkpoint-1", storage_reader=reader)  # Hugging Face's Trainer
+    assert back["w"][0] == 1.0
+    dcp.load(back, checkpoint_id="/ckpt/ck/latest", storage_reader=reader)
+    assert back["w"][0] == 2.0
+    dcp.load(back, checkpoint_id="run/iter_0000001", storage_reader=reader)  # Megatron's
+    assert back["w"][0] == 1.0
+    for bad, said in (("ckptfs:other@1", "names model 'other'"), ("/ckpt/ck/final", "names no step"),
                       ("step-x", "is not a step")):
         with pytest.raises(ValueError, match=said):
             dcp.load(back, checkpoint_id=bad, storage_reader=reader)

@@ -59,10 +59,12 @@ def step_of_checkpoint_id(checkpoint_id, model: str, given_as: str) -> int | Non
     """The step a ``checkpoint_id`` passed to ``dcp.save`` / ``dcp.load`` beside a ckptfs storage
     of ``model`` names (None: the newest): ``ckptfs:MODEL@STEP`` (or ``@newest``), as the storage's
     own ``checkpoint_id`` says, or a path whose last name is ``step-N`` (torchtitan's folders, the
-    mount's version directories). ValueError, in the words of ``given_as`` (where the user gave
+    mount's version directories), ``checkpoint-N`` (Hugging Face's Trainer), ``iter_N`` (Megatron)
+    or ``latest`` (the newest). ValueError, in the words of ``given_as`` (where the user gave
     the model), for another model or anything else: an id that was ignored loaded the newest step
     in silence where the caller asked for another."""
     import os
+    import re
 
     text = os.fspath(checkpoint_id)
     text = text.decode(errors="replace") if isinstance(text, bytes) else text
@@ -72,10 +74,13 @@ def step_of_checkpoint_id(checkpoint_id, model: str, given_as: str) -> int | Non
             raise ValueError(f"checkpoint_id={text!r} names {'model ' + repr(named) if at else 'no step'}, and the "
                              f"{given_as} is of {model!r}: pass checkpoint_id='ckptfs:{model}@STEP', or none")
     else:
-        head, dash, step = os.path.basename(text.rstrip("/")).rpartition("-")
-        if head != "step" or not dash:
+        last = os.path.basename(text.rstrip("/"))
+        found = re.fullmatch(r"(?:step|checkpoint|iter|global_step)[-_]?(\w+)|(latest)", last)
+        if found is None:
             raise ValueError(f"checkpoint_id={text!r} names no step of {model!r}: pass 'ckptfs:{model}@STEP', a path "
-                             f"ending in step-N, or no checkpoint_id (the {given_as}'s step is used)")
+                             f"ending in step-N (checkpoint-N, iter_N) or latest, or no checkpoint_id (the "
+                             f"{given_as}'s step is used)")
+        step = "newest" if found.group(2) else found.group(1)
     if step == "newest":
         return None
     if not (step.isascii() and step.isdigit()):
