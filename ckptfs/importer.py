@@ -35,7 +35,7 @@ from ckptfs.errors import CkptfsError, MalformedInputError, UnsupportedObjectErr
 from ckptfs.dist.names import RECORD_FILES
 from ckptfs.flatten import DTYPES
 from ckptfs.manifest import check_file_name, check_skeleton, expected_nbytes, map_tensor_refs, unflatten
-from ckptfs.views import check_extra_names
+from ckptfs.views import is_views_own
 from ckptfs.views.metadata import METADATA_FILE
 from ckptfs.views.safetensors import (ALIASES_KEY, MAX_HEADER_BYTES, SAFETENSORS_DTYPES, SKELETON_KEY,
                                      SKELETON_OMITTED_KEY, STATE_FILE)
@@ -380,19 +380,11 @@ def version_directory(path: str) -> tuple[list[str], dict[str, str]] | None:
     # a multi-rank version's own records are left: the copy is a version of one process; and an
     # extra that an older ckptfs let a save name as a view's own file (hidden by it in the version
     # directory; a save now refuses such a name)
-    views_own = [n for n in names if _views_own(n)]
+    views_own = [n for n in names if is_views_own(n)]
     if views_own:
         log.warning("%s: extra file(s) %s, named as ckptfs's own files, are left out", meta_path, ", ".join(views_own))
-    return [whole], _read_texts(path, [n for n in names if n not in RECORD_FILES and not _views_own(n)],
+    return [whole], _read_texts(path, [n for n in names if n not in RECORD_FILES and not is_views_own(n)],
                                 missing_ok=False)
-
-
-def _views_own(name: str) -> bool:
-    try:
-        check_extra_names([name])
-    except ValueError:
-        return True
-    return False
 
 
 def _skeleton_omitted(path: str) -> bool:

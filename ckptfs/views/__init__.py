@@ -33,16 +33,21 @@ OWN_ROOT_NAMES = (CHECKPOINT_FILE, STATE_FILE, METADATA_FILE, HF_DIR)
 OWN_ROOT_SUFFIX = ".safetensors"  # <key>.safetensors
 
 
+def is_views_own(name: str) -> bool:
+    """Whether ``name`` is one the views of every version give their own files at its root
+    (``OWN_ROOT_NAMES``, ``*.safetensors``): no extra file may take it."""
+    return name in OWN_ROOT_NAMES or name.endswith(OWN_ROOT_SUFFIX)
+
+
 def check_extra_names(names) -> None:
-    """ValueError, in the words of ``save(extra=)``, for an extra file named as a file that the
-    views of every version show themselves (``OWN_ROOT_NAMES``, ``*.safetensors``)."""
+    """ValueError, in the words of ``save(extra=)``, for an extra file named as ``is_views_own``."""
     for name in names:
-        if name in OWN_ROOT_NAMES or name.endswith(OWN_ROOT_SUFFIX):
+        if is_views_own(name):
             raise ValueError(f"extra: {name!r} is a name ckptfs gives its own files in every version "
                              f"({', '.join(OWN_ROOT_NAMES[:3])}, {HF_DIR}/, <key>{OWN_ROOT_SUFFIX}): name it otherwise")
 
 
 __all__ = ["CHECKPOINT_FILE", "HF_DIR", "METADATA_FILE", "OWN_ROOT_NAMES", "STATE_FILE", "Extent", "Literal", "View",
-           "ViewBuilder", "check_extra_names", "extra_files", "hf_files",
+           "ViewBuilder", "check_extra_names", "extra_files", "hf_files", "is_views_own",
            "ViewSpec", "check_view_ids", "files_for", "key_file_name", "metadata_json_view", "register",
            "registered_views", "safetensors_view", "torch_zip_view"]
