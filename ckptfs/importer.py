@@ -363,10 +363,16 @@ def version_directory(path: str) -> tuple[list[str], dict[str, str]] | None:
     Face directory, such a directory gave its ``model.safetensors`` alone (the optimizer state
     and plain values were dropped)."""
     meta_path = os.path.join(path, METADATA_FILE)
-    whole = next((os.path.join(path, n) for n in VERSION_FILES if os.path.isfile(os.path.join(path, n))
-                  and not (n == STATE_FILE and _skeleton_omitted(os.path.join(path, n)))), None)
+    whole = next((os.path.join(path, n) for n in VERSION_FILES if os.path.isfile(os.path.join(path, n))), None)
     if whole is None or not os.path.isfile(meta_path):
         return None
+    if whole.endswith(STATE_FILE) and _skeleton_omitted(whole):
+        # its tensors without the object's nesting and plain values: checkpoint.pt holds them
+        whole = os.path.join(path, CHECKPOINT_FILE)
+        if not os.path.isfile(whole):
+            raise _reject(path, f"its {STATE_FILE} was made without the object's skeleton (too large for a "
+                                f"safetensors header) and it has no {CHECKPOINT_FILE}: copy the version's "
+                                f"{CHECKPOINT_FILE} beside it, or import that file")
     try:
         with open(meta_path, encoding="utf-8") as f:
             names = json.load(f, object_pairs_hook=_no_duplicates).get("files", [])

@@ -878,6 +878,9 @@ def test_a_version_whose_skeleton_was_left_out_imports_whole_from_its_checkpoint
     assert torch.equal(back["model"]["w"], torch.arange(4.0))
     code, _, err = run(capsys, "import", "--region", region, "flat", tmp_path / "exp" / "state.safetensors")
     assert code == 1 and "skeleton was left out" in one_error_line(err) and "checkpoint.pt" in err
+    os.remove(tmp_path / "exp" / "checkpoint.pt")  # a copy without it was read as a Hugging Face directory
+    code, _, err = run(capsys, "import", "--region", region, "hf", tmp_path / "exp")
+    assert code == 1 and "has no checkpoint.pt" in one_error_line(err)
 
 
 def test_an_export_listing_an_extra_named_as_a_views_file_imports_without_it(capsys, tmp_path, caplog):

@@ -492,7 +492,18 @@ def _goes_back_a_step(rank, world, region):
             older.result()
         later.result()
         w.save({"w": torch.full((8,), 21.0)}, step=21).result()
-    assert [v.step for v in store.versions("back")] == [10, 20, 21]
+        # a step whose commit failed (a full region) holds nothing back: the job saves on below it
+        from ckptfs.dist import writer as dist_writer
+        for cls in {dist_writer.StorageWriter, dist_writer._PartOnly}:
+            def failing(self, *args, _real=cls.commit, **kwargs):
+                if self.step == 30:
+                    raise CkptfsError("injected: step 30's commit failed")
+                return _real(self, *args, **kwargs)
+            cls.commit = failing
+        with pytest.raises(CkptfsError, match="injected"):
+            w.save({"w": torch.full((8,), 30.0)}, step=30).result()
+        w.save({"w": torch.full((8,), 25.0)}, step=25).result()
+    assert store.latest("back").step == 25 and 30 not in [v.step for v in store.versions("back")]
     store.close()
 
 
@@ -523,6 +534,55 @@ def test_ranks_meet_again_after_one_skipped_a_load(tmp_path):
     """Each process counted its own rounds of a meeting: after one rank skipped a load, its n-th
     load met the others' (n+1)-th, and every later load failed on both, each naming the other."""
     run_ranks(_one_rank_skips_a_load, 2, _new_region(tmp_path))
+
+
+def _the_last_comes_as_the_first_leaves(rank, world, region):
+    from ckptfs.dist import group as G
+
+    kv = G._kv_store()
+    dist.barrier()
+    if rank == 0:  # past its deadline it has found rank 1 missing, and rank 1 comes just now
+        real, t0 = G._raise_if_elsewhere, time.monotonic()
+
+        def at_the_deadline(*args, **kwargs):
+            real(*args, **kwargs)
+            if time.monotonic() - t0 >= 1.0:
+                kv.set("go", "1")
+                time.sleep(0.3)
+        G._raise_if_elsewhere = at_the_deadline
+    else:
+        kv.wait(["go"])
+    G.meet(dist.group.WORLD, {"model": "m", "step": 5}, 1.0, "the meeting")  # both pass, or neither
+    dist.barrier()
+
+
+def test_a_rank_leaving_a_meeting_as_the_last_comes_passes_with_it(tmp_path):
+    """The last rank came as the first, past its timeout_s, was leaving: the last passed alone
+    into DCP's planning gather (and waited there, named by no one, until the group's timeout),
+    while the first raised that it never came."""
+    run_ranks(_the_last_comes_as_the_first_leaves, 2, _new_region(tmp_path))
+
+
+def _a_save_tried_again(rank, world, region):
+    import torch.distributed.checkpoint as dcp
+
+    store = ckptfs.Store(region)
+    if rank == 1:
+        time.sleep(1.5)  # late for rank 0's first try
+    for attempt in range(3):
+        try:
+            dcp.save({"w": torch.arange(4.0)}, storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=10, timeout_s=1))
+            break
+        except BaseException as e:  # noqa: BLE001 - tried again, as a job's retry wrapper does
+            assert rank == 0 and attempt == 0 and "rank(s) 1 did not come" in str(e), str(e)
+    assert store.latest("m").step == 10
+    store.close()
+
+
+def test_a_save_tried_again_after_a_rank_came_late_meets_it(tmp_path):
+    """Each process counted its own rounds of a save's meeting: rank 0's second try was its round
+    2, rank 1's first its round 1, and no try met again, each naming the other."""
+    run_ranks(_a_save_tried_again, 2, _new_region(tmp_path))
 
 
 def _two_models_commit_in_crossed_order(rank, world, region):

@@ -187,10 +187,11 @@ def meet(group, agree: dict, timeout_s: float, what: str, *, load: bool = False,
         return
     # the group's ranks in the name: the ranks of two subgroups at the same save counted as one
     # meeting (a rank passed with the other group's, and the last deleted the count under the rest)
-    # a load's rounds are the store's (a rank that skipped a load met the others' later ones never
-    # again); a save's name holds its step, a new name each step (no key left behind per step)
+    # the rounds are the store's, not each process's count of its own: a rank that skipped a load,
+    # or a save tried again after one rank came late, met the others' later rounds never again (a
+    # save's name holds its step: one small key per step stays in the store)
     arrival = Arrival(group, f"meet/{_ranks_tag(group)}/{'load' if load else 'save'}/"
-                      + "/".join(str(agree[k]) for k in sorted(agree)), shared=load)
+                      + "/".join(str(agree[k]) for k in sorted(agree)), shared=True)
     kv = arrival.kv
     if kv is None:
         return
@@ -211,32 +212,60 @@ def meet(group, agree: dict, timeout_s: float, what: str, *, load: bool = False,
     started = time.monotonic()
     deadline, pause_s, look_s = started + timeout_s, MEET_POLL_S[0], MEET_LOOK_S
     look_at = started + look_s
+    counted = True  # this rank's arrival is in the count
     try:
         while not kv.check([came]):
             if time.monotonic() >= min(look_at, deadline):  # now and then: who is missing, and where?
                 look_s = min(2 * look_s, MEET_LOOK_MAX_S)
                 look_at = time.monotonic() + look_s
                 missing = arrival.missing()
-                _raise_if_elsewhere(kv, waiting, missing, mine, passed_to)
-                if time.monotonic() >= deadline:
-                    nothing = 'nothing was read' if load else 'nothing was committed'
-                    if missing:
-                        raise CkptfsError(f"{what}: rank(s) {', '.join(map(str, missing))} did not come within "
-                                          f"timeout_s={timeout_s:g} (stopped, or not "
-                                          f"{'loading' if load else 'saving this step'}); {nothing}")
-                    raise CkptfsError(f"{what}: the ranks did not all come within timeout_s={timeout_s:g} (one "
-                                      f"stopped as it came?); {nothing}")
+                try:
+                    _raise_if_elsewhere(kv, waiting, missing, mine, passed_to)
+                    if time.monotonic() >= deadline:
+                        _raise_not_come(what, missing, timeout_s, load)
+                except CkptfsError:
+                    counted = False
+                    if _every_rank_came(kv, count, came, len(arrival.ranks)):
+                        counted = True
+                        break
+                    raise
             time.sleep(pause_s)
             pause_s = min(2 * pause_s, MEET_POLL_S[1])
     except BaseException:
         _quietly(kv.delete_key, f"{arrival.key}/{arrival.rank}")
-        _quietly(kv.add, count, -1)
+        if counted:
+            _quietly(kv.add, count, -1)
         raise
     finally:
         _quietly(kv.set, waiting + str(arrival.rank), "")
     arrival.passed()
     if not load:
         agreed(history, agree.get("step"))
+
+
+def _every_rank_came(kv, count: str, came: str, world: int) -> bool:
+    """A rank leaving a meeting takes its arrival back from ``count``. Where that shows that every
+    rank had come (the last one passes now, between its count and its ``came``), it puts it back
+    and stays, to pass with that one (True): raising, it left the last to go on alone. False: it
+    has left (or the store is gone, with its rank: the error in flight says what happened)."""
+    try:
+        if kv.add(count, -1) != world - 1:
+            return False
+        kv.add(count, 1)
+        kv.set(came, "1")
+        return True
+    except Exception:  # noqa: BLE001 - see above
+        return False
+
+
+def _raise_not_come(what: str, missing: list[int], timeout_s: float, load: bool) -> None:
+    """The error of a meeting past its ``timeout_s``: ``missing``, the ranks without a mark."""
+    nothing = "nothing was read" if load else "nothing was committed"
+    if missing:
+        raise CkptfsError(f"{what}: rank(s) {', '.join(map(str, missing))} did not come within timeout_s="
+                          f"{timeout_s:g} (stopped, or not {'loading' if load else 'saving this step'}); {nothing}")
+    raise CkptfsError(f"{what}: the ranks did not all come within timeout_s={timeout_s:g} (one was still coming, or "
+                      f"stopped as it came); {nothing}")
 
 
 def meet_before_dcp(storage, dcp_function: str, what: str, *, load: bool = False) -> bool:

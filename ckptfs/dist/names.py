@@ -75,7 +75,7 @@ def step_of_checkpoint_id(checkpoint_id, model: str, given_as: str) -> int | Non
                              f"{given_as} is of {model!r}: pass checkpoint_id='ckptfs:{model}@STEP', or none")
     else:
         last = os.path.basename(text.rstrip("/"))
-        found = re.fullmatch(r"(?:step|checkpoint|iter|global_step)[-_]?(\w+)|(latest)", last)
+        found = re.fullmatch(r"(?:step|checkpoint|iter)[-_](\w+)|(latest)", last)
         if found is None:
             raise ValueError(f"checkpoint_id={text!r} names no step of {model!r}: pass 'ckptfs:{model}@STEP', a path "
                              f"ending in step-N (checkpoint-N, iter_N) or latest, or no checkpoint_id (the "

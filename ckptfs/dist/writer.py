@@ -139,7 +139,10 @@ class DistWriter:
         self._plan: _Plan | None = None
         self._last_snapshot: Future | None = None
         self._closed = False
-        self._newest_step: int | None = None  # of this writer's snapshots taken (_refuse_going_back)
+        # the steps of this writer's snapshots taken and not yet committed, and its newest committed
+        # step (_refuse_going_back)
+        self._steps_in_flight: list[int] = []
+        self._newest_committed: int | None = None
         self._pid = os.getpid()  # see _commit_in_flight_at_exit
         _open_writers.add(self)
 
@@ -169,7 +172,8 @@ class DistWriter:
             try:
                 self._refuse_going_back(step)
                 written = self._snapshot(state, step, keep, extra)
-                self._newest_step = max(step, self._newest_step or step)
+                with self._lock:
+                    self._steps_in_flight.append(step)
             except BaseException as e:  # noqa: BLE001 - delivered through both futures
                 future.snapshotted.set_exception(e)
                 self._done(future)
@@ -180,6 +184,8 @@ class DistWriter:
             try:  # in snapshot order, so in the same order of steps on every rank
                 self._commits.submit(self._commit, future, written, step, started, stall_s)
             except BaseException as e:  # noqa: BLE001 - e.g. the interpreter ending: said, not lost
+                with self._lock:
+                    self._steps_in_flight.remove(step)
                 self._done(future)
                 future.set_exception(CkptfsError(f"step {step} of {self.model!r} was snapshotted but never "
                                                  f"committed: {e}"))
@@ -191,12 +197,15 @@ class DistWriter:
         return future
 
     def _refuse_going_back(self, step: int) -> None:
-        """CkptfsError for a step older than one this writer's snapshots took (on the snapshot
-        thread: in the order of the saves, on every rank alike). Its commits come in that order,
+        """CkptfsError for a step older than one this writer's snapshots took and whose commit did
+        not fail (on the snapshot thread: in the order of the saves, on every rank alike). Its commits come in that order,
         so such a step is the job gone back, which would never become latest: its future
         succeeded with nothing recorded."""
-        if self._newest_step is not None and step < self._newest_step:
-            raise CkptfsError(f"step {step} of {self.model!r} is older than step {self._newest_step}, which this writer "
+        with self._lock:
+            newest = max([*self._steps_in_flight, *([self._newest_committed] if self._newest_committed is not None
+                                                    else [])], default=None)
+        if newest is not None and step < newest:
+            raise CkptfsError(f"step {step} of {self.model!r} is older than step {newest}, which this writer "
                               "saved, and an older step never becomes the job's latest: to go back, close this "
                               "writer, remove the later steps in every node's region (`ckptfs rm --allow-latest "
                               f"{self.model} STEP...`) and save with a new one")
@@ -260,10 +269,15 @@ class DistWriter:
             result = DistSaveResult(self.model, step, stall_s, time.perf_counter() - started,
                                     storage.part_durable_at, storage.committed_at)
         except BaseException as e:  # noqa: BLE001 - delivered through the future
+            with self._lock:  # a step not committed does not hold the later saves back (_refuse_going_back)
+                self._steps_in_flight.remove(step)
             self._done(future)
             future.set_exception(e)
             storage.reclaim_quietly()  # a job whose saves keep failing must not fill the region
             return
+        with self._lock:
+            self._steps_in_flight.remove(step)
+            self._newest_committed = max(step, self._newest_committed if self._newest_committed is not None else step)
         self._done(future)
         future.set_result(result)
         # after the caller is told: before the next commit, on this thread

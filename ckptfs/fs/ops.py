@@ -40,7 +40,7 @@ LISTING_TTL = 0.5  # seconds: directories and latest
 IMMUTABLE_TTL = 5.0  # seconds: files of a version
 HELD_WAIT_S = 1.0  # seconds a request waits for a version its save holds (Store.open_version's wait)
 T = TypeVar("T")
-# A process that holds a file of the version ``latest`` gave it at most LATEST_HELD_S ago, opened
+# A process that holds a file of the version ``latest`` last gave it at most LATEST_HELD_S ago, opened
 # in the last LATEST_OPENED_S, is given that version again: one torch.load(mmap=True) of
 # latest/checkpoint.pt walks the path twice (the zip reader's open, then UntypedStorage.from_file),
 # and a save committed between the two mixed the older version's index with the newer's tensors,
@@ -129,7 +129,7 @@ class CkptfsOperations(pyfuse3.Operations):
                     and any(opened[:3] == (*key, given[0]) and now - opened[3] < LATEST_OPENED_S
                             for opened in self._opened_by.values())):
                 step = given[0]  # see LATEST_HELD_S; pinned by that file, so still there
-            elif given is None or given[0] != step or now - given[1] >= LATEST_HELD_S:
+            else:  # given fresh: the window starts again (a later load of the same step is held too)
                 if len(self._latest_given) > 4096:
                     self._latest_given = {k: g for k, g in self._latest_given.items() if now - g[1] < LATEST_HELD_S}
                 self._latest_given[key] = (step, now)
