@@ -170,7 +170,6 @@ class DistWriter:
 
         def snapshot() -> None:
             try:
-                self._refuse_going_back(step)
                 written = self._snapshot(state, step, keep, extra)
                 with self._lock:
                     self._steps_in_flight.append(step)
@@ -198,7 +197,8 @@ class DistWriter:
 
     def _refuse_going_back(self, step: int) -> None:
         """CkptfsError for a step older than one this writer's snapshots took and whose commit did
-        not fail (on the snapshot thread: in the order of the saves, on every rank alike). Its commits come in that order,
+        not fail (on the snapshot thread, after the ranks agreed on the step: in the order of the
+        saves, on every rank alike). Its commits come in that order,
         so such a step is the job gone back, which would never become latest: its future
         succeeded with nothing recorded."""
         with self._lock:
@@ -219,6 +219,9 @@ class DistWriter:
         plan = self._plan if self._plan is not None and matches(state, self._plan.structure) else None
         keys = plan.keys if plan is not None else _key_digest(state)  # the same keys: the same structure
         everyone = self._agree(state, step, keys, None if plan is None else plan.made_at)
+        # after the agreement: ranks at different steps are told so at once, on every rank (refused
+        # alone, the rank at an older step left the others waiting timeout_s for it)
+        self._refuse_going_back(step)
         replan = plan is None or len({p["plan"] for p in everyone}) > 1
         storage = (_PartOnly if replan else StorageWriter)(
             self.store, self.model, step, max_inflight=self.max_inflight, timeout_s=self.timeout_s,
