@@ -211,12 +211,12 @@ def test_a_process_holding_a_file_of_latest_is_given_that_version_again(toy, sto
     version's index with the newer's tensors. A process holding a file of the version latest
     gave it, opened in the last second, is given it again; any other process, the newest, and so
     is this one once its file is older (a server keeping the weights it loaded long ago mapped)."""
-    model_dir = toy / "held"
+    model_dir = toy / "holding"
     link = os.path.join(model_dir, "latest")
-    save_versions(store, "held", [1])
-    wait_for(lambda: os.path.exists(os.path.join(model_dir, vdir(1))), what="held/step-00000001")
+    save_versions(store, "holding", [1])
+    wait_for(lambda: os.path.exists(os.path.join(model_dir, vdir(1))), what="holding/step-00000001")
     elsewhere = [sys.executable, "-c", f"import os; print(os.readlink({link!r}))"]
-    with store.writer("held") as w, open(os.path.join(link, "checkpoint.pt"), "rb"):
+    with store.writer("holding") as w, open(os.path.join(link, "checkpoint.pt"), "rb"):
         w.save({"x": torch.full((1000,), 2.0), "step": 2}, 2).result()
         assert os.readlink(link) == vdir(1)
         obj = torch.load(os.path.join(link, "checkpoint.pt"), weights_only=True, mmap=True)
