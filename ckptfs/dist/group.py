@@ -99,9 +99,10 @@ def present(kv, keys: list[str]) -> list[bool]:
 
 
 class Arrival:
-    """This rank's mark in the job's key-value store that it reached round ``seq`` of ``name``
-    (each rank's n-th round of a name meets the others' n-th), so that when a collective of the
-    round fails (gloo says only that it timed out) the ranks that never came can be named."""
+    """This rank's mark in the job's key-value store that it reached a round of ``name`` (each
+    rank's n-th round of a name meets the others' n-th; ``shared``: the round the store holds
+    open), so that when a collective of the round fails (gloo says only that it timed out) the
+    ranks that never came can be named."""
 
     def __init__(self, group, name: str, shared: bool = False):
         import torch.distributed as dist
@@ -112,7 +113,8 @@ class Arrival:
             return
         with _arrivals_lock:
             _forget_destroyed_world(dist.group.WORLD)
-            seq = _arrivals[name] = _arrivals.get(name, 0) + 1
+            if not shared:
+                seq = _arrivals[name] = _arrivals.get(name, 0) + 1
         # ``shared``: the round is the one the store holds open for ``name`` (``close`` moves it
         # on once all came), not this process's count of its rounds: a rank that missed one round
         # (a load it skipped) met the others' next rounds never again
@@ -120,6 +122,8 @@ class Arrival:
         if shared:
             seq = self.kv.add(self.opened, 0)
         self.key = f"ckptfs/arrivals/{name}/{seq}"
+        # a meeting's (``meet``): how many ranks came, and the mark that all did
+        self.count, self.came = f"{self.key}/count", f"{self.key}/came"
         self.ranks = dist.get_process_group_ranks(group)
         self.rank = dist.get_rank()
         self.kv.set(f"{self.key}/{self.rank}", "1")
@@ -146,8 +150,8 @@ class Arrival:
             for r in self.ranks:
                 self.kv.delete_key(f"{self.key}/{r}")
             self.kv.delete_key(f"{self.key}/passed")
-            self.kv.delete_key(f"{self.key}/count")  # a meeting's (``meet``)
-            self.kv.delete_key(f"{self.key}/came")
+            self.kv.delete_key(self.count)
+            self.kv.delete_key(self.came)
 
     def naming(self, what: str, error: BaseException) -> BaseException:
         """``error``, or a CkptfsError ``what`` naming the ranks that never came."""
@@ -186,8 +190,8 @@ def meet(group, agree: dict, timeout_s: float, what: str, *, load: bool = False,
     if world_size(group) == 1:
         return
     # the group's ranks in the name: the ranks of two subgroups at the same save counted as one
-    # meeting (a rank passed with the other group's, and the last deleted the count under the rest)
-    # the rounds are the store's, not each process's count of its own: a rank that skipped a load,
+    # meeting (a rank passed with the other group's, and the last deleted the count under the
+    # rest); the rounds are the store's, not each process's count of its own: a rank that skipped a load,
     # or a save tried again after one rank came late, met the others' later rounds never again (a
     # save's name holds its step: one small key per step stays in the store)
     arrival = Arrival(group, f"meet/{_ranks_tag(group)}/{'load' if load else 'save'}/"
@@ -205,7 +209,7 @@ def meet(group, agree: dict, timeout_s: float, what: str, *, load: bool = False,
     # poll, one key (a check of every rank's mark, asked 20-odd times a meeting by each rank, sent
     # the store W keys each time; a poll of the count itself appended a record to a FileStore each
     # time); the marks name the ranks that did not come
-    count, came = f"{arrival.key}/count", f"{arrival.key}/came"
+    count, came = arrival.count, arrival.came
     if kv.add(count, 1) == len(arrival.ranks):
         arrival.close()
         kv.set(came, "1")

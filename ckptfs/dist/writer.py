@@ -142,7 +142,7 @@ class DistWriter:
         # the steps of this writer's snapshots taken and not yet committed, and its newest committed
         # step (_refuse_going_back)
         self._steps_in_flight: list[int] = []
-        self._newest_committed: int | None = None
+        self._newest_committed = -1  # steps are never negative
         self._pid = os.getpid()  # see _commit_in_flight_at_exit
         _open_writers.add(self)
 
@@ -202,9 +202,8 @@ class DistWriter:
         so such a step is the job gone back, which would never become latest: its future
         succeeded with nothing recorded."""
         with self._lock:
-            newest = max([*self._steps_in_flight, *([self._newest_committed] if self._newest_committed is not None
-                                                    else [])], default=None)
-        if newest is not None and step < newest:
+            newest = max([self._newest_committed, *self._steps_in_flight])
+        if step < newest:
             raise CkptfsError(f"step {step} of {self.model!r} is older than step {newest}, which this writer "
                               "saved, and an older step never becomes the job's latest: to go back, close this "
                               "writer, remove the later steps in every node's region (`ckptfs rm --allow-latest "
@@ -280,7 +279,7 @@ class DistWriter:
             return
         with self._lock:
             self._steps_in_flight.remove(step)
-            self._newest_committed = max(step, self._newest_committed if self._newest_committed is not None else step)
+            self._newest_committed = max(step, self._newest_committed)
         self._done(future)
         future.set_result(result)
         # after the caller is told: before the next commit, on this thread

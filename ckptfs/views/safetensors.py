@@ -76,16 +76,17 @@ def safetensors_view(manifest: Manifest, *, key: str | None = None,
         kept_names = {name for name, _ in kept}
         aliases = {alias: name for alias, name in aliases.items() if name in kept_names}
     meta = dict(metadata or {})
-    if key is None and not skipped and SKELETON_KEY not in meta:
+    skeleton_added = key is None and not skipped and SKELETON_KEY not in meta
+    if skeleton_added:
         meta[SKELETON_KEY] = dumps_named_skeleton(manifest.skeleton, first_name)
-        header, extents, data_bytes = _header_and_extents(_metadata(manifest, skipped, aliases, meta), kept)
-        if len(header) - 8 > MAX_HEADER_BYTES:
-            # plain values of hundreds of MB (a sampler's permutation as a list): no reader would
-            # open the file ("header too large"); its tensors without them (checkpoint.pt has all)
-            del meta[SKELETON_KEY]
-            meta[SKELETON_OMITTED_KEY] = (f"{len(header) - 8} bytes of header with the skeleton, over the "
-                                          f"{MAX_HEADER_BYTES} that safetensors reads: see checkpoint.pt")
     header, extents, data_bytes = _header_and_extents(_metadata(manifest, skipped, aliases, meta), kept)
+    if skeleton_added and len(header) - 8 > MAX_HEADER_BYTES:
+        # plain values of hundreds of MB (a sampler's permutation as a list): no reader would open
+        # the file ("header too large"); its tensors without them (checkpoint.pt has all)
+        del meta[SKELETON_KEY]
+        meta[SKELETON_OMITTED_KEY] = (f"{len(header) - 8} bytes of header with the skeleton, over the "
+                                      f"{MAX_HEADER_BYTES} that safetensors reads: see checkpoint.pt")
+        header, extents, data_bytes = _header_and_extents(_metadata(manifest, skipped, aliases, meta), kept)
 
     def segments():
         # made on the first read: a listing needs the size only, and 40,000 tensors stored apart
