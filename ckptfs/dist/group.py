@@ -217,28 +217,36 @@ def meet(group, agree: dict, timeout_s: float, what: str, *, load: bool = False,
     deadline, pause_s, look_s = started + timeout_s, MEET_POLL_S[0], MEET_LOOK_S
     look_at = started + look_s
     counted = True  # this rank's arrival is in the count
+
+    def leave() -> None:
+        """Take this rank's arrival back (its mark and its count) before it fails: lingering, so
+        that another rank at a different save sees it there, it was counted in that rank's next
+        round of this meeting, which then passed without it."""
+        nonlocal counted
+        _quietly(kv.delete_key, f"{arrival.key}/{arrival.rank}")
+        if counted:
+            counted = False
+            _quietly(kv.add, count, -1)
+
     try:
         while not kv.check([came]):
             if time.monotonic() >= min(look_at, deadline):  # now and then: who is missing, and where?
                 look_s = min(2 * look_s, MEET_LOOK_MAX_S)
                 look_at = time.monotonic() + look_s
                 missing = arrival.missing()
-                try:
-                    _raise_if_elsewhere(kv, waiting, missing, mine, passed_to)
-                    if time.monotonic() >= deadline:
-                        _raise_not_come(what, missing, timeout_s, load)
-                except CkptfsError:
+                _raise_if_elsewhere(kv, waiting, missing, mine, passed_to, leave)
+                if time.monotonic() >= deadline:
+                    # only a meeting that timed out: a rank that found the others at another save
+                    # has told them so, and fails (lingering, it was counted in their next round)
                     counted = False
                     if _every_rank_came(kv, count, came, len(arrival.ranks)):
                         counted = True
                         break
-                    raise
+                    _raise_not_come(what, missing, timeout_s, load)
             time.sleep(pause_s)
             pause_s = min(2 * pause_s, MEET_POLL_S[1])
     except BaseException:
-        _quietly(kv.delete_key, f"{arrival.key}/{arrival.rank}")
-        if counted:
-            _quietly(kv.add, count, -1)
+        leave()
         raise
     finally:
         _quietly(kv.set, waiting + str(arrival.rank), "")
@@ -336,9 +344,11 @@ def _quietly(call, *args) -> None:
         pass
 
 
-def _raise_if_elsewhere(kv, waiting: str, missing: list[int], mine: dict, passed_to: str = "StorageWriter") -> None:
+def _raise_if_elsewhere(kv, waiting: str, missing: list[int], mine: dict, passed_to: str = "StorageWriter",
+                        leave=lambda: None) -> None:
     """check_agreement's error if one of the ``missing`` ranks waits at another save or load
-    now (``waiting`` + rank: where each rank waits, as ``mine``)."""
+    now (``waiting`` + rank: where each rank waits, as ``mine``); ``leave`` is called first,
+    before the linger."""
     asked = [waiting + str(r) for r in missing]
     keys = [key for key, here in zip(asked, present(kv, asked)) if here]
     elsewhere = [json.loads(v) for v in (kv.multi_get(keys) if keys else []) if v]
@@ -357,6 +367,7 @@ def _raise_if_elsewhere(kv, waiting: str, missing: list[int], mine: dict, passed
         # that the other finds it too and fails alike; each remembers whom it failed over, so
         # that its next meeting does not take that one, still lingering, for a new disagreement.
         _reported.update((waiting, o["rank"], o["n"]) for o in elsewhere)
+        leave()
         time.sleep(MEET_LINGER_S)
         everyone = sorted([mine, *elsewhere], key=lambda p: p["rank"])
         if any(o["load"] != mine["load"] for o in elsewhere):
