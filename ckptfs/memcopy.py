@@ -61,6 +61,13 @@ class HostTargets:
             raise ValueError(f"threads must be a positive int, got {threads!r}")
         _native.scatter_spans(src, self._addresses, self._sizes, spans, threads)
 
+    def scatter_crc32(self, src, pieces) -> list[int]:
+        """``scatter`` of ``pieces`` (one thread), returning the CRC32 of each piece's bytes of
+        ``src`` (``ckptfs.checksum.crc32_pieces``'s result), taken in the same pass over them:
+        a load's checker reads each bounce buffer from memory once, not once to copy it and
+        again to checksum it."""
+        return _native.scatter_crc32_pieces(src, self._addresses, self._sizes, pieces)
+
 
 PREFAULT_MIN_BYTES = 1 << 20  # smaller tensors come from malloc's heap, mostly faulted in already
 

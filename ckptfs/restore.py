@@ -122,7 +122,7 @@ def staging_views(records, pin: bool) -> list[torch.Tensor]:
 Sinks = dict[int, list[tuple[int, int, torch.Tensor]]]
 
 
-def copy_out(sinks: Sinks, records) -> Callable[[StagingBuffer, Chunk], None]:
+def copy_out(sinks: Sinks, records) -> Callable[[StagingBuffer, Chunk], list[int] | None]:
     """A scan's ``on_chunk`` that copies, as the chunks come in, the bytes [lo, hi) of stored
     tensor i (``records[i]``) into each ``(lo, hi, dest)`` of ``sinks[i]`` (``dest``: a
     contiguous tensor of hi - lo bytes, on any device).
@@ -130,7 +130,8 @@ def copy_out(sinks: Sinks, records) -> Callable[[StagingBuffer, Chunk], None]:
     Host destinations are written by one native call per chunk with the GIL released, so the
     reader threads copy in parallel (a torch copy_ per piece held the GIL for most of a load of
     many small tensors); a chunk whose every piece goes whole into a host tensor is passed as it
-    is. Other devices' destinations take a copy_ per piece."""
+    is, and its pieces' CRCs are taken in the same pass: ``on_chunk`` returns them (else None,
+    and the scan takes them). Other devices' destinations take a copy_ per piece."""
     host: list[torch.Tensor | None] = [None] * len(records)  # [i]: all of stored tensor i
     partial: dict[int, list[tuple[int, int, int | torch.Tensor]]] = {}
     for index, dests in sinks.items():
@@ -149,10 +150,9 @@ def copy_out(sinks: Sinks, records) -> Callable[[StagingBuffer, Chunk], None]:
     # saved one of these tensors refuses to run backward through the old values
     increment_version([t for t in host if t is not None])
 
-    def on_chunk(buf: StagingBuffer, chunk: Chunk) -> None:
-        if every_whole:
-            targets.scatter(buf.mapping, chunk.pieces)
-            return
+    def on_chunk(buf: StagingBuffer, chunk: Chunk) -> list[int] | None:
+        if every_whole:  # the copy takes the pieces' CRCs too (Scan.check)
+            return targets.scatter_crc32(buf.mapping, chunk.pieces)
         runs = copy_runs(chunk.pieces)
         spans = [p for p in runs if host[p.tensor] is not None]
         for p in runs:
@@ -166,6 +166,7 @@ def copy_out(sinks: Sinks, records) -> Callable[[StagingBuffer, Chunk], None]:
                         dest[a - lo:b - lo].copy_(buf.tensor[start:start + b - a])
         if spans:
             targets.scatter(buf.mapping, spans)
+        return None
     return on_chunk
 
 

@@ -76,10 +76,11 @@ class Scan:
         data._region.backend.read_direct(data._data_base + chunk.start, memoryview(buf.mapping)[:chunk.length])
 
     def check(self, buf: StagingBuffer, chunk: Chunk) -> None:
-        """A chunk read: copied out, its CRCs taken."""
-        if self.on_chunk is not None:
-            self.on_chunk(buf, chunk)
-        crcs = crc32_pieces(buf.mapping, chunk.pieces)
+        """A chunk read: copied out, its CRCs taken (by ``on_chunk`` where it returns them: the
+        CRCs of ``chunk.pieces`` taken in its copy's pass over the buffer)."""
+        crcs = self.on_chunk(buf, chunk) if self.on_chunk is not None else None
+        if crcs is None:
+            crcs = crc32_pieces(buf.mapping, chunk.pieces)
         with self._mutex:
             self._crcs_of[chunk.start] = crcs
         if self._progress:

@@ -190,6 +190,24 @@ use_isal_crc32_py(PyObject *self, PyObject *args)
     return PyBool_FromLong(fn != NULL);
 }
 
+/* The list of ``n`` CRCs as Python ints; NULL with an exception set on failure. */
+static PyObject *
+crc_list(const uint32_t *crcs, Py_ssize_t n)
+{
+    PyObject *result = PyList_New(n);
+    if (result == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyLong_FromUnsignedLong(crcs[i]);
+        if (v == NULL) {
+            Py_DECREF(result);
+            return NULL;
+        }
+        PyList_SET_ITEM(result, i, v);
+    }
+    return result;
+}
+
 /* crc32_pieces(src, pieces) -> [crc32 of src[src_offset:src_offset + length] for each piece]:
  * a piece is a 4-tuple whose last two items are length and src_offset (ckptfs.chunks.Piece:
  * (tensor, tensor_start, length, buffer_start)); every range is checked first, then the CRCs
@@ -227,17 +245,7 @@ crc32_pieces_py(PyObject *self, PyObject *args)
     for (Py_ssize_t i = 0; i < n; i++)
         crcs[i] = fn(0, (const unsigned char *)src.buf + at[2 * i], (uint64_t)at[2 * i + 1]);
     Py_END_ALLOW_THREADS
-    result = PyList_New(n);
-    if (result == NULL)
-        goto done;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *v = PyLong_FromUnsignedLong(crcs[i]);
-        if (v == NULL) {
-            Py_CLEAR(result);
-            goto done;
-        }
-        PyList_SET_ITEM(result, i, v);
-    }
+    result = crc_list(crcs, n);
 done:
     PyMem_Free(crcs);
     PyMem_Free(at);
@@ -594,6 +602,65 @@ done:
     return result;
 }
 
+/* The spans of scatter_spans / scatter_crc32_pieces, checked: each (target, dst_offset, length,
+ * src_offset) of ``seq_in`` into ``spans`` (PyMem_Calloc'd, the caller frees it), addresses and
+ * sizes being buffers of uint64 (the data pointers and byte sizes of the targets). Every index
+ * and range is checked before any byte is copied; NULL with an exception set otherwise. */
+static span_t *
+scatter_targets(Py_buffer *src, Py_buffer *addresses, Py_buffer *sizes, PyObject *seq_in, Py_ssize_t *n_out,
+                size_t *total_out)
+{
+    PyObject *seq = NULL;
+    span_t *spans = NULL;
+    Py_ssize_t targets = addresses->len / 8;
+    if (addresses->len % 8 || sizes->len != addresses->len) {
+        PyErr_SetString(PyExc_ValueError, "addresses and sizes must be uint64 buffers of the same length");
+        return NULL;
+    }
+    seq = PySequence_Fast(seq_in, "spans must be a sequence of (target, dst_offset, length, src_offset)");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    spans = PyMem_Calloc(n ? n : 1, sizeof(span_t));
+    if (spans == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    size_t total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t f[4];
+        if (piece_fields(PySequence_Fast_GET_ITEM(seq, i), f) < 0)
+            goto fail;
+        Py_ssize_t target = f[0], dst_offset = f[1], length = f[2], src_offset = f[3];
+        if (target < 0 || target >= targets) {
+            PyErr_Format(PyExc_ValueError, "target %zd of %zd", target, targets);
+            goto fail;
+        }
+        uint64_t address, size;
+        memcpy(&address, (const char *)addresses->buf + 8 * target, 8);
+        memcpy(&size, (const char *)sizes->buf + 8 * target, 8);
+        if (dst_offset < 0 || length < 0 || (uint64_t)dst_offset > size || (uint64_t)length > size - (uint64_t)dst_offset) {
+            PyErr_Format(PyExc_ValueError, "%zd bytes at offset %zd are outside target %zd's %llu bytes",
+                         length, dst_offset, target, (unsigned long long)size);
+            goto fail;
+        }
+        if (range_in(src, src_offset, length) < 0)
+            goto fail;
+        spans[i].dst = (char *)(uintptr_t)address + dst_offset;
+        spans[i].src = (const char *)src->buf + src_offset;
+        spans[i].len = (size_t)length;
+        total += (size_t)length;
+    }
+    Py_DECREF(seq);
+    *n_out = n;
+    *total_out = total;
+    return spans;
+fail:
+    PyMem_Free(spans);
+    Py_DECREF(seq);
+    return NULL;
+}
+
 /* scatter_spans(src, addresses, sizes, spans, threads): the reverse of copy_spans, into memory
  * given by address: addresses and sizes are buffers of uint64 (the data pointers and byte
  * sizes of targets the caller keeps alive, e.g. contiguous CPU tensors: making a buffer object
@@ -608,51 +675,64 @@ scatter_spans_py(PyObject *self, PyObject *args)
     int threads;
     if (!PyArg_ParseTuple(args, "y*y*y*Oi", &src, &addresses, &sizes, &seq_in, &threads))
         return NULL;
-    PyObject *result = NULL, *seq = NULL;
-    span_t *spans = NULL;
-    Py_ssize_t targets = addresses.len / 8;
-    if (addresses.len % 8 || sizes.len != addresses.len) {
-        PyErr_SetString(PyExc_ValueError, "addresses and sizes must be uint64 buffers of the same length");
+    PyObject *result = NULL;
+    Py_ssize_t n;
+    size_t total;
+    span_t *spans = scatter_targets(&src, &addresses, &sizes, seq_in, &n, &total);
+    if (spans != NULL)
+        result = run_spans(spans, n, total, threads);
+    PyMem_Free(spans);
+    PyBuffer_Release(&sizes);
+    PyBuffer_Release(&addresses);
+    PyBuffer_Release(&src);
+    return result;
+}
+
+/* A span is copied and checksummed this much at a time: the CRC reads it from memory into the
+ * core's cache, and the copy then reads it from there, not from memory a second time (a load's
+ * checker, one thread: 4.7 GB/s with a copy and a CRC of each whole span, 5.8 GB/s this way). */
+#define FUSED_WINDOW_BYTES (256u << 10)
+
+/* scatter_crc32_pieces(src, addresses, sizes, pieces) -> [CRC32 of each piece's source bytes]:
+ * scatter_spans of ``pieces`` (one thread) and crc32_pieces of the same pieces, in one pass over
+ * the source (see FUSED_WINDOW_BYTES). Every index and range is checked first. */
+static PyObject *
+scatter_crc32_pieces_py(PyObject *self, PyObject *args)
+{
+    Py_buffer src, addresses, sizes;
+    PyObject *seq_in;
+    if (!PyArg_ParseTuple(args, "y*y*y*O", &src, &addresses, &sizes, &seq_in))
+        return NULL;
+    PyObject *result = NULL;
+    uint32_t *crcs = NULL;
+    Py_ssize_t n;
+    size_t total;
+    span_t *spans = scatter_targets(&src, &addresses, &sizes, seq_in, &n, &total);
+    if (spans == NULL)
         goto done;
-    }
-    seq = PySequence_Fast(seq_in, "spans must be a sequence of (target, dst_offset, length, src_offset)");
-    if (seq == NULL)
-        goto done;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    spans = PyMem_Calloc(n ? n : 1, sizeof(span_t));
-    if (spans == NULL) {
+    crcs = PyMem_Calloc(n ? n : 1, sizeof(uint32_t));
+    if (crcs == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    size_t total = 0;
+    crc32_fn fn = p_crc32;
+    Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t f[4];
-        if (piece_fields(PySequence_Fast_GET_ITEM(seq, i), f) < 0)
-            goto done;
-        Py_ssize_t target = f[0], dst_offset = f[1], length = f[2], src_offset = f[3];
-        if (target < 0 || target >= targets) {
-            PyErr_Format(PyExc_ValueError, "target %zd of %zd", target, targets);
-            goto done;
+        const span_t *sp = &spans[i];
+        uint32_t crc = 0;
+        for (size_t at = 0; at < sp->len; at += FUSED_WINDOW_BYTES) {
+            size_t len = sp->len - at < FUSED_WINDOW_BYTES ? sp->len - at : FUSED_WINDOW_BYTES;
+            crc = fn(crc, (const unsigned char *)sp->src + at, (uint64_t)len);
+            copy_bytes(sp->dst + at, sp->src + at, len);
         }
-        uint64_t address, size;
-        memcpy(&address, (const char *)addresses.buf + 8 * target, 8);
-        memcpy(&size, (const char *)sizes.buf + 8 * target, 8);
-        if (dst_offset < 0 || length < 0 || (uint64_t)dst_offset > size || (uint64_t)length > size - (uint64_t)dst_offset) {
-            PyErr_Format(PyExc_ValueError, "%zd bytes at offset %zd are outside target %zd's %llu bytes",
-                         length, dst_offset, target, (unsigned long long)size);
-            goto done;
-        }
-        if (range_in(&src, src_offset, length) < 0)
-            goto done;
-        spans[i].dst = (char *)(uintptr_t)address + dst_offset;
-        spans[i].src = (const char *)src.buf + src_offset;
-        spans[i].len = (size_t)length;
-        total += (size_t)length;
+        crcs[i] = crc;
     }
-    result = run_spans(spans, n, total, threads);
+    copy_fence(); /* streaming stores are weakly ordered: drained before the caller reads the targets */
+    Py_END_ALLOW_THREADS
+    result = crc_list(crcs, n);
 done:
+    PyMem_Free(crcs);
     PyMem_Free(spans);
-    Py_XDECREF(seq);
     PyBuffer_Release(&sizes);
     PyBuffer_Release(&addresses);
     PyBuffer_Release(&src);
@@ -686,6 +766,8 @@ static PyMethodDef methods[] = {
      "copy_spans(dst, [(dst_offset, src, src_offset, length), ...], threads)"},
     {"scatter_spans", scatter_spans_py, METH_VARARGS,
      "scatter_spans(src, addresses, sizes, [(target, dst_offset, length, src_offset)], threads)"},
+    {"scatter_crc32_pieces", scatter_crc32_pieces_py, METH_VARARGS,
+     "scatter_crc32_pieces(src, addresses, sizes, pieces) -> [CRC32]: scatter_spans and crc32_pieces in one pass"},
     {"safetensors_entries", safetensors_entries_py, METH_VARARGS,
      "safetensors_entries(pairs, heads, head_of) -> (entries bytes, merged extents, data bytes): jsonviews.c"},
     {"metadata_tensor_list", metadata_tensor_list_py, METH_VARARGS,

@@ -104,6 +104,36 @@ def test_scatter_refuses_a_span_outside_its_target_or_source_before_any_copy(spa
     assert t.count_nonzero() == 0  # the valid first span was not copied either
 
 
+def test_scatter_crc32_copies_and_checksums_each_piece_in_one_pass():
+    """HostTargets.scatter_crc32 (a load's checker): the bytes land as scatter's do, and each
+    piece's CRC is crc32_pieces' of the same source bytes, for pieces shorter than, equal to and
+    across several of the native code's windows (256 KiB), at unaligned offsets."""
+    from ckptfs.checksum import crc32, crc32_pieces
+
+    window = 256 << 10
+    src = _random_bytes(12 << 20, 11)
+    sizes = [0, 1, 4095, window, window + 1, 3 * window - 5, (5 << 20) + 3]
+    targets = [torch.zeros(n + 9, dtype=torch.uint8) for n in sizes]
+    pieces, at = [], 3
+    for i, n in enumerate(sizes):
+        pieces.append((i, 9 if i % 2 else 0, n, at))
+        at += n + 77
+    crcs = HostTargets(targets).scatter_crc32(src, pieces)
+    assert crcs == crc32_pieces(src, pieces)
+    assert crcs == [crc32(src[p[3]:p[3] + p[2]]) for p in pieces]
+    for target, dst_offset, length, src_offset in pieces:
+        got = targets[target][dst_offset:dst_offset + length]
+        assert torch.equal(got, torch.from_numpy(src[src_offset:src_offset + length].copy()))
+
+
+@pytest.mark.parametrize("piece", [(1, 0, 1, 0), (0, 5, 4, 0), (0, 0, 2, 7), (-1, 0, 1, 0), (0, 0, 1, 1 << 62)])
+def test_scatter_crc32_refuses_a_piece_outside_before_any_copy(piece):
+    t = torch.zeros(8, dtype=torch.uint8)
+    with pytest.raises(ValueError):
+        HostTargets([t]).scatter_crc32(b"abcdefgh", [(0, 0, 2, 0), piece])
+    assert t.count_nonzero() == 0
+
+
 def test_scatter_targets_must_be_contiguous_host_tensors():
     with pytest.raises(ValueError, match="contiguous CPU"):
         HostTargets([torch.zeros((4, 4)).t()])
@@ -115,6 +145,7 @@ def test_copy_out_fills_whole_and_partial_sinks_across_chunks():
     """The scan's copy-out (restore.copy_out), as Store.load and a DCP load use it: whole
     tensors, row ranges of a tensor (two sinks of one), a tensor nobody asked for, a zero-byte
     one; the chunks cut tensors in pieces."""
+    from ckptfs.checksum import crc32_pieces
     from ckptfs.chunks import plan_chunks
     from ckptfs.manifest import TensorRecord
     from ckptfs.restore import copy_out
@@ -136,7 +167,7 @@ def test_copy_out_fills_whole_and_partial_sinks_across_chunks():
     sinks = {0: [(0, 5000, whole0)], 1: [(0, 0, empty)], 2: [(1000, 5000, rows_a), (6500, 9000, rows_b)]}
     on_chunk = copy_out(sinks, records)
     for chunk in plan_chunks(records, offset, 4096):
-        on_chunk(Buf(area[chunk.start:chunk.start + chunk.length].tobytes()), chunk)
+        assert on_chunk(Buf(area[chunk.start:chunk.start + chunk.length].tobytes()), chunk) is None
     stored = [torch.from_numpy(area[r.offset:r.offset + r.nbytes].copy()) for r in records]
     assert torch.equal(whole0, stored[0])
     assert torch.equal(rows_a, stored[2][1000:5000]) and torch.equal(rows_b, stored[2][6500:9000])
@@ -144,7 +175,9 @@ def test_copy_out_fills_whole_and_partial_sinks_across_chunks():
     everything = [torch.zeros(n, dtype=torch.uint8) for n in sizes]  # every tensor whole: the fast path
     on_chunk = copy_out({i: [(0, n, t)] for i, (n, t) in enumerate(zip(sizes, everything))}, records)
     for chunk in plan_chunks(records, offset, 4096):
-        on_chunk(Buf(area[chunk.start:chunk.start + chunk.length].tobytes()), chunk)
+        buf = Buf(area[chunk.start:chunk.start + chunk.length].tobytes())
+        # which takes the pieces' CRCs as it copies them (the partial sinks above leave them to the scan)
+        assert on_chunk(buf, chunk) == crc32_pieces(buf.mapping, chunk.pieces)
     assert all(torch.equal(t, s) for t, s in zip(everything, stored))
 
 
