@@ -137,9 +137,18 @@ def _wanted_blocks(manifest: Manifest, only: Wanted) -> dict[int, range | None]:
 
 
 def _ordered(scans: list[Scan]) -> list[tuple[Chunk, Scan]]:
-    """Every chunk of ``scans`` in the order they are read: the small ones first, while the
-    device's queue is short (a resharded load's few wanted tensors of a part)."""
-    return sorted(((chunk, scan) for scan in scans for chunk in scan.chunks), key=lambda w: w[0].length)
+    """Every chunk of ``scans`` in the order they are read: the READ_BUFFERS largest first (in
+    data order), then the small ones, while the device's queue is short (a resharded load's few
+    wanted tensors of a part), then the other large ones in data order. The first ones are what
+    a ReadAhead reads while DCP plans the load: the smallest there (a part's wanted scalars, a
+    few pages each) left the device idle through the planning (a W=4 -> 2 load of GPT-2 +
+    AdamW on the VM: 0.78-0.84 s with the largest first against 0.84-0.87 s, same rounds)."""
+    work = [(chunk, scan) for scan in scans for chunk in scan.chunks]
+    largest = sorted(range(len(work)), key=lambda i: -work[i][0].length)[:READ_BUFFERS]  # stable: data order
+    head = sorted(largest)
+    taken = set(head)
+    rest = sorted((i for i in range(len(work)) if i not in taken), key=lambda i: work[i][0].length)
+    return [work[i] for i in head + rest]
 
 
 class ReadAhead:
@@ -153,7 +162,7 @@ class ReadAhead:
         self.items: list[tuple[Chunk, Scan, object]] = []  # (chunk, scan, future of the buffer read into)
         if not work:
             return
-        buffers.fit(work[-1][0].length)
+        buffers.fit(max(chunk.length for chunk, _ in work))
         self._buffers = buffers
         first = work[:READ_BUFFERS]
         # each buffer is taken (made and faulted in, the first time: milliseconds each) on the
@@ -195,7 +204,7 @@ def scan_together(scans: list[Scan], buffers: "ReadBuffers", ahead: ReadAhead | 
     work = _ordered(scans)
     if not work:
         return
-    buffers.fit(work[-1][0].length)
+    buffers.fit(max(chunk.length for chunk, _ in work))
     pre = []
     if ahead is not None:
         if [(c, s) for c, s, _ in ahead.items] != work[:len(ahead.items)]:

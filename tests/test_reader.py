@@ -492,6 +492,35 @@ def test_a_read_ahead_cancelled_makes_none_of_the_reads_not_started(tmp_path, mo
     s.close()
 
 
+def test_a_read_ahead_reads_the_largest_chunks_first_then_the_small_ones(tmp_path, monkeypatch):
+    """The order of a scan's reads (a resharded load's parts, in one pipeline): the READ_BUFFERS
+    largest chunks first, in data order (what a ReadAhead reads while DCP plans: the smallest
+    there left the device idle through the planning), then the small ones, then the rest of
+    the large ones in data order; every chunk once."""
+    from ckptfs import scan as S
+
+    monkeypatch.setattr(S, "READ_CHUNK_BYTES", 1 << 20)
+    s = ckptfs.Store.create(str(tmp_path / "r.region"), size_bytes=64 << 20)
+    with s.writer("big") as w:  # 10 chunks of 1 MiB
+        w.save({f"t{i}": torch.full((1 << 18,), float(i)) for i in range(10)}, step=1).result()
+    with s.writer("small") as w:  # a part of which a load wants a few scalars: small runs
+        w.save({f"s{i}": torch.full((1 << 16,), float(i)) for i in range(12)}, step=1).result()
+    with s.open_version("big") as big, s.open_version("small") as small, S.ReadBuffers() as buffers:
+        scans = [small.data.scanner(None, only={0, 5, 11}), big.data.scanner(None)]
+        order = [(chunk.start, chunk.length, scan) for chunk, scan in S._ordered(scans)]
+        ahead = S.ReadAhead(scans, buffers)
+        assert [(c.start, s_) for c, s_, _ in ahead.items] == [(a, s_) for a, _, s_ in order[:S.READ_BUFFERS]]
+        ahead.cancel()
+    head, rest = order[:S.READ_BUFFERS], order[S.READ_BUFFERS:]
+    assert all(scan is scans[1] and n == 1 << 20 for _, n, scan in head)
+    assert [a for a, _, _ in head] == sorted(a for a, _, _ in head) == [i << 20 for i in range(S.READ_BUFFERS)]
+    smalls = [n for _, n, scan in rest if scan is scans[0]]
+    assert smalls and all(n < 1 << 20 for n in smalls) and rest[:len(smalls)] == [r for r in rest if r[2] is scans[0]]
+    assert [a for a, _, scan in rest if scan is scans[1]] == [i << 20 for i in range(S.READ_BUFFERS, 10)]
+    assert len(order) == len(scans[0].chunks) + len(scans[1].chunks)
+    s.close()
+
+
 _AHEAD_THEN_SCAN = r"""
 import sys, threading, time, torch, ckptfs
 from ckptfs import scan as S
