@@ -52,21 +52,15 @@ class HostTargets:
         self._addresses = array("Q", [0 if t is None else t.data_ptr() for t in tensors])
         self._sizes = array("Q", [0 if t is None else t.nbytes for t in tensors])
 
-    def scatter(self, src, spans, threads: int = 1) -> None:
+    def scatter_crc32(self, src, spans, pieces) -> list[int]:
         """Copy ``src[src_offset:src_offset + length]`` to byte ``dst_offset`` of tensor
-        ``target`` for each ``(target, dst_offset, length, src_offset)`` (a chunk's pieces, in
-        the order of ckptfs.chunks.Piece): the reverse of ``copy_spans``. ValueError on a target
-        or range outside the tensors, before any byte is copied."""
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise ValueError(f"threads must be a positive int, got {threads!r}")
-        _native.scatter_spans(src, self._addresses, self._sizes, spans, threads)
-
-    def scatter_crc32(self, src, pieces) -> list[int]:
-        """``scatter`` of ``pieces`` (one thread), returning the CRC32 of each piece's bytes of
-        ``src`` (``ckptfs.checksum.crc32_pieces``'s result), taken in the same pass over them:
-        a load's checker reads each bounce buffer from memory once, not once to copy it and
-        again to checksum it."""
-        return _native.scatter_crc32_pieces(src, self._addresses, self._sizes, pieces)
+        ``target`` for each ``(target, dst_offset, length, src_offset)`` of ``spans`` (the
+        reverse of ``copy_spans``), and return the CRC32 of each of ``pieces``' bytes of
+        ``src`` (``ckptfs.checksum.crc32_pieces``'s result; a chunk's pieces,
+        ckptfs.chunks.Piece), in one pass over ``src``: a load's checker reads each bounce
+        buffer from memory once, not once to copy it and again to checksum it. ValueError on
+        a target or range outside the tensors or ``src``, before any byte is copied."""
+        return _native.scatter_crc32(src, self._addresses, self._sizes, spans, pieces)
 
 
 PREFAULT_MIN_BYTES = 1 << 20  # smaller tensors come from malloc's heap, mostly faulted in already

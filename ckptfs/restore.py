@@ -122,7 +122,7 @@ def staging_views(records, pin: bool) -> list[torch.Tensor]:
 Sinks = dict[int, list[tuple[int, int, torch.Tensor]]]
 
 
-def copy_out(sinks: Sinks, records) -> Callable[[StagingBuffer, Chunk], list[int] | None]:
+def copy_out(sinks: Sinks, records) -> Callable[[StagingBuffer, Chunk], list[int]]:
     """A scan's ``on_chunk`` that copies, as the chunks come in, the bytes [lo, hi) of stored
     tensor i (``records[i]``) into each ``(lo, hi, dest)`` of ``sinks[i]`` (``dest``: a
     contiguous tensor of hi - lo bytes, on any device).
@@ -130,8 +130,9 @@ def copy_out(sinks: Sinks, records) -> Callable[[StagingBuffer, Chunk], list[int
     Host destinations are written by one native call per chunk with the GIL released, so the
     reader threads copy in parallel (a torch copy_ per piece held the GIL for most of a load of
     many small tensors); a chunk whose every piece goes whole into a host tensor is passed as it
-    is, and its pieces' CRCs are taken in the same pass: ``on_chunk`` returns them (else None,
-    and the scan takes them). Other devices' destinations take a copy_ per piece."""
+    is. The same call takes the CRCs of the chunk's pieces in its pass over the buffer:
+    ``on_chunk`` returns them (Scan.check). Other devices' destinations take a copy_ per
+    piece."""
     host: list[torch.Tensor | None] = [None] * len(records)  # [i]: all of stored tensor i
     partial: dict[int, list[tuple[int, int, int | torch.Tensor]]] = {}
     for index, dests in sinks.items():
@@ -150,9 +151,9 @@ def copy_out(sinks: Sinks, records) -> Callable[[StagingBuffer, Chunk], list[int
     # saved one of these tensors refuses to run backward through the old values
     increment_version([t for t in host if t is not None])
 
-    def on_chunk(buf: StagingBuffer, chunk: Chunk) -> list[int] | None:
-        if every_whole:  # the copy takes the pieces' CRCs too (Scan.check)
-            return targets.scatter_crc32(buf.mapping, chunk.pieces)
+    def on_chunk(buf: StagingBuffer, chunk: Chunk) -> list[int]:
+        if every_whole:
+            return targets.scatter_crc32(buf.mapping, chunk.pieces, chunk.pieces)
         runs = copy_runs(chunk.pieces)
         spans = [p for p in runs if host[p.tensor] is not None]
         for p in runs:
@@ -164,9 +165,7 @@ def copy_out(sinks: Sinks, records) -> Callable[[StagingBuffer, Chunk], list[int
                         spans.append((dest, a - lo, b - a, start))
                     else:
                         dest[a - lo:b - lo].copy_(buf.tensor[start:start + b - a])
-        if spans:
-            targets.scatter(buf.mapping, spans)
-        return None
+        return targets.scatter_crc32(buf.mapping, spans, chunk.pieces)
     return on_chunk
 
 

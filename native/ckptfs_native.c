@@ -147,7 +147,7 @@ typedef uint32_t (*crc32_fn)(uint32_t, const unsigned char *, uint64_t);
 static int range_in(Py_buffer *view, Py_ssize_t offset, Py_ssize_t length);
 
 /* The four integers of a chunk's piece (ckptfs.chunks.Piece: (tensor, tensor_start, length,
- * buffer_start)), read straight from the tuple: crc32_pieces and scatter_spans take 40,000 of
+ * buffer_start)), read straight from the tuple: crc32_pieces and scatter_crc32 take 40,000 of
  * them per chunk of small tensors. -1 with an exception set if ``item`` is not such a tuple. */
 static int
 piece_fields(PyObject *item, Py_ssize_t out[4])
@@ -602,13 +602,14 @@ done:
     return result;
 }
 
-/* The spans of scatter_spans / scatter_crc32_pieces, checked: each (target, dst_offset, length,
- * src_offset) of ``seq_in`` into ``spans`` (PyMem_Calloc'd, the caller frees it), addresses and
- * sizes being buffers of uint64 (the data pointers and byte sizes of the targets). Every index
- * and range is checked before any byte is copied; NULL with an exception set otherwise. */
+/* The spans of scatter_crc32, checked: each (target, dst_offset, length, src_offset) of
+ * ``seq_in`` into ``spans`` (PyMem_Calloc'd, the caller frees it), addresses and sizes being
+ * buffers of uint64 (the data pointers and byte sizes of the targets); *sorted_out: whether they
+ * come in the order of their sources. Every index and range is checked before any byte is
+ * copied; NULL with an exception set otherwise. */
 static span_t *
 scatter_targets(Py_buffer *src, Py_buffer *addresses, Py_buffer *sizes, PyObject *seq_in, Py_ssize_t *n_out,
-                size_t *total_out)
+                int *sorted_out)
 {
     PyObject *seq = NULL;
     span_t *spans = NULL;
@@ -626,7 +627,7 @@ scatter_targets(Py_buffer *src, Py_buffer *addresses, Py_buffer *sizes, PyObject
         PyErr_NoMemory();
         goto fail;
     }
-    size_t total = 0;
+    int sorted = 1;
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_ssize_t f[4];
         if (piece_fields(PySequence_Fast_GET_ITEM(seq, i), f) < 0)
@@ -649,11 +650,11 @@ scatter_targets(Py_buffer *src, Py_buffer *addresses, Py_buffer *sizes, PyObject
         spans[i].dst = (char *)(uintptr_t)address + dst_offset;
         spans[i].src = (const char *)src->buf + src_offset;
         spans[i].len = (size_t)length;
-        total += (size_t)length;
+        sorted &= i == 0 || spans[i - 1].src <= spans[i].src;
     }
     Py_DECREF(seq);
     *n_out = n;
-    *total_out = total;
+    *sorted_out = sorted;
     return spans;
 fail:
     PyMem_Free(spans);
@@ -661,78 +662,115 @@ fail:
     return NULL;
 }
 
-/* scatter_spans(src, addresses, sizes, spans, threads): the reverse of copy_spans, into memory
- * given by address: addresses and sizes are buffers of uint64 (the data pointers and byte
- * sizes of targets the caller keeps alive, e.g. contiguous CPU tensors: making a buffer object
- * of each of 40,000 tensors costs more than their copy); each span is (target, dst_offset,
- * length, src_offset): the order of a chunk's pieces (ckptfs.chunks.Piece), which a read of whole
- * tensors passes as they are. Every index and range is checked before any byte is copied. */
-static PyObject *
-scatter_spans_py(PyObject *self, PyObject *args)
-{
-    Py_buffer src, addresses, sizes;
-    PyObject *seq_in;
-    int threads;
-    if (!PyArg_ParseTuple(args, "y*y*y*Oi", &src, &addresses, &sizes, &seq_in, &threads))
-        return NULL;
-    PyObject *result = NULL;
-    Py_ssize_t n;
-    size_t total;
-    span_t *spans = scatter_targets(&src, &addresses, &sizes, seq_in, &n, &total);
-    if (spans != NULL)
-        result = run_spans(spans, n, total, threads);
-    PyMem_Free(spans);
-    PyBuffer_Release(&sizes);
-    PyBuffer_Release(&addresses);
-    PyBuffer_Release(&src);
-    return result;
-}
-
-/* A span is copied and checksummed this much at a time: the CRC reads it from memory into the
- * core's cache, and the copy then reads it from there, not from memory a second time (a load's
- * checker, one thread: 4.7 GB/s with a copy and a CRC of each whole span, 5.8 GB/s this way). */
+/* The bytes of src are copied and checksummed this much at a time: the CRC reads them from
+ * memory into the core's cache, and the copy then reads them from there, not from memory a second
+ * time (a load's checker, one thread: 4.7 GB/s with a copy and a CRC of each whole span, 5.8 GB/s
+ * this way). */
 #define FUSED_WINDOW_BYTES (256u << 10)
 
-/* scatter_crc32_pieces(src, addresses, sizes, pieces) -> [CRC32 of each piece's source bytes]:
- * scatter_spans of ``pieces`` (one thread) and crc32_pieces of the same pieces, in one pass over
- * the source (see FUSED_WINDOW_BYTES). Every index and range is checked first. */
+static int
+span_src_order(const void *a, const void *b)
+{
+    const char *x = ((const span_t *)a)->src, *y = ((const span_t *)b)->src;
+    return x < y ? -1 : x > y;
+}
+
+/* Copies each span's part in [lo, hi) of the source, of spans[*first...] sorted by source,
+ * moving *first past those that end before lo (the spans before *first all do). */
+static void
+copy_window(const span_t *spans, Py_ssize_t n, Py_ssize_t *first, const char *lo, const char *hi)
+{
+    while (*first < n && spans[*first].src + spans[*first].len <= lo)
+        (*first)++;
+    for (Py_ssize_t k = *first; k < n && spans[k].src < hi; k++) {
+        const char *a = spans[k].src > lo ? spans[k].src : lo;
+        const char *b = spans[k].src + spans[k].len < hi ? spans[k].src + spans[k].len : hi;
+        if (a < b)
+            copy_bytes(spans[k].dst + (a - spans[k].src), a, (size_t)(b - a));
+    }
+}
+
+/* scatter_crc32(src, addresses, sizes, spans, pieces) -> [CRC32 of each piece's bytes of src]:
+ * copies each span (target, dst_offset, length, src_offset) of src into memory given by address
+ * (addresses and sizes: buffers of uint64, the data pointers and byte sizes of targets the
+ * caller keeps alive, e.g. contiguous CPU tensors: a buffer object of each of 40,000 tensors
+ * costs more than their copy), and takes the CRC32 of each piece (a 4-tuple whose last two items
+ * are length and src_offset: ckptfs.chunks.Piece), both in one pass over src, window by window
+ * (FUSED_WINDOW_BYTES). Every index and range is checked before any byte is copied. */
 static PyObject *
-scatter_crc32_pieces_py(PyObject *self, PyObject *args)
+scatter_crc32_py(PyObject *self, PyObject *args)
 {
     Py_buffer src, addresses, sizes;
-    PyObject *seq_in;
-    if (!PyArg_ParseTuple(args, "y*y*y*O", &src, &addresses, &sizes, &seq_in))
+    PyObject *spans_in, *pieces_in;
+    if (!PyArg_ParseTuple(args, "y*y*y*OO", &src, &addresses, &sizes, &spans_in, &pieces_in))
         return NULL;
-    PyObject *result = NULL;
+    PyObject *result = NULL, *seq = NULL;
+    span_t *spans = NULL, *pieces = NULL;
     uint32_t *crcs = NULL;
-    Py_ssize_t n;
-    size_t total;
-    span_t *spans = scatter_targets(&src, &addresses, &sizes, seq_in, &n, &total);
+    Py_ssize_t ns, np = 0;
+    int spans_sorted, sorted = 1;
+    spans = scatter_targets(&src, &addresses, &sizes, spans_in, &ns, &spans_sorted);
     if (spans == NULL)
         goto done;
-    crcs = PyMem_Calloc(n ? n : 1, sizeof(uint32_t));
-    if (crcs == NULL) {
+    seq = PySequence_Fast(pieces_in, "pieces must be a sequence of (tensor, tensor_start, length, src_offset)");
+    if (seq == NULL)
+        goto done;
+    np = PySequence_Fast_GET_SIZE(seq);
+    pieces = PyMem_Calloc(np ? np : 1, sizeof(span_t));
+    crcs = PyMem_Calloc(np ? np : 1, sizeof(uint32_t));
+    if (pieces == NULL || crcs == NULL) {
         PyErr_NoMemory();
         goto done;
     }
+    for (Py_ssize_t i = 0; i < np; i++) {
+        Py_ssize_t f[4];
+        if (piece_fields(PySequence_Fast_GET_ITEM(seq, i), f) < 0 || range_in(&src, f[3], f[2]) < 0)
+            goto done;
+        pieces[i].src = (const char *)src.buf + f[3];
+        pieces[i].len = (size_t)f[2];
+        pieces[i].dst = (char *)(uintptr_t)i; /* its place in the result, through the sort */
+        sorted &= i == 0 || pieces[i - 1].src <= pieces[i].src;
+    }
     crc32_fn fn = p_crc32;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const span_t *sp = &spans[i];
-        uint32_t crc = 0;
-        for (size_t at = 0; at < sp->len; at += FUSED_WINDOW_BYTES) {
-            size_t len = sp->len - at < FUSED_WINDOW_BYTES ? sp->len - at : FUSED_WINDOW_BYTES;
-            crc = fn(crc, (const unsigned char *)sp->src + at, (uint64_t)len);
-            copy_bytes(sp->dst + at, sp->src + at, len);
+    /* a chunk's pieces and the copy runs of whole tensors come in buffer order; the spans of
+     * parts of tensors follow them */
+    if (!sorted)
+        qsort(pieces, (size_t)np, sizeof(span_t), span_src_order);
+    if (!spans_sorted)
+        qsort(spans, (size_t)ns, sizeof(span_t), span_src_order);
+    const char *lo = NULL, *hi = NULL;
+    for (Py_ssize_t i = 0; i < np + ns; i++) {
+        const span_t *x = i < np ? &pieces[i] : &spans[i - np];
+        if (x->len == 0)
+            continue;
+        if (lo == NULL || x->src < lo)
+            lo = x->src;
+        if (hi == NULL || x->src + x->len > hi)
+            hi = x->src + x->len;
+    }
+    Py_ssize_t first_piece = 0, first_span = 0;
+    for (const char *w = lo; w != NULL && w < hi; w += (hi - w < FUSED_WINDOW_BYTES ? hi - w : FUSED_WINDOW_BYTES)) {
+        const char *we = hi - w < FUSED_WINDOW_BYTES ? hi : w + FUSED_WINDOW_BYTES;
+        while (first_piece < np && pieces[first_piece].src + pieces[first_piece].len <= w)
+            first_piece++;
+        for (Py_ssize_t k = first_piece; k < np && pieces[k].src < we; k++) {
+            const char *a = pieces[k].src > w ? pieces[k].src : w;
+            const char *b = pieces[k].src + pieces[k].len < we ? pieces[k].src + pieces[k].len : we;
+            Py_ssize_t at = (Py_ssize_t)(uintptr_t)pieces[k].dst;
+            if (a < b)
+                crcs[at] = fn(crcs[at], (const unsigned char *)a, (uint64_t)(b - a));
         }
-        crcs[i] = crc;
+        copy_window(spans, ns, &first_span, w, we);
     }
     copy_fence(); /* streaming stores are weakly ordered: drained before the caller reads the targets */
     Py_END_ALLOW_THREADS
-    result = crc_list(crcs, n);
+    result = crc_list(crcs, np);
 done:
     PyMem_Free(crcs);
+    PyMem_Free(pieces);
     PyMem_Free(spans);
+    Py_XDECREF(seq);
     PyBuffer_Release(&sizes);
     PyBuffer_Release(&addresses);
     PyBuffer_Release(&src);
@@ -764,10 +802,8 @@ static PyMethodDef methods[] = {
     {"pmem_is_pmem", pmem_is_pmem_py, METH_VARARGS, "pmem_is_pmem(buf) -> bool"},
     {"copy_spans", copy_spans_py, METH_VARARGS,
      "copy_spans(dst, [(dst_offset, src, src_offset, length), ...], threads)"},
-    {"scatter_spans", scatter_spans_py, METH_VARARGS,
-     "scatter_spans(src, addresses, sizes, [(target, dst_offset, length, src_offset)], threads)"},
-    {"scatter_crc32_pieces", scatter_crc32_pieces_py, METH_VARARGS,
-     "scatter_crc32_pieces(src, addresses, sizes, pieces) -> [CRC32]: scatter_spans and crc32_pieces in one pass"},
+    {"scatter_crc32", scatter_crc32_py, METH_VARARGS,
+     "scatter_crc32(src, addresses, sizes, [(target, dst_offset, length, src_offset)], pieces) -> [CRC32]"},
     {"safetensors_entries", safetensors_entries_py, METH_VARARGS,
      "safetensors_entries(pairs, heads, head_of) -> (entries bytes, merged extents, data bytes): jsonviews.c"},
     {"metadata_tensor_list", metadata_tensor_list_py, METH_VARARGS,

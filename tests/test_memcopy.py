@@ -78,16 +78,16 @@ def test_chunk_pieces_of_cpu_sources_land_at_their_offsets():
         assert torch.equal(buf[:chunk.length], expected[chunk.start:chunk.start + chunk.length])
 
 
-@pytest.mark.parametrize("threads", [1, 3])
-def test_scatter_lands_each_piece_in_its_tensor(threads):
-    """HostTargets.scatter, the reverse of copy_spans: spans in a chunk piece's order (target,
-    dst_offset, length, src_offset), sizes across the streaming-store threshold, tensors of
-    other dtypes and shapes (written by address), a None target never touched."""
+def test_scatter_lands_each_span_in_its_tensor():
+    """HostTargets.scatter_crc32's copy, the reverse of copy_spans: spans in a chunk piece's
+    order (target, dst_offset, length, src_offset), sizes across the streaming-store threshold
+    and the native code's windows (256 KiB), tensors of other dtypes and shapes (written by
+    address), a None target never touched."""
     src = _random_bytes(12 << 20, 7)
     targets = [torch.zeros(300, dtype=torch.float32), None, torch.zeros(3 << 20, dtype=torch.uint8),
                torch.zeros((1 << 20, 2), dtype=torch.float32)]
     spans = [(0, 8, 1000, 5), (2, 1, (256 << 10) + 3, 4099), (3, 0, 8 << 20, 4 << 20), (0, 0, 8, 2000)]
-    HostTargets(targets).scatter(src, spans, threads)
+    assert HostTargets(targets).scatter_crc32(src, spans, []) == []
     for target, dst_offset, length, src_offset in spans:
         got = targets[target].view(-1).view(torch.uint8)[dst_offset:dst_offset + length]
         assert torch.equal(got, torch.from_numpy(src[src_offset:src_offset + length].copy()))
@@ -100,45 +100,55 @@ def test_scatter_lands_each_piece_in_its_tensor(threads):
 def test_scatter_refuses_a_span_outside_its_target_or_source_before_any_copy(span):
     t = torch.zeros(8, dtype=torch.uint8)
     with pytest.raises(ValueError):
-        HostTargets([t, None]).scatter(b"abcdefgh", [(0, 0, 2, 0), span])
+        HostTargets([t, None]).scatter_crc32(b"abcdefgh", [(0, 0, 2, 0), span], [])
     assert t.count_nonzero() == 0  # the valid first span was not copied either
 
 
-def test_scatter_crc32_copies_and_checksums_each_piece_in_one_pass():
-    """HostTargets.scatter_crc32 (a load's checker): the bytes land as scatter's do, and each
-    piece's CRC is crc32_pieces' of the same source bytes, for pieces shorter than, equal to and
-    across several of the native code's windows (256 KiB), at unaligned offsets."""
+@pytest.mark.parametrize("piece", [(0, 0, 2, 7), (0, 0, 9, 0), (0, 0, -1, 0), (0, 0, 1, 1 << 62), (0, 0, 1)])
+def test_scatter_refuses_a_piece_outside_the_source_before_any_copy(piece):
+    t = torch.zeros(8, dtype=torch.uint8)
+    with pytest.raises((ValueError, TypeError)):
+        HostTargets([t]).scatter_crc32(b"abcdefgh", [(0, 0, 2, 0)], [(0, 0, 8, 0), piece])
+    assert t.count_nonzero() == 0
+
+
+def test_scatter_crc32_takes_each_pieces_crc_in_the_copys_pass():
+    """HostTargets.scatter_crc32 (a load's checker): each piece's CRC is crc32_pieces' of the
+    same bytes, for pieces shorter than, equal to and across several of the native code's
+    windows (256 KiB), at unaligned offsets; where the spans are the pieces (whole tensors) and
+    where they are parts of them out of order, two from the same bytes (a resharded load's row
+    ranges), or none."""
     from ckptfs.checksum import crc32, crc32_pieces
 
     window = 256 << 10
     src = _random_bytes(12 << 20, 11)
     sizes = [0, 1, 4095, window, window + 1, 3 * window - 5, (5 << 20) + 3]
-    targets = [torch.zeros(n + 9, dtype=torch.uint8) for n in sizes]
     pieces, at = [], 3
     for i, n in enumerate(sizes):
         pieces.append((i, 9 if i % 2 else 0, n, at))
         at += n + 77
-    crcs = HostTargets(targets).scatter_crc32(src, pieces)
-    assert crcs == crc32_pieces(src, pieces)
-    assert crcs == [crc32(src[p[3]:p[3] + p[2]]) for p in pieces]
+    expect = [crc32(src[p[3]:p[3] + p[2]]) for p in pieces]
+    assert crc32_pieces(src, pieces) == expect
+
+    whole = [torch.zeros(n + 9, dtype=torch.uint8) for n in sizes]
+    assert HostTargets(whole).scatter_crc32(src, pieces, pieces) == expect
     for target, dst_offset, length, src_offset in pieces:
-        got = targets[target][dst_offset:dst_offset + length]
-        assert torch.equal(got, torch.from_numpy(src[src_offset:src_offset + length].copy()))
+        assert torch.equal(whole[target][dst_offset:dst_offset + length],
+                           torch.from_numpy(src[src_offset:src_offset + length].copy()))
 
-
-@pytest.mark.parametrize("piece", [(1, 0, 1, 0), (0, 5, 4, 0), (0, 0, 2, 7), (-1, 0, 1, 0), (0, 0, 1, 1 << 62)])
-def test_scatter_crc32_refuses_a_piece_outside_before_any_copy(piece):
-    t = torch.zeros(8, dtype=torch.uint8)
-    with pytest.raises(ValueError):
-        HostTargets([t]).scatter_crc32(b"abcdefgh", [(0, 0, 2, 0), piece])
-    assert t.count_nonzero() == 0
+    big, small = pieces[6], pieces[5]  # parts of two pieces, the later first, two from the same bytes
+    rows = [torch.zeros(window * 2, dtype=torch.uint8), torch.zeros(window, dtype=torch.uint8),
+            torch.zeros(100, dtype=torch.uint8)]
+    spans = [(0, 0, window * 2, big[3] + 1000), (1, 0, window, big[3] + 1500), (2, 0, 100, small[3] + 7)]
+    assert HostTargets(rows).scatter_crc32(src, spans, pieces) == expect
+    for target, _, length, src_offset in spans:
+        assert torch.equal(rows[target][:length], torch.from_numpy(src[src_offset:src_offset + length].copy()))
+    assert HostTargets(rows).scatter_crc32(src, [], pieces[::-1]) == expect[::-1]
 
 
 def test_scatter_targets_must_be_contiguous_host_tensors():
     with pytest.raises(ValueError, match="contiguous CPU"):
         HostTargets([torch.zeros((4, 4)).t()])
-    with pytest.raises(ValueError, match="threads"):
-        HostTargets([torch.zeros(4)]).scatter(b"abcd", [], 0)
 
 
 def test_copy_out_fills_whole_and_partial_sinks_across_chunks():
@@ -167,7 +177,8 @@ def test_copy_out_fills_whole_and_partial_sinks_across_chunks():
     sinks = {0: [(0, 5000, whole0)], 1: [(0, 0, empty)], 2: [(1000, 5000, rows_a), (6500, 9000, rows_b)]}
     on_chunk = copy_out(sinks, records)
     for chunk in plan_chunks(records, offset, 4096):
-        assert on_chunk(Buf(area[chunk.start:chunk.start + chunk.length].tobytes()), chunk) is None
+        buf = Buf(area[chunk.start:chunk.start + chunk.length].tobytes())
+        assert on_chunk(buf, chunk) == crc32_pieces(buf.mapping, chunk.pieces)  # taken as it copied
     stored = [torch.from_numpy(area[r.offset:r.offset + r.nbytes].copy()) for r in records]
     assert torch.equal(whole0, stored[0])
     assert torch.equal(rows_a, stored[2][1000:5000]) and torch.equal(rows_b, stored[2][6500:9000])
@@ -176,7 +187,6 @@ def test_copy_out_fills_whole_and_partial_sinks_across_chunks():
     on_chunk = copy_out({i: [(0, n, t)] for i, (n, t) in enumerate(zip(sizes, everything))}, records)
     for chunk in plan_chunks(records, offset, 4096):
         buf = Buf(area[chunk.start:chunk.start + chunk.length].tobytes())
-        # which takes the pieces' CRCs as it copies them (the partial sinks above leave them to the scan)
         assert on_chunk(buf, chunk) == crc32_pieces(buf.mapping, chunk.pieces)
     assert all(torch.equal(t, s) for t, s in zip(everything, stored))
 
