@@ -329,12 +329,12 @@ class VersionData:
                 "damaged: use another version (`ckptfs ls`) and run `ckptfs verify`")
 
     # ------------------------------------------------------------------ streaming
-    def scan(self, on_chunk: Callable[[StagingBuffer, Chunk], list[int] | None] | None = None,
+    def scan(self, on_chunk: Callable[[StagingBuffer, Chunk], object] | None = None,
              progress: Callable[[int], None] | None = None,
              only: Wanted | None = None,
              buffers: "ReadBuffers | None" = None) -> list[tuple[TensorRecord, int]]:
         """Read the whole data area chunk by chunk, calling ``on_chunk(buffer, chunk)`` for each
-        (which may return the CRCs of ``chunk.pieces``, taken as it copied them, else None);
+        (its return value is not used, unless it is marked ``gives_crcs``: see Scan.check);
         return (record, CRC as read) of every tensor whose bytes fail their checksum (the intact
         ones are remembered as checked). ``only``: the tensors wanted, as indices (whole) or
         {index: (start, end) of the bytes wanted, or None for all}; just the pages that hold
@@ -347,7 +347,7 @@ class VersionData:
             scan_together([scan], pool)
         return scan.bad()
 
-    def scanner(self, on_chunk: Callable[[StagingBuffer, Chunk], list[int] | None] | None = None,
+    def scanner(self, on_chunk: Callable[[StagingBuffer, Chunk], object] | None = None,
                 progress: Callable[[int], None] | None = None,
                 only: Wanted | None = None) -> "Scan":
         """``scan``'s work, to run with other versions' in one pipeline (``scan_together``)."""

@@ -131,8 +131,8 @@ def copy_out(sinks: Sinks, records) -> Callable[[StagingBuffer, Chunk], list[int
     reader threads copy in parallel (a torch copy_ per piece held the GIL for most of a load of
     many small tensors); a chunk whose every piece goes whole into a host tensor is passed as it
     is. The same call takes the CRCs of the chunk's pieces in its pass over the buffer:
-    ``on_chunk`` returns them (Scan.check). Other devices' destinations take a copy_ per
-    piece."""
+    ``on_chunk`` returns them, and is marked ``gives_crcs`` for Scan.check. Other devices'
+    destinations take a copy_ per piece."""
     host: list[torch.Tensor | None] = [None] * len(records)  # [i]: all of stored tensor i
     partial: dict[int, list[tuple[int, int, int | torch.Tensor]]] = {}
     for index, dests in sinks.items():
@@ -166,6 +166,7 @@ def copy_out(sinks: Sinks, records) -> Callable[[StagingBuffer, Chunk], list[int
                     else:
                         dest[a - lo:b - lo].copy_(buf.tensor[start:start + b - a])
         return targets.scatter_crc32(buf.mapping, spans, chunk.pieces)
+    on_chunk.gives_crcs = True  # Scan.check takes the CRCs it returns
     return on_chunk
 
 

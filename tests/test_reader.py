@@ -492,6 +492,36 @@ def test_a_read_ahead_cancelled_makes_none_of_the_reads_not_started(tmp_path, mo
     s.close()
 
 
+def test_what_a_scan_callback_returns_is_no_verdict(tmp_path):
+    """VersionData.scan's ``on_chunk`` may return anything (a list of the bytes it saw): only a
+    callback marked ``gives_crcs`` (the load's copy_out, which takes the CRCs as it copies) has
+    its return value taken as the chunk's CRCs; an intact version scans intact, and a damaged
+    one is still found damaged."""
+    s = ckptfs.Store.create(str(tmp_path / "r.region"), size_bytes=64 << 20)
+    with s.writer("m") as w:
+        w.save({"a": torch.arange(1000.0), "b": torch.ones(10)}, step=1).result()
+
+    def seen(buf, chunk):
+        return [bytes(buf.mapping[p.buffer_start:p.buffer_start + p.length]) for p in chunk.pieces]
+
+    def lying(buf, chunk):
+        return [0] * len(chunk.pieces)
+
+    with s.open_version("m") as v:
+        assert v.data.scan(seen) == [] and v.data.scan(lying) == []
+        base, a = v._slot_version.data_base, v.manifest.tensors[0]
+    s.close()
+    with open(tmp_path / "r.region", "r+b") as f:  # one byte of "a" flipped on disk
+        f.seek(base + a.offset + 5)
+        byte = f.read(1)
+        f.seek(base + a.offset + 5)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    s = ckptfs.Store(str(tmp_path / "r.region"))
+    with s.open_version("m") as v:
+        assert [r.name for r, _ in v.data.scan(lying)] == ["a"]
+    s.close()
+
+
 def test_a_read_ahead_reads_the_largest_chunks_first_then_the_small_ones(tmp_path, monkeypatch):
     """The order of a scan's reads (a resharded load's parts, in one pipeline): the READ_BUFFERS
     largest chunks first, in data order (what a ReadAhead reads while DCP plans: the smallest
