@@ -142,10 +142,11 @@ def _wanted_blocks(manifest: Manifest, only: Wanted) -> dict[int, range | None]:
 def _ordered(scans: list[Scan]) -> list[tuple[Chunk, Scan]]:
     """Every chunk of ``scans`` in the order they are read: the READ_BUFFERS largest first (in
     data order), then the small ones, while the device's queue is short (a resharded load's few
-    wanted tensors of a part), then the rest by size (of one size, in data order). The first ones are what
-    a ReadAhead reads while DCP plans the load: the smallest there (a part's wanted scalars, a
-    few pages each) left the device idle through the planning (a W=4 -> 2 load of GPT-2 +
-    AdamW on the VM: 0.78-0.84 s with the largest first against 0.84-0.87 s, same rounds)."""
+    wanted tensors of a part), then the rest by size (of one size, in data order). The first
+    ones are what a ReadAhead reads while DCP plans the load: the smallest there (a part's
+    wanted scalars, a few pages each) left the device idle through the planning (a W=4 -> 2
+    load of GPT-2 + AdamW on the VM, rounds alternating: 0.754-0.790 s with the largest first,
+    0.813-0.960 s without)."""
     work = [(chunk, scan) for scan in scans for chunk in scan.chunks]
     largest = sorted(range(len(work)), key=lambda i: -work[i][0].length)[:READ_BUFFERS]  # stable: data order
     head = sorted(largest)
