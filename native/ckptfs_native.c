@@ -208,11 +208,53 @@ crc_list(const uint32_t *crcs, Py_ssize_t n)
     return result;
 }
 
-/* crc32_pieces(src, pieces) -> [crc32 of src[src_offset:src_offset + length] for each piece]:
- * a piece is a 4-tuple whose last two items are length and src_offset (ckptfs.chunks.Piece:
- * (tensor, tensor_start, length, buffer_start)); every range is checked first, then the CRCs
- * are computed with the GIL released (a Python loop over 40,000 pieces held it for most of
- * their time). */
+/* A range of bytes to copy (dst, src, len); a piece to checksum keeps its index in dst. */
+typedef struct {
+    char *dst;
+    const char *src;
+    size_t len;
+} span_t;
+
+/* The pieces of crc32_pieces / scatter_crc32, checked: each 4-tuple of ``seq_in`` whose last
+ * two items are length and src_offset (ckptfs.chunks.Piece: (tensor, tensor_start, length,
+ * buffer_start)) as a span_t over its bytes of src, its index in dst (PyMem_Calloc'd, the caller
+ * frees it); *sorted_out: whether they come in the order of their bytes. Every range is checked;
+ * NULL with an exception set otherwise. */
+static span_t *
+parse_pieces(Py_buffer *src, PyObject *seq_in, Py_ssize_t *n_out, int *sorted_out)
+{
+    PyObject *seq = PySequence_Fast(seq_in, "pieces must be a sequence of (tensor, tensor_start, length, src_offset)");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    span_t *pieces = PyMem_Calloc(n ? n : 1, sizeof(span_t));
+    if (pieces == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    int sorted = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t f[4];
+        if (piece_fields(PySequence_Fast_GET_ITEM(seq, i), f) < 0 || range_in(src, f[3], f[2]) < 0)
+            goto fail;
+        pieces[i].src = (const char *)src->buf + f[3];
+        pieces[i].len = (size_t)f[2];
+        pieces[i].dst = (char *)(uintptr_t)i; /* its place in the result, through a sort */
+        sorted &= i == 0 || pieces[i - 1].src <= pieces[i].src;
+    }
+    Py_DECREF(seq);
+    *n_out = n;
+    *sorted_out = sorted;
+    return pieces;
+fail:
+    PyMem_Free(pieces);
+    Py_DECREF(seq);
+    return NULL;
+}
+
+/* crc32_pieces(src, pieces) -> [crc32 of src[src_offset:src_offset + length] for each piece]
+ * (see parse_pieces): every range is checked first, then the CRCs are computed with the GIL
+ * released (a Python loop over 40,000 pieces held it for most of their time). */
 static PyObject *
 crc32_pieces_py(PyObject *self, PyObject *args)
 {
@@ -220,36 +262,27 @@ crc32_pieces_py(PyObject *self, PyObject *args)
     PyObject *seq_in;
     if (!PyArg_ParseTuple(args, "y*O", &src, &seq_in))
         return NULL;
-    PyObject *result = NULL, *seq = NULL;
-    Py_ssize_t *at = NULL;
+    PyObject *result = NULL;
     uint32_t *crcs = NULL;
-    seq = PySequence_Fast(seq_in, "pieces must be a sequence of (tensor, tensor_start, length, src_offset)");
-    if (seq == NULL)
+    Py_ssize_t n;
+    int sorted;
+    span_t *pieces = parse_pieces(&src, seq_in, &n, &sorted);
+    if (pieces == NULL)
         goto done;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    at = PyMem_Calloc(2 * (n ? n : 1), sizeof(Py_ssize_t));
     crcs = PyMem_Calloc(n ? n : 1, sizeof(uint32_t));
-    if (at == NULL || crcs == NULL) {
+    if (crcs == NULL) {
         PyErr_NoMemory();
         goto done;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t f[4];
-        if (piece_fields(PySequence_Fast_GET_ITEM(seq, i), f) < 0 || range_in(&src, f[3], f[2]) < 0)
-            goto done;
-        at[2 * i] = f[3];
-        at[2 * i + 1] = f[2];
     }
     crc32_fn fn = p_crc32;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++)
-        crcs[i] = fn(0, (const unsigned char *)src.buf + at[2 * i], (uint64_t)at[2 * i + 1]);
+        crcs[i] = fn(0, (const unsigned char *)pieces[i].src, (uint64_t)pieces[i].len);
     Py_END_ALLOW_THREADS
     result = crc_list(crcs, n);
 done:
     PyMem_Free(crcs);
-    PyMem_Free(at);
-    Py_XDECREF(seq);
+    PyMem_Free(pieces);
     PyBuffer_Release(&src);
     return result;
 }
@@ -442,11 +475,6 @@ pmem_is_pmem_py(PyObject *self, PyObject *args)
 
 /* ------------------------------------------------------------------ parallel copy of spans */
 
-typedef struct {
-    char *dst;
-    const char *src;
-    size_t len;
-} span_t;
 
 typedef struct {
     const span_t *spans;
@@ -704,32 +732,21 @@ scatter_crc32_py(PyObject *self, PyObject *args)
     PyObject *spans_in, *pieces_in;
     if (!PyArg_ParseTuple(args, "y*y*y*OO", &src, &addresses, &sizes, &spans_in, &pieces_in))
         return NULL;
-    PyObject *result = NULL, *seq = NULL;
+    PyObject *result = NULL;
     span_t *spans = NULL, *pieces = NULL;
     uint32_t *crcs = NULL;
     Py_ssize_t ns, np = 0;
-    int spans_sorted, sorted = 1;
+    int spans_sorted, sorted;
     spans = scatter_targets(&src, &addresses, &sizes, spans_in, &ns, &spans_sorted);
     if (spans == NULL)
         goto done;
-    seq = PySequence_Fast(pieces_in, "pieces must be a sequence of (tensor, tensor_start, length, src_offset)");
-    if (seq == NULL)
+    pieces = parse_pieces(&src, pieces_in, &np, &sorted);
+    if (pieces == NULL)
         goto done;
-    np = PySequence_Fast_GET_SIZE(seq);
-    pieces = PyMem_Calloc(np ? np : 1, sizeof(span_t));
     crcs = PyMem_Calloc(np ? np : 1, sizeof(uint32_t));
-    if (pieces == NULL || crcs == NULL) {
+    if (crcs == NULL) {
         PyErr_NoMemory();
         goto done;
-    }
-    for (Py_ssize_t i = 0; i < np; i++) {
-        Py_ssize_t f[4];
-        if (piece_fields(PySequence_Fast_GET_ITEM(seq, i), f) < 0 || range_in(&src, f[3], f[2]) < 0)
-            goto done;
-        pieces[i].src = (const char *)src.buf + f[3];
-        pieces[i].len = (size_t)f[2];
-        pieces[i].dst = (char *)(uintptr_t)i; /* its place in the result, through the sort */
-        sorted &= i == 0 || pieces[i - 1].src <= pieces[i].src;
     }
     crc32_fn fn = p_crc32;
     Py_BEGIN_ALLOW_THREADS
@@ -770,7 +787,6 @@ done:
     PyMem_Free(crcs);
     PyMem_Free(pieces);
     PyMem_Free(spans);
-    Py_XDECREF(seq);
     PyBuffer_Release(&sizes);
     PyBuffer_Release(&addresses);
     PyBuffer_Release(&src);
