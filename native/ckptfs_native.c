@@ -215,45 +215,76 @@ typedef struct {
     size_t len;
 } span_t;
 
-/* The pieces of crc32_pieces / scatter_crc32, checked: each 4-tuple of ``seq_in`` whose last
- * two items are length and src_offset (ckptfs.chunks.Piece: (tensor, tensor_start, length,
- * buffer_start)) as a span_t over its bytes of src, its index in dst (PyMem_Calloc'd, the caller
- * frees it); *sorted_out: whether they come in the order of their bytes. Every range is checked;
- * NULL with an exception set otherwise. */
+/* The ranges of crc32_pieces / scatter_crc32, checked: each 4-tuple of ``seq_in`` (``what``
+ * names the sequence in its TypeError) as a span_t (PyMem_Calloc'd, the caller frees it) over
+ * its bytes of src. Without ``addresses``, a piece to checksum (ckptfs.chunks.Piece: (tensor,
+ * tensor_start, length, buffer_start)), whose index goes in dst; with them (and ``sizes``:
+ * buffers of uint64, the data pointers and byte sizes of targets the caller keeps alive), a
+ * span to copy, (target, dst_offset, length, src_offset), whose destination is dst.
+ * *sorted_out: whether they come in the order of their bytes. Every index and range is checked
+ * before any byte is touched; NULL with an exception set otherwise. */
 static span_t *
-parse_pieces(Py_buffer *src, PyObject *seq_in, Py_ssize_t *n_out, int *sorted_out)
+parse_ranges(Py_buffer *src, PyObject *seq_in, const char *what, Py_buffer *addresses, Py_buffer *sizes,
+             Py_ssize_t *n_out, int *sorted_out)
 {
-    PyObject *seq = PySequence_Fast(seq_in, "pieces must be a sequence of (tensor, tensor_start, length, src_offset)");
+    Py_ssize_t targets = addresses ? addresses->len / 8 : 0;
+    if (addresses && (addresses->len % 8 || sizes->len != addresses->len)) {
+        PyErr_SetString(PyExc_ValueError, "addresses and sizes must be uint64 buffers of the same length");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(seq_in, what);
     if (seq == NULL)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    span_t *pieces = PyMem_Calloc(n ? n : 1, sizeof(span_t));
-    if (pieces == NULL) {
+    span_t *ranges = PyMem_Calloc(n ? n : 1, sizeof(span_t));
+    if (ranges == NULL) {
         PyErr_NoMemory();
         goto fail;
     }
     int sorted = 1;
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_ssize_t f[4];
-        if (piece_fields(PySequence_Fast_GET_ITEM(seq, i), f) < 0 || range_in(src, f[3], f[2]) < 0)
+        if (piece_fields(PySequence_Fast_GET_ITEM(seq, i), f) < 0)
             goto fail;
-        pieces[i].src = (const char *)src->buf + f[3];
-        pieces[i].len = (size_t)f[2];
-        pieces[i].dst = (char *)(uintptr_t)i; /* its place in the result, through a sort */
-        sorted &= i == 0 || pieces[i - 1].src <= pieces[i].src;
+        Py_ssize_t target = f[0], dst_offset = f[1], length = f[2], src_offset = f[3];
+        if (addresses) {
+            if (target < 0 || target >= targets) {
+                PyErr_Format(PyExc_ValueError, "target %zd of %zd", target, targets);
+                goto fail;
+            }
+            uint64_t address, size;
+            memcpy(&address, (const char *)addresses->buf + 8 * target, 8);
+            memcpy(&size, (const char *)sizes->buf + 8 * target, 8);
+            if (dst_offset < 0 || length < 0 || (uint64_t)dst_offset > size
+                    || (uint64_t)length > size - (uint64_t)dst_offset) {
+                PyErr_Format(PyExc_ValueError, "%zd bytes at offset %zd are outside target %zd's %llu bytes",
+                             length, dst_offset, target, (unsigned long long)size);
+                goto fail;
+            }
+            ranges[i].dst = (char *)(uintptr_t)address + dst_offset;
+        } else {
+            ranges[i].dst = (char *)(uintptr_t)i; /* its place in the result, through a sort */
+        }
+        if (range_in(src, src_offset, length) < 0)
+            goto fail;
+        ranges[i].src = (const char *)src->buf + src_offset;
+        ranges[i].len = (size_t)length;
+        sorted &= i == 0 || ranges[i - 1].src <= ranges[i].src;
     }
     Py_DECREF(seq);
     *n_out = n;
     *sorted_out = sorted;
-    return pieces;
+    return ranges;
 fail:
-    PyMem_Free(pieces);
+    PyMem_Free(ranges);
     Py_DECREF(seq);
     return NULL;
 }
 
+#define PIECES_WHAT "pieces must be a sequence of (tensor, tensor_start, length, src_offset)"
+
 /* crc32_pieces(src, pieces) -> [crc32 of src[src_offset:src_offset + length] for each piece]
- * (see parse_pieces): every range is checked first, then the CRCs are computed with the GIL
+ * (see parse_ranges): every range is checked first, then the CRCs are computed with the GIL
  * released (a Python loop over 40,000 pieces held it for most of their time). */
 static PyObject *
 crc32_pieces_py(PyObject *self, PyObject *args)
@@ -266,7 +297,7 @@ crc32_pieces_py(PyObject *self, PyObject *args)
     uint32_t *crcs = NULL;
     Py_ssize_t n;
     int sorted;
-    span_t *pieces = parse_pieces(&src, seq_in, &n, &sorted);
+    span_t *pieces = parse_ranges(&src, seq_in, PIECES_WHAT, NULL, NULL, &n, &sorted);
     if (pieces == NULL)
         goto done;
     crcs = PyMem_Calloc(n ? n : 1, sizeof(uint32_t));
@@ -475,7 +506,6 @@ pmem_is_pmem_py(PyObject *self, PyObject *args)
 
 /* ------------------------------------------------------------------ parallel copy of spans */
 
-
 typedef struct {
     const span_t *spans;
     Py_ssize_t nspans;
@@ -630,66 +660,6 @@ done:
     return result;
 }
 
-/* The spans of scatter_crc32, checked: each (target, dst_offset, length, src_offset) of
- * ``seq_in`` into ``spans`` (PyMem_Calloc'd, the caller frees it), addresses and sizes being
- * buffers of uint64 (the data pointers and byte sizes of the targets); *sorted_out: whether they
- * come in the order of their sources. Every index and range is checked before any byte is
- * copied; NULL with an exception set otherwise. */
-static span_t *
-scatter_targets(Py_buffer *src, Py_buffer *addresses, Py_buffer *sizes, PyObject *seq_in, Py_ssize_t *n_out,
-                int *sorted_out)
-{
-    PyObject *seq = NULL;
-    span_t *spans = NULL;
-    Py_ssize_t targets = addresses->len / 8;
-    if (addresses->len % 8 || sizes->len != addresses->len) {
-        PyErr_SetString(PyExc_ValueError, "addresses and sizes must be uint64 buffers of the same length");
-        return NULL;
-    }
-    seq = PySequence_Fast(seq_in, "spans must be a sequence of (target, dst_offset, length, src_offset)");
-    if (seq == NULL)
-        return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    spans = PyMem_Calloc(n ? n : 1, sizeof(span_t));
-    if (spans == NULL) {
-        PyErr_NoMemory();
-        goto fail;
-    }
-    int sorted = 1;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t f[4];
-        if (piece_fields(PySequence_Fast_GET_ITEM(seq, i), f) < 0)
-            goto fail;
-        Py_ssize_t target = f[0], dst_offset = f[1], length = f[2], src_offset = f[3];
-        if (target < 0 || target >= targets) {
-            PyErr_Format(PyExc_ValueError, "target %zd of %zd", target, targets);
-            goto fail;
-        }
-        uint64_t address, size;
-        memcpy(&address, (const char *)addresses->buf + 8 * target, 8);
-        memcpy(&size, (const char *)sizes->buf + 8 * target, 8);
-        if (dst_offset < 0 || length < 0 || (uint64_t)dst_offset > size || (uint64_t)length > size - (uint64_t)dst_offset) {
-            PyErr_Format(PyExc_ValueError, "%zd bytes at offset %zd are outside target %zd's %llu bytes",
-                         length, dst_offset, target, (unsigned long long)size);
-            goto fail;
-        }
-        if (range_in(src, src_offset, length) < 0)
-            goto fail;
-        spans[i].dst = (char *)(uintptr_t)address + dst_offset;
-        spans[i].src = (const char *)src->buf + src_offset;
-        spans[i].len = (size_t)length;
-        sorted &= i == 0 || spans[i - 1].src <= spans[i].src;
-    }
-    Py_DECREF(seq);
-    *n_out = n;
-    *sorted_out = sorted;
-    return spans;
-fail:
-    PyMem_Free(spans);
-    Py_DECREF(seq);
-    return NULL;
-}
-
 /* The bytes of src are copied and checksummed this much at a time: the CRC reads them from
  * memory into the core's cache, and the copy then reads them from there, not from memory a second
  * time (a load's checker, one thread: 4.7 GB/s with a copy and a CRC of each whole span, 5.8 GB/s
@@ -703,19 +673,24 @@ span_src_order(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
-/* Copies each span's part in [lo, hi) of the source, of spans[*first...] sorted by source,
- * moving *first past those that end before lo (the spans before *first all do). */
+/* The ranges sorted by source that hold bytes of [lo, hi), from *first on: *first is moved past
+ * those that end before lo (the ranges before *first all do); then, for each k from *first
+ * while ranges[k] starts before hi, window_part gives the part of range k in the window. */
 static void
-copy_window(const span_t *spans, Py_ssize_t n, Py_ssize_t *first, const char *lo, const char *hi)
+window_start(const span_t *ranges, Py_ssize_t n, Py_ssize_t *first, const char *lo)
 {
-    while (*first < n && spans[*first].src + spans[*first].len <= lo)
+    while (*first < n && ranges[*first].src + ranges[*first].len <= lo)
         (*first)++;
-    for (Py_ssize_t k = *first; k < n && spans[k].src < hi; k++) {
-        const char *a = spans[k].src > lo ? spans[k].src : lo;
-        const char *b = spans[k].src + spans[k].len < hi ? spans[k].src + spans[k].len : hi;
-        if (a < b)
-            copy_bytes(spans[k].dst + (a - spans[k].src), a, (size_t)(b - a));
-    }
+}
+
+/* The part [*a, *a + return) of ``r`` inside [lo, hi); 0 where there is none. */
+static size_t
+window_part(const span_t *r, const char *lo, const char *hi, const char **a)
+{
+    const char *start = r->src > lo ? r->src : lo;
+    const char *end = r->src + r->len < hi ? r->src + r->len : hi;
+    *a = start;
+    return start < end ? (size_t)(end - start) : 0;
 }
 
 /* scatter_crc32(src, addresses, sizes, spans, pieces) -> [CRC32 of each piece's bytes of src]:
@@ -737,10 +712,11 @@ scatter_crc32_py(PyObject *self, PyObject *args)
     uint32_t *crcs = NULL;
     Py_ssize_t ns, np = 0;
     int spans_sorted, sorted;
-    spans = scatter_targets(&src, &addresses, &sizes, spans_in, &ns, &spans_sorted);
+    spans = parse_ranges(&src, spans_in, "spans must be a sequence of (target, dst_offset, length, src_offset)",
+                         &addresses, &sizes, &ns, &spans_sorted);
     if (spans == NULL)
         goto done;
-    pieces = parse_pieces(&src, pieces_in, &np, &sorted);
+    pieces = parse_ranges(&src, pieces_in, PIECES_WHAT, NULL, NULL, &np, &sorted);
     if (pieces == NULL)
         goto done;
     crcs = PyMem_Calloc(np ? np : 1, sizeof(uint32_t));
@@ -769,16 +745,20 @@ scatter_crc32_py(PyObject *self, PyObject *args)
     Py_ssize_t first_piece = 0, first_span = 0;
     for (const char *w = lo; w != NULL && w < hi; w += (hi - w < FUSED_WINDOW_BYTES ? hi - w : FUSED_WINDOW_BYTES)) {
         const char *we = hi - w < FUSED_WINDOW_BYTES ? hi : w + FUSED_WINDOW_BYTES;
-        while (first_piece < np && pieces[first_piece].src + pieces[first_piece].len <= w)
-            first_piece++;
+        const char *a;
+        window_start(pieces, np, &first_piece, w);
         for (Py_ssize_t k = first_piece; k < np && pieces[k].src < we; k++) {
-            const char *a = pieces[k].src > w ? pieces[k].src : w;
-            const char *b = pieces[k].src + pieces[k].len < we ? pieces[k].src + pieces[k].len : we;
+            size_t len = window_part(&pieces[k], w, we, &a);
             Py_ssize_t at = (Py_ssize_t)(uintptr_t)pieces[k].dst;
-            if (a < b)
-                crcs[at] = fn(crcs[at], (const unsigned char *)a, (uint64_t)(b - a));
+            if (len)
+                crcs[at] = fn(crcs[at], (const unsigned char *)a, (uint64_t)len);
         }
-        copy_window(spans, ns, &first_span, w, we);
+        window_start(spans, ns, &first_span, w);
+        for (Py_ssize_t k = first_span; k < ns && spans[k].src < we; k++) {
+            size_t len = window_part(&spans[k], w, we, &a);
+            if (len)
+                copy_bytes(spans[k].dst + (a - spans[k].src), a, len);
+        }
     }
     copy_fence(); /* streaming stores are weakly ordered: drained before the caller reads the targets */
     Py_END_ALLOW_THREADS
