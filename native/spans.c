@@ -1,0 +1,475 @@
+/*
+ * Byte ranges of ckptfs._native: the CRC32s of a chunk's pieces, the snapshot's multi-threaded
+ * copy of spans into a staging buffer, and a load's copy out of a bounce buffer into tensors,
+ * each with its CRCs taken in the same pass where it reads the bytes (ckptfs/memcopy.py,
+ * ckptfs/checksum.py). Every range is checked before any byte is touched; the work runs with the
+ * GIL released.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <zlib.h>
+
+#include "spans.h"
+
+/* CRC32 (zlib's polynomial and conventions) of many spans of one buffer: ISA-L's
+ * crc32_gzip_refl where the isal extension that ckptfs.checksum uses is loaded and exports it
+ * (use_isal_crc32), else zlib's. */
+typedef uint32_t (*crc32_fn)(uint32_t, const unsigned char *, uint64_t);
+
+/* The four integers of a chunk's piece (ckptfs.chunks.Piece: (tensor, tensor_start, length,
+ * buffer_start)), read straight from the tuple: crc32_pieces and scatter_crc32 take 40,000 of
+ * them per chunk of small tensors. -1 with an exception set if ``item`` is not such a tuple. */
+static int
+piece_fields(PyObject *item, Py_ssize_t out[4])
+{
+    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 4) {
+        PyErr_SetString(PyExc_TypeError, "a piece is a 4-tuple of ints (target, offset, length, src_offset)");
+        return -1;
+    }
+    for (int k = 0; k < 4; k++) {
+        out[k] = PyLong_AsSsize_t(PyTuple_GET_ITEM(item, k));
+        if (out[k] == -1 && PyErr_Occurred())
+            return -1;
+    }
+    return 0;
+}
+
+static uint32_t
+zlib_crc32(uint32_t crc, const unsigned char *buf, uint64_t len)
+{
+    while (len > 0) {
+        uInt n = len > 0x40000000u ? 0x40000000u : (uInt)len;
+        crc = (uint32_t)crc32(crc, buf, n);
+        buf += n;
+        len -= n;
+    }
+    return crc;
+}
+
+static crc32_fn p_crc32 = zlib_crc32;
+
+PyObject *
+use_isal_crc32_py(PyObject *self, PyObject *args)
+{
+    const char *path;
+    if (!PyArg_ParseTuple(args, "s", &path))
+        return NULL;
+    void *lib = *path ? dlopen(path, RTLD_NOW | RTLD_NOLOAD) : NULL;
+    crc32_fn fn = lib ? (crc32_fn)dlsym(lib, "crc32_gzip_refl") : NULL;
+    p_crc32 = fn ? fn : zlib_crc32; /* "" (or an extension without it): zlib's */
+    return PyBool_FromLong(fn != NULL);
+}
+
+/* The list of ``n`` CRCs as Python ints; NULL with an exception set on failure. */
+static PyObject *
+crc_list(const uint32_t *crcs, Py_ssize_t n)
+{
+    PyObject *result = PyList_New(n);
+    if (result == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyLong_FromUnsignedLong(crcs[i]);
+        if (v == NULL) {
+            Py_DECREF(result);
+            return NULL;
+        }
+        PyList_SET_ITEM(result, i, v);
+    }
+    return result;
+}
+
+/* A range of bytes to copy (dst, src, len); a piece to checksum keeps its index in dst. */
+typedef struct {
+    char *dst;
+    const char *src;
+    size_t len;
+} span_t;
+
+/* The ranges of crc32_pieces / scatter_crc32, checked: each 4-tuple of ``seq_in`` (``what``
+ * names the sequence in its TypeError) as a span_t (PyMem_Calloc'd, the caller frees it) over
+ * its bytes of src. Without ``addresses``, a piece to checksum (ckptfs.chunks.Piece: (tensor,
+ * tensor_start, length, buffer_start)), whose index goes in dst; with them (and ``sizes``:
+ * buffers of uint64, the data pointers and byte sizes of targets the caller keeps alive), a
+ * span to copy, (target, dst_offset, length, src_offset), whose destination is dst.
+ * *sorted_out: whether they come in the order of their bytes. Every index and range is checked
+ * before any byte is touched; NULL with an exception set otherwise. */
+static span_t *
+parse_ranges(Py_buffer *src, PyObject *seq_in, const char *what, Py_buffer *addresses, Py_buffer *sizes,
+             Py_ssize_t *n_out, int *sorted_out)
+{
+    Py_ssize_t targets = addresses ? addresses->len / 8 : 0;
+    if (addresses && (addresses->len % 8 || sizes->len != addresses->len)) {
+        PyErr_SetString(PyExc_ValueError, "addresses and sizes must be uint64 buffers of the same length");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(seq_in, what);
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    span_t *ranges = PyMem_Calloc(n ? n : 1, sizeof(span_t));
+    if (ranges == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    int sorted = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t f[4];
+        if (piece_fields(PySequence_Fast_GET_ITEM(seq, i), f) < 0)
+            goto fail;
+        Py_ssize_t target = f[0], dst_offset = f[1], length = f[2], src_offset = f[3];
+        if (addresses) {
+            if (target < 0 || target >= targets) {
+                PyErr_Format(PyExc_ValueError, "target %zd of %zd", target, targets);
+                goto fail;
+            }
+            uint64_t address, size;
+            memcpy(&address, (const char *)addresses->buf + 8 * target, 8);
+            memcpy(&size, (const char *)sizes->buf + 8 * target, 8);
+            if (dst_offset < 0 || length < 0 || (uint64_t)dst_offset > size
+                    || (uint64_t)length > size - (uint64_t)dst_offset) {
+                PyErr_Format(PyExc_ValueError, "%zd bytes at offset %zd are outside target %zd's %llu bytes",
+                             length, dst_offset, target, (unsigned long long)size);
+                goto fail;
+            }
+            ranges[i].dst = (char *)(uintptr_t)address + dst_offset;
+        } else {
+            ranges[i].dst = (char *)(uintptr_t)i; /* its place in the result, through a sort */
+        }
+        if (range_in(src, src_offset, length) < 0)
+            goto fail;
+        ranges[i].src = (const char *)src->buf + src_offset;
+        ranges[i].len = (size_t)length;
+        sorted &= i == 0 || ranges[i - 1].src <= ranges[i].src;
+    }
+    Py_DECREF(seq);
+    *n_out = n;
+    *sorted_out = sorted;
+    return ranges;
+fail:
+    PyMem_Free(ranges);
+    Py_DECREF(seq);
+    return NULL;
+}
+
+#define PIECES_WHAT "pieces must be a sequence of (tensor, tensor_start, length, src_offset)"
+
+/* crc32_pieces(src, pieces) -> [crc32 of src[src_offset:src_offset + length] for each piece]
+ * (see parse_ranges): every range is checked first, then the CRCs are computed with the GIL
+ * released (a Python loop over 40,000 pieces held it for most of their time). */
+PyObject *
+crc32_pieces_py(PyObject *self, PyObject *args)
+{
+    Py_buffer src;
+    PyObject *seq_in;
+    if (!PyArg_ParseTuple(args, "y*O", &src, &seq_in))
+        return NULL;
+    PyObject *result = NULL;
+    uint32_t *crcs = NULL;
+    Py_ssize_t n;
+    int sorted;
+    span_t *pieces = parse_ranges(&src, seq_in, PIECES_WHAT, NULL, NULL, &n, &sorted);
+    if (pieces == NULL)
+        goto done;
+    crcs = PyMem_Calloc(n ? n : 1, sizeof(uint32_t));
+    if (crcs == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    crc32_fn fn = p_crc32;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++)
+        crcs[i] = fn(0, (const unsigned char *)pieces[i].src, (uint64_t)pieces[i].len);
+    Py_END_ALLOW_THREADS
+    result = crc_list(crcs, n);
+done:
+    PyMem_Free(crcs);
+    PyMem_Free(pieces);
+    PyBuffer_Release(&src);
+    return result;
+}
+
+
+int
+range_in(Py_buffer *view, Py_ssize_t offset, Py_ssize_t length)
+{
+    if (offset < 0 || length < 0 || offset > view->len || length > view->len - offset) { /* no overflow */
+        PyErr_Format(PyExc_ValueError, "%zd bytes at offset %zd are outside a %zd-byte buffer",
+                     length, offset, view->len);
+        return -1;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ parallel copy of spans */
+
+typedef struct {
+    const span_t *spans;
+    Py_ssize_t nspans;
+    size_t begin, end; /* byte range of the concatenated spans this thread copies */
+} copy_job_t;
+
+#if defined(__x86_64__)
+#include <emmintrin.h>
+/* Large spans are copied with non-temporal stores: the staging buffer is read next by the
+ * device (DMA) and the CRC, not from this core's cache, and skipping the read-for-ownership of
+ * every destination line cuts the memory traffic of the copy by a third. */
+static void
+copy_bytes(char *dst, const char *src, size_t n)
+{
+    if (n < (256u << 10)) {
+        memcpy(dst, src, n);
+        return;
+    }
+    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+    memcpy(dst, src, head);
+    dst += head;
+    src += head;
+    n -= head;
+    for (size_t blocks = n / 64; blocks; blocks--) {
+        __m128i a = _mm_loadu_si128((const __m128i *)src);
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
+        _mm_stream_si128((__m128i *)dst, a);
+        _mm_stream_si128((__m128i *)(dst + 16), b);
+        _mm_stream_si128((__m128i *)(dst + 32), c);
+        _mm_stream_si128((__m128i *)(dst + 48), d);
+        src += 64;
+        dst += 64;
+    }
+    memcpy(dst, src, n & 63);
+}
+#define copy_fence() _mm_sfence()
+#else
+#define copy_bytes memcpy
+#define copy_fence() __atomic_thread_fence(__ATOMIC_SEQ_CST)
+#endif
+
+static void *
+copy_job_run(void *arg)
+{
+    const copy_job_t *job = (const copy_job_t *)arg;
+    size_t pos = 0;
+    for (Py_ssize_t i = 0; i < job->nspans && pos < job->end; i++) {
+        const span_t *s = &job->spans[i];
+        size_t lo = job->begin > pos ? job->begin - pos : 0;
+        size_t hi = job->end - pos < s->len ? job->end - pos : s->len;
+        if (lo < hi)
+            copy_bytes(s->dst + lo, s->src + lo, hi - lo);
+        pos += s->len;
+    }
+    copy_fence(); /* streaming stores are weakly ordered: drain them before the join */
+    return NULL;
+}
+
+#define COPY_THREADS_MAX 16
+
+/* Splits the bytes evenly over the threads (a span may be cut between two of them); the calling
+ * thread copies the first share. Falls back to fewer threads if one cannot be started. */
+static void
+copy_spans_parallel(const span_t *spans, Py_ssize_t nspans, size_t total, int threads)
+{
+    copy_job_t jobs[COPY_THREADS_MAX];
+    pthread_t tids[COPY_THREADS_MAX];
+    int started[COPY_THREADS_MAX] = {0};
+    for (int t = 0; t < threads; t++) {
+        jobs[t].spans = spans;
+        jobs[t].nspans = nspans;
+        jobs[t].begin = total / threads * t;
+        jobs[t].end = t == threads - 1 ? total : total / threads * (t + 1);
+    }
+    for (int t = 1; t < threads; t++)
+        started[t] = pthread_create(&tids[t], NULL, copy_job_run, &jobs[t]) == 0;
+    copy_job_run(&jobs[0]);
+    for (int t = 1; t < threads; t++) {
+        if (started[t])
+            pthread_join(tids[t], NULL);
+        else
+            copy_job_run(&jobs[t]);
+    }
+}
+
+/* Copies the checked spans over up to ``threads`` threads with the GIL released; returns None. */
+static PyObject *
+run_spans(const span_t *spans, Py_ssize_t n, size_t total, int threads)
+{
+    if (threads < 1)
+        threads = 1;
+    if (threads > COPY_THREADS_MAX)
+        threads = COPY_THREADS_MAX;
+    /* a thread costs tens of microseconds to start: not worth it below a few MiB */
+    if (total < ((size_t)threads << 21))
+        threads = total < (4u << 20) ? 1 : (int)(total >> 21);
+    Py_BEGIN_ALLOW_THREADS
+    copy_spans_parallel(spans, n, total, threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* copy_spans(dst, spans, threads): spans is a sequence of (dst_offset, src, src_offset, length);
+ * every src is a bytes-like object. Ranges are checked; overlapping destinations are the
+ * caller's business (ckptfs never makes them). */
+PyObject *
+copy_spans_py(PyObject *self, PyObject *args)
+{
+    Py_buffer dst;
+    PyObject *seq_in;
+    int threads;
+    if (!PyArg_ParseTuple(args, "w*Oi", &dst, &seq_in, &threads))
+        return NULL;
+    PyObject *seq = PySequence_Fast(seq_in, "spans must be a sequence of (dst_offset, src, src_offset, length)");
+    if (seq == NULL) {
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    span_t *spans = PyMem_Calloc(n ? n : 1, sizeof(span_t));
+    Py_buffer *views = PyMem_Calloc(n ? n : 1, sizeof(Py_buffer));
+    Py_ssize_t held = 0;
+    size_t total = 0;
+    PyObject *result = NULL;
+    if (spans == NULL || views == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t dst_offset, src_offset, length;
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyArg_ParseTuple(item, "ny*nn", &dst_offset, &views[i], &src_offset, &length))
+            goto done;
+        held++;
+        if (range_in(&dst, dst_offset, length) < 0 || range_in(&views[i], src_offset, length) < 0)
+            goto done;
+        spans[i].dst = (char *)dst.buf + dst_offset;
+        spans[i].src = (const char *)views[i].buf + src_offset;
+        spans[i].len = (size_t)length;
+        total += (size_t)length;
+    }
+    result = run_spans(spans, n, total, threads);
+done:
+    for (Py_ssize_t i = 0; i < held; i++)
+        PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    PyMem_Free(spans);
+    Py_DECREF(seq);
+    PyBuffer_Release(&dst);
+    return result;
+}
+
+/* The bytes of src are copied and checksummed this much at a time: the CRC reads them from
+ * memory into the core's cache, and the copy then reads them from there, not from memory a second
+ * time (a load's checker, one thread: 4.7 GB/s with a copy and a CRC of each whole span, 5.8 GB/s
+ * this way). */
+#define FUSED_WINDOW_BYTES (256u << 10)
+
+static int
+span_src_order(const void *a, const void *b)
+{
+    const char *x = ((const span_t *)a)->src, *y = ((const span_t *)b)->src;
+    return x < y ? -1 : x > y;
+}
+
+/* The ranges sorted by source that hold bytes of [lo, hi), from *first on: *first is moved past
+ * those that end before lo (the ranges before *first all do); then, for each k from *first
+ * while ranges[k] starts before hi, window_part gives the part of range k in the window. */
+static void
+window_start(const span_t *ranges, Py_ssize_t n, Py_ssize_t *first, const char *lo)
+{
+    while (*first < n && ranges[*first].src + ranges[*first].len <= lo)
+        (*first)++;
+}
+
+/* The part [*a, *a + return) of ``r`` inside [lo, hi); 0 where there is none. */
+static size_t
+window_part(const span_t *r, const char *lo, const char *hi, const char **a)
+{
+    const char *start = r->src > lo ? r->src : lo;
+    const char *end = r->src + r->len < hi ? r->src + r->len : hi;
+    *a = start;
+    return start < end ? (size_t)(end - start) : 0;
+}
+
+/* scatter_crc32(src, addresses, sizes, spans, pieces) -> [CRC32 of each piece's bytes of src]:
+ * copies each span (target, dst_offset, length, src_offset) of src into memory given by address
+ * (addresses and sizes: buffers of uint64, the data pointers and byte sizes of targets the
+ * caller keeps alive, e.g. contiguous CPU tensors: a buffer object of each of 40,000 tensors
+ * costs more than their copy), and takes the CRC32 of each piece (a 4-tuple whose last two items
+ * are length and src_offset: ckptfs.chunks.Piece), both in one pass over src, window by window
+ * (FUSED_WINDOW_BYTES). Every index and range is checked before any byte is copied. */
+PyObject *
+scatter_crc32_py(PyObject *self, PyObject *args)
+{
+    Py_buffer src, addresses, sizes;
+    PyObject *spans_in, *pieces_in;
+    if (!PyArg_ParseTuple(args, "y*y*y*OO", &src, &addresses, &sizes, &spans_in, &pieces_in))
+        return NULL;
+    PyObject *result = NULL;
+    span_t *spans = NULL, *pieces = NULL;
+    uint32_t *crcs = NULL;
+    Py_ssize_t ns, np = 0;
+    int spans_sorted, sorted;
+    spans = parse_ranges(&src, spans_in, "spans must be a sequence of (target, dst_offset, length, src_offset)",
+                         &addresses, &sizes, &ns, &spans_sorted);
+    if (spans == NULL)
+        goto done;
+    pieces = parse_ranges(&src, pieces_in, PIECES_WHAT, NULL, NULL, &np, &sorted);
+    if (pieces == NULL)
+        goto done;
+    crcs = PyMem_Calloc(np ? np : 1, sizeof(uint32_t));
+    if (crcs == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    crc32_fn fn = p_crc32;
+    Py_BEGIN_ALLOW_THREADS
+    /* a chunk's pieces and the copy runs of whole tensors come in buffer order; the spans of
+     * parts of tensors follow them */
+    if (!sorted)
+        qsort(pieces, (size_t)np, sizeof(span_t), span_src_order);
+    if (!spans_sorted)
+        qsort(spans, (size_t)ns, sizeof(span_t), span_src_order);
+    const char *lo = NULL, *hi = NULL;
+    for (Py_ssize_t i = 0; i < np + ns; i++) {
+        const span_t *x = i < np ? &pieces[i] : &spans[i - np];
+        if (x->len == 0)
+            continue;
+        if (lo == NULL || x->src < lo)
+            lo = x->src;
+        if (hi == NULL || x->src + x->len > hi)
+            hi = x->src + x->len;
+    }
+    Py_ssize_t first_piece = 0, first_span = 0;
+    for (const char *w = lo; w != NULL && w < hi; w += (hi - w < FUSED_WINDOW_BYTES ? hi - w : FUSED_WINDOW_BYTES)) {
+        const char *we = hi - w < FUSED_WINDOW_BYTES ? hi : w + FUSED_WINDOW_BYTES;
+        const char *a;
+        window_start(pieces, np, &first_piece, w);
+        for (Py_ssize_t k = first_piece; k < np && pieces[k].src < we; k++) {
+            size_t len = window_part(&pieces[k], w, we, &a);
+            Py_ssize_t at = (Py_ssize_t)(uintptr_t)pieces[k].dst;
+            if (len)
+                crcs[at] = fn(crcs[at], (const unsigned char *)a, (uint64_t)len);
+        }
+        window_start(spans, ns, &first_span, w);
+        for (Py_ssize_t k = first_span; k < ns && spans[k].src < we; k++) {
+            size_t len = window_part(&spans[k], w, we, &a);
+            if (len)
+                copy_bytes(spans[k].dst + (a - spans[k].src), a, len);
+        }
+    }
+    copy_fence(); /* streaming stores are weakly ordered: drained before the caller reads the targets */
+    Py_END_ALLOW_THREADS
+    result = crc_list(crcs, np);
+done:
+    PyMem_Free(crcs);
+    PyMem_Free(pieces);
+    PyMem_Free(spans);
+    PyBuffer_Release(&sizes);
+    PyBuffer_Release(&addresses);
+    PyBuffer_Release(&src);
+    return result;
+}
