@@ -97,16 +97,31 @@ def _prefault(tensors: list[torch.Tensor]) -> None:
             return  # the kernel has no MADV_POPULATE_WRITE: the copy takes the faults, as before
 
 
+def _check_threads(threads) -> None:
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be a positive int, got {threads!r}")
+
+
 def copy_spans(dst, spans: list[tuple[int, object, int, int]], threads: int) -> None:
     """Copy each ``(dst_offset, src, src_offset, length)`` span into the writable buffer ``dst``.
 
     ``src`` is a bytes-like object (see ``host_bytes``); every range must lie inside its buffer
     (ValueError otherwise, before any byte is copied). Destinations must not overlap. The copy is
     split evenly over ``threads`` threads with the GIL released."""
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads must be a positive int, got {threads!r}")
+    _check_threads(threads)
     for span in spans:
         dst_offset, _, src_offset, length = span
         if dst_offset < 0 or src_offset < 0 or length < 0:
             raise ValueError(f"negative offset or length in span {span[0], span[2], span[3]}")
     _native.copy_spans(dst, spans, threads)
+
+
+def copy_spans_crc32(dst, spans: list[tuple[int, object, int, int]], pieces, threads: int) -> list[int]:
+    """``copy_spans``, and the CRC32 of each of ``pieces`` (ckptfs.chunks.Piece: its bytes
+    ``dst[buffer_start:buffer_start + length]`` once copied) taken in the same pass: each thread
+    checksums a window of its share from the source and then copies it out of the cache, so the
+    bytes are read from memory once, not once by the copy and again by a CRC of ``dst``
+    (``crc32_pieces``'s result, at about the copy's own speed). Every piece must lie inside the
+    spans' destinations (ValueError otherwise, as for a range outside a buffer)."""
+    _check_threads(threads)
+    return _native.copy_spans_crc32(dst, spans, pieces, threads)

@@ -341,6 +341,8 @@ static PyMethodDef methods[] = {
     {"pmem_is_pmem", pmem_is_pmem_py, METH_VARARGS, "pmem_is_pmem(buf) -> bool"},
     {"copy_spans", copy_spans_py, METH_VARARGS,
      "copy_spans(dst, [(dst_offset, src, src_offset, length), ...], threads)"},
+    {"copy_spans_crc32", copy_spans_crc32_py, METH_VARARGS,
+     "copy_spans_crc32(dst, [(dst_offset, src, src_offset, length)], pieces, threads) -> [CRC32 of each piece]"},
     {"scatter_crc32", scatter_crc32_py, METH_VARARGS,
      "scatter_crc32(src, addresses, sizes, [(target, dst_offset, length, src_offset)], pieces) -> [CRC32]"},
     {"safetensors_entries", safetensors_entries_py, METH_VARARGS,

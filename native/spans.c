@@ -207,10 +207,58 @@ range_in(Py_buffer *view, Py_ssize_t offset, Py_ssize_t length)
 
 /* ------------------------------------------------------------------ parallel copy of spans */
 
+/* The bytes are copied and checksummed this much at a time: the CRC reads them from memory into
+ * the core's cache, and the copy then reads them from there, not from memory a second time (a
+ * load's checker, one thread: 4.7 GB/s with a copy and a CRC of each whole span, 5.8 GB/s this
+ * way). */
+#define FUSED_WINDOW_BYTES (256u << 10)
+
+static int
+span_src_order(const void *a, const void *b)
+{
+    const char *x = ((const span_t *)a)->src, *y = ((const span_t *)b)->src;
+    return x < y ? -1 : x > y;
+}
+
+static int
+span_dst_order(const void *a, const void *b)
+{
+    const char *x = ((const span_t *)a)->dst, *y = ((const span_t *)b)->dst;
+    return x < y ? -1 : x > y;
+}
+
+/* The ranges sorted by source that hold bytes of [lo, hi), from *first on: *first is moved past
+ * those that end before lo (the ranges before *first all do); then, for each k from *first
+ * while ranges[k] starts before hi, window_part gives the part of range k in the window. */
+static void
+window_start(const span_t *ranges, Py_ssize_t n, Py_ssize_t *first, const char *lo)
+{
+    while (*first < n && ranges[*first].src + ranges[*first].len <= lo)
+        (*first)++;
+}
+
+/* The part [*a, *a + return) of ``r`` inside [lo, hi); 0 where there is none. */
+static size_t
+window_part(const span_t *r, const char *lo, const char *hi, const char **a)
+{
+    const char *start = r->src > lo ? r->src : lo;
+    const char *end = r->src + r->len < hi ? r->src + r->len : hi;
+    *a = start;
+    return start < end ? (size_t)(end - start) : 0;
+}
+
 typedef struct {
     const span_t *spans;
     Py_ssize_t nspans;
     size_t begin, end; /* byte range of the concatenated spans this thread copies */
+    /* copy_spans_crc32: the pieces to checksum, sorted by their place in the destination (a
+     * piece's src is that place, its dst its index), and this thread's CRC and byte count of
+     * each; NULL for a copy alone */
+    const span_t *pieces;
+    Py_ssize_t npieces;
+    uint32_t *crcs;
+    uint64_t *lens;
+    crc32_fn crc;
 } copy_job_t;
 
 #if defined(__x86_64__)
@@ -250,17 +298,45 @@ copy_bytes(char *dst, const char *src, size_t n)
 #define copy_fence() __atomic_thread_fence(__ATOMIC_SEQ_CST)
 #endif
 
+/* Bytes [lo, hi) of span ``s``, window by window: the CRCs of the pieces' parts in the window,
+ * taken from the source, then the copy of the window from the cache the CRC left it in.
+ * ``*first``: the first piece that may still be in a window (the windows come in order). */
+static void
+copy_crc_part(const copy_job_t *job, const span_t *s, size_t lo, size_t hi, Py_ssize_t *first)
+{
+    while (lo < hi) {
+        size_t end = hi - lo < FUSED_WINDOW_BYTES ? hi : lo + FUSED_WINDOW_BYTES;
+        const char *w = s->dst + lo, *we = s->dst + end, *a;
+        window_start(job->pieces, job->npieces, first, w);
+        for (Py_ssize_t k = *first; k < job->npieces && job->pieces[k].src < we; k++) {
+            size_t len = window_part(&job->pieces[k], w, we, &a);
+            Py_ssize_t at = (Py_ssize_t)(uintptr_t)job->pieces[k].dst;
+            if (len) {
+                job->crcs[at] = job->crc(job->crcs[at], (const unsigned char *)s->src + (a - s->dst), len);
+                job->lens[at] += len;
+            }
+        }
+        copy_bytes(s->dst + lo, s->src + lo, end - lo);
+        lo = end;
+    }
+}
+
 static void *
 copy_job_run(void *arg)
 {
     const copy_job_t *job = (const copy_job_t *)arg;
     size_t pos = 0;
+    Py_ssize_t first = 0;
     for (Py_ssize_t i = 0; i < job->nspans && pos < job->end; i++) {
         const span_t *s = &job->spans[i];
         size_t lo = job->begin > pos ? job->begin - pos : 0;
         size_t hi = job->end - pos < s->len ? job->end - pos : s->len;
-        if (lo < hi)
-            copy_bytes(s->dst + lo, s->src + lo, hi - lo);
+        if (lo < hi) {
+            if (job->pieces)
+                copy_crc_part(job, s, lo, hi, &first);
+            else
+                copy_bytes(s->dst + lo, s->src + lo, hi - lo);
+        }
         pos += s->len;
     }
     copy_fence(); /* streaming stores are weakly ordered: drain them before the join */
@@ -269,17 +345,30 @@ copy_job_run(void *arg)
 
 #define COPY_THREADS_MAX 16
 
-/* Splits the bytes evenly over the threads (a span may be cut between two of them); the calling
- * thread copies the first share. Falls back to fewer threads if one cannot be started. */
-static void
-copy_spans_parallel(const span_t *spans, Py_ssize_t nspans, size_t total, int threads)
+/* The threads worth starting for ``total`` bytes, of the ``threads`` asked for. */
+static int
+copy_threads(size_t total, int threads)
 {
-    copy_job_t jobs[COPY_THREADS_MAX];
+    if (threads < 1)
+        threads = 1;
+    if (threads > COPY_THREADS_MAX)
+        threads = COPY_THREADS_MAX;
+    /* a thread costs tens of microseconds to start: not worth it below a few MiB */
+    if (total < ((size_t)threads << 21))
+        threads = total < (4u << 20) ? 1 : (int)(total >> 21);
+    return threads;
+}
+
+/* Runs jobs[0..threads) (copy_threads' count), each filled in but for its byte range: the bytes
+ * are split evenly (a span may be cut between two threads, the earlier bytes to the earlier
+ * thread); the calling thread runs the first share. Falls back to fewer threads if one cannot be
+ * started. Call with the GIL released. */
+static void
+copy_spans_parallel(copy_job_t *jobs, size_t total, int threads)
+{
     pthread_t tids[COPY_THREADS_MAX];
     int started[COPY_THREADS_MAX] = {0};
     for (int t = 0; t < threads; t++) {
-        jobs[t].spans = spans;
-        jobs[t].nspans = nspans;
         jobs[t].begin = total / threads * t;
         jobs[t].end = t == threads - 1 ? total : total / threads * (t + 1);
     }
@@ -294,26 +383,64 @@ copy_spans_parallel(const span_t *spans, Py_ssize_t nspans, size_t total, int th
     }
 }
 
-/* Copies the checked spans over up to ``threads`` threads with the GIL released; returns None. */
-static PyObject *
-run_spans(const span_t *spans, Py_ssize_t n, size_t total, int threads)
+#define SPANS_WHAT "spans must be a sequence of (dst_offset, src, src_offset, length)"
+
+/* The spans (dst_offset, src, src_offset, length) of copy_spans / copy_spans_crc32 over ``dst``,
+ * checked: *spans (PyMem_Calloc'd) and *views (the n source buffers, of which *held are to be
+ * released) for the caller to free, *total their bytes, *sorted whether they come in the order
+ * of their destinations. -1 with an exception set on a bad span. */
+static int
+parse_copy_spans(Py_buffer *dst, PyObject *seq_in, span_t **spans, Py_buffer **views, Py_ssize_t *held,
+                 Py_ssize_t *n_out, size_t *total, int *sorted)
 {
-    if (threads < 1)
-        threads = 1;
-    if (threads > COPY_THREADS_MAX)
-        threads = COPY_THREADS_MAX;
-    /* a thread costs tens of microseconds to start: not worth it below a few MiB */
-    if (total < ((size_t)threads << 21))
-        threads = total < (4u << 20) ? 1 : (int)(total >> 21);
-    Py_BEGIN_ALLOW_THREADS
-    copy_spans_parallel(spans, n, total, threads);
-    Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
+    PyObject *seq = PySequence_Fast(seq_in, SPANS_WHAT);
+    if (seq == NULL)
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    int rc = -1;
+    *spans = PyMem_Calloc(n ? n : 1, sizeof(span_t));
+    *views = PyMem_Calloc(n ? n : 1, sizeof(Py_buffer));
+    *held = 0;
+    *total = 0;
+    *sorted = 1;
+    if (*spans == NULL || *views == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t dst_offset, src_offset, length;
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyArg_ParseTuple(item, "ny*nn", &dst_offset, &(*views)[i], &src_offset, &length))
+            goto done;
+        (*held)++;
+        if (range_in(dst, dst_offset, length) < 0 || range_in(&(*views)[i], src_offset, length) < 0)
+            goto done;
+        span_t *s = &(*spans)[i];
+        s->dst = (char *)dst->buf + dst_offset;
+        s->src = (const char *)(*views)[i].buf + src_offset;
+        s->len = (size_t)length;
+        *total += (size_t)length;
+        *sorted &= i == 0 || s[-1].dst <= s->dst;
+    }
+    *n_out = n;
+    rc = 0;
+done:
+    Py_DECREF(seq);
+    return rc;
+}
+
+static void
+release_views(Py_buffer *views, Py_ssize_t held)
+{
+    for (Py_ssize_t i = 0; i < held; i++)
+        PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
 }
 
 /* copy_spans(dst, spans, threads): spans is a sequence of (dst_offset, src, src_offset, length);
  * every src is a bytes-like object. Ranges are checked; overlapping destinations are the
- * caller's business (ckptfs never makes them). */
+ * caller's business (ckptfs never makes them). The bytes are copied by up to ``threads``
+ * threads with the GIL released. */
 PyObject *
 copy_spans_py(PyObject *self, PyObject *args)
 {
@@ -322,76 +449,109 @@ copy_spans_py(PyObject *self, PyObject *args)
     int threads;
     if (!PyArg_ParseTuple(args, "w*Oi", &dst, &seq_in, &threads))
         return NULL;
-    PyObject *seq = PySequence_Fast(seq_in, "spans must be a sequence of (dst_offset, src, src_offset, length)");
-    if (seq == NULL) {
-        PyBuffer_Release(&dst);
-        return NULL;
-    }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    span_t *spans = PyMem_Calloc(n ? n : 1, sizeof(span_t));
-    Py_buffer *views = PyMem_Calloc(n ? n : 1, sizeof(Py_buffer));
-    Py_ssize_t held = 0;
-    size_t total = 0;
+    span_t *spans = NULL;
+    Py_buffer *views = NULL;
+    Py_ssize_t held = 0, n = 0;
+    size_t total;
+    int sorted;
     PyObject *result = NULL;
-    if (spans == NULL || views == NULL) {
-        PyErr_NoMemory();
-        goto done;
+    if (parse_copy_spans(&dst, seq_in, &spans, &views, &held, &n, &total, &sorted) == 0) {
+        copy_job_t jobs[COPY_THREADS_MAX] = {{0}};
+        int threads_run = copy_threads(total, threads);
+        for (int t = 0; t < threads_run; t++) {
+            jobs[t].spans = spans;
+            jobs[t].nspans = n;
+        }
+        Py_BEGIN_ALLOW_THREADS
+        copy_spans_parallel(jobs, total, threads_run);
+        Py_END_ALLOW_THREADS
+        result = Py_None;
+        Py_INCREF(result);
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t dst_offset, src_offset, length;
-        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
-        if (!PyArg_ParseTuple(item, "ny*nn", &dst_offset, &views[i], &src_offset, &length))
-            goto done;
-        held++;
-        if (range_in(&dst, dst_offset, length) < 0 || range_in(&views[i], src_offset, length) < 0)
-            goto done;
-        spans[i].dst = (char *)dst.buf + dst_offset;
-        spans[i].src = (const char *)views[i].buf + src_offset;
-        spans[i].len = (size_t)length;
-        total += (size_t)length;
-    }
-    result = run_spans(spans, n, total, threads);
-done:
-    for (Py_ssize_t i = 0; i < held; i++)
-        PyBuffer_Release(&views[i]);
-    PyMem_Free(views);
+    release_views(views, held);
     PyMem_Free(spans);
-    Py_DECREF(seq);
     PyBuffer_Release(&dst);
     return result;
 }
 
-/* The bytes of src are copied and checksummed this much at a time: the CRC reads them from
- * memory into the core's cache, and the copy then reads them from there, not from memory a second
- * time (a load's checker, one thread: 4.7 GB/s with a copy and a CRC of each whole span, 5.8 GB/s
- * this way). */
-#define FUSED_WINDOW_BYTES (256u << 10)
-
-static int
-span_src_order(const void *a, const void *b)
+/* copy_spans_crc32(dst, spans, pieces, threads) -> [CRC32 of each piece's bytes of dst]: the
+ * copy of copy_spans, and the CRC32 of each piece (a 4-tuple whose last two items are length
+ * and offset in dst: ckptfs.chunks.Piece) in the same pass, window by window
+ * (FUSED_WINDOW_BYTES): each thread checksums its share of the bytes from the source, then
+ * copies it from the cache, and its CRCs of a piece's parts are combined (crc32_combine) in
+ * the order of the bytes. A snapshot reads its tensors from memory once, where a copy and then
+ * a CRC of the staging buffer read the bytes twice. Every piece must lie inside the spans'
+ * destinations (ValueError otherwise, before the CRCs are returned). */
+PyObject *
+copy_spans_crc32_py(PyObject *self, PyObject *args)
 {
-    const char *x = ((const span_t *)a)->src, *y = ((const span_t *)b)->src;
-    return x < y ? -1 : x > y;
-}
-
-/* The ranges sorted by source that hold bytes of [lo, hi), from *first on: *first is moved past
- * those that end before lo (the ranges before *first all do); then, for each k from *first
- * while ranges[k] starts before hi, window_part gives the part of range k in the window. */
-static void
-window_start(const span_t *ranges, Py_ssize_t n, Py_ssize_t *first, const char *lo)
-{
-    while (*first < n && ranges[*first].src + ranges[*first].len <= lo)
-        (*first)++;
-}
-
-/* The part [*a, *a + return) of ``r`` inside [lo, hi); 0 where there is none. */
-static size_t
-window_part(const span_t *r, const char *lo, const char *hi, const char **a)
-{
-    const char *start = r->src > lo ? r->src : lo;
-    const char *end = r->src + r->len < hi ? r->src + r->len : hi;
-    *a = start;
-    return start < end ? (size_t)(end - start) : 0;
+    Py_buffer dst;
+    PyObject *seq_in, *pieces_in;
+    int threads;
+    if (!PyArg_ParseTuple(args, "w*OOi", &dst, &seq_in, &pieces_in, &threads))
+        return NULL;
+    span_t *spans = NULL, *pieces = NULL;
+    Py_buffer *views = NULL;
+    Py_ssize_t held = 0, n = 0, np = 0;
+    size_t total;
+    int spans_sorted, sorted;
+    uint32_t *crcs = NULL;
+    uint64_t *lens = NULL;
+    PyObject *result = NULL;
+    if (parse_copy_spans(&dst, seq_in, &spans, &views, &held, &n, &total, &spans_sorted) < 0)
+        goto done;
+    pieces = parse_ranges(&dst, pieces_in, PIECES_WHAT, NULL, NULL, &np, &sorted);
+    if (pieces == NULL)
+        goto done;
+    int threads_run = copy_threads(total, threads);
+    /* per thread, its CRC and byte count of each piece; then, in crcs[0..np), the whole CRCs */
+    crcs = PyMem_Calloc((size_t)(np ? np : 1) * (threads_run + 1), sizeof(uint32_t));
+    lens = PyMem_Calloc((size_t)(np ? np : 1) * threads_run, sizeof(uint64_t));
+    if (crcs == NULL || lens == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t missing = -1;
+    Py_BEGIN_ALLOW_THREADS
+    /* the thread's shares follow the spans' order: the destinations', so that a piece's parts
+     * come in the order of its bytes */
+    if (!spans_sorted)
+        qsort(spans, (size_t)n, sizeof(span_t), span_dst_order);
+    if (!sorted)
+        qsort(pieces, (size_t)np, sizeof(span_t), span_src_order);
+    copy_job_t jobs[COPY_THREADS_MAX] = {{0}};
+    for (int t = 0; t < threads_run; t++) {
+        jobs[t] = (copy_job_t){.spans = spans, .nspans = n, .pieces = pieces, .npieces = np,
+                               .crcs = crcs + (size_t)np * (t + 1), .lens = lens + (size_t)np * t, .crc = p_crc32};
+    }
+    copy_spans_parallel(jobs, total, threads_run);
+    for (Py_ssize_t i = 0; i < np; i++) {
+        Py_ssize_t at = (Py_ssize_t)(uintptr_t)pieces[i].dst;
+        uint64_t seen = 0;
+        uint32_t crc = 0;
+        for (int t = 0; t < threads_run; t++) {
+            uint64_t len = jobs[t].lens[at];
+            if (len)
+                crc = seen ? (uint32_t)crc32_combine64(crc, jobs[t].crcs[at], (z_off64_t)len) : jobs[t].crcs[at];
+            seen += len;
+        }
+        crcs[at] = crc;
+        if (seen != pieces[i].len && missing < 0)
+            missing = at;
+    }
+    Py_END_ALLOW_THREADS
+    if (missing >= 0)
+        PyErr_Format(PyExc_ValueError, "piece %zd is not all inside the spans' destinations", missing);
+    else
+        result = crc_list(crcs, np);
+done:
+    PyMem_Free(lens);
+    PyMem_Free(crcs);
+    PyMem_Free(pieces);
+    release_views(views, held);
+    PyMem_Free(spans);
+    PyBuffer_Release(&dst);
+    return result;
 }
 
 /* scatter_crc32(src, addresses, sizes, spans, pieces) -> [CRC32 of each piece's bytes of src]:

@@ -9,6 +9,7 @@ int range_in(Py_buffer *view, Py_ssize_t offset, Py_ssize_t length);
 PyObject *use_isal_crc32_py(PyObject *self, PyObject *args);
 PyObject *crc32_pieces_py(PyObject *self, PyObject *args);
 PyObject *copy_spans_py(PyObject *self, PyObject *args);
+PyObject *copy_spans_crc32_py(PyObject *self, PyObject *args);
 PyObject *scatter_crc32_py(PyObject *self, PyObject *args);
 
 #endif

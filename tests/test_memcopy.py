@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckptfs.memcopy import HostTargets, copy_spans, default_copy_threads, host_bytes
+from ckptfs.memcopy import HostTargets, copy_spans, copy_spans_crc32, default_copy_threads, host_bytes
 
 
 def _random_bytes(n: int, seed: int) -> np.ndarray:
@@ -144,6 +144,46 @@ def test_scatter_crc32_takes_each_pieces_crc_in_the_copys_pass():
     for target, _, length, src_offset in spans:
         assert torch.equal(rows[target][:length], torch.from_numpy(src[src_offset:src_offset + length].copy()))
     assert HostTargets(rows).scatter_crc32(src, [], pieces[::-1]) == expect[::-1]
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_copy_spans_crc32_takes_each_pieces_crc_in_the_copys_pass(threads):
+    """copy_spans_crc32 (a background snapshot's copy): the bytes land as copy_spans lands them,
+    and each piece's CRC is crc32_pieces' of the destination, for pieces shorter than, equal to
+    and across the windows (256 KiB) and across the threads' shares (12 MiB over 3 threads: a
+    piece's parts from two threads are combined in order), spans given out of the order of their
+    destinations, pieces out of order, several pieces in one span, and empty ones."""
+    from ckptfs.checksum import crc32_pieces
+
+    window = 256 << 10
+    src = _random_bytes(13 << 20, 5)
+    sizes = [0, 1, 4095, window, window + 1, 3 * window - 5, (7 << 20) + 3, 100, 200]
+    pieces, at = [], 3
+    for i, n in enumerate(sizes):
+        pieces.append((i, 0, n, at))
+        at += n + (0 if i >= 7 else 77)  # the last three pieces touch: one span covers them
+    spans = [(p[3], src, p[3] + 11, p[2]) for p in pieces[:7]]
+    spans.append((pieces[7][3], src, 5, pieces[7][2] + pieces[8][2]))
+    dst = bytearray(at + 13)
+    crcs = copy_spans_crc32(dst, spans[::-1], pieces[::-1], threads)
+    expect = bytearray(len(dst))
+    copy_spans(expect, spans, 1)
+    assert dst == expect
+    assert crcs == crc32_pieces(bytes(dst), pieces[::-1])
+    assert crcs[-7] != 0  # the big piece, cut between threads
+
+
+def test_copy_spans_crc32_refuses_a_piece_outside_the_spans():
+    """A piece the spans do not fill has no CRC of copied bytes: ValueError, as for a range
+    outside a buffer (a piece outside the destination is refused before any byte is copied)."""
+    src = bytes(range(256)) * 64
+    dst = bytearray(len(src))
+    with pytest.raises(ValueError, match="piece 1 is not all inside"):
+        copy_spans_crc32(dst, [(0, src, 0, 100)], [(0, 0, 100, 0), (1, 0, 10, 95)], 1)
+    with pytest.raises(ValueError, match="outside"):
+        copy_spans_crc32(dst, [(0, src, 0, 100)], [(0, 0, 100, len(dst) - 50)], 1)
+    with pytest.raises(ValueError, match="threads"):
+        copy_spans_crc32(dst, [], [], 0)
 
 
 def test_scatter_targets_must_be_contiguous_host_tensors():

@@ -13,10 +13,10 @@ import threading
 import time
 from typing import Callable
 
+from ckptfs.checksum import crc32_pieces
 from ckptfs.chunks import Chunk, block_crcs, tensor_crcs
 from ckptfs.writer.job import Job, SaveResult
 from ckptfs.writer.progress import ProgressBoard
-from ckptfs.writer.snapshot import piece_crcs
 from ckptfs.writer.staging import StagingBuffer, StagingPool
 
 log = logging.getLogger("ckptfs")
@@ -192,7 +192,7 @@ class PersistPipeline:
             if job.error is not None:
                 return
             if crcs is None:
-                crcs = piece_crcs(buf, chunk)
+                crcs = crc32_pieces(buf.mapping, chunk.pieces)
         finally:
             pool.release(buf)
         with job.mutex:
