@@ -47,7 +47,12 @@ import _bench_common as bc  # noqa: E402
 
 MODEL = "bench"
 RAW_THREADS = 2  # the writer's persist threads (DEFAULT_PERSIST_THREADS)
-REGION_BYTES = 24 << 30  # sparse: what the timed saves write of it
+# The region (sparse: what the saves write of it) holds this many copies of the whole state: its
+# three models' rings of N+2 slots of every rank's part, with the writer's headroom, and the
+# versions kept for the loads; at least REGION_MIN_BYTES. A fixed 24 GiB left GPT-2 small just
+# enough and made the CI's tiny model ask for 24 GiB of free disk.
+REGION_STATES = 18
+REGION_MIN_BYTES = 1 << 30
 
 
 def _model(args, world: int):
@@ -72,6 +77,10 @@ def _state_bytes(args) -> int:
     with torch.device("meta"):
         model = GPT2LMHeadModel(GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=max(1, args.width // 64)))
     return 3 * sum(p.numel() * 4 for p in model.parameters())
+
+
+def _region_bytes(args) -> int:
+    return max(REGION_MIN_BYTES, REGION_STATES * _state_bytes(args))
 
 
 def _state(args, world: int):
@@ -321,14 +330,14 @@ def main() -> None:
         backend = "cpu:gloo,cuda:nccl"
     os.makedirs(args.dir, exist_ok=True)
     # the region (its three models' slots fill it), DCP's two FileSystemWriter copies and the raw file
-    bc.require_free(args.dir, REGION_BYTES + 3 * _state_bytes(args), "bench_dist")
+    bc.require_free(args.dir, _region_bytes(args) + 3 * _state_bytes(args), "bench_dist")
     workdir = tempfile.mkdtemp(prefix="bench_dist-", dir=args.dir)
     print(f"bench_dist: GPT-2 {args.layers} x {args.width} under FSDP2 + AdamW, ranks on {args.device} "
           f"({'one GPU each, NCCL for the model, ' if args.device == 'cuda' else ''}gloo for the checkpoint); "
           f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f}")
     try:
         for world in worlds:
-            ckptfs.Store.create(os.path.join(workdir, f"region-{world}"), size_bytes=REGION_BYTES).close()
+            ckptfs.Store.create(os.path.join(workdir, f"region-{world}"), size_bytes=_region_bytes(args)).close()
             out = mp_context().Queue()
             run_ranks(_save_rank, world, args, workdir, out, world == max(worlds), timeout_s=3600, backend=backend)
             _report(world, out.get())
