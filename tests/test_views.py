@@ -344,6 +344,25 @@ def test_safetensors_every_dtype_round_trips(tmp_path):
         assert f.get_slice("float4_e2m1fn_x2").get_shape() == [2, 6]  # F4 counts 4-bit values
 
 
+def test_safetensors_leaves_out_tensors_named_by_no_text(tmp_path):
+    """A name with a lone surrogate (a valid str key of a state dict) has no UTF-8: written as
+    json.dumps escapes it, safetensors' serde_json refused the whole header ("lone leading
+    surrogate"), so no tensor of the file could be read. Such names are left out and listed;
+    a tensor tied to one keeps its other name, and the other tensors load."""
+    w = torch.arange(4.0)
+    obj = {"model": {"bad\udc80": torch.ones(2), "tied\ud800": w, "tied": w, "ok": torch.zeros(3)}}
+    stored = lay_out(obj)
+    path = stored.write(safetensors_view(stored.manifest), tmp_path / "s.safetensors")
+    loaded = load_file(path)
+    assert sorted(loaded) == ["model.ok", "model.tied"]
+    assert_same(w, loaded["model.tied"])
+    with safe_open(path, "pt") as f:
+        assert json.loads(f.metadata()["ckptfs.skipped"]) == ["model.bad\udc80", "model.tied\ud800"]
+        assert "ckptfs.aliases" not in f.metadata()
+    model = load_file(stored.write(safetensors_view(stored.manifest, key="model"), tmp_path / "m.safetensors"))
+    assert sorted(model) == ["ok", "tied"]
+
+
 @settings(max_examples=150, deadline=None)
 @given(meta=st.dictionaries(st.text(), st.text(), max_size=3),
        tensors=st.lists(st.tuples(st.text(), st.sampled_from(sorted(SAFETENSORS_DTYPES)),

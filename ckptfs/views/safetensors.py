@@ -54,8 +54,10 @@ def safetensors_view(manifest: Manifest, *, key: str | None = None,
     ``save_pretrained`` do, so that ``safetensors.torch.load_model`` accepts the file; its other
     names map to that one in ``__metadata__["ckptfs.aliases"]`` (a JSON object string).
 
-    Tensors whose dtype (or shape) safetensors cannot represent are left out and listed, as a
-    JSON array string, in ``__metadata__["ckptfs.skipped"]``. ``__metadata__`` also carries
+    Tensors whose dtype (or shape) safetensors cannot represent, or whose every name is not text
+    (a lone surrogate, which Python's json writes as an escape that safetensors' serde_json
+    refuses: the whole file would be unreadable), are left out and listed, as a JSON array
+    string, in ``__metadata__["ckptfs.skipped"]``. ``__metadata__`` also carries
     ``format`` ("pt"), ``model`` and ``step``; entries of ``metadata`` (strings only) are added
     and win over those. The whole-state file (``key=None``) with every tensor kept also carries
     the saved object's skeleton (``ckptfs.skeleton``: the manifest's, its tensor ``i`` being the
@@ -63,8 +65,8 @@ def safetensors_view(manifest: Manifest, *, key: str | None = None,
     unless the header would then pass MAX_HEADER_BYTES (``ckptfs.skeleton_omitted`` says so).
     The header is a pure function of the arguments (byte-exact tests).
     """
-    selected, aliases, first_name = _select(manifest, key)
-    kept, skipped = [], []
+    selected, aliases, first_name, skipped = _select(manifest, key)
+    kept = []
     for name, rec in selected:
         if _representable(rec):
             kept.append((name, rec))
@@ -100,10 +102,11 @@ def safetensors_view(manifest: Manifest, *, key: str | None = None,
 
 
 def _select(manifest: Manifest, key: str | None
-            ) -> tuple[list[tuple[str, TensorRecord]], dict[str, str], dict[int, str]]:
+            ) -> tuple[list[tuple[str, TensorRecord]], dict[str, str], dict[int, str], list[str]]:
     """(unique tensor name, record) for every tensor the file should hold, in skeleton order,
-    {alias: that name} for the later references to a tensor already selected, and {tensor
-    index: its name in the file}."""
+    {alias: that name} for the later references to a tensor already selected, {tensor index:
+    its name in the file}, and the names left out as not text (``_is_text``): a tensor saved
+    under another name too keeps that one."""
     if key is None:
         named = [(ref.name, ref.tensor_index) for ref in manifest.refs()]
     else:
@@ -111,8 +114,11 @@ def _select(manifest: Manifest, key: str | None
         named = [(".".join(ref.key_path[1:]) or key, ref.tensor_index)
                  for ref in manifest.refs() if ref.key_path[:1] == (key,)]
     taken = {METADATA_KEY}  # a tensor called "__metadata__" would clash with the header's own
-    out, first_name, aliases = [], {}, {}
+    out, first_name, aliases, untext = [], {}, {}, []
     for name, index in named:
+        if not _is_text(name):
+            untext.append(name)
+            continue
         if name in taken:  # (the call only where needed: 40,000 names on a first listing)
             name = unique_name(name, taken)
         taken.add(name)
@@ -121,7 +127,18 @@ def _select(manifest: Manifest, key: str | None
             continue
         first_name[index] = name
         out.append((name, manifest.tensors[index]))
-    return out, aliases, first_name
+    return out, aliases, first_name, untext
+
+
+def _is_text(name: str) -> bool:
+    """Whether ``name`` is valid Unicode text (encodable as UTF-8: no lone surrogate)."""
+    if name.isascii():  # (most names: no encoding tried for 40,000 of them)
+        return True
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _representable(rec: TensorRecord) -> bool:
