@@ -4,6 +4,8 @@ import mmap
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ckptfs.memcopy import HostTargets, copy_spans, copy_spans_crc32, default_copy_threads, host_bytes
 
@@ -171,6 +173,32 @@ def test_copy_spans_crc32_takes_each_pieces_crc_in_the_copys_pass(threads):
     assert dst == expect
     assert crcs == crc32_pieces(bytes(dst), pieces[::-1])
     assert crcs[-7] != 0  # the big piece, cut between threads
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), threads=st.integers(1, 5))
+def test_copy_spans_crc32_equals_a_copy_then_crc32_pieces(data, threads):
+    """Random layouts: runs of random lengths (up to 3 MiB, so that 2-5 threads split them),
+    each from a random place of a source, at random gaps in the destination, cut into random
+    pieces, given in a random order: the bytes and the CRCs are copy_spans' and crc32_pieces'."""
+    from ckptfs.checksum import crc32_pieces
+
+    src = _random_bytes(8 << 20, 3)
+    lengths = data.draw(st.lists(st.integers(0, 3 << 20), min_size=1, max_size=6))
+    spans, pieces, at = [], [], 0
+    for i, n in enumerate(lengths):
+        at += data.draw(st.integers(0, 5000))
+        spans.append((at, src, data.draw(st.integers(0, len(src) - n)), n))
+        cuts = sorted(data.draw(st.lists(st.integers(0, n), max_size=4)))
+        for lo, hi in zip([0] + cuts, cuts + [n]):
+            pieces.append((i, lo, hi - lo, at + lo))
+        at += n
+    order = data.draw(st.permutations(range(len(spans))))
+    dst, expect = bytearray(at + 7), bytearray(at + 7)
+    crcs = copy_spans_crc32(dst, [spans[i] for i in order], pieces[::-1], threads)
+    copy_spans(expect, spans, 1)
+    assert dst == expect
+    assert crcs == crc32_pieces(bytes(expect), pieces[::-1])
 
 
 def test_copy_spans_crc32_refuses_a_piece_outside_the_spans():
