@@ -28,7 +28,7 @@ def test_bench_save_runs_every_method_and_ratio(tmp_path):
     rows = state["rows"]
     for key in ("raw_write", "raw_read", "raw_overwrite", "memcpy", "memcpy_moment", "ckptfs_stall",
                 "ckptfs_durable", "ckptfs_load", "ckptfs_load_into", "ckptfs_b2b", "raw_overwrite_b2b", "torch_save",
-                "safetensors", "dcp_save", "raw_read_slot"):
+                "safetensors", "dcp_save", "raw_read_slot", "ckptfs_async_snapshot"):
         assert key in rows and rows[key]["median_s"] > 0, key
     assert rows["ckptfs_load"].get("verified") == [True]  # checked in the first round
     figures = {t["figure"]: t for t in state["targets"]}
@@ -36,6 +36,7 @@ def test_bench_save_runs_every_method_and_ratio(tmp_path):
                             "back-to-back, aggregate / raw overwrite of one state",
                             "durable throughput / raw write of a new file", "durable throughput / torch.save+fsync",
                             "stall / memcpy beside it", "stall / warm memcpy (best case)",
+                            "background snapshot (async_snapshot) / memcpy beside the save",
                             "Store.load / raw O_DIRECT read", "Store.load(into=) / raw O_DIRECT read",
                             "Store.load / raw O_DIRECT read of its own blocks, beside it",
                             "Store.load / raw O_DIRECT read into fresh memory",
