@@ -108,7 +108,9 @@ class Snapshotter:
                     # own pass, the tensors are read from memory once. A snapshot the caller
                     # waits for leaves them to the persist workers: in the copy they lengthened
                     # its stall by a quarter (bench_save, 2-core VM: flat 0.74 -> 0.94 of a
-                    # memcpy, GPT-2 + AdamW 0.77 -> 0.98) for no durable time gained.
+                    # memcpy, GPT-2 + AdamW 0.77 -> 0.98) for no durable time gained. (A tensor changed
+                    # during the snapshot, against save()'s contract, is torn as before; changed
+                    # inside a window between its CRC and its copy, it also fails its check on load.)
                     crcs = copy_spans_crc32(buf.mapping, chunk_spans, chunk.pieces, self._copy_threads)
                 else:
                     copy_spans(buf.mapping, chunk_spans, self._copy_threads)
