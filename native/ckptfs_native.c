@@ -5,7 +5,7 @@
  *    region's model table and are updated by several threads and processes at once);
  *  - crc32_combine, so per-chunk checksums computed on the write path give per-tensor checksums
  *    without re-reading the data;
- *  - byte ranges (spans.c): the CRCs of a chunk's pieces in one call with the GIL released
+ *  - byte ranges (crc.c, spans.c): the CRCs of a chunk's pieces in one call with the GIL released
  *    (ISA-L's CRC, found in the isal extension, where it is loaded), the snapshot copy (many
  *    (destination, source) ranges copied by several threads with the GIL released, because one
  *    thread of torch's element-wise copy does not reach the memory bandwidth a save's stall is
