@@ -143,6 +143,21 @@ fail:
     return NULL;
 }
 
+span_t *
+parse_pieces(Py_buffer *src, PyObject *pieces_in, Py_ssize_t *n_out, int *sorted_out, uint32_t **crcs_out)
+{
+    span_t *pieces = parse_ranges(src, pieces_in, PIECES_WHAT, NULL, NULL, n_out, sorted_out);
+    if (pieces == NULL)
+        return NULL;
+    *crcs_out = PyMem_Calloc(*n_out ? *n_out : 1, sizeof(uint32_t));
+    if (*crcs_out == NULL) {
+        PyMem_Free(pieces);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    return pieces;
+}
+
 /* crc32_pieces(src, pieces) -> [crc32 of src[src_offset:src_offset + length] for each piece]
  * (see parse_ranges): every range is checked first, then the CRCs are computed with the GIL
  * released (a Python loop over 40,000 pieces held it for most of their time). */
@@ -157,14 +172,9 @@ crc32_pieces_py(PyObject *self, PyObject *args)
     uint32_t *crcs = NULL;
     Py_ssize_t n;
     int sorted;
-    span_t *pieces = parse_ranges(&src, seq_in, PIECES_WHAT, NULL, NULL, &n, &sorted);
+    span_t *pieces = parse_pieces(&src, seq_in, &n, &sorted, &crcs);
     if (pieces == NULL)
         goto done;
-    crcs = PyMem_Calloc(n ? n : 1, sizeof(uint32_t));
-    if (crcs == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
     crc32_fn fn = p_crc32;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++)

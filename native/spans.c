@@ -387,14 +387,9 @@ scatter_crc32_py(PyObject *self, PyObject *args)
                          &addresses, &sizes, &ns, &spans_sorted);
     if (spans == NULL)
         goto done;
-    pieces = parse_ranges(&src, pieces_in, PIECES_WHAT, NULL, NULL, &np, &sorted);
+    pieces = parse_pieces(&src, pieces_in, &np, &sorted, &crcs);
     if (pieces == NULL)
         goto done;
-    crcs = PyMem_Calloc(np ? np : 1, sizeof(uint32_t));
-    if (crcs == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
     crc32_fn fn = p_crc32;
     Py_BEGIN_ALLOW_THREADS
     /* a chunk's pieces and the copy runs of whole tensors come in buffer order; the spans of

@@ -27,6 +27,10 @@ int range_in(Py_buffer *view, Py_ssize_t offset, Py_ssize_t length);
 span_t *parse_ranges(Py_buffer *src, PyObject *seq_in, const char *what, Py_buffer *addresses, Py_buffer *sizes,
                      Py_ssize_t *n_out, int *sorted_out);
 
+/* parse_ranges of a chunk's pieces (ckptfs.chunks.Piece) over ``src``, and *crcs_out: a zeroed
+ * CRC for each (both PyMem, the caller frees them); NULL with an exception set, nothing to free. */
+span_t *parse_pieces(Py_buffer *src, PyObject *pieces_in, Py_ssize_t *n_out, int *sorted_out, uint32_t **crcs_out);
+
 /* The list of ``n`` CRCs as Python ints; NULL with an exception set on failure. */
 PyObject *crc_list(const uint32_t *crcs, Py_ssize_t n);
 
