@@ -106,13 +106,10 @@ def copy_spans(dst, spans: list[tuple[int, object, int, int]], threads: int) -> 
     """Copy each ``(dst_offset, src, src_offset, length)`` span into the writable buffer ``dst``.
 
     ``src`` is a bytes-like object (see ``host_bytes``); every range must lie inside its buffer
-    (ValueError otherwise, before any byte is copied). Destinations must not overlap. The copy is
-    split evenly over ``threads`` threads with the GIL released."""
+    (ValueError otherwise, before any byte is copied: the native call checks every range, a
+    negative offset or length too). Destinations must not overlap. The copy is split evenly
+    over ``threads`` threads with the GIL released."""
     _check_threads(threads)
-    for span in spans:
-        dst_offset, _, src_offset, length = span
-        if dst_offset < 0 or src_offset < 0 or length < 0:
-            raise ValueError(f"negative offset or length in span {span[0], span[2], span[3]}")
     _native.copy_spans(dst, spans, threads)
 
 
