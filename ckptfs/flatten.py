@@ -14,7 +14,8 @@ import torch
 from ckptfs import leaves
 from ckptfs.errors import UnsupportedObjectError
 from ckptfs.gcpause import paused_gc
-from ckptfs.manifest import ITEMSIZE, MAX_DEPTH, unique_name
+from ckptfs.manifest import ITEMSIZE
+from ckptfs.skeleton import MAX_DEPTH, unique_name
 
 DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in ITEMSIZE if hasattr(torch, n)}
 DTYPE_NAMES: dict[torch.dtype, str] = {d: n for n, d in DTYPES.items()}

@@ -34,7 +34,8 @@ from ckptfs import leaves
 from ckptfs.errors import CkptfsError, MalformedInputError, UnsupportedObjectError
 from ckptfs.dist.names import RECORD_FILES
 from ckptfs.flatten import DTYPES
-from ckptfs.manifest import check_file_name, check_skeleton, expected_nbytes, map_tensor_refs, unflatten
+from ckptfs.manifest import check_file_name, expected_nbytes
+from ckptfs.skeleton import check_skeleton, map_tensor_refs, unflatten
 from ckptfs.views import is_views_own
 from ckptfs.views.metadata import METADATA_FILE
 from ckptfs.views.safetensors import (ALIASES_KEY, MAX_HEADER_BYTES, SAFETENSORS_DTYPES, SKELETON_KEY,

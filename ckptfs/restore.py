@@ -13,7 +13,8 @@ from ckptfs.chunks import Chunk, copy_runs
 from ckptfs.errors import CorruptionError, UnsupportedObjectError
 from ckptfs.flatten import flatten
 from ckptfs.gcpause import paused_gc
-from ckptfs.manifest import Manifest, unflatten
+from ckptfs.manifest import Manifest
+from ckptfs.skeleton import unflatten
 from ckptfs.memcopy import HostTargets, prefaulted
 from ckptfs.reader import VersionData
 from ckptfs.writer.staging import StagingBuffer

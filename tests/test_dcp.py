@@ -977,7 +977,7 @@ def test_the_whole_states_nesting_is_dcps_own(state):
 
     from ckptfs.dist.whole import _skeleton
     from ckptfs.flatten import plain_node
-    from ckptfs.manifest import unflatten
+    from ckptfs.skeleton import unflatten
 
     flat, mappings = flatten_state_dict(state)
     tensors, paths = [], []

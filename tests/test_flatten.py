@@ -9,7 +9,7 @@ import torch
 
 from ckptfs.errors import MalformedInputError, UnsupportedObjectError
 from ckptfs.flatten import flatten
-from ckptfs.manifest import MAX_DEPTH, check_skeleton, unflatten
+from ckptfs.skeleton import MAX_DEPTH, check_skeleton, unflatten
 from conftest import assert_same
 from torch.testing._internal.two_tensor import TwoTensor  # a wrapper subclass, as DTensor and torchao's
 

@@ -1,6 +1,5 @@
 """Tier 1-2: what goes in comes back, exactly; what cannot go in is refused before any write."""
 import math
-import os
 from collections import OrderedDict
 
 import pytest
@@ -103,7 +102,7 @@ def test_a_load_onto_another_device_stages_every_dtype_in_one_block(store):
     """A load onto a GPU reads the version into views of one host block (pinned there) and
     copies those to the device: every dtype and odd shape lands whole in its own aligned range
     of the block, and the path runs end to end onto a device without memory (meta) here."""
-    from ckptfs.manifest import unflatten
+    from ckptfs.skeleton import unflatten
     from ckptfs.restore import STAGING_ALIGN_BYTES, read_into, staging_views
 
     obj = {"dtypes": every_dtype_tensors(), "zero_dim": torch.tensor(7.25), "empty": torch.empty(0, 5),

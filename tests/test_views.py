@@ -30,7 +30,8 @@ from safetensors.torch import load_file
 
 from ckptfs.checksum import crc32, crc32_combine
 from ckptfs.flatten import DTYPE_NAMES, DTYPES, flatten
-from ckptfs.manifest import Manifest, TensorRecord, align_up, unflatten
+from ckptfs.manifest import Manifest, TensorRecord, align_up
+from ckptfs.skeleton import unflatten
 from ckptfs.views import (Extent, Literal, View, ViewBuilder, files_for, key_file_name,
                           metadata_json_view, safetensors_view, torch_zip_view)
 from ckptfs.views.safetensors import SAFETENSORS_DTYPES, encode_header
@@ -661,7 +662,8 @@ def test_data_pkl_is_what_the_pickler_writes(obj):
 def test_named_skeleton_is_json_dumps_of_the_mapped_skeleton(obj, suffix):
     """The whole-state safetensors file's skeleton is dumped in C, tensor references replaced by
     names in the same pass: byte for byte json.dumps of the mapped copy."""
-    from ckptfs.manifest import dumps_compact, dumps_named_skeleton, map_tensor_refs
+    from ckptfs.manifest import dumps_compact
+    from ckptfs.skeleton import dumps_named_skeleton, map_tensor_refs
 
     manifest = lay_out(obj).manifest
     for m in (manifest, Manifest.decode(manifest.encode())):

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    MetadataIndex, TensorProperties, TensorStorageMetadata)
 
 from ckptfs.errors import NotFoundError
-from ckptfs.manifest import unflatten
+from ckptfs.skeleton import unflatten
 
 ONE_PROCESS = -1  # the "rank" of a storage entry that is a one-process version, not a rank's part
 

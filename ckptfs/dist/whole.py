@@ -39,7 +39,8 @@ from ckptfs.dist.names import METADATA_FILE, PARTS_FILE, is_global_version
 from ckptfs.dist.parts import item_records, item_values, open_part
 from ckptfs.errors import CorruptionError, MalformedInputError, NotFoundError
 from ckptfs.gcpause import paused_gc
-from ckptfs.manifest import ITEMSIZE, Manifest, TensorRecord, check_skeleton, expected_nbytes
+from ckptfs.manifest import ITEMSIZE, Manifest, TensorRecord, expected_nbytes
+from ckptfs.skeleton import check_skeleton
 
 PARTS_DIR = "parts"
 

@@ -7,7 +7,8 @@ from json.encoder import encode_basestring_ascii
 from datetime import datetime, timezone
 
 from ckptfs import _native, leaves
-from ckptfs.manifest import Manifest, unflatten, unique_name
+from ckptfs.manifest import Manifest
+from ckptfs.skeleton import unflatten, unique_name
 from ckptfs.views.registry import register
 from ckptfs.views.segments import Literal, View
 

@@ -15,7 +15,8 @@ from json.encoder import encode_basestring_ascii
 from typing import Mapping
 
 from ckptfs import _native
-from ckptfs.manifest import Manifest, TensorRecord, dumps_named_skeleton, unique_name
+from ckptfs.manifest import Manifest, TensorRecord
+from ckptfs.skeleton import dumps_named_skeleton, unique_name
 from ckptfs.views.registry import register
 from ckptfs.views.segments import LazyView, View, ViewBuilder
 

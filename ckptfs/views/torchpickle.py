@@ -30,7 +30,8 @@ import struct
 import sys
 
 from ckptfs import _native, leaves
-from ckptfs.manifest import Manifest, tensor_leaf
+from ckptfs.manifest import Manifest
+from ckptfs.skeleton import tensor_leaf
 
 PICKLE_PROTOCOL = 2
 

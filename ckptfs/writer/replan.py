@@ -22,7 +22,8 @@ from ckptfs.leaves import KINDS as LEAF_KINDS
 from ckptfs.errors import UnsupportedObjectError
 from ckptfs.flatten import Flattened, plain_node
 from ckptfs.gcpause import paused_gc
-from ckptfs.manifest import dumps_compact, unflatten
+from ckptfs.manifest import dumps_compact
+from ckptfs.skeleton import unflatten
 
 _TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 _PLAIN_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "none": type(None)}
