@@ -63,7 +63,7 @@ from ckptfs.dist.parts import loadable
 from ckptfs.errors import NotFoundError
 from ckptfs.fs.errors import read_only
 from ckptfs.fs.names import LATEST, version_dirname
-from ckptfs.gcpause import paused_gc
+from ckptfs.fs.versionfiles import VersionFiles
 
 log = logging.getLogger("ckptfs.fs")
 
@@ -175,23 +175,18 @@ class Tree:
         self.store = store
         if whole is None:
             from ckptfs.dist.whole import as_whole as whole
-        self._as_whole = whole
         if files_for is None:
             from ckptfs.views import check_view_ids, files_for as registry_files_for
 
             selected = None if views is None else check_view_ids(views)
             files_for = lambda manifest: registry_files_for(manifest, selected)  # noqa: E731
-        self._files_for = files_for
+        self._files = VersionFiles(store, files_for, whole, lambda: self.refresh(force=True))
         self._refresh_interval = refresh_interval
         self._clock = clock
         self._refreshed_at: float | None = None
         self._models: dict[str, _Model] = {}
         self._names: list[str] = []  # the region's models as of the last listing (part models too)
         self._model_refreshed_at: dict[str, float] = {}  # models listed again since (_refresh_model)
-        self._files: dict[tuple[str, int, tuple], dict[str, Any]] = {}  # (model, step, save_id) -> views
-        self._checked: dict[tuple[str, int, tuple], set] = {}  # same key -> tensors (and blocks) found intact
-        self._manifests: dict[tuple[str, int, tuple], Any] = {}  # same key -> its decoded index
-        self._layouts: dict[tuple[str, int, tuple], Any] = {}  # same key -> WholeLayout, or False: not multi-rank
         self._by_key: dict[tuple, Node] = {}
         self._by_ino: dict[int, Node] = {}
         self._next_ino = ROOT_INODE + 1
@@ -273,15 +268,9 @@ class Tree:
         self._drop_cached(lambda key: key[0] == name)
 
     def _drop_cached(self, which) -> None:
-        """Forget the files, checks, indexes and layouts of the versions (keys for which
-        ``which`` holds) that the listing no longer holds."""
-        live = {(n, s, i.save_id) for n, m in self._models.items() for s, i in m.versions.items()}
-        for key in (self._files.keys() | self._checked.keys() | self._manifests.keys() | self._layouts.keys()) - live:
-            if which(key):
-                self._files.pop(key, None)
-                self._checked.pop(key, None)
-                self._manifests.pop(key, None)
-                self._layouts.pop(key, None)
+        """Forget the files of the versions (keys for which ``which`` holds) that the listing no
+        longer holds."""
+        self._files.forget({(n, s, i.save_id) for n, m in self._models.items() for s, i in m.versions.items()}, which)
 
     def _unreadable(self, name: str, exc: BaseException) -> _Model:
         """The listing of a model whose versions could not be read (said once while it lasts)."""
@@ -367,44 +356,11 @@ class Tree:
 
     # ---------------------------------------------------------------- files of a version
 
-    def _views(self, model: str, step: int, version=None) -> tuple[int, dict[str, Any]]:
-        """(save_id, {file name: View}) of the listed version ``model``/``step``. Computed from
-        its manifest on first use: through ``version`` if the caller holds it pinned, else under a
-        short pin of its own."""
+    def _views(self, model: str, step: int, version=None) -> tuple[tuple, dict[str, Any]]:
+        """(save_id, {file name: View}) of the listed version ``model``/``step``
+        (``VersionFiles.views``; ``version``: the caller's pin of it, if it holds one)."""
         info = self._version(model, step)
-        key = (model, step, info.save_id)
-        views = self._files.get(key)
-        if views is None:
-            # one pause of the cyclic GC over the index's decoding and the views' synthesis:
-            # between the two, a collection would traverse every record just made
-            with paused_gc():
-                if version is not None:
-                    views = self._views_of(version, info)
-                else:
-                    # HeldError at once while its commit holds it: the caller waits (ops._unheld)
-                    with self._whole(key, self.store.open_version(model, step, counter=info.counter,
-                                                                  wait_s=0.0)) as pinned:
-                        views = self._views_of(pinned, info)
-                        version = pinned
-            self._files[key] = views
-            # each later open of its files reuses the decoded index (a whole version's own)
-            self._manifests[key] = getattr(version, "version", version).manifest
-        return info.save_id, views
-
-    def _whole(self, key: tuple, version):
-        """``version`` itself, or, for a multi-rank DCP version, the pinned whole-tensor reading
-        of it (ckptfs.dist.whole: its files show whole, unsharded tensors), whose layout is made
-        once per listed version. ``version`` is closed if that fails."""
-        opened, self._layouts[key] = self._as_whole(self.store, version, self._layouts.get(key))
-        return opened
-
-    def _views_of(self, version, info) -> dict[str, Any]:
-        if version.info.save_id != info.save_id:  # the slot was reused since the snapshot
-            self.refresh(force=True)
-            raise FileNotFoundError(errno.ENOENT, f"{info.model} step {info.step} was replaced")
-        from ckptfs.dist.whole import version_files
-
-        return version_files(version, self._files_for)
+        return info.save_id, self._files.views((model, step, info.save_id), info, version)
 
     def _live(self, node: Node) -> None:
         """Raise ENOENT if ``node`` is no longer in the snapshot."""
@@ -512,10 +468,7 @@ class Tree:
             raise OSError(errno.EINVAL, "cannot open a symbolic link")
         self.refresh()
         self._version(node.model, node.step)
-        key = (node.model, node.step, node.save_id)
-        checked = self._checked.setdefault(key, set())
-        version = self._whole(key, self.store.open_version(node.model, node.step, checked=checked,
-                                                            manifest=self._manifests.get(key), wait_s=0.0))
+        version = self._files.open((node.model, node.step, node.save_id))
         try:
             if version.info.save_id != node.save_id:
                 raise FileNotFoundError(errno.ENOENT, f"{node.name}: its version was replaced")
