@@ -12,16 +12,12 @@ from typing import TYPE_CHECKING, Callable
 
 from ckptfs.errors import (BusyError, CkptfsError, CorruptionError, HeldError, NotFoundError, PartGoneError,
                            RegionFormatError, RegionFullError, in_words, no_step, no_version_yet, not_a_region)
-from ckptfs.fs.readers import readers_behind_mounts
 from ckptfs.manifest import Manifest
 from ckptfs import mounttable
-from ckptfs.region.holders import lock_holders
-from ckptfs.region.locks import model_lock_offset, slot_lock_offset
 from ckptfs.region.region import Region, SlotVersion
 from ckptfs.region.slots import hidden_by
 from ckptfs.region.ring import latest_after_removal, mark_kept, room_after_keeping
 from ckptfs.version import Version, VersionInfo, version_info
-from ckptfs.writer.progress import read_progress
 
 if TYPE_CHECKING:  # the reader and the writer need torch, which listing a region does not
     from ckptfs.reader import VerifyProblem
@@ -494,42 +490,11 @@ class Store:
 
     # ------------------------------------------------------------------ status
     def status(self) -> dict:
-        """Region geometry and usage, and per model its versions and the slots in use."""
-        sb = self.region.superblock
-        models = []
-        holders = lock_holders(self.path) if os.path.exists(self.path) else {}
-        pins_by_model = []
-        for entry in self.region.entries():
-            versions = self.region.committed(entry)  # one pass over the headers
-            latest = self.region.latest(entry, versions)
-            committed = {v.slot: v.header for v in versions}
-            latest_slot = latest.slot if latest else -1
-            busy = [s for s in entry.slots() if self.region.is_busy(entry, s)]
-            # a reader's pin is a shared (READ) lock; a writer's claim an exclusive one (shared from
-            # its header's barrier to its publish, a moment: its pid then shows as a reader's)
-            pinned = [{"step": committed[s].step, "slot": s,
-                       "holders": [(pid, cmd) for pid, cmd, kind in holders.get(slot_lock_offset(entry.index, s), ())
-                                   if kind == "READ"]} for s in busy if s in committed]
-            pins_by_model.append((entry.name, pinned))
-            models.append({
-                "name": entry.name,
-                "slots": entry.nslots,
-                "slot_bytes": entry.slot_bytes,
-                "ring_slots": entry.ring_slots,
-                "used_bytes": entry.nbytes,
-                "versions": len(committed),
-                "kept_steps": sorted(h.step for h in committed.values() if h.kept),
-                "latest_step": latest.header.step if latest else None,
-                # a claimed slot that is neither latest nor committed is a save in flight
-                "saves_in_flight": sum(1 for s in busy if s != latest_slot and s not in committed),
-                "pinned_or_writing_slots": busy,
-                "pinned": [p for p in pinned if p["holders"]],
-                # the processes with a writer of the model open (its ring's lock: ring.Ring)
-                "writers": sorted({(pid, cmd) for pid, cmd, _ in holders.get(model_lock_offset(entry.index), ())}),
-            })
-        readers_behind_mounts(self.path, pins_by_model)
-        return {"path": self.path, "kind": self.region.backend.kind, **self.space(models),
-                **self._unbacked_bytes(), "models": models, "saves_in_flight": read_progress(sb.uuid)}
+        """Region geometry and usage, and per model its versions, the slots in use and who holds
+        them (``ckptfs.status.region_status``)."""
+        from ckptfs.status import region_status
+
+        return region_status(self)
 
     def space(self, models: list[dict] | None = None) -> dict:
         """{"region_bytes", "used_bytes" (the models' slots), "free_bytes" (what slots can
@@ -539,14 +504,3 @@ class Store:
                 else sum(e.nbytes for e in self.region.entries()))
         return {"region_bytes": self.region.superblock.region_bytes, "used_bytes": used,
                 "free_bytes": self.region.data_area_bytes() - used}
-
-    def _unbacked_bytes(self) -> dict:
-        """Of a sparse region file: {"unallocated_bytes": its bytes the filesystem has not
-        allocated yet, "filesystem_free_bytes": what the filesystem under it can still give}
-        (a save into unallocated slots fails with ENOSPC once the second is short); {} for a
-        device."""
-        if self.region.backend.kind != "file":
-            return {}
-        st, fs = os.stat(self.path), os.statvfs(self.path)
-        return {"unallocated_bytes": max(0, st.st_size - st.st_blocks * 512),
-                "filesystem_free_bytes": fs.f_bavail * fs.f_frsize}
