@@ -15,7 +15,7 @@ import ckptfs
 from ckptfs.errors import (BusyError, CheckpointTooLargeError, NotFoundError, RegionFullError)
 from ckptfs.region.region import Region
 from ckptfs.store import Store
-from ckptfs.testing.crashsim import same
+from ckptfs.testing.crashcheck import same
 from ckptfs.testing.recording import RecordingBackend
 from conftest import fill_region, mp_context
 

@@ -15,7 +15,7 @@ import ckptfs
 from ckptfs.errors import OldFormatError
 from ckptfs.region.extents import GIVE_BACK_AFTER_COMMITS
 from ckptfs.region.format import unpack_latest
-from ckptfs.testing.crashsim import same
+from ckptfs.testing.crashcheck import same
 from conftest import fill_region
 
 

@@ -15,7 +15,7 @@ import pytest
 import ckptfs
 from ckptfs.errors import CorruptionError, RegionFormatError
 from ckptfs.testing import faults as F
-from ckptfs.testing.crashsim import same
+from ckptfs.testing.crashcheck import same
 from ckptfs.testing.recording import copy_sparse
 
 pytestmark = [pytest.mark.crash]

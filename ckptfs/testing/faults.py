@@ -32,7 +32,7 @@ from ckptfs.region.format import (COUNTER_WORD_OFFSET, ENTRY_BYTES, ENTRY_COPY_O
                                   LATEST_WORD_OFFSET, PAGE_BYTES, SUPERBLOCK_BYTES, ModelEntry, SlotHeader,
                                   Superblock)
 from ckptfs.store import Store
-from ckptfs.testing.crashsim import same
+from ckptfs.testing.crashcheck import same
 from ckptfs.testing.recording import copy_sparse
 
 MODELS = {"m": (10, 20, 30, 40), "other": (1, 2)}

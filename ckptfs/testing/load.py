@@ -35,7 +35,7 @@ import torch
 
 import ckptfs
 from ckptfs.errors import NotFoundError
-from ckptfs.testing.crashsim import same
+from ckptfs.testing.crashcheck import same
 
 KILL_MODELS = ("alpha", "beta")
 CLI = [sys.executable, "-m", "ckptfs.cli"]
