@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import click
 
@@ -115,7 +116,7 @@ def _export_file(view, data, dest: str) -> int:
     """Stream one view of a version to ``dest`` (``-``: standard output), checked as it goes;
     a file appears only whole (written beside it, then renamed). Returns its size."""
     if dest == "-":
-        out = click.get_binary_stream("stdout")
+        out = sys.stdout.buffer  # (click.get_binary_stream is deprecated since Click 8.5)
         for block in view.iter_blocks(data.sequential_reader(), EXPORT_BLOCK_BYTES):
             out.write(block)
         out.flush()
