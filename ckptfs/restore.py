@@ -4,6 +4,7 @@ Apart from ckptfs.reader, which needs no torch.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
@@ -11,10 +12,10 @@ from torch.autograd.graph import increment_version
 
 from ckptfs.chunks import Chunk, copy_runs
 from ckptfs.errors import CorruptionError, UnsupportedObjectError
-from ckptfs.flatten import flatten
+from ckptfs.flatten import DTYPE_NAMES, flatten
 from ckptfs.gcpause import paused_gc
 from ckptfs.manifest import Manifest
-from ckptfs.skeleton import unflatten
+from ckptfs.skeleton import map_tensor_refs, tensor_refs, unflatten
 from ckptfs.memcopy import HostTargets, prefaulted
 from ckptfs.reader import VersionData
 from ckptfs.writer.staging import StagingBuffer
@@ -66,7 +67,7 @@ def _restore(data: VersionData, map_location, verify: bool, into, fill):
     onto_device = into is None and device.type != "cpu"
     targets = None
     if into is not None:
-        targets = matching_tensors(m, into)
+        targets, untied, shown = matching_tensors(m, into)
         # a target that is not contiguous (a channels_last weight, its optimizer's moments) is
         # read into a contiguous tensor of its own and copied over once the read is checked
         tensors = [t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in targets]
@@ -82,6 +83,10 @@ def _restore(data: VersionData, map_location, verify: bool, into, fill):
         for target, t in zip(targets, tensors):
             if t is not target:
                 target.copy_(t)
+        for extra, i in untied:  # the saved tensor's other names, not tied in into=
+            extra.copy_(targets[i])
+        if shown is not None:  # into='s own tensors at those names, as it holds them apart
+            return unflatten(*shown)
         tensors = targets
     if onto_device:
         # from pinned memory the copies are asynchronous: one wait for all of them
@@ -171,15 +176,28 @@ def copy_out(sinks: Sinks, records) -> Callable[[StagingBuffer, Chunk], list[int
     return on_chunk
 
 
-def matching_tensors(manifest: Manifest, into) -> list[torch.Tensor]:
-    """The tensors of ``into``, one per stored tensor in the manifest's order, once each is
+def matching_tensors(manifest: Manifest, into) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, int]],
+                                                      tuple[dict, list[torch.Tensor]] | None]:
+    """(the tensors of ``into``, one per stored tensor in the manifest's order; (tensor, stored
+    index) of each other tensor of ``into`` that the same stored tensor fills; None, or where
+    there are such, the skeleton and tensors to ``unflatten`` the loaded object from), once each is
     found to be where and what the saved one was (same path, dtype and shape; any strides, but
     no two elements in one place); ValueError naming the first difference, before anything is
-    written into them."""
+    written into them. The second list holds the names a saved tie shares that are separate
+    tensors in ``into`` (a model whose weights were tied when saved, e.g. ``lm_head.weight`` and
+    ``transformer.wte.weight``, loaded into untied ones): each gets the saved bytes, as
+    ``load_state_dict`` of a ``torch.load`` would copy them."""
     try:
         flat = flatten(into)
     except UnsupportedObjectError as e:
         raise ValueError(f"into= holds something that is not a state: {e}") from None
+    untied = _untied(manifest, flat) if len(flat.tensors) > len(manifest.tensors) else None
+    shown = None
+    if untied is not None:
+        order, untied, skeleton = untied
+        shown = (skeleton, flat.tensors)
+        flat = dataclasses.replace(flat, tensors=[flat.tensors[j] for j in order],
+                                   signature=tuple(flat.signature[j] for j in order))
     if len(flat.tensors) != len(manifest.tensors):
         have, saved = [name for name, _, _ in flat.signature], [r.name for r in manifest.tensors]
         only_into, only_saved = sorted(set(have) - set(saved)), sorted(set(saved) - set(have))
@@ -199,4 +217,39 @@ def matching_tensors(manifest: Manifest, into) -> list[torch.Tensor]:
         if not t.is_contiguous() and torch._debug_has_internal_overlap(t) != 0:  # 0: none; 2: too hard to tell
             raise ValueError(f"into= tensor {name!r} has elements that share memory (an expand()ed view): it cannot "
                              "be loaded in place; pass a tensor of its own (clone() it)")
-    return list(flat.tensors)
+    for t, i in untied or ():
+        record = manifest.tensors[i]
+        if (DTYPE_NAMES.get(t.dtype), tuple(t.shape)) != (record.dtype, record.shape):
+            raise ValueError(f"into= differs from {manifest.model} step {manifest.step}: a tensor that shares "
+                             f"{record.name!r} ({record.dtype}{list(record.shape)}) in the checkpoint is "
+                             f"{t.dtype}{list(t.shape)} in into=")
+    return list(flat.tensors), untied or [], shown
+
+
+def _untied(manifest: Manifest, flat) -> tuple[list[int], list[tuple[torch.Tensor, int]], dict] | None:
+    """Where ``into`` (``flat``) has the saved object's structure but separate tensors at names
+    the checkpoint ties: (the index in ``flat.tensors`` of each stored tensor's first name, in
+    the manifest's order; (tensor, stored index) of the others; the saved skeleton with each
+    tensor reference made the index in ``flat.tensors`` of into='s tensor there, so that the
+    loaded object holds the saved plain values and into='s tensors). None where the key paths differ,
+    or where one tensor of ``into`` is at names of two stored tensors (ties into= has that the
+    checkpoint lacks: which bytes should it hold?)."""
+    saved: list = []
+    have: list = []
+    tensor_refs(manifest.skeleton, (), saved)
+    tensor_refs(flat.skeleton, (), have)
+    if [path for path, _ in saved] != [path for path, _ in have]:
+        return None
+    stored_of: dict[int, int] = {}
+    first: dict[int, int] = {}
+    for (_, i), (_, j) in zip(saved, have):
+        if stored_of.setdefault(j, i) != i:
+            return None
+        first.setdefault(i, j)
+    if len(first) != len(manifest.tensors):
+        return None
+    order = [first[i] for i in range(len(manifest.tensors))]
+    primary = set(order)
+    at = iter([j for _, j in have])  # map_tensor_refs visits the references in tensor_refs' order
+    skeleton = map_tensor_refs(manifest.skeleton, lambda _: next(at))
+    return order, [(flat.tensors[j], i) for j, i in stored_of.items() if j not in primary], skeleton

@@ -478,3 +478,33 @@ def test_into_of_another_structure_names_what_differs(store):
     with pytest.raises(ValueError, match=r"only the checkpoint has 'b'\): an optimizer has no state before its first "
                                          r"step; load without into= and pass the parts to load_state_dict"):
         store.load("m", into={"a": torch.zeros(2)})
+
+
+def test_into_with_separate_tensors_where_the_checkpoint_ties_them(store):
+    """A model saved with tied weights (lm_head.weight is transformer.wte.weight) loaded into a
+    state dict whose two names are separate tensors (a clone, an untied model): both get the
+    saved bytes, as load_state_dict of a torch.load would copy them; it was refused ("into= holds
+    3 tensors ... only into= has 'lm_head.weight'"). Ties into= has that the checkpoint lacks,
+    and a shape that differs, are refused before anything is written."""
+    wte = torch.arange(12.0).reshape(4, 3)
+    with store.writer("tied") as w:
+        w.save({"model": {"wte": wte, "h": torch.ones(2), "lm_head": wte}, "epoch": 3}, 1).result()
+    into = {"model": {"wte": torch.zeros(4, 3), "h": torch.zeros(2), "lm_head": torch.zeros(4, 3).t().contiguous().t()},
+            "epoch": 0}
+    got = store.load("tied", into=into)
+    assert got["model"]["wte"] is into["model"]["wte"] and got["model"]["lm_head"] is into["model"]["lm_head"]
+    assert torch.equal(into["model"]["wte"], wte) and torch.equal(into["model"]["lm_head"], wte)
+    assert torch.equal(into["model"]["h"], torch.ones(2)) and got["epoch"] == 3
+    # into= ties two names the checkpoint holds apart: refused, nothing written
+    with store.writer("apart") as w:
+        w.save({"a": torch.ones(3), "b": torch.full((3,), 2.0)}, 1).result()
+    shared = torch.zeros(3)
+    with pytest.raises(ValueError, match=r"into= holds 1 tensors and apart step 1 holds 2"):
+        store.load("apart", into={"a": shared, "b": shared})
+    assert not shared.any()
+    # the untied name of another shape: refused, nothing written
+    bad = {"model": {"wte": torch.zeros(4, 3), "h": torch.zeros(2), "lm_head": torch.zeros(3, 4)}, "epoch": 0}
+    with pytest.raises(ValueError, match=r"a tensor that shares 'model.wte' \(float32\[4, 3\]\) in the checkpoint is "
+                                         r"torch.float32\[3, 4\] in into="):
+        store.load("tied", into=bad)
+    assert not any(t.any() for t in bad["model"].values())
