@@ -4,7 +4,6 @@ Apart from ckptfs.reader, which needs no torch.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 import torch
@@ -12,7 +11,7 @@ from torch.autograd.graph import increment_version
 
 from ckptfs.chunks import Chunk, copy_runs
 from ckptfs.errors import CorruptionError, UnsupportedObjectError
-from ckptfs.flatten import DTYPE_NAMES, flatten
+from ckptfs.flatten import flatten
 from ckptfs.gcpause import paused_gc
 from ckptfs.manifest import Manifest
 from ckptfs.skeleton import map_tensor_refs, tensor_refs, unflatten
@@ -178,78 +177,82 @@ def copy_out(sinks: Sinks, records) -> Callable[[StagingBuffer, Chunk], list[int
 
 def matching_tensors(manifest: Manifest, into) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, int]],
                                                       tuple[dict, list[torch.Tensor]] | None]:
-    """(the tensors of ``into``, one per stored tensor in the manifest's order; (tensor, stored
-    index) of each other tensor of ``into`` that the same stored tensor fills; None, or where
-    there are such, the skeleton and tensors to ``unflatten`` the loaded object from), once each is
-    found to be where and what the saved one was (same path, dtype and shape; any strides, but
-    no two elements in one place); ValueError naming the first difference, before anything is
-    written into them. The second list holds the names a saved tie shares that are separate
-    tensors in ``into`` (a model whose weights were tied when saved, e.g. ``lm_head.weight`` and
-    ``transformer.wte.weight``, loaded into untied ones): each gets the saved bytes, as
-    ``load_state_dict`` of a ``torch.load`` would copy them."""
+    """Match ``into``'s tensors to the stored ones by key path (the order of keys may differ):
+    (the tensor of ``into`` that each stored tensor is read into, in the manifest's order;
+    (tensor, stored index) of each other tensor of ``into`` that the same stored tensor fills;
+    None, or where there are such, the skeleton and tensors to ``unflatten`` the loaded object
+    from). ValueError naming the first difference, before anything is written into them: a key
+    path one side lacks, a dtype or shape that differs, one tensor of ``into`` at the names of
+    two stored tensors (which bytes should it hold?), elements that share memory (any strides
+    are taken otherwise). A stored tensor at several names (tied weights, e.g.
+    ``lm_head.weight`` and ``transformer.wte.weight``) may be separate tensors in ``into`` (an
+    untied model): each gets the saved bytes, as ``load_state_dict`` of a ``torch.load``
+    would copy them."""
     try:
         flat = flatten(into)
     except UnsupportedObjectError as e:
         raise ValueError(f"into= holds something that is not a state: {e}") from None
-    untied = _untied(manifest, flat) if len(flat.tensors) > len(manifest.tensors) else None
-    shown = None
-    if untied is not None:
-        order, untied, skeleton = untied
-        shown = (skeleton, flat.tensors)
-        flat = dataclasses.replace(flat, tensors=[flat.tensors[j] for j in order],
-                                   signature=tuple(flat.signature[j] for j in order))
-    if len(flat.tensors) != len(manifest.tensors):
-        have, saved = [name for name, _, _ in flat.signature], [r.name for r in manifest.tensors]
-        only_into, only_saved = sorted(set(have) - set(saved)), sorted(set(saved) - set(have))
-        said = "; ".join(part for part in (
-            f"only into= has {', '.join(map(repr, only_into[:3]))}" if only_into else "",
-            f"only the checkpoint has {', '.join(map(repr, only_saved[:3]))}" if only_saved else "") if part)
-        fresh = only_saved and not only_into and len(flat.tensors) < len(manifest.tensors)
-        raise ValueError(f"into= holds {len(flat.tensors)} tensors and {manifest.model} step {manifest.step} holds "
-                         f"{len(manifest.tensors)}" + (f" ({said})" if said else "") + (
-                             ": an optimizer has no state before its first step; load without into= and pass the "
-                             "parts to load_state_dict (obj = store.load(...); opt.load_state_dict(obj['optim']))"
-                             if fresh else ": pass state dicts of the structure the checkpoint was saved from"))
-    for (name, dtype, shape), t, record in zip(flat.signature, flat.tensors, manifest.tensors):
-        if (name, dtype, shape) != (record.name, record.dtype, record.shape):
-            raise ValueError(f"into= differs from {manifest.model} step {manifest.step} at {record.name!r}: saved "
-                             f"{record.dtype}{list(record.shape)}, into= has {name!r} {dtype}{list(shape)}")
+    saved: list = []
+    have: list = []
+    tensor_refs(manifest.skeleton, (), saved, exact=True)
+    tensor_refs(flat.skeleton, (), have, exact=True)
+    at = dict(have)  # key path -> index in flat.tensors
+    _same_key_paths(manifest, flat, saved, have, at)
+    stored_of: dict[int, int] = {}  # index in flat.tensors -> stored index
+    first: dict[int, int] = {}  # stored index -> index in flat.tensors of its first name
+    for path, i in saved:
+        j = at[path]
+        if stored_of.setdefault(j, i) != i:
+            names = {p: r.name for (p, _), r in zip(saved, manifest.refs())}
+            raise ValueError(f"into= holds one tensor at {names[path]!r} and at "
+                             f"{manifest.tensors[stored_of[j]].name!r}, which {manifest.model} step {manifest.step} "
+                             "stores apart: pass a tensor of its own for each (clone() one)")
+        first.setdefault(i, j)
+    for j, t in enumerate(flat.tensors):
+        record = manifest.tensors[stored_of[j]]
+        name, dtype, shape = flat.signature[j]
+        if (dtype, shape) != (record.dtype, record.shape):
+            shares = "" if first[stored_of[j]] == j else f" (a name that shares {record.name!r} in the checkpoint)"
+            raise ValueError(f"into= differs from {manifest.model} step {manifest.step} at {name!r}{shares}: saved "
+                             f"{record.dtype}{list(record.shape)}, into= has {dtype}{list(shape)}")
         if not t.is_contiguous() and torch._debug_has_internal_overlap(t) != 0:  # 0: none; 2: too hard to tell
             raise ValueError(f"into= tensor {name!r} has elements that share memory (an expand()ed view): it cannot "
                              "be loaded in place; pass a tensor of its own (clone() it)")
-    for t, i in untied or ():
-        record = manifest.tensors[i]
-        if (DTYPE_NAMES.get(t.dtype), tuple(t.shape)) != (record.dtype, record.shape):
-            raise ValueError(f"into= differs from {manifest.model} step {manifest.step}: a tensor that shares "
-                             f"{record.name!r} ({record.dtype}{list(record.shape)}) in the checkpoint is "
-                             f"{t.dtype}{list(t.shape)} in into=")
-    return list(flat.tensors), untied or [], shown
+    targets = [flat.tensors[first[i]] for i in range(len(manifest.tensors))]
+    untied = [(flat.tensors[j], i) for j, i in stored_of.items() if first[i] != j]
+    if not untied:
+        return targets, [], None
+    # the loaded object holds into='s own tensors at every name, as it holds them apart
+    at_ref = iter([at[path] for path, _ in saved])  # map_tensor_refs visits them in tensor_refs' order
+    return targets, untied, (map_tensor_refs(manifest.skeleton, lambda _: next(at_ref)), list(flat.tensors))
 
 
-def _untied(manifest: Manifest, flat) -> tuple[list[int], list[tuple[torch.Tensor, int]], dict] | None:
-    """Where ``into`` (``flat``) has the saved object's structure but separate tensors at names
-    the checkpoint ties: (the index in ``flat.tensors`` of each stored tensor's first name, in
-    the manifest's order; (tensor, stored index) of the others; the saved skeleton with each
-    tensor reference made the index in ``flat.tensors`` of into='s tensor there, so that the
-    loaded object holds the saved plain values and into='s tensors). None where the key paths differ,
-    or where one tensor of ``into`` is at names of two stored tensors (ties into= has that the
-    checkpoint lacks: which bytes should it hold?)."""
-    saved: list = []
-    have: list = []
-    tensor_refs(manifest.skeleton, (), saved)
-    tensor_refs(flat.skeleton, (), have)
-    if [path for path, _ in saved] != [path for path, _ in have]:
-        return None
-    stored_of: dict[int, int] = {}
-    first: dict[int, int] = {}
-    for (_, i), (_, j) in zip(saved, have):
-        if stored_of.setdefault(j, i) != i:
-            return None
-        first.setdefault(i, j)
-    if len(first) != len(manifest.tensors):
-        return None
-    order = [first[i] for i in range(len(manifest.tensors))]
-    primary = set(order)
-    at = iter([j for _, j in have])  # map_tensor_refs visits the references in tensor_refs' order
-    skeleton = map_tensor_refs(manifest.skeleton, lambda _: next(at))
-    return order, [(flat.tensors[j], i) for j, i in stored_of.items() if j not in primary], skeleton
+def _same_key_paths(manifest: Manifest, flat, saved: list, have: list, at: dict) -> None:
+    """ValueError unless ``into`` (``flat``, whose tensor references are ``have``, by key path in
+    ``at``) holds a tensor at every key path of the manifest's (``saved``) and at no other,
+    naming a few of each side's own (in the words of dotted names)."""
+    saved_paths = {path for path, _ in saved}
+    if len(saved_paths) == len(at) and all(path in at for path in saved_paths):
+        return
+    only_into = [path for path, _ in have if path not in saved_paths]
+    only_saved = [path for path, _ in saved if path not in at]
+    into_names = {path: name for (path, _), name in zip(have, _dotted(flat.skeleton))}
+    saved_names = {path: r.name for (path, _), r in zip(saved, manifest.refs())}
+    alike = {into_names[p] for p in only_into} & {saved_names[p] for p in only_saved}
+    said = "; ".join(part for part in (
+        f"only into= has {', '.join(repr(into_names[p]) for p in only_into[:3])}" if only_into else "",
+        f"only the checkpoint has {', '.join(repr(saved_names[p]) for p in only_saved[:3])}" if only_saved else "",
+        f"{min(alike)!r} on both sides is a key or a list's item of another type" if alike else "") if part)
+    fresh = only_saved and not only_into and len(flat.tensors) < len(manifest.tensors)
+    raise ValueError(f"into= holds {len(flat.tensors)} tensors and {manifest.model} step {manifest.step} holds "
+                     f"{len(manifest.tensors)} ({said})" + (
+                         ": an optimizer has no state before its first step; load without into= and pass the "
+                         "parts to load_state_dict (obj = store.load(...); opt.load_state_dict(obj['optim']))"
+                         if fresh else ": pass state dicts of the structure the checkpoint was saved from"))
+
+
+def _dotted(skeleton: dict) -> list[str]:
+    """The dotted name of each tensor reference of ``skeleton``, in tensor_refs' order."""
+    found: list = []
+    tensor_refs(skeleton, (), found)
+    return [".".join(path) or "tensor" for path, _ in found]

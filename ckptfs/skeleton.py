@@ -155,21 +155,26 @@ def unflatten(skeleton: dict, tensors: list) -> Any:
     return leaves.decode(kind, value)
 
 
-def tensor_refs(node: dict, path: tuple[str, ...], out: list) -> None:
+def tensor_refs(node: dict, path: tuple, out: list, exact: bool = False) -> None:
     """Append (key path, tensor index) of every tensor node under ``node``, in order (a list,
-    not a generator: a skeleton of 40,000 tensors is walked on every first view of a version)."""
+    not a generator: a skeleton of 40,000 tensors is walked on every first view of a version).
+    The path's parts are text (a key that is not a str as its repr, a list's index as digits),
+    the parts of a dotted name; where ``exact``, they tell every two keys apart: a str key is
+    itself, any other key (kind, value) of its node, a list's index an int."""
     (kind, value), = node.items()
     if kind == "tensor":
         out.append((path, int(value)))
     elif kind in ("dict", "odict"):
         for k, v in value:
             key = k.get("str")
-            sub = path + (key if type(key) is str else _key_text(unflatten(k, [])),)
+            if type(key) is not str:
+                key = next(iter(k.items())) if exact else _key_text(unflatten(k, []))
+            sub = path + (key,)
             index = tensor_leaf(v)
             if index is None:
-                tensor_refs(v, sub, out)
+                tensor_refs(v, sub, out, exact)
             else:
                 out.append((sub, int(index)))
     elif kind in ("list", "tuple"):
         for i, v in enumerate(value):
-            tensor_refs(v, path + (str(i),), out)
+            tensor_refs(v, path + (i if exact else str(i),), out, exact)

@@ -311,8 +311,9 @@ class Store:
         ``into``: the state to resume, of the saved object's structure (e.g. ``{"model":
         model.state_dict(), "optim": opt.state_dict()}``, whose tensors are the live ones): its
         tensors are overwritten in place, on their own devices, and returned in the saved
-        object; no second copy of the state is allocated. ValueError naming the first tensor
-        that differs (path, dtype, shape) before anything is written.
+        object; no second copy of the state is allocated. Its tensors are matched to the saved
+        ones by key path, in any order of keys. ValueError naming the first tensor that differs
+        (path, dtype, shape) before anything is written.
 
         The version stays pinned while it is read; every tensor is checked against its CRC
         unless ``verify`` is False (CorruptionError on a mismatch). With ``step`` None, a latest

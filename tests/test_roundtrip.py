@@ -480,6 +480,35 @@ def test_into_of_another_structure_names_what_differs(store):
         store.load("m", into={"a": torch.zeros(2)})
 
 
+def test_into_is_matched_by_key_path_not_by_order(store):
+    """into= whose keys come in another order than the save's (a state dict rebuilt with the
+    optimizer first, a model whose modules were registered in another order) loads each tensor
+    by its key path; it was refused ("into= differs at 'model.a'..."), matched by position.
+    Keys that read alike but differ (the int 1 and the str "1", a list's index 0 and the key
+    0) are told apart."""
+    state = {"model": {"a": torch.arange(3.0), "b": torch.arange(4.0)},
+             "optim": {1: torch.ones(2), "1": torch.full((2,), 2.0), 0: torch.full((1,), 5.0)},
+             "lst": [torch.full((1,), 6.0)]}
+    with store.writer("ordered") as w:
+        w.save(state, 1).result()
+    into = {"lst": [torch.zeros(1)],
+            "optim": {0: torch.zeros(1), "1": torch.zeros(2), 1: torch.zeros(2)},
+            "model": {"b": torch.zeros(4), "a": torch.zeros(3)}}
+    got = store.load("ordered", into=into)
+    assert list(got) == ["model", "optim", "lst"]  # the saved object's structure, over into='s tensors
+    assert got["model"]["a"] is into["model"]["a"] and got["optim"]["1"] is into["optim"]["1"]
+    assert torch.equal(into["model"]["a"], state["model"]["a"]) and torch.equal(into["model"]["b"], state["model"]["b"])
+    assert torch.equal(into["optim"][1], torch.ones(2)) and torch.equal(into["optim"]["1"], torch.full((2,), 2.0))
+    assert torch.equal(into["optim"][0], torch.full((1,), 5.0)) and torch.equal(into["lst"][0], torch.full((1,), 6.0))
+    # a list in place of a dict with the key 0: a different key path, refused before any write
+    wrong = {"model": {"a": torch.zeros(3), "b": torch.zeros(4)},
+             "optim": {0: torch.zeros(1), "1": torch.zeros(2), 1: torch.zeros(2)}, "lst": {0: torch.zeros(1)}}
+    with pytest.raises(ValueError, match=r"\(only into= has 'lst.0'; only the checkpoint has 'lst.0'; 'lst.0' on "
+                                         r"both sides is a key or a list's item of another type\)"):
+        store.load("ordered", into=wrong)
+    assert not any(t.any() for t in [*wrong["model"].values(), *wrong["optim"].values(), wrong["lst"][0]])
+
+
 def test_into_with_separate_tensors_where_the_checkpoint_ties_them(store):
     """A model saved with tied weights (lm_head.weight is transformer.wte.weight) loaded into a
     state dict whose two names are separate tensors (a clone, an untied model): both get the
@@ -499,12 +528,13 @@ def test_into_with_separate_tensors_where_the_checkpoint_ties_them(store):
     with store.writer("apart") as w:
         w.save({"a": torch.ones(3), "b": torch.full((3,), 2.0)}, 1).result()
     shared = torch.zeros(3)
-    with pytest.raises(ValueError, match=r"into= holds 1 tensors and apart step 1 holds 2"):
+    with pytest.raises(ValueError, match=r"into= holds one tensor at 'b' and at 'a', which apart step 1 stores apart: "
+                                         r"pass a tensor of its own for each"):
         store.load("apart", into={"a": shared, "b": shared})
     assert not shared.any()
     # the untied name of another shape: refused, nothing written
     bad = {"model": {"wte": torch.zeros(4, 3), "h": torch.zeros(2), "lm_head": torch.zeros(3, 4)}, "epoch": 0}
-    with pytest.raises(ValueError, match=r"a tensor that shares 'model.wte' \(float32\[4, 3\]\) in the checkpoint is "
-                                         r"torch.float32\[3, 4\] in into="):
+    with pytest.raises(ValueError, match=r"differs from tied step 1 at 'model.lm_head' \(a name that shares 'model.wte' "
+                                         r"in the checkpoint\): saved float32\[4, 3\], into= has float32\[3, 4\]"):
         store.load("tied", into=bad)
     assert not any(t.any() for t in bad["model"].values())
