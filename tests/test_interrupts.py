@@ -178,7 +178,7 @@ def test_a_second_ctrl_c_during_the_cleanup_of_an_interrupted_save(store, monkey
             w.save(state, step=2)
         monkeypatch.setattr(w._snapshotter, "take", real_take)
         monkeypatch.setattr(PersistPipeline, "fail", real_fail)
-        assert w._permits._value == 2 and not w._outstanding  # given back: nothing left to wait for
+        assert w._permits._value == 2 and not w.saves_in_flight()  # given back: nothing left to wait for
         w.save(state, step=3).result()
     assert [v.step for v in store.versions("m")] == [1, 3]
 

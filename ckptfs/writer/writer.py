@@ -37,6 +37,7 @@ from ckptfs.writer.claimer import Claimer
 from ckptfs.writer.cuda import CallerMark, caller_mark
 from ckptfs.writer.hidden import HiddenKept
 from ckptfs.writer.job import Job, SaveFuture, SaveResult, check_options, is_kept, uninterrupted
+from ckptfs.writer.outstanding import Outstanding
 from ckptfs.writer.persist import PersistPipeline
 from ckptfs.writer.plan import Planner, SavePlan
 from ckptfs.writer.progress import ProgressBoard
@@ -49,7 +50,6 @@ log = logging.getLogger("ckptfs")
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 DEFAULT_PERSIST_THREADS = 2
-FAILED_KEPT = 8  # background failures a writer keeps for wait() to raise
 SLOT_HEADROOM = 1.10  # slots sized at the first save leave room for the state to grow a little
 
 
@@ -100,11 +100,7 @@ class Writer:
         self._progress = ProgressBoard(region.superblock.uuid, model)
         self._permits = threading.BoundedSemaphore(max_inflight)
         self._pools: dict[bool, StagingPool] = {}
-        self._outstanding: set[SaveFuture] = set()
-        # saves that failed in the background, kept until wait() (or close) has raised what no
-        # one saw: a job that drops its futures must not lose its checkpoints without a word
-        self._failed: list[SaveFuture] = []
-        self._outstanding_lock = threading.Lock()
+        self._outstanding = Outstanding()
         self._closed = False  # refuses saves: close began
         self._stopped = False  # close ended: workers stopped, ring closed
         self._calls = SaveCalls()  # close waits for the save() calls of other threads
@@ -258,8 +254,7 @@ class Writer:
         earlier ``wait``): a save that failed in the background after its caller let go of its
         future is raised here, and so by ``close`` and the end of a ``with`` block."""
         self._not_within_save("wait()")
-        with self._outstanding_lock:
-            pending, failed, self._failed = list(self._outstanding), self._failed, []
+        pending, failed = self._outstanding.take()
         results, first_error = [], None
         for fut in failed:
             if not fut.failure_reported:
@@ -269,16 +264,14 @@ class Writer:
                 results.append(fut.result())
             except BaseException as e:  # noqa: BLE001 - collected and re-raised below
                 first_error = first_error or e
-        with self._outstanding_lock:  # those that failed while we waited were reported above
-            self._prune_failed()
+        self._outstanding.prune()  # those that failed while we waited were reported above
         if first_error is not None:
             raise first_error
         return results
 
     def saves_in_flight(self) -> bool:
         """Whether a save of this writer is not yet committed (or failed)."""
-        with self._outstanding_lock:
-            return bool(self._outstanding)
+        return self._outstanding.any()
 
     def model_removed(self) -> bool:
         """Whether the model this writer saved to is gone (its ring keeps ``Store.remove_model``
@@ -347,8 +340,7 @@ class Writer:
 
     # ------------------------------------------------------------------ one save
     def _register(self, future: SaveFuture) -> None:
-        with self._outstanding_lock:
-            self._outstanding.add(future)
+        self._outstanding.add(future)
 
     def _start_snapshot_thread(self) -> None:
         def start() -> None:
@@ -438,33 +430,18 @@ class Writer:
             self._drop(future, error)
             return
         self._persist.fail(job, error)
-        with self._outstanding_lock:  # raised here: not again by wait() (as a refusal before any write)
-            self._outstanding.discard(future)
+        self._outstanding.discard(future)  # raised here: not again by wait() (as a refusal before any write)
 
     def _drop(self, future: SaveFuture, error: BaseException) -> None:
         """Fail a save that never got a slot."""
-        with self._outstanding_lock:
-            self._outstanding.discard(future)
-            self._keep_failed(future)
+        self._outstanding.failed(future)
         future.fail(error)
-
-    def _prune_failed(self) -> None:
-        """Forget the failed saves reported since (the outstanding lock held)."""
-        self._failed = [f for f in self._failed if not f.failure_reported]
-
-    def _keep_failed(self, future: SaveFuture) -> None:
-        """Keep a failed save for wait() to raise unless reported otherwise (the outstanding
-        lock held): the first few, for memory."""
-        self._prune_failed()
-        if len(self._failed) < FAILED_KEPT:
-            self._failed.append(future)
 
     def _give_up(self, future: SaveFuture, error: BaseException, last_snapshot: Future | None) -> None:
         """A save whose caller was interrupted before its start took it: failed, forgotten, and
         ``wait_snapshot`` back on the one before it; one that was taken goes on."""
         if future.give_up(error):
-            with self._outstanding_lock:
-                self._outstanding.discard(future)
+            self._outstanding.discard(future)
             if self._last_snapshot is future.snapshotted:
                 self._last_snapshot = last_snapshot
 
@@ -473,10 +450,10 @@ class Writer:
         if job.claim is not None:
             self._progress.finish(job.claim.counter)
         self._permits.release()
-        with self._outstanding_lock:
+        if error is not None:
+            self._outstanding.failed(job.future)
+        else:
             self._outstanding.discard(job.future)
-            if error is not None:
-                self._keep_failed(job.future)
         if error is not None:
             job.future.fail(error)
         else:
