@@ -15,7 +15,8 @@ import trio
 from ckptfs import errors as E
 from ckptfs.fs.errors import errno_for
 from ckptfs.fs.ops import CkptfsOperations
-from ckptfs.fs.tree import ROOT_INODE, Kind, Tree
+from ckptfs.fs.nodes import Kind
+from ckptfs.fs.tree import ROOT_INODE, Tree
 from ckptfs.views import Literal, View
 
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import ckptfs
-from ckptfs.fs.tree import ROOT_INODE, Kind, Tree
+from ckptfs.fs.nodes import Kind
+from ckptfs.fs.tree import ROOT_INODE, Tree
 from ckptfs.views import files_for, register, registered_views
 from conftest_mount import mounted, requires_fuse
 

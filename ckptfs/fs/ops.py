@@ -30,7 +30,8 @@ import trio
 from ckptfs.errors import BusyError, HeldError
 from ckptfs.fs.errors import fuse_errors, read_only
 from ckptfs.fs.names import version_dirname
-from ckptfs.fs.tree import ROOT_INODE, Node, OpenFile, Tree
+from ckptfs.fs.nodes import Node, OpenFile
+from ckptfs.fs.tree import ROOT_INODE, Tree
 
 log = logging.getLogger("ckptfs.fs")
 

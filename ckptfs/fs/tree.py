@@ -49,7 +49,6 @@ layer translates them (``ckptfs.fs.errors.errno_for``).
 """
 from __future__ import annotations
 
-import enum
 import errno
 import logging
 import math
@@ -63,6 +62,7 @@ from ckptfs.dist.parts import loadable
 from ckptfs.errors import NotFoundError
 from ckptfs.fs.errors import read_only
 from ckptfs.fs.names import LATEST, version_dirname
+from ckptfs.fs.nodes import Attr, Kind, Node, OpenFile
 from ckptfs.fs.versionfiles import VersionFiles
 
 log = logging.getLogger("ckptfs.fs")
@@ -76,47 +76,6 @@ REFRESH_INTERVAL = 0.5  # seconds between two snapshots of the Store's listing
 LATEST_FRESH_S = 0.01
 
 
-class Kind(enum.Enum):
-    ROOT = "root"
-    MODEL = "model"
-    LATEST = "latest"
-    VERSION = "version"
-    SUBDIR = "subdir"
-    FILE = "file"
-
-
-@dataclass(frozen=True, slots=True)
-class Node:
-    """One name in the tree; ``ino`` is fixed for the life of the mount."""
-
-    ino: int
-    kind: Kind
-    model: str = ""
-    step: int = -1
-    save_id: tuple = ()  # VERSION, FILE and SUBDIR: the VersionInfo.save_id of the version they are or belong to
-    name: str = ""  # FILE and SUBDIR: the path inside the version directory ("hf/config.json")
-
-    @property
-    def is_dir(self) -> bool:
-        return self.kind in (Kind.ROOT, Kind.MODEL, Kind.VERSION, Kind.SUBDIR)
-
-    @property
-    def in_version(self) -> bool:
-        """A file or subdirectory inside a version directory."""
-        return self.kind in (Kind.FILE, Kind.SUBDIR)
-
-
-@dataclass(frozen=True, slots=True)
-class Attr:
-    """What ``stat`` shows; the FUSE layer copies it into an EntryAttributes."""
-
-    ino: int
-    mode: int
-    nlink: int
-    size: int
-    mtime_ns: int
-
-
 @dataclass
 class _Model:
     versions: dict[int, Any] = field(default_factory=dict)  # step -> VersionInfo, ascending
@@ -127,36 +86,6 @@ class _Model:
     # there, and everything in it answers with that error (EIO), not "absent" (an rsync --delete
     # or a job's "resume if the checkpoint exists" would act on that)
     error: BaseException | None = None
-
-
-class OpenFile:
-    """An open file: its version stays pinned until :meth:`close`.
-
-    Reads go through ``Version.read`` (ckptfs.reader.VersionData), which checks every tensor it
-    hands out against its CRC: damaged bytes never leave the mount as if they were data
-    (CorruptionError, EIO for the reader). The tree opens every version with the mount's one
-    set of tensors found intact, so a version is checksummed once per mount, not once per open:
-    its bytes cannot change while it is committed, and re-checking would checksum the page
-    cache, not the device."""
-
-    __slots__ = ("version", "view")
-
-    def __init__(self, version, view):
-        self.version = version
-        self.view = view
-
-    @property
-    def size(self) -> int:
-        return self.view.size
-
-    def read(self, offset: int, size: int) -> bytes:
-        """Up to ``size`` bytes at ``offset``; fewer only at the end of the file."""
-        data = self.view.read(offset, size, self.version.read)
-        self.version.confirm()  # a copy of the mapping, not zeros of a faulted page
-        return data
-
-    def close(self) -> None:
-        self.version.close()
 
 
 class Tree:
