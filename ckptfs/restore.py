@@ -197,17 +197,22 @@ def matching_tensors(manifest: Manifest, into) -> tuple[list[torch.Tensor], list
     tensor_refs(manifest.skeleton, (), saved, exact=True)
     tensor_refs(flat.skeleton, (), have, exact=True)
     at = dict(have)  # key path -> index in flat.tensors
-    _same_key_paths(manifest, flat, saved, have, at)
     stored_of: dict[int, int] = {}  # index in flat.tensors -> stored index
     first: dict[int, int] = {}  # stored index -> index in flat.tensors of its first name
+    missing = False
     for path, i in saved:
-        j = at[path]
+        j = at.get(path)
+        if j is None:
+            missing = True
+            break
         if stored_of.setdefault(j, i) != i:
             names = {p: r.name for (p, _), r in zip(saved, manifest.refs())}
             raise ValueError(f"into= holds one tensor at {names[path]!r} and at "
                              f"{manifest.tensors[stored_of[j]].name!r}, which {manifest.model} step {manifest.step} "
                              "stores apart: pass a tensor of its own for each (clone() one)")
         first.setdefault(i, j)
+    if missing or len(at) != len(saved):  # a key path one side lacks
+        _key_paths_differ(manifest, flat, saved, have, at)
     for j, t in enumerate(flat.tensors):
         record = manifest.tensors[stored_of[j]]
         name, dtype, shape = flat.signature[j]
@@ -227,13 +232,11 @@ def matching_tensors(manifest: Manifest, into) -> tuple[list[torch.Tensor], list
     return targets, untied, (map_tensor_refs(manifest.skeleton, lambda _: next(at_ref)), list(flat.tensors))
 
 
-def _same_key_paths(manifest: Manifest, flat, saved: list, have: list, at: dict) -> None:
-    """ValueError unless ``into`` (``flat``, whose tensor references are ``have``, by key path in
-    ``at``) holds a tensor at every key path of the manifest's (``saved``) and at no other,
-    naming a few of each side's own (in the words of dotted names)."""
+def _key_paths_differ(manifest: Manifest, flat, saved: list, have: list, at: dict) -> None:
+    """The ValueError of an ``into`` (``flat``, whose tensor references are ``have``, by key path
+    in ``at``) whose key paths differ from the manifest's (``saved``), naming a few of each
+    side's own (in the words of dotted names)."""
     saved_paths = {path for path, _ in saved}
-    if len(saved_paths) == len(at) and all(path in at for path in saved_paths):
-        return
     only_into = [path for path, _ in have if path not in saved_paths]
     only_saved = [path for path, _ in saved if path not in at]
     into_names = {path: name for (path, _), name in zip(have, _dotted(flat.skeleton))}
@@ -244,11 +247,15 @@ def _same_key_paths(manifest: Manifest, flat, saved: list, have: list, at: dict)
         f"only the checkpoint has {', '.join(repr(saved_names[p]) for p in only_saved[:3])}" if only_saved else "",
         f"{min(alike)!r} on both sides is a key or a list's item of another type" if alike else "") if part)
     fresh = only_saved and not only_into and len(flat.tensors) < len(manifest.tensors)
-    raise ValueError(f"into= holds {len(flat.tensors)} tensors and {manifest.model} step {manifest.step} holds "
-                     f"{len(manifest.tensors)} ({said})" + (
+    raise ValueError(f"into= holds {_tensors(len(flat.tensors))} and {manifest.model} step {manifest.step} holds "
+                     f"{_tensors(len(manifest.tensors))} ({said})" + (
                          ": an optimizer has no state before its first step; load without into= and pass the "
                          "parts to load_state_dict (obj = store.load(...); opt.load_state_dict(obj['optim']))"
                          if fresh else ": pass state dicts of the structure the checkpoint was saved from"))
+
+
+def _tensors(n: int) -> str:
+    return f"{n} tensor" if n == 1 else f"{n} tensors"
 
 
 def _dotted(skeleton: dict) -> list[str]:

@@ -469,7 +469,7 @@ def test_into_of_another_structure_names_what_differs(store):
     step 1 2" and named no key."""
     with store.writer("m") as w:
         w.save({"a": torch.ones(2), "b": torch.ones(3)}, 1).result()
-    with pytest.raises(ValueError, match=r"into= holds 3 tensors and m step 1 holds 2 \(only into= has 'c'\): pass "
+    with pytest.raises(ValueError, match=r"into= holds 3 tensors and m step 1 holds 2 tensors \(only into= has 'c'\): pass "
                                          r"state dicts of the structure"):
         store.load("m", into={"a": torch.zeros(2), "b": torch.zeros(3), "c": torch.zeros(1)})
     with pytest.raises(ValueError, match=r"\(only into= has 'c'; only the checkpoint has 'a', 'b'\)"):
