@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from ckptfs.checksum import crc32_combine
 from ckptfs.errors import MalformedInputError, UnsupportedObjectError
 from ckptfs.gcpause import paused_gc
-from ckptfs.skeleton import check_skeleton, tensor_refs, unflatten, unique_name
+from ckptfs.skeleton import check_skeleton, ref_names, tensor_refs, unflatten
 from ckptfs.units import human_bytes
 
 if TYPE_CHECKING:
@@ -117,17 +117,9 @@ class Manifest:
         cached = self.__dict__.get("_refs")
         if cached is not None:
             return cached
-        out: list[TensorRef] = []
-        seen: set[str] = set()
         found: list[tuple[tuple[str, ...], int]] = []
         tensor_refs(self.skeleton, (), found)
-        for key_path, index in found:
-            name = ".".join(key_path) or "tensor"
-            if name in seen:
-                name = unique_name(name, seen)
-            seen.add(name)
-            out.append(TensorRef(name, key_path, index))
-        refs = tuple(out)
+        refs = tuple(TensorRef(name, key_path, index) for name, (key_path, index) in zip(ref_names(found), found))
         object.__setattr__(self, "_refs", refs)  # a memo of the frozen fields, not a field
         return refs
 

@@ -14,7 +14,7 @@ from ckptfs.errors import CorruptionError, UnsupportedObjectError
 from ckptfs.flatten import flatten
 from ckptfs.gcpause import paused_gc
 from ckptfs.manifest import Manifest
-from ckptfs.skeleton import map_tensor_refs, tensor_refs, unflatten
+from ckptfs.skeleton import map_tensor_refs, ref_names, tensor_refs, unflatten
 from ckptfs.memcopy import HostTargets, prefaulted
 from ckptfs.reader import VersionData
 from ckptfs.writer.staging import StagingBuffer
@@ -207,9 +207,10 @@ def matching_tensors(manifest: Manifest, into) -> tuple[list[torch.Tensor], list
             break
         if stored_of.setdefault(j, i) != i:
             names = {p: r.name for (p, _), r in zip(saved, manifest.refs())}
-            raise ValueError(f"into= holds one tensor at {names[path]!r} and at "
-                             f"{manifest.tensors[stored_of[j]].name!r}, which {manifest.model} step {manifest.step} "
-                             "stores apart: pass a tensor of its own for each (clone() one)")
+            other = next(p for p, k in saved if at.get(p) == j)
+            raise ValueError(f"into= holds one tensor at {names[other]!r} and at {names[path]!r}, which "
+                             f"{manifest.model} step {manifest.step} stores apart: pass a tensor of its own for each "
+                             "(clone() one)")
         first.setdefault(i, j)
     if missing or len(at) != len(saved):  # a key path one side lacks
         _key_paths_differ(manifest, flat, saved, have, at)
@@ -239,7 +240,9 @@ def _key_paths_differ(manifest: Manifest, flat, saved: list, have: list, at: dic
     saved_paths = {path for path, _ in saved}
     only_into = [path for path, _ in have if path not in saved_paths]
     only_saved = [path for path, _ in saved if path not in at]
-    into_names = {path: name for (path, _), name in zip(have, _dotted(flat.skeleton))}
+    shown: list = []
+    tensor_refs(flat.skeleton, (), shown)
+    into_names = {path: name for (path, _), name in zip(have, ref_names(shown))}
     saved_names = {path: r.name for (path, _), r in zip(saved, manifest.refs())}
     alike = {into_names[p] for p in only_into} & {saved_names[p] for p in only_saved}
     said = "; ".join(part for part in (
@@ -256,10 +259,3 @@ def _key_paths_differ(manifest: Manifest, flat, saved: list, have: list, at: dic
 
 def _tensors(n: int) -> str:
     return f"{n} tensor" if n == 1 else f"{n} tensors"
-
-
-def _dotted(skeleton: dict) -> list[str]:
-    """The dotted name of each tensor reference of ``skeleton``, in tensor_refs' order."""
-    found: list = []
-    tensor_refs(skeleton, (), found)
-    return [".".join(path) or "tensor" for path, _ in found]

@@ -155,6 +155,20 @@ def unflatten(skeleton: dict, tensors: list) -> Any:
     return leaves.decode(kind, value)
 
 
+def ref_names(refs: list) -> list[str]:
+    """The name of each (key path, index) of ``tensor_refs`` (text paths): its parts joined by
+    dots ("tensor" for a bare tensor), made unique with ``unique_name`` in order."""
+    names: list[str] = []
+    seen: set[str] = set()
+    for key_path, _ in refs:
+        name = ".".join(key_path) or "tensor"
+        if name in seen:
+            name = unique_name(name, seen)
+        seen.add(name)
+        names.append(name)
+    return names
+
+
 def tensor_refs(node: dict, path: tuple, out: list, exact: bool = False) -> None:
     """Append (key path, tensor index) of every tensor node under ``node``, in order (a list,
     not a generator: a skeleton of 40,000 tensors is walked on every first view of a version).

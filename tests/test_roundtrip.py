@@ -528,7 +528,7 @@ def test_into_with_separate_tensors_where_the_checkpoint_ties_them(store):
     with store.writer("apart") as w:
         w.save({"a": torch.ones(3), "b": torch.full((3,), 2.0)}, 1).result()
     shared = torch.zeros(3)
-    with pytest.raises(ValueError, match=r"into= holds one tensor at 'b' and at 'a', which apart step 1 stores apart: "
+    with pytest.raises(ValueError, match=r"into= holds one tensor at 'a' and at 'b', which apart step 1 stores apart: "
                                          r"pass a tensor of its own for each"):
         store.load("apart", into={"a": shared, "b": shared})
     assert not shared.any()
