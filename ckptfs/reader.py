@@ -353,12 +353,12 @@ class VersionData:
         """``scan``'s work, to run with other versions' in one pipeline (``scan_together``)."""
         return Scan(self, on_chunk, progress, only)
 
-    def restore(self, map_location="cpu", verify: bool = True, into=None):
+    def restore(self, map_location="cpu", verify: bool = True, into=None, keys=None):
         """The saved object (see ckptfs.restore.restore, which needs torch: this module does
         not, so that the mount and the CLI's listings load without it)."""
         from ckptfs.restore import restore
 
-        return restore(self, map_location, verify, into)
+        return restore(self, map_location, verify, into, keys=keys)
 
     def verify(self, progress: Callable[[int], None] | None = None) -> list[VerifyProblem]:
         """Recompute every tensor's CRC from the region; one problem per mismatching tensor."""

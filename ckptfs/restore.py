@@ -21,17 +21,50 @@ from ckptfs.writer.staging import StagingBuffer
 
 
 def restore(data: VersionData, map_location="cpu", verify: bool = True, into=None,
-            fill: Callable[[list[torch.Tensor]], None] | None = None):
+            fill: Callable[[list[torch.Tensor | None]], None] | None = None, keys=None):
     """The saved object, with every tensor on ``map_location``; CorruptionError naming the
-    first damaged tensor (when ``verify``). ``into``: an object of the same structure (the
-    state dicts of the model and optimizer being resumed) whose tensors are overwritten in
-    place instead (on their own devices; no new tensor memory); the result is the saved
-    object over those tensors. ``fill``: what reads the stored tensors into the tensors made
-    here (one per record of ``data.manifest``, contiguous), for data that is not one version's
-    area (a multi-rank version's whole tensors: ckptfs.dist.whole); else ``read_into``."""
+    first damaged tensor (when ``verify``). ``keys``: top-level keys of the saved dict (a str
+    for one); the result holds only those entries, and only their tensors are read and
+    checked (``select_keys``). ``into``: an object of the result's structure (the state dicts
+    of the model and optimizer being resumed) whose tensors are overwritten in place instead
+    (on their own devices; no new tensor memory); the result is the saved object over those
+    tensors. ``fill``: what reads the stored tensors into the tensors made here (one per
+    record of ``data.manifest``, contiguous; None for a record not wanted), for data that is
+    not one version's area (a multi-rank version's whole tensors: ckptfs.dist.whole); else
+    ``read_into``."""
     # tens of thousands of tensors, pieces and CRCs are made here: see ckptfs.gcpause
     with paused_gc():
-        return _restore(data, map_location, verify, into, fill)
+        return _restore(data, map_location, verify, into, fill, keys)
+
+
+def select_keys(manifest: Manifest, keys) -> tuple[dict, set[int] | None]:
+    """(the skeleton of the saved object restricted to top-level entries ``keys``, in the
+    saved order; the indices of the stored tensors it refers to), or (the whole skeleton, None)
+    where ``keys`` is None. ValueError, in the words of the argument, where the saved object is
+    not a dict or lacks one of the keys."""
+    if keys is None:
+        return manifest.skeleton, None
+    if isinstance(keys, str):
+        keys = [keys]
+    try:
+        keys = list(keys)
+    except TypeError:
+        raise ValueError(f"keys={keys!r}: pass top-level keys of the saved dict, e.g. keys=['model']") from None
+    (kind, value), = manifest.skeleton.items()
+    where = f"{manifest.model} step {manifest.step}"
+    if kind not in ("dict", "odict"):
+        raise ValueError(f"keys={keys!r}: {where} is not a dict (its saved object is a {kind}); load it whole "
+                         "(keys=None)")
+    entries = [(unflatten(k, []), [k, v]) for k, v in value]
+    have = [key for key, _ in entries]
+    for key in keys:
+        if key not in have:
+            raise ValueError(f"keys=: {where} has no top-level key {key!r}; it has "
+                             f"{', '.join(map(repr, have[:8]))}{', ...' if len(have) > 8 else ''}")
+    skeleton = {kind: [item for key, item in entries if key in keys]}
+    refs: list = []
+    tensor_refs(skeleton, (), refs)
+    return skeleton, {i for _, i in refs}
 
 
 def load_device(map_location) -> torch.device:
@@ -60,20 +93,23 @@ def load_device(map_location) -> torch.device:
     return device
 
 
-def _restore(data: VersionData, map_location, verify: bool, into, fill):
+def _restore(data: VersionData, map_location, verify: bool, into, fill, keys):
     m = data.manifest
     device = load_device(map_location)
+    skeleton, wanted = select_keys(m, keys)
     onto_device = into is None and device.type != "cpu"
     targets = None
     if into is not None:
-        targets, untied, shown = matching_tensors(m, into)
+        targets, untied, shown = matching_tensors(m, into, skeleton)
         # a target that is not contiguous (a channels_last weight, its optimizer's moments) is
         # read into a contiguous tensor of its own and copied over once the read is checked
-        tensors = [t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in targets]
+        tensors = [t if t is None or t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                   for t in targets]
     elif onto_device:
-        tensors = staging_views(m.tensors, pin=device.type == "cuda")
+        tensors = staging_views(m.tensors, pin=device.type == "cuda", wanted=wanted)
     else:
-        tensors = [torch.empty(r.shape, dtype=r.torch_dtype) for r in m.tensors]
+        tensors = [torch.empty(r.shape, dtype=r.torch_dtype) if wanted is None or i in wanted else None
+                   for i, r in enumerate(m.tensors)]
     if fill is not None:
         fill(tensors)
     else:
@@ -89,20 +125,22 @@ def _restore(data: VersionData, map_location, verify: bool, into, fill):
         tensors = targets
     if onto_device:
         # from pinned memory the copies are asynchronous: one wait for all of them
-        tensors = [t.to(device, non_blocking=True) for t in tensors]
+        tensors = [t if t is None else t.to(device, non_blocking=True) for t in tensors]
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    return unflatten(m.skeleton, tensors)
+    return unflatten(skeleton, tensors)
 
 
-def read_into(data: VersionData, tensors: list[torch.Tensor], verify: bool, prefault: bool) -> None:
+def read_into(data: VersionData, tensors: list[torch.Tensor | None], verify: bool, prefault: bool) -> None:
     """Read every stored tensor of ``data`` into ``tensors`` (one per record, contiguous, of its
-    size); CorruptionError naming the first damaged one when ``verify``. ``prefault``: the
-    tensors' memory is fresh (see ckptfs.memcopy.prefaulted)."""
+    size; None: a record not wanted, whose bytes are neither read nor checked); CorruptionError
+    naming the first damaged one when ``verify``. ``prefault``: the tensors' memory is fresh
+    (see ckptfs.memcopy.prefaulted)."""
     records = data.manifest.tensors
-    on_chunk = copy_out({i: [(0, r.nbytes, t)] for i, (r, t) in enumerate(zip(records, tensors))}, records)
-    with prefaulted(tensors if prefault else []):
-        bad = data.scan(on_chunk)
+    sinks = {i: [(0, r.nbytes, t)] for i, (r, t) in enumerate(zip(records, tensors)) if t is not None}
+    only = None if len(sinks) == len(records) else set(sinks)
+    with prefaulted([t for t in tensors if t is not None] if prefault else []):
+        bad = data.scan(copy_out(sinks, records, only), only=only)
     if verify and bad:
         raise CorruptionError(data.damage_message(bad[0][0]))
 
@@ -110,24 +148,27 @@ def read_into(data: VersionData, tensors: list[torch.Tensor], verify: bool, pref
 STAGING_ALIGN_BYTES = 64
 
 
-def staging_views(records, pin: bool) -> list[torch.Tensor]:
-    """Host tensors for ``records``, as views of one block of memory (pinned where ``pin``):
+def staging_views(records, pin: bool, wanted: set[int] | None = None) -> list[torch.Tensor | None]:
+    """Host tensors for ``records`` (those in ``wanted``; None for the others), as views of one
+    block of memory (pinned where ``pin``):
     the staging of a load onto another device, whose copies there are the result. One pinned
     allocation for the whole version instead of one per tensor (each a driver call), and no
     second host copy (``pin_memory()`` of each loaded tensor copied it once more). The views
     share one storage, so they are never handed to the caller."""
     offsets, total = [], 0
-    for r in records:
-        offsets.append(total)
-        total += -(-r.nbytes // STAGING_ALIGN_BYTES) * STAGING_ALIGN_BYTES
+    for i, r in enumerate(records):
+        offsets.append(total if wanted is None or i in wanted else None)
+        if offsets[-1] is not None:
+            total += -(-r.nbytes // STAGING_ALIGN_BYTES) * STAGING_ALIGN_BYTES
     block = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin)
-    return [block[o:o + r.nbytes].view(r.torch_dtype).view(r.shape) for o, r in zip(offsets, records)]
+    return [None if o is None else block[o:o + r.nbytes].view(r.torch_dtype).view(r.shape)
+            for o, r in zip(offsets, records)]
 
 
 Sinks = dict[int, list[tuple[int, int, torch.Tensor]]]
 
 
-def copy_out(sinks: Sinks, records) -> Callable[[StagingBuffer, Chunk], list[int]]:
+def copy_out(sinks: Sinks, records, only: set[int] | None = None) -> Callable[[StagingBuffer, Chunk], list[int]]:
     """A scan's ``on_chunk`` that copies, as the chunks come in, the bytes [lo, hi) of stored
     tensor i (``records[i]``) into each ``(lo, hi, dest)`` of ``sinks[i]`` (``dest``: a
     contiguous tensor of hi - lo bytes, on any device).
@@ -137,7 +178,8 @@ def copy_out(sinks: Sinks, records) -> Callable[[StagingBuffer, Chunk], list[int
     many small tensors); a chunk whose every piece goes whole into a host tensor is passed as it
     is. The same call takes the CRCs of the chunk's pieces in its pass over the buffer:
     ``on_chunk`` returns them, and is marked ``gives_crcs`` for Scan.check. Other devices'
-    destinations take a copy_ per piece."""
+    destinations take a copy_ per piece. ``only``: the stored tensors the scan reads (its own
+    ``only``), where not all."""
     host: list[torch.Tensor | None] = [None] * len(records)  # [i]: all of stored tensor i
     partial: dict[int, list[tuple[int, int, int | torch.Tensor]]] = {}
     for index, dests in sinks.items():
@@ -150,7 +192,8 @@ def copy_out(sinks: Sinks, records) -> Callable[[StagingBuffer, Chunk], list[int
             else:
                 partial.setdefault(index, []).append((lo, hi, len(host)))
                 host.append(dest)
-    every_whole = not partial and all(t is not None or r.nbytes == 0 for t, r in zip(host, records))
+    every_whole = not partial and all(host[i] is not None or records[i].nbytes == 0
+                                      for i in (range(len(records)) if only is None else only))
     targets = HostTargets(host)
     # written by address, not by a torch op: tell autograd, as copy_ would, so that a graph that
     # saved one of these tensors refuses to run backward through the old values
@@ -175,10 +218,12 @@ def copy_out(sinks: Sinks, records) -> Callable[[StagingBuffer, Chunk], list[int
     return on_chunk
 
 
-def matching_tensors(manifest: Manifest, into) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, int]],
-                                                      tuple[dict, list[torch.Tensor]] | None]:
-    """Match ``into``'s tensors to the stored ones by key path (the order of keys may differ):
-    (the tensor of ``into`` that each stored tensor is read into, in the manifest's order;
+def matching_tensors(manifest: Manifest, into, skeleton: dict | None = None) -> tuple[
+        list[torch.Tensor | None], list[tuple[torch.Tensor, int]], tuple[dict, list[torch.Tensor]] | None]:
+    """Match ``into``'s tensors to the stored ones by key path (the order of keys may differ)
+    of the saved object, or of its part ``skeleton`` (``select_keys``):
+    (the tensor of ``into`` that each stored tensor is read into, in the manifest's order, None
+    for one outside ``skeleton``;
     (tensor, stored index) of each other tensor of ``into`` that the same stored tensor fills;
     None, or where there are such, the skeleton and tensors to ``unflatten`` the loaded object
     from). ValueError naming the first difference, before anything is written into them: a key
@@ -192,9 +237,10 @@ def matching_tensors(manifest: Manifest, into) -> tuple[list[torch.Tensor], list
         flat = flatten(into)
     except UnsupportedObjectError as e:
         raise ValueError(f"into= holds something that is not a state: {e}") from None
+    skeleton = manifest.skeleton if skeleton is None else skeleton
     saved: list = []
     have: list = []
-    tensor_refs(manifest.skeleton, (), saved, exact=True)
+    tensor_refs(skeleton, (), saved, exact=True)
     tensor_refs(flat.skeleton, (), have, exact=True)
     at = dict(have)  # key path -> index in flat.tensors
     stored_of: dict[int, int] = {}  # index in flat.tensors -> stored index
@@ -206,14 +252,14 @@ def matching_tensors(manifest: Manifest, into) -> tuple[list[torch.Tensor], list
             missing = True
             break
         if stored_of.setdefault(j, i) != i:
-            names = {p: r.name for (p, _), r in zip(saved, manifest.refs())}
+            names = dict(zip([p for p, _ in saved], _names(skeleton)))
             other = next(p for p, k in saved if at.get(p) == j)
             raise ValueError(f"into= holds one tensor at {names[other]!r} and at {names[path]!r}, which "
                              f"{manifest.model} step {manifest.step} stores apart: pass a tensor of its own for each "
                              "(clone() one)")
         first.setdefault(i, j)
     if missing or len(at) != len(saved):  # a key path one side lacks
-        _key_paths_differ(manifest, flat, saved, have, at)
+        _key_paths_differ(manifest, skeleton, flat, saved, have, at)
     for j, t in enumerate(flat.tensors):
         record = manifest.tensors[stored_of[j]]
         name, dtype, shape = flat.signature[j]
@@ -224,34 +270,33 @@ def matching_tensors(manifest: Manifest, into) -> tuple[list[torch.Tensor], list
         if not t.is_contiguous() and torch._debug_has_internal_overlap(t) != 0:  # 0: none; 2: too hard to tell
             raise ValueError(f"into= tensor {name!r} has elements that share memory (an expand()ed view): it cannot "
                              "be loaded in place; pass a tensor of its own (clone() it)")
-    targets = [flat.tensors[first[i]] for i in range(len(manifest.tensors))]
+    targets = [flat.tensors[first[i]] if i in first else None for i in range(len(manifest.tensors))]
     untied = [(flat.tensors[j], i) for j, i in stored_of.items() if first[i] != j]
     if not untied:
         return targets, [], None
     # the loaded object holds into='s own tensors at every name, as it holds them apart
     at_ref = iter([at[path] for path, _ in saved])  # map_tensor_refs visits them in tensor_refs' order
-    return targets, untied, (map_tensor_refs(manifest.skeleton, lambda _: next(at_ref)), list(flat.tensors))
+    return targets, untied, (map_tensor_refs(skeleton, lambda _: next(at_ref)), list(flat.tensors))
 
 
-def _key_paths_differ(manifest: Manifest, flat, saved: list, have: list, at: dict) -> None:
+def _key_paths_differ(manifest: Manifest, skeleton: dict, flat, saved: list, have: list, at: dict) -> None:
     """The ValueError of an ``into`` (``flat``, whose tensor references are ``have``, by key path
-    in ``at``) whose key paths differ from the manifest's (``saved``), naming a few of each
-    side's own (in the words of dotted names)."""
+    in ``at``) whose key paths differ from those of the saved ``skeleton`` (``saved``), naming
+    a few of each side's own (in the words of dotted names)."""
     saved_paths = {path for path, _ in saved}
     only_into = [path for path, _ in have if path not in saved_paths]
     only_saved = [path for path, _ in saved if path not in at]
-    shown: list = []
-    tensor_refs(flat.skeleton, (), shown)
-    into_names = {path: name for (path, _), name in zip(have, ref_names(shown))}
-    saved_names = {path: r.name for (path, _), r in zip(saved, manifest.refs())}
+    into_names = dict(zip([p for p, _ in have], _names(flat.skeleton)))
+    saved_names = dict(zip([p for p, _ in saved], _names(skeleton)))
     alike = {into_names[p] for p in only_into} & {saved_names[p] for p in only_saved}
     said = "; ".join(part for part in (
         f"only into= has {', '.join(repr(into_names[p]) for p in only_into[:3])}" if only_into else "",
         f"only the checkpoint has {', '.join(repr(saved_names[p]) for p in only_saved[:3])}" if only_saved else "",
         f"{min(alike)!r} on both sides is a key or a list's item of another type" if alike else "") if part)
-    fresh = only_saved and not only_into and len(flat.tensors) < len(manifest.tensors)
+    stored = len({i for _, i in saved})
+    fresh = only_saved and not only_into and len(flat.tensors) < stored
     raise ValueError(f"into= holds {_tensors(len(flat.tensors))} and {manifest.model} step {manifest.step} holds "
-                     f"{_tensors(len(manifest.tensors))} ({said})" + (
+                     f"{_tensors(stored)} ({said})" + (
                          ": an optimizer has no state before its first step; load without into= and pass the "
                          "parts to load_state_dict (obj = store.load(...); opt.load_state_dict(obj['optim']))"
                          if fresh else ": pass state dicts of the structure the checkpoint was saved from"))
@@ -259,3 +304,10 @@ def _key_paths_differ(manifest: Manifest, flat, saved: list, have: list, at: dic
 
 def _tensors(n: int) -> str:
     return f"{n} tensor" if n == 1 else f"{n} tensors"
+
+
+def _names(skeleton: dict) -> list[str]:
+    """The dotted name of each tensor reference of ``skeleton``, in tensor_refs' order."""
+    refs: list = []
+    tensor_refs(skeleton, (), refs)
+    return ref_names(refs)

@@ -7,7 +7,6 @@ import logging
 import os
 import sys
 import time
-import warnings
 from typing import TYPE_CHECKING, Callable
 
 from ckptfs.errors import (BusyError, CkptfsError, CorruptionError, HeldError, NotFoundError, PartGoneError,
@@ -36,22 +35,6 @@ def default_region_path() -> str:
         return env
     base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
     return os.path.join(base, "ckptfs", "default.region")
-
-
-def _load_multi_rank_into(store, model: str, step: int, into):
-    """``Store.load(into=)`` without ``group`` of a multi-rank version: DCP's load in this process
-    alone, into ``into`` (ckptfs.dist.writer.load). In a job of many ranks it must be every
-    rank's load (``group=``), or the whole state without ``into``: ValueError."""
-    import torch.distributed as dist
-
-    from ckptfs.dist.writer import load
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise ValueError(f"{model} step {step} was saved by many ranks: load it at every rank with group= "
-                         "(and into= this rank's state dict), or without into= for its whole state")
-    with warnings.catch_warnings():  # DCP's "assuming the intent is to load in a single process": it is
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        return load(store, model, into, step=step)
 
 
 def _save_gone(model: str, counter: int) -> NotFoundError:
@@ -305,7 +288,7 @@ class Store:
             raise no_step(model, step) if step is not None else _save_gone(model, counter)
 
     def load(self, model: str, step: int | None = None, map_location="cpu", verify: bool = True, into=None,
-             group=None, peers=(), timeout_s: float = 300.0):
+             keys=None, group=None, peers=(), timeout_s: float = 300.0):
         """The saved object of a version (``step`` None: latest), tensors on ``map_location``.
 
         ``into``: the state to resume, of the saved object's structure (e.g. ``{"model":
@@ -314,6 +297,13 @@ class Store:
         object; no second copy of the state is allocated. Its tensors are matched to the saved
         ones by key path, in any order of keys. ValueError naming the first tensor that differs
         (path, dtype, shape) before anything is written.
+
+        ``keys``: top-level keys of the saved dict to load (``keys=["model"]``: the weights of a
+        training checkpoint, for evaluation or fine-tuning with a fresh optimizer; a str for
+        one); the result, and ``into`` when given, hold only those entries, and only their
+        tensors are read and checked. ValueError naming the keys the version has where one is
+        absent. In a load through DCP (a multi-rank version with ``into``), ``into`` holds
+        exactly those keys.
 
         The version stays pinned while it is read; every tensor is checked against its CRC
         unless ``verify`` is False (CorruptionError on a mismatch). With ``step`` None, a latest
@@ -329,9 +319,9 @@ class Store:
         if group is not None:
             from ckptfs.dist.writer import load
 
-            return load(self, model, into, group=group, step=step, peers=peers, timeout_s=timeout_s)
+            return load(self, model, into, group=group, step=step, peers=peers, timeout_s=timeout_s, keys=keys)
         try:
-            return self._load_opened(self.open_version(model, step), map_location, verify, into)
+            return self._load_opened(self.open_version(model, step), map_location, verify, into, keys)
         except (CorruptionError, PartGoneError) as damaged:  # damaged, or a part of it is
             if step is not None or not verify:
                 raise
@@ -345,7 +335,7 @@ class Store:
                     if version.info.counter != v.header.counter:
                         version.close()
                         continue
-                    obj = self._load_opened(version, map_location, verify, into)
+                    obj = self._load_opened(version, map_location, verify, into, keys)
                 except (CorruptionError, NotFoundError):
                     continue
                 log.warning("%s; loaded step %d of %r instead, the newest intact version",
@@ -353,7 +343,7 @@ class Store:
                 return obj
             raise
 
-    def _load_opened(self, version: Version, map_location, verify: bool, into):
+    def _load_opened(self, version: Version, map_location, verify: bool, into, keys):
         """The saved object of ``version`` (opened, closed here): ``Version.load``; of a
         multi-rank DCP version, its whole state (ckptfs.dist.whole), or with ``into`` DCP's
         load into it."""
@@ -362,12 +352,14 @@ class Store:
 
         if into is not None and is_global_version(version.manifest):
             # a state of any layout, matched by key and resharded by DCP: this process alone
+            from ckptfs.dist.writer import load_in_this_process
+
             model, step = version.info.model, version.info.step
             version.close()
-            return _load_multi_rank_into(self, model, step, into)
+            return load_in_this_process(self, model, step, into, keys)
         v, _ = as_whole(self, version)
         with v:
-            return v.load(map_location, verify, into)
+            return v.load(map_location, verify, into, keys)
 
     def verify(self, model: str | None = None, step: int | None = None,
                progress: Callable[[int], None] | None = None) -> list[VerifyProblem]:

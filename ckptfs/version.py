@@ -65,10 +65,10 @@ class Version:
         VersionData.confirm): call it after copying, before trusting the copy."""
         self.data.confirm()
 
-    def load(self, map_location="cpu", verify: bool = True, into=None):
+    def load(self, map_location="cpu", verify: bool = True, into=None, keys=None):
         """The saved object (see Store.load)."""
         self._check_usable()
-        return self.data.restore(map_location, verify, into)
+        return self.data.restore(map_location, verify, into, keys)
 
     def _check_usable(self) -> None:
         if not self._open:

@@ -259,7 +259,8 @@ def test_the_fault_oracle_catches_unchecked_reads(pristine, tmp_path, monkeypatc
     # A reader that skipped its checksums would return damaged bytes: the oracle must say so.
     from ckptfs.reader import VersionData
     real_restore = VersionData.restore
-    monkeypatch.setattr(VersionData, "restore", lambda self, loc="cpu", verify=True, into=None: real_restore(self, loc, False, into))
+    monkeypatch.setattr(VersionData, "restore", lambda self, loc="cpu", verify=True, into=None, keys=None:
+                        real_restore(self, loc, False, into, keys))
     site = _site(pristine, "tensor", step=20, tensor="model.w")
     victim = str(tmp_path / "v.region")
     copy_sparse(pristine, victim)

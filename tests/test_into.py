@@ -1,6 +1,7 @@
 """Store.load(into=) against random nested states: into= is matched to the saved tensors by key
 path, whatever the order of its keys, with ties kept or broken, keys of different types that read
-alike told apart; a state that lacks a saved key path is refused before anything is written."""
+alike told apart; a state that lacks a saved key path is refused before anything is written.
+Store.load(keys=): a part of a checkpoint (its weights, without the optimizer), read alone."""
 import itertools
 
 import pytest
@@ -8,6 +9,8 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import ckptfs
+from conftest import assert_same
+from test_cli import flip_a_tensor_byte
 
 # leaves: the id of a tensor in a pool (an id at two places: tied weights); keys of two types
 # that read alike ("1" and 1) and list indexes (a list's 0 and a dict's key 0)
@@ -97,3 +100,73 @@ def test_into_is_matched_by_key_path(shared_store, shape, untie, rnd, data):
         with pytest.raises(ValueError, match="only the checkpoint has"):
             shared_store.load("m", step=step, into=lacking)
         assert not any(t.any() for t in fresh.values() if isinstance(t, torch.Tensor))
+
+
+def _training_checkpoint():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Linear(64, 2))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 16)).sum().backward()
+    opt.step()
+    return model, {"model": model.state_dict(), "optim": opt.state_dict(), "epoch": 7}
+
+
+def test_keys_loads_the_weights_alone_and_reads_nothing_else(tmp_path):
+    """keys=["model"]: the weights of a training checkpoint, for evaluation or fine-tuning with a
+    fresh optimizer. Only their bytes are read and checked: a damaged optimizer tensor does not
+    stop it (the whole load says it is damaged); it used to take loading all of it, twice the
+    memory of the weights for AdamW's moments."""
+    region = str(tmp_path / "r.region")
+    model, state = _training_checkpoint()
+    with ckptfs.Store.create(region, size_bytes=64 << 20) as store:
+        with store.writer("m") as w:
+            w.save(state, 1).result()
+    flip_a_tensor_byte(region, "m", 1, "optim.state.0.exp_avg_sq")
+    with ckptfs.Store(region) as store:
+        with pytest.raises(ckptfs.errors.CorruptionError, match="optim.state.0.exp_avg_sq"):
+            store.load("m", step=1)
+        got = store.load("m", keys=["model"])
+        assert list(got) == ["model"]
+        assert_same(got["model"], state["model"])
+        assert_same(store.load("m", keys="model"), got)  # a str for one key
+        # in place, into a fresh model's state dict of that part alone, in any key order
+        fresh = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Linear(64, 2))
+        into = {"model": dict(reversed(list(fresh.state_dict().items())))}
+        assert store.load("m", keys=["model"], into=into)["model"]["0.weight"] is into["model"]["0.weight"]
+        assert all(torch.equal(v, model.state_dict()[k]) for k, v in fresh.state_dict().items())
+        # plain values come along, in the saved order
+        assert list(store.load("m", keys=["epoch", "model"])) == ["model", "epoch"]
+        assert store.load("m", keys=["epoch"]) == {"epoch": 7}
+        # a key it lacks, or a saved object that is not a dict: one line, in the argument's words
+        with pytest.raises(ValueError, match=r"keys=: m step 1 has no top-level key 'weights'; it has 'model', "
+                                             r"'optim', 'epoch'"):
+            store.load("m", keys=["weights"])
+        with pytest.raises(ValueError, match="pass top-level keys of the saved dict"):
+            store.load("m", keys=3)
+        # into= of another part than keys= names: refused before anything is written
+        zeros = {"optim": {"w": torch.zeros(2)}}
+        with pytest.raises(ValueError, match=r"only into= has 'optim.w'"):
+            store.load("m", keys=["model"], into=zeros)
+        with store.writer("list") as w:
+            w.save([torch.ones(2)], 1).result()
+        with pytest.raises(ValueError, match=r"list step 1 is not a dict \(its saved object is a list\)"):
+            store.load("list", keys=["model"])
+
+
+def test_keys_of_a_version_saved_through_dcp(store):
+    """keys= of a multi-rank version (here DCP's save in one process): its whole tensors of those
+    keys alone; with into=, DCP loads the keys into= holds, which must be those."""
+    import torch.distributed.checkpoint as dcp
+
+    _, state = _training_checkpoint()
+    state = {"model": state["model"], "ema": {k: v + 1 for k, v in state["model"].items()}, "step": 3}
+    dcp.save(state, storage_writer=ckptfs.dcp.StorageWriter(store, "d", step=1))
+    got = store.load("d", keys=["ema"])
+    assert list(got) == ["ema"]
+    assert_same(dict(sorted(got["ema"].items())), dict(sorted(state["ema"].items())))  # DCP's order of keys
+    into = {"ema": {k: torch.zeros_like(v) for k, v in state["ema"].items()}}
+    store.load("d", keys=["ema"], into=into)
+    assert_same(into["ema"], state["ema"])
+    with pytest.raises(ValueError, match=r"keys=\['model'\] with into= of a multi-rank version: DCP loads the keys "
+                                         r"into= holds, and into= holds \['ema'\]"):
+        store.load("d", keys=["model"], into=into)

@@ -440,7 +440,7 @@ class WholeVersion:
         for p in self._parts:
             p.confirm()
 
-    def load(self, map_location="cpu", verify: bool = True, into=None):
+    def load(self, map_location="cpu", verify: bool = True, into=None, keys=None):
         """The whole state, as ``Version.load`` gives a single process's (``Store.load``): whole
         tensors and the plain values the parts stored. Every read is checked, ``verify`` or not
         (each part's checked read path). NotFoundError if some parts are in another node's region."""
@@ -459,17 +459,18 @@ class WholeVersion:
                           "through DCP)", stacklevel=4)
         from ckptfs.restore import restore
 
-        return restore(self, map_location, verify, into, fill=self._read_tensors)
+        return restore(self, map_location, verify, into, fill=self._read_tensors, keys=keys)
 
     def _read_tensors(self, tensors: list) -> None:
-        """Fill ``tensors`` (one per whole tensor, contiguous, on any device) from the parts."""
+        """Fill ``tensors`` (one per whole tensor, contiguous, on any device; None: one not
+        wanted) from the parts."""
         import torch
         from torch.autograd.graph import increment_version
 
         # host tensors are written by address: tell autograd, as a copy_ would (ckptfs.restore.copy_out)
-        increment_version([t for t in tensors if t.is_cpu])
+        increment_version([t for t in tensors if t is not None and t.is_cpu])
         for (_, pieces), record, t in zip(self.layout.pieces, self.manifest.tensors, tensors):
-            if not record.nbytes:
+            if t is None or not record.nbytes:
                 continue
             dest = t.detach() if t.is_cpu else torch.empty(record.nbytes, dtype=torch.uint8)
             out = memoryview(dest.view(-1).view(torch.uint8).numpy())

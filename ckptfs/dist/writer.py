@@ -31,6 +31,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -390,16 +391,24 @@ def _key_paths(obj, prefix: str = ""):
 
 
 def load(store, model: str, into: dict, *, group=None, step: int | None = None, peers=(),
-         timeout_s: float = 300.0) -> dict:
+         timeout_s: float = 300.0, keys=None) -> dict:
     """Load the newest step of ``model`` that every node records (or ``step``) into ``into``
     (this rank's state dict, of any sharding and world size: DCP reshards), in place, on every
-    rank of ``group``; returns ``into``. ``peers``: other nodes' regions reachable from here."""
+    rank of ``group``; returns ``into``. ``peers``: other nodes' regions reachable from here.
+    ``keys`` (Store.load's): DCP loads the keys of the state dict it is given, so ``into``
+    holds exactly those (ValueError otherwise)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     if into is None:
         raise ValueError("a load of many ranks needs into= (the state dict to load in place, e.g. "
                          "{'model': model.state_dict(), 'optim': optimizer.state_dict()})")
+    if keys is not None:
+        wanted = [keys] if isinstance(keys, str) else list(keys)
+        if not isinstance(into, dict) or set(into) != set(wanted):
+            raise ValueError(f"keys={wanted!r} with into= of a multi-rank version: DCP loads the keys into= holds, "
+                             f"and into= holds {list(into) if isinstance(into, dict) else into!r:.80}; pass into= "
+                             "with exactly those keys (or leave keys= out)")
     gloo = _gloo_group(group, timeout_s, model, "load")
     reader = StorageReader(store, model, step, peers=peers, timeout_s=timeout_s, group=gloo)
     try:
@@ -418,6 +427,20 @@ def load(store, model: str, into: dict, *, group=None, step: int | None = None, 
         raise CkptfsError(f"the load of {model!r} failed on rank {other} ({type(error).__name__}: {error}); this "
                           "rank's state is partly loaded: load again once that is mended") from None
     return into
+
+
+def load_in_this_process(store, model: str, step: int, into, keys=None):
+    """``Store.load(into=)`` without ``group`` of a multi-rank version: DCP's load in this process
+    alone, into ``into`` (``load``). In a job of many ranks it must be every rank's load
+    (``group=``), or the whole state without ``into``: ValueError."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(f"{model} step {step} was saved by many ranks: load it at every rank with group= "
+                         "(and into= this rank's state dict), or without into= for its whole state")
+    with warnings.catch_warnings():  # DCP's "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        return load(store, model, into, step=step, keys=keys)
 
 
 def _gloo_group(group, timeout_s: float, model: str, purpose: str = "save"):
