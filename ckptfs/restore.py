@@ -11,7 +11,7 @@ from torch.autograd.graph import increment_version
 
 from ckptfs.chunks import Chunk, copy_runs
 from ckptfs.errors import CorruptionError, UnsupportedObjectError
-from ckptfs.flatten import flatten
+from ckptfs.flatten import flatten, plain_node
 from ckptfs.gcpause import paused_gc
 from ckptfs.manifest import Manifest
 from ckptfs.skeleton import map_tensor_refs, ref_names, tensor_refs, unflatten
@@ -44,27 +44,38 @@ def select_keys(manifest: Manifest, keys) -> tuple[dict, set[int] | None]:
     not a dict or lacks one of the keys."""
     if keys is None:
         return manifest.skeleton, None
-    if isinstance(keys, str):
-        keys = [keys]
-    try:
-        keys = list(keys)
-    except TypeError:
-        raise ValueError(f"keys={keys!r}: pass top-level keys of the saved dict, e.g. keys=['model']") from None
+    keys = key_list(keys)
     (kind, value), = manifest.skeleton.items()
     where = f"{manifest.model} step {manifest.step}"
     if kind not in ("dict", "odict"):
         raise ValueError(f"keys={keys!r}: {where} is not a dict (its saved object is a {kind}); load it whole "
                          "(keys=None)")
-    entries = [(unflatten(k, []), [k, v]) for k, v in value]
-    have = [key for key, _ in entries]
+    # compared as skeleton nodes, as the keys are stored: the key 0 is not False, nor 1.0
+    chosen = []
     for key in keys:
-        if key not in have:
+        try:
+            chosen.append(plain_node(key))
+        except UnsupportedObjectError:
+            chosen.append(None)  # not a key any saved dict can have
+    for key, node in zip(keys, chosen):
+        if node not in [k for k, _ in value]:
+            have = [unflatten(k, []) for k, _ in value]
             raise ValueError(f"keys=: {where} has no top-level key {key!r}; it has "
                              f"{', '.join(map(repr, have[:8]))}{', ...' if len(have) > 8 else ''}")
-    skeleton = {kind: [item for key, item in entries if key in keys]}
+    skeleton = {kind: [item for item in value if item[0] in chosen]}
     refs: list = []
     tensor_refs(skeleton, (), refs)
     return skeleton, {i for _, i in refs}
+
+
+def key_list(keys) -> list:
+    """``keys`` (Store.load's: an iterable of top-level keys, or one str) as a list; ValueError,
+    in the words of the argument, for anything else."""
+    if isinstance(keys, str):
+        return [keys]
+    if isinstance(keys, (bytes, bytearray, dict)) or not hasattr(keys, "__iter__"):
+        raise ValueError(f"keys={keys!r:.60}: pass top-level keys of the saved dict, e.g. keys=['model']")
+    return list(keys)
 
 
 def load_device(map_location) -> torch.device:
@@ -264,7 +275,9 @@ def matching_tensors(manifest: Manifest, into, skeleton: dict | None = None) -> 
         record = manifest.tensors[stored_of[j]]
         name, dtype, shape = flat.signature[j]
         if (dtype, shape) != (record.dtype, record.shape):
-            shares = "" if first[stored_of[j]] == j else f" (a name that shares {record.name!r} in the checkpoint)"
+            i = stored_of[j]
+            shares = "" if first[i] == j else \
+                f" (a name that shares {next(n for (_, k), n in zip(saved, _names(skeleton)) if k == i)!r} in the checkpoint)"
             raise ValueError(f"into= differs from {manifest.model} step {manifest.step} at {name!r}{shares}: saved "
                              f"{record.dtype}{list(record.shape)}, into= has {dtype}{list(shape)}")
         if not t.is_contiguous() and torch._debug_has_internal_overlap(t) != 0:  # 0: none; 2: too hard to tell

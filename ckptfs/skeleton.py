@@ -174,15 +174,23 @@ def tensor_refs(node: dict, path: tuple, out: list, exact: bool = False) -> None
     not a generator: a skeleton of 40,000 tensors is walked on every first view of a version).
     The path's parts are text (a key that is not a str as its repr, a list's index as digits),
     the parts of a dotted name; where ``exact``, they tell every two keys apart: a str key is
-    itself, any other key (kind, value) of its node, a list's index an int."""
+    itself, any other key (kind, value) of its node (and the how-manieth such key of the dict it
+    is, where one before it reads the same: NaNs), a list's index an int."""
     (kind, value), = node.items()
     if kind == "tensor":
         out.append((path, int(value)))
     elif kind in ("dict", "odict"):
+        seen = set() if exact else None
         for k, v in value:
             key = k.get("str")
             if type(key) is not str:
-                key = next(iter(k.items())) if exact else _key_text(unflatten(k, []))
+                if exact:
+                    key = next(iter(k.items()))
+                    while key in seen:  # two NaN keys: float("nan") != float("nan"), one hex text
+                        key = (key, len(seen))
+                    seen.add(key)
+                else:
+                    key = _key_text(unflatten(k, []))
             sub = path + (key,)
             index = tensor_leaf(v)
             if index is None:

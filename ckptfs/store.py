@@ -336,11 +336,16 @@ class Store:
                         version.close()
                         continue
                     obj = self._load_opened(version, map_location, verify, into, keys)
-                except (CorruptionError, NotFoundError):
+                except (CorruptionError, NotFoundError, ValueError):  # damaged too, or not of into='s structure
                     continue
                 log.warning("%s; loaded step %d of %r instead, the newest intact version",
                             damaged, v.header.step, model)
                 return obj
+            if into is not None:  # it was read into them as it came in
+                said = type(damaged)(f"{damaged}; into= holds some of its bytes now: load an intact version into it "
+                                     "(`ckptfs ls` lists them)")
+                said.__dict__.update(damaged.__dict__)  # a PartGoneError's rank
+                raise said from damaged
             raise
 
     def _load_opened(self, version: Version, map_location, verify: bool, into, keys):

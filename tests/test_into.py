@@ -153,6 +153,38 @@ def test_keys_loads_the_weights_alone_and_reads_nothing_else(tmp_path):
             store.load("list", keys=["model"])
 
 
+def test_keys_are_compared_as_stored_and_a_damaged_latest_falls_back_only_to_a_version_that_fits(tmp_path):
+    """keys= tells apart keys that Python finds equal (0 and False); two NaN keys are two
+    tensors of into=. With the latest damaged, a load of step None goes back to an older version
+    only where that one has the keys (an older one without them was a ValueError that hid the
+    damage), and says that into= holds some of the damaged bytes where none fits."""
+    region = str(tmp_path / "r.region")
+    nan1, nan2 = float("nan"), float("nan")
+    with ckptfs.Store.create(region, size_bytes=64 << 20) as store:
+        with store.writer("k") as w:
+            w.save({0: torch.ones(2), nan1: torch.full((2,), 2.0), nan2: torch.full((2,), 3.0)}, 1).result()
+        assert list(store.load("k", keys=[0])) == [0]
+        with pytest.raises(ValueError, match="has no top-level key False; it has 0, nan, nan"):
+            store.load("k", keys=[False])
+        into = {0: torch.zeros(2), nan1: torch.zeros(2), nan2: torch.zeros(2)}
+        store.load("k", into=into)
+        assert [t[0].item() for t in into.values()] == [1.0, 2.0, 3.0]
+        with store.writer("m") as w:
+            w.save({"model": {"w": torch.ones(1000)}}, 1).result()
+            w.save({"model": {"w": torch.full((1000,), 2.0)}, "ema": {"w": torch.full((1000,), 3.0)}}, 2).result()
+    flip_a_tensor_byte(region, "m", 2, "ema.w")
+    with ckptfs.Store(region) as store:
+        target = {"ema": {"w": torch.zeros(1000)}}
+        with pytest.raises(ckptfs.errors.CorruptionError, match=r"'ema.w' of m step 2 fails its checksum.*; into= holds "
+                                                                 r"some of its bytes now: load an intact version"):
+            store.load("m", keys="ema", into=target)
+        # the weights alone are intact in step 2: no fall back
+        assert store.load("m", keys="model")["model"]["w"].eq(2.0).all()
+    flip_a_tensor_byte(region, "m", 2, "model.w")
+    with ckptfs.Store(region) as store:  # now they are not: step 1's, which has them
+        assert store.load("m", keys="model")["model"]["w"].eq(1.0).all()
+
+
 def test_keys_of_a_version_saved_through_dcp(store):
     """keys= of a multi-rank version (here DCP's save in one process): its whole tensors of those
     keys alone; with into=, DCP loads the keys into= holds, which must be those."""

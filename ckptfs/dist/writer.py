@@ -404,8 +404,10 @@ def load(store, model: str, into: dict, *, group=None, step: int | None = None, 
         raise ValueError("a load of many ranks needs into= (the state dict to load in place, e.g. "
                          "{'model': model.state_dict(), 'optim': optimizer.state_dict()})")
     if keys is not None:
-        wanted = [keys] if isinstance(keys, str) else list(keys)
-        if not isinstance(into, dict) or set(into) != set(wanted):
+        from ckptfs.restore import key_list
+
+        wanted = key_list(keys)
+        if not isinstance(into, dict) or any(k not in wanted for k in into) or any(k not in into for k in wanted):
             raise ValueError(f"keys={wanted!r} with into= of a multi-rank version: DCP loads the keys into= holds, "
                              f"and into= holds {list(into) if isinstance(into, dict) else into!r:.80}; pass into= "
                              "with exactly those keys (or leave keys= out)")
