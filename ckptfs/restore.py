@@ -270,7 +270,7 @@ def matching_tensors(manifest: Manifest, into, skeleton: dict | None = None) -> 
                              "(clone() one)")
         first.setdefault(i, j)
     if missing or len(at) != len(saved):  # a key path one side lacks
-        _key_paths_differ(manifest, skeleton, flat, saved, have, at)
+        _key_paths_differ(manifest, skeleton, flat, saved, have, at, into)
     for j, t in enumerate(flat.tensors):
         record = manifest.tensors[stored_of[j]]
         name, dtype, shape = flat.signature[j]
@@ -292,7 +292,7 @@ def matching_tensors(manifest: Manifest, into, skeleton: dict | None = None) -> 
     return targets, untied, (map_tensor_refs(skeleton, lambda _: next(at_ref)), list(flat.tensors))
 
 
-def _key_paths_differ(manifest: Manifest, skeleton: dict, flat, saved: list, have: list, at: dict) -> None:
+def _key_paths_differ(manifest: Manifest, skeleton: dict, flat, saved: list, have: list, at: dict, into) -> None:
     """The ValueError of an ``into`` (``flat``, whose tensor references are ``have``, by key path
     in ``at``) whose key paths differ from those of the saved ``skeleton`` (``saved``), naming
     a few of each side's own (in the words of dotted names)."""
@@ -307,12 +307,17 @@ def _key_paths_differ(manifest: Manifest, skeleton: dict, flat, saved: list, hav
         f"only the checkpoint has {', '.join(repr(saved_names[p]) for p in only_saved[:3])}" if only_saved else "",
         f"{min(alike)!r} on both sides is a key or a list's item of another type" if alike else "") if part)
     stored = len({i for _, i in saved})
-    fresh = only_saved and not only_into and len(flat.tensors) < stored
+    if only_saved and not only_into and isinstance(into, dict) and \
+            all(type(p[0]) is str and p[0] not in into for p in only_saved):
+        # whole top-level entries that into= leaves out (the optimizer's): a load of the rest
+        advice = f": to load only the entries into= holds, pass keys={list(into)!r:.80}"
+    elif only_saved and not only_into and len(flat.tensors) < stored:
+        advice = (": an optimizer has no state before its first step; load without into= and pass the parts to "
+                  "load_state_dict (obj = store.load(...); opt.load_state_dict(obj['optim']))")
+    else:
+        advice = ": pass state dicts of the structure the checkpoint was saved from"
     raise ValueError(f"into= holds {_tensors(len(flat.tensors))} and {manifest.model} step {manifest.step} holds "
-                     f"{_tensors(stored)} ({said})" + (
-                         ": an optimizer has no state before its first step; load without into= and pass the "
-                         "parts to load_state_dict (obj = store.load(...); opt.load_state_dict(obj['optim']))"
-                         if fresh else ": pass state dicts of the structure the checkpoint was saved from"))
+                     f"{_tensors(stored)} ({said}){advice}")
 
 
 def _tensors(n: int) -> str:

@@ -477,6 +477,10 @@ def test_into_of_another_structure_names_what_differs(store):
     # a job resumed with a fresh optimizer (no state before its first step): the way out
     with pytest.raises(ValueError, match=r"only the checkpoint has 'b'\): an optimizer has no state before its first "
                                          r"step; load without into= and pass the parts to load_state_dict"):
+        store.load("m", into={"a": torch.zeros(2), "b": {}})
+    # into= without a top-level entry (the weights alone): the way to load just what it holds
+    with pytest.raises(ValueError, match=r"only the checkpoint has 'b'\): to load only the entries into= holds, "
+                                         r"pass keys=\['a'\]"):
         store.load("m", into={"a": torch.zeros(2)})
 
 
