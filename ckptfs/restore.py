@@ -57,8 +57,9 @@ def select_keys(manifest: Manifest, keys) -> tuple[dict, set[int] | None]:
             chosen.append(plain_node(key))
         except UnsupportedObjectError:
             chosen.append(None)  # not a key any saved dict can have
+    stored_keys = [k for k, _ in value]
     for key, node in zip(keys, chosen):
-        if node not in [k for k, _ in value]:
+        if node not in stored_keys:
             have = [unflatten(k, []) for k, _ in value]
             raise ValueError(f"keys=: {where} has no top-level key {key!r}; it has "
                              f"{', '.join(map(repr, have[:8]))}{', ...' if len(have) > 8 else ''}")
@@ -263,11 +264,10 @@ def matching_tensors(manifest: Manifest, into, skeleton: dict | None = None) -> 
             missing = True
             break
         if stored_of.setdefault(j, i) != i:
-            names = dict(zip([p for p, _ in saved], _names(skeleton)))
-            other = next(p for p, k in saved if at.get(p) == j)
-            raise ValueError(f"into= holds one tensor at {names[other]!r} and at {names[path]!r}, which "
-                             f"{manifest.model} step {manifest.step} stores apart: pass a tensor of its own for each "
-                             "(clone() one)")
+            other = next(p for p, _ in saved if at.get(p) == j)
+            raise ValueError(f"into= holds one tensor at {_saved_name(skeleton, saved, other)!r} and at "
+                             f"{_saved_name(skeleton, saved, path)!r}, which {manifest.model} step {manifest.step} "
+                             "stores apart: pass a tensor of its own for each (clone() one)")
         first.setdefault(i, j)
     if missing or len(at) != len(saved):  # a key path one side lacks
         _key_paths_differ(manifest, skeleton, flat, saved, have, at, into)
@@ -276,8 +276,9 @@ def matching_tensors(manifest: Manifest, into, skeleton: dict | None = None) -> 
         name, dtype, shape = flat.signature[j]
         if (dtype, shape) != (record.dtype, record.shape):
             i = stored_of[j]
+            tie = next(p for p, k in saved if k == i)  # the stored tensor's first place in the selection
             shares = "" if first[i] == j else \
-                f" (a name that shares {next(n for (_, k), n in zip(saved, _names(skeleton)) if k == i)!r} in the checkpoint)"
+                f" (a name that shares {_saved_name(skeleton, saved, tie)!r} in the checkpoint)"
             raise ValueError(f"into= differs from {manifest.model} step {manifest.step} at {name!r}{shares}: saved "
                              f"{record.dtype}{list(record.shape)}, into= has {dtype}{list(shape)}")
         if not t.is_contiguous() and torch._debug_has_internal_overlap(t) != 0:  # 0: none; 2: too hard to tell
@@ -300,7 +301,7 @@ def _key_paths_differ(manifest: Manifest, skeleton: dict, flat, saved: list, hav
     only_into = [path for path, _ in have if path not in saved_paths]
     only_saved = [path for path, _ in saved if path not in at]
     into_names = dict(zip([p for p, _ in have], _names(flat.skeleton)))
-    saved_names = dict(zip([p for p, _ in saved], _names(skeleton)))
+    saved_names = _saved_names(skeleton, saved)
     alike = {into_names[p] for p in only_into} & {saved_names[p] for p in only_saved}
     said = "; ".join(part for part in (
         f"only into= has {', '.join(repr(into_names[p]) for p in only_into[:3])}" if only_into else "",
@@ -322,6 +323,16 @@ def _key_paths_differ(manifest: Manifest, skeleton: dict, flat, saved: list, hav
 
 def _tensors(n: int) -> str:
     return f"{n} tensor" if n == 1 else f"{n} tensors"
+
+
+def _saved_name(skeleton: dict, saved: list, path: tuple) -> str:
+    """The dotted name of exact key ``path`` of ``skeleton`` (whose references are ``saved``)."""
+    return _saved_names(skeleton, saved)[path]
+
+
+def _saved_names(skeleton: dict, saved: list) -> dict[tuple, str]:
+    """{exact key path: dotted name} of the tensor references ``saved`` of ``skeleton``."""
+    return dict(zip([p for p, _ in saved], _names(skeleton)))
 
 
 def _names(skeleton: dict) -> list[str]:

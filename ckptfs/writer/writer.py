@@ -189,7 +189,7 @@ class Writer:
         plan = None if async_snapshot else self._planner.plan(obj, step, files)
         last_snapshot = self._last_snapshot
         try:
-            self._register(future)
+            self._outstanding.add(future)
             if plan is not None:
                 if (last_snapshot is not None and not last_snapshot.done()
                         and threading.current_thread() is not self._snapshot_thread):
@@ -339,9 +339,6 @@ class Writer:
         self.close()
 
     # ------------------------------------------------------------------ one save
-    def _register(self, future: SaveFuture) -> None:
-        self._outstanding.add(future)
-
     def _start_snapshot_thread(self) -> None:
         def start() -> None:
             # started and recorded as one, to its end under Ctrl-C: an interrupt between the two
