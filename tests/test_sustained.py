@@ -10,7 +10,8 @@ import os
 
 import pytest
 
-from ckptfs.testing.load import fuse_available, mount_kill_rounds, sustained_load
+from ckptfs.testing.load import mount_kill_rounds, sustained_load
+from ckptfs.testing.mounts import fuse_available
 
 pytestmark = [pytest.mark.slow, pytest.mark.crash]
 

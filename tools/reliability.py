@@ -80,7 +80,8 @@ def run_kills(a, workdir, rows, failures):
 
 
 def run_mount(a, workdir, rows, failures):
-    from ckptfs.testing.load import fuse_available, mount_kill_rounds
+    from ckptfs.testing.load import mount_kill_rounds
+    from ckptfs.testing.mounts import fuse_available
 
     if not fuse_available():
         rows.append(("mount daemon SIGKILLs survived", "not run: no /dev/fuse", 0))
@@ -142,7 +143,8 @@ def run_hostile(a, workdir, rows, failures):
 
 
 def run_load(a, workdir, rows, failures):
-    from ckptfs.testing.load import fuse_available, sustained_load
+    from ckptfs.testing.load import sustained_load
+    from ckptfs.testing.mounts import fuse_available
 
     mount = fuse_available()
     r = sustained_load(os.path.join(workdir, "load"), a.load_seconds, mount=mount)

@@ -70,7 +70,8 @@ def set_readahead(mountpoint: str, kb: int) -> bool:
         return False
 
 
-def _fusermount() -> str | None:
+def fusermount() -> str | None:
+    """The path of fusermount3 (or fusermount), None where neither is installed."""
     return shutil.which("fusermount3") or shutil.which("fusermount")
 
 
@@ -83,7 +84,7 @@ def umount(mountpoint: str, *, lazy_fallback: bool = True) -> str:
         raise MountError(f"{mountpoint} is not mounted")
     if not entry[0].startswith("fuse"):
         raise MountError(f"{mountpoint} is a {entry[0]} mount, not ckptfs; use umount(8)")
-    tool = _fusermount()
+    tool = fusermount()
     cmd = [tool, "-u"] if tool else ["umount"]
     r = subprocess.run(cmd + [mountpoint], capture_output=True, text=True)
     if r.returncode == 0:

@@ -22,10 +22,7 @@ import json
 import multiprocessing as mp
 import os
 import random
-import shutil
 import signal
-import subprocess
-import sys
 import time
 import traceback
 import zlib
@@ -36,9 +33,9 @@ import torch
 import ckptfs
 from ckptfs.errors import NotFoundError
 from ckptfs.testing.crashcheck import same
+from ckptfs.testing.mounts import start_mount, wait_unmounted
 
 KILL_MODELS = ("alpha", "beta")
-CLI = [sys.executable, "-m", "ckptfs.cli"]
 
 
 # What the children of the tests and benchmarks import, imported once by the fork server: each
@@ -172,59 +169,6 @@ def kill_rounds(region_path: str, rounds: int, seed: int = 0, max_delay_s: float
             progress(report)
     report.seconds = time.monotonic() - started
     return report
-
-
-# ------------------------------------------------------------------------------ mounts
-
-def fusermount() -> str | None:
-    return shutil.which("fusermount3") or shutil.which("fusermount")
-
-
-def fuse_available() -> bool:
-    return os.path.exists("/dev/fuse") and os.access("/dev/fuse", os.R_OK | os.W_OK) and fusermount() is not None
-
-
-class Mount:
-    def __init__(self, region: str, path: str, timeout: float = 60.0):
-        os.makedirs(path, exist_ok=True)
-        self.region, self.path = region, path
-        self.log_path = path.rstrip("/") + ".log"
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(CLI + ["mount", "--foreground", "--region", region, path],
-                                     stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-        log.close()
-        deadline = time.monotonic() + timeout
-        while not os.path.ismount(path):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"the mount did not come up: {open(self.log_path, errors='replace').read()[-2000:]}")
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        fm = fusermount()
-        if os.path.ismount(self.path) and fm:
-            subprocess.run([fm, "-u", self.path], capture_output=True)
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
-        if os.path.ismount(self.path) and fm:
-            subprocess.run([fm, "-uz", self.path], capture_output=True)
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def _wait_unmounted(path: str, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if not os.path.ismount(path):
-                return True
-        except OSError:  # ENOTCONN while the dead mount is being taken down
-            pass
-        time.sleep(0.05)
-    return False
 
 
 # ------------------------------------------------------------------------------ shared children
@@ -365,7 +309,7 @@ def sustained_load(workdir: str, seconds: float, *, readers: int = 4, inflight: 
     stop = os.path.join(workdir, "stop")
     if os.path.exists(stop):
         os.unlink(stop)
-    mnt = Mount(region, os.path.join(workdir, "mnt")) if mount else None
+    mnt = start_mount(region, os.path.join(workdir, "mnt")) if mount else None
     ctx = mp_context()
     reports = {k: os.path.join(workdir, f"{k}.json") for k in
                ["writer", "verifier"] + [f"reader{i}" for i in range(readers)]}
@@ -459,7 +403,7 @@ def mount_kill_rounds(workdir: str, rounds: int, seed: int = 0, holders: int = 2
                     if time.monotonic() > deadline:
                         raise RuntimeError("the writer saved nothing")
                     time.sleep(0.02)
-            mnt = Mount(region, os.path.join(workdir, "mk-mnt"))
+            mnt = start_mount(region, os.path.join(workdir, "mk-mnt"))
             readies = [os.path.join(workdir, f"mk-ready{i}") for i in range(holders)]
             for p in readies:
                 if os.path.exists(p):
@@ -475,7 +419,7 @@ def mount_kill_rounds(workdir: str, rounds: int, seed: int = 0, holders: int = 2
             time.sleep(rng.uniform(0, 0.3))
             os.kill(mnt.proc.pid, signal.SIGKILL)  # readers hold open files, the writer saves
             mnt.proc.wait()
-            if not _wait_unmounted(mnt.path):
+            if not wait_unmounted(mnt.path):
                 fails.append("the dead daemon's mount was not taken down (auto_unmount)")
             for k in kids:
                 os.kill(k.pid, signal.SIGKILL)
@@ -497,7 +441,7 @@ def mount_kill_rounds(workdir: str, rounds: int, seed: int = 0, holders: int = 2
                 latest = s.latest(model)
                 if s.verify(model):
                     fails.append(f"verify: {s.verify(model)}")
-            mnt2 = Mount(region, os.path.join(workdir, "mk-mnt"))
+            mnt2 = start_mount(region, os.path.join(workdir, "mk-mnt"))
             try:
                 got = torch.load(os.path.join(mnt2.path, model, "latest", "checkpoint.pt"), weights_only=True)
                 diff = same(load_state(latest.step, 1 << 14), got)
