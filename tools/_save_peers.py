@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 import _bench_common as bc
+import _raw_io as raw
 
 # key -> (label, kind); kind "baseline" rows feed a target ratio
 LABELS: dict[str, tuple[str, str]] = {
@@ -116,27 +117,27 @@ def timed(fn: Callable[[], Any]) -> float:
 # generator cleans up
 
 
-def m_raw(b: Bench, buf: bc.AlignedBuffer) -> Iterator[dict]:
+def m_raw(b: Bench, buf: raw.AlignedBuffer) -> Iterator[dict]:
     f = b.path("raw.bin")
     ring = b.path("raw-ring.bin")
     k = b2b_saves(b.args)
     try:
         # the baseline of back-to-back saves: as many states as they write, overwritten in a row,
         # each made durable (a burst of one state can land in a cache that N+1 of them overflow)
-        bc.odirect_write(ring, k * b.nbytes, buf, threads=1)
+        raw.odirect_write(ring, k * b.nbytes, buf, threads=1)
         while True:
             bc.remove(f)
             b.drop()
-            w = bc.odirect_write(f, b.nbytes, buf, threads=1)
+            w = raw.odirect_write(f, b.nbytes, buf, threads=1)
             b.drop()
-            r = bc.odirect_read(f, b.nbytes, buf, threads=1)
+            r = raw.odirect_read(f, b.nbytes, buf, threads=1)
             b.drop()
-            r_fresh = bc.odirect_read_fresh(f, b.nbytes, buf.nbytes)
+            r_fresh = raw.odirect_read_fresh(f, b.nbytes, buf.nbytes)
             b.drop()
-            o = bc.odirect_write(f, b.nbytes, buf, threads=1, overwrite=True)
+            o = raw.odirect_write(f, b.nbytes, buf, threads=1, overwrite=True)
             bc.remove(f)
             b.drop()
-            o_k = bc.odirect_write_states(ring, b.nbytes, k, buf)
+            o_k = raw.odirect_write_states(ring, b.nbytes, k, buf)
             yield {"raw_write": {"s": w}, "raw_read": {"s": r}, "raw_read_fresh": {"s": r_fresh}, "raw_overwrite": {"s": o},
                    "raw_overwrite_b2b": {"s": o_k / k, "states": k}}
     finally:
@@ -149,7 +150,7 @@ def b2b_saves(args) -> int:
     return (args.max_inflight or 2) + 1
 
 
-def m_extra(b: Bench, buf: bc.AlignedBuffer) -> Iterator[dict]:
+def m_extra(b: Bench, buf: raw.AlignedBuffer) -> Iterator[dict]:
     """Other ways to write/read the same bytes (information for choosing the write path)."""
     n, th = b.nbytes, b.args.raw_threads
     f = b.path("extra.bin")
@@ -159,17 +160,17 @@ def m_extra(b: Bench, buf: bc.AlignedBuffer) -> Iterator[dict]:
             if th > 1:
                 bc.remove(f)
                 b.drop()
-                out["raw_write_mt"] = {"s": bc.odirect_write(f, n, buf, threads=th), "threads": th}
+                out["raw_write_mt"] = {"s": raw.odirect_write(f, n, buf, threads=th), "threads": th}
                 b.drop()
-                out["raw_read_mt"] = {"s": bc.odirect_read(f, n, buf, threads=th), "threads": th}
+                out["raw_read_mt"] = {"s": raw.odirect_read(f, n, buf, threads=th), "threads": th}
             bc.remove(f)
             b.drop()
-            out["buffered_write"] = {"s": bc.buffered_write_fsync(f, n, buf)}
+            out["buffered_write"] = {"s": raw.buffered_write_fsync(f, n, buf)}
             b.drop()
-            out["buffered_read"] = {"s": bc.buffered_read(f, n, buf)}
+            out["buffered_read"] = {"s": raw.buffered_read(f, n, buf)}
             bc.remove(f)
             b.drop()
-            out["mmap_msync"] = {"s": bc.mmap_write_msync(f, n, buf)}
+            out["mmap_msync"] = {"s": raw.mmap_write_msync(f, n, buf)}
             bc.remove(f)
             yield out
     finally:

@@ -44,6 +44,7 @@ sys.path.insert(1, os.path.dirname(_HERE))
 import torch  # noqa: E402
 
 import _bench_common as bc  # noqa: E402
+import _raw_io as raw  # noqa: E402
 
 MODEL = "bench"
 RAW_THREADS = 2  # the writer's persist threads (DEFAULT_PERSIST_THREADS)
@@ -134,8 +135,8 @@ def _save_rank(rank, world, args, workdir, out, keep: bool) -> None:
             d.copy_(src, non_blocking=cuda)
         bc.cuda_sync(args.device)
     raw_path = os.path.join(workdir, f"raw-{rank}")
-    raw_buf = bc.AlignedBuffer(8 << 20)
-    bc.odirect_write(raw_path, nbytes, raw_buf)  # written once: the rounds overwrite
+    raw_buf = raw.AlignedBuffer(8 << 20)
+    raw.odirect_write(raw_path, nbytes, raw_buf)  # written once: the rounds overwrite
     store = ckptfs.Store(os.path.join(workdir, f"region-{world}"))
     samples = []
     with store.writer(MODEL, group=dist.group.WORLD, max_inflight=2, timeout_s=600) as w:
@@ -183,10 +184,10 @@ def _save_rank(rank, world, args, workdir, out, keep: bool) -> None:
             afsdir = fsdir + "-async"
             row["adcp_fs"] = _timed(lambda: async_save(dcp.FileSystemWriter(afsdir, sync_files=True)), gloo)
             row["adcp_fs_stall"] = _max(holder["stall"], gloo)
-            row["raw1"] = _timed(lambda: bc.odirect_write(raw_path, nbytes, raw_buf, overwrite=True), gloo)
+            row["raw1"] = _timed(lambda: raw.odirect_write(raw_path, nbytes, raw_buf, overwrite=True), gloo)
             # as many writes in flight per rank as the writer's persist threads: the device's
             # ceiling is the faster of the two (a virtual disk may need the queue depth)
-            row["raw2"] = _timed(lambda: bc.odirect_write(raw_path, nbytes, raw_buf, threads=RAW_THREADS,
+            row["raw2"] = _timed(lambda: raw.odirect_write(raw_path, nbytes, raw_buf, threads=RAW_THREADS,
                                                           overwrite=True), gloo)
             row["raw"] = min(row["raw1"], row["raw2"])
             row["bytes"] = _sum(nbytes, gloo)
@@ -239,11 +240,11 @@ def _load_rank(rank, world, args, workdir, saved_world, out) -> None:
     fs_dir = os.path.join(workdir, "fs-kept")
     files = sorted(os.path.join(fs_dir, f) for f in os.listdir(fs_dir) if f.endswith(".distcp"))
     mine = files[rank::world]  # the floor: the same bytes, each rank an equal share, O_DIRECT
-    raw_buf = bc.AlignedBuffer(8 << 20)
+    raw_buf = raw.AlignedBuffer(8 << 20)
 
     def raw_read():
         for f in mine:
-            bc.odirect_read(f, os.path.getsize(f) // 4096 * 4096, raw_buf)
+            raw.odirect_read(f, os.path.getsize(f) // 4096 * 4096, raw_buf)
 
     for _ in range(args.rounds):
         row = {}

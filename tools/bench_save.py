@@ -42,6 +42,7 @@ sys.path.insert(1, os.path.dirname(_HERE))
 import torch  # noqa: E402
 
 import _bench_common as bc  # noqa: E402
+import _raw_io as raw  # noqa: E402
 from _save_peers import (LABELS, Bench, b2b_saves, m_dcp, m_dcp_async, m_extra, m_memcpy, m_raw,  # noqa: E402
                          m_safetensors, m_torch_save, timed_copy)
 
@@ -72,14 +73,14 @@ def _first_stall(b: Bench, state, size: int, wkw: dict, prepare: bool) -> float:
             os.remove(path)
 
 
-def _raw_read_of_version(b: Bench, store, model: str, buf: bc.AlignedBuffer) -> float:
+def _raw_read_of_version(b: Bench, store, model: str, buf: raw.AlignedBuffer) -> float:
     """Seconds of an O_DIRECT read, caches dropped first, of the data area of ``model``'s latest
     version in ``store``'s region file: the blocks a Store.load of it reads."""
     with store.open_version(model) as version:
         base, nbytes = version._slot_version.data_base, version.manifest.data_bytes
     start = base // 4096 * 4096
     b.drop()
-    return bc.odirect_read(store.path, base + nbytes - start, buf, offset=start)
+    return raw.odirect_read(store.path, base + nbytes - start, buf, offset=start)
 
 
 def region_bytes(a: argparse.Namespace, nbytes: int) -> int:
@@ -103,7 +104,7 @@ def m_ckptfs(b: Bench, state: Any) -> Iterator[dict]:
     b.first_stalls = [_first_stall(b, state, size, wkw, prepare=True) for _ in range(FIRST_SAVES - 1)]
     store = ckptfs.Store.create(region, size_bytes=size)
     w = copy_dst = None
-    slot_buf = bc.AlignedBuffer(a.block_mib * bc.MiB)  # for the raw read beside each load
+    slot_buf = raw.AlignedBuffer(a.block_mib * bc.MiB)  # for the raw read beside each load
     try:
         w = store.writer(model, **wkw)
         # warm-up: the first save creates the model's slot ring (and the staging pool) and writes
@@ -378,7 +379,7 @@ def run_state(sname: str, a: argparse.Namespace, root: str, skip: set[str]) -> d
     # file, torch.save, safetensors, DCP, DCP async), as each keeps its own between rounds
     bc.require_free(a.dir, region_bytes(a, nbytes) + 5 * nbytes, "bench_save")
     b = Bench(label, nbytes, a, root)
-    buf = bc.AlignedBuffer(a.block_mib * bc.MiB)
+    buf = raw.AlignedBuffer(a.block_mib * bc.MiB)
     ok, why = bc.ckptfs_status()
     makers: list[tuple[str, Callable[[], Iterator[dict]]]] = [
         ("raw", lambda: m_raw(b, buf)),
