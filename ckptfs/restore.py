@@ -76,7 +76,11 @@ def key_list(keys) -> list:
         return [keys]
     if isinstance(keys, (bytes, bytearray, dict)) or not hasattr(keys, "__iter__"):
         raise ValueError(f"keys={keys!r:.60}: pass top-level keys of the saved dict, e.g. keys=['model']")
-    return list(keys)
+    chosen = list(keys)
+    if not chosen:  # a load of nothing is a mistake in the caller's selection, not a request
+        raise ValueError(f"keys={keys!r:.60} selects nothing: pass top-level keys of the saved dict (e.g. "
+                         "keys=['model']), or keys=None for the whole object")
+    return chosen
 
 
 def load_device(map_location) -> torch.device:

@@ -143,6 +143,9 @@ def test_keys_loads_the_weights_alone_and_reads_nothing_else(tmp_path):
             store.load("m", keys=["weights"])
         with pytest.raises(ValueError, match="pass top-level keys of the saved dict"):
             store.load("m", keys=3)
+        for nothing in ([], ()):  # an empty selection is a mistake, even with into= of no tensors
+            with pytest.raises(ValueError, match=r"selects nothing: .* or keys=None for the whole object"):
+                store.load("m", keys=nothing, into={"ema": {}})
         # into= of another part than keys= names: refused before anything is written
         zeros = {"optim": {"w": torch.zeros(2)}}
         with pytest.raises(ValueError, match=r"only into= has 'optim.w'"):
