@@ -204,9 +204,19 @@ def test_a_ctrl_c_while_the_snapshot_thread_starts_leaves_one_thread_that_close_
 
     real_start = threading.Thread.start
 
-    # a Ctrl-C reaches Python as SIGINT through its default handler (another test's left in place
-    # would make this one say "DID NOT RAISE")
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # a Ctrl-C reaches Python as SIGINT through its default handler: set here, as a suite started in
+    # the background (`nohup ... &` from a script) inherits SIGINT ignored, and another test's
+    # handler left in place would make this one say "DID NOT RAISE"
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _ctrl_c_while_the_snapshot_thread_starts(store, monkeypatch, real_start)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _ctrl_c_while_the_snapshot_thread_starts(store, monkeypatch, real_start) -> None:
+    import signal
+
     main = threading.main_thread().ident
 
     def start_under_a_ctrl_c(self):
