@@ -12,9 +12,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 from ckptfs.checksum import crc32_combine
-from ckptfs.manifest import TensorRecord, align_up, block_count
+from ckptfs.manifest import TensorRecord, block_count
+from ckptfs.region.format import PAGE_BYTES
+from ckptfs.units import align_up
 
-IO_ALIGN_BYTES = 4096
+# O_DIRECT alignment of chunk lengths, file offsets and buffers: the format's page, at which data
+# areas start (not the host's page size: 64 KiB on some arm64 hosts, where mmap rounds up anyway)
+IO_ALIGN_BYTES = PAGE_BYTES
 
 
 class Piece(NamedTuple):  # named tuples: a plan of 40,000 tensors makes as many

@@ -430,5 +430,3 @@ def expected_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
     return math.prod(shape) * ITEMSIZE[dtype]
 
 
-def align_up(value: int, alignment: int) -> int:
-    return (value + alignment - 1) // alignment * alignment

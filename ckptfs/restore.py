@@ -15,6 +15,7 @@ from ckptfs.flatten import flatten, plain_node
 from ckptfs.gcpause import paused_gc
 from ckptfs.manifest import Manifest
 from ckptfs.skeleton import map_tensor_refs, ref_names, tensor_refs, unflatten
+from ckptfs.units import align_up
 from ckptfs.memcopy import HostTargets, prefaulted
 from ckptfs.reader import VersionData
 from ckptfs.writer.staging import StagingBuffer
@@ -175,7 +176,7 @@ def staging_views(records, pin: bool, wanted: set[int] | None = None) -> list[to
     for i, r in enumerate(records):
         offsets.append(total if wanted is None or i in wanted else None)
         if offsets[-1] is not None:
-            total += -(-r.nbytes // STAGING_ALIGN_BYTES) * STAGING_ALIGN_BYTES
+            total += align_up(r.nbytes, STAGING_ALIGN_BYTES)
     block = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin)
     return [None if o is None else block[o:o + r.nbytes].view(r.torch_dtype).view(r.shape)
             for o, r in zip(offsets, records)]

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Callable, Mapping
 
 from ckptfs.checksum import crc32_pieces
 from ckptfs.chunks import IO_ALIGN_BYTES, Chunk, Piece, block_crcs, block_pieces, plan_chunks, tensor_crcs
-from ckptfs.manifest import Manifest, TensorRecord, align_up
+from ckptfs.manifest import Manifest, TensorRecord
+from ckptfs.units import align_up
 from ckptfs.writer.staging import StagingBuffer, StagingPool
 
 if TYPE_CHECKING:

@@ -1,4 +1,5 @@
-"""Sizes as people read them, in every message and listing."""
+"""Sizes: as people read them, in every message and listing (``human_bytes``), and rounded up to
+an alignment (``align_up``)."""
 
 
 def human_bytes(n: int) -> str:
@@ -9,3 +10,8 @@ def human_bytes(n: int) -> str:
             return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     raise AssertionError("unreachable")
+
+
+def align_up(value: int, alignment: int) -> int:
+    """The least multiple of ``alignment`` (> 0) that is at least ``value``."""
+    return (value + alignment - 1) // alignment * alignment

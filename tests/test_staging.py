@@ -24,6 +24,27 @@ def test_prefill_makes_buffers_up_to_the_budget_and_acquire_uses_them():
         pool.close()
 
 
+def test_a_small_save_works_where_the_host_page_is_64_kib(store, monkeypatch):
+    """On a host of 64 KiB pages (arm64 kernels built so, as on some Grace Hopper nodes) a save of
+    a few KiB plans chunks of a multiple of the format's 4 KiB page: the staging pool took only
+    multiples of the host's page and refused them, so every small save failed. Chunks are
+    O_DIRECT-aligned at the format's page; mmap rounds a buffer up to the host's page itself."""
+    import mmap
+
+    monkeypatch.setattr(mmap, "PAGESIZE", 64 << 10)
+    state = {"w": torch.arange(2500, dtype=torch.float32)}  # 10,000 bytes: a chunk of 12 KiB
+    with store.writer("small") as w:
+        w.save(state, 1).result()
+    assert torch.equal(store.load("small")["w"], state["w"])
+    pool = StagingPool(3 * 4096, 3 * 4096)
+    try:
+        assert len(pool.acquire(timeout_s=1).mapping) >= 3 * 4096
+        with pytest.raises(ValueError, match="multiple of 4096"):
+            StagingPool(4096 + 512, 8192)
+    finally:
+        pool.close()
+
+
 def test_acquire_and_prefill_together_never_exceed_the_budget():
     pool = StagingPool(1 << 20, 4 << 20)
     try:

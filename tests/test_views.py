@@ -30,7 +30,8 @@ from safetensors.torch import load_file
 
 from ckptfs.checksum import crc32, crc32_combine
 from ckptfs.flatten import DTYPE_NAMES, DTYPES, flatten
-from ckptfs.manifest import Manifest, TensorRecord, align_up
+from ckptfs.manifest import Manifest, TensorRecord
+from ckptfs.units import align_up
 from ckptfs.skeleton import unflatten
 from ckptfs.views import (Extent, Literal, View, ViewBuilder, files_for, key_file_name,
                           metadata_json_view, safetensors_view, torch_zip_view)

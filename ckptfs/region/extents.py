@@ -28,8 +28,9 @@ from __future__ import annotations
 import logging
 
 from ckptfs.errors import CkptfsError, RegionFullError
-from ckptfs.region.format import MAX_EXTENTS, SLOT_COMMITTED, SLOTS_MAX, Extent, ModelEntry, _align, unpack_latest
+from ckptfs.region.format import MAX_EXTENTS, SLOT_COMMITTED, SLOTS_MAX, Extent, ModelEntry, unpack_latest
 from ckptfs.region.locks import slot_lock_offset
+from ckptfs.units import align_up
 
 KEPT = 1 << 62  # Ring._slot_ages' value of a slot holding a kept version: never claimed, sorts last
 
@@ -93,7 +94,7 @@ class Extents:
         with region.meta_locked():
             entry = self.ring.refresh()
             if outgrown:
-                slot_bytes = max(_align(int(need * headroom), region.superblock.block_bytes), need)
+                slot_bytes = max(align_up(int(need * headroom), region.superblock.block_bytes), need)
                 # the whole ring if there is room, else fewer (the rest follow as room is made)
                 counts = sorted({n for n in (entry.ring_slots, 2, 1) if n <= entry.ring_slots}, reverse=True)
             else:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from ckptfs.checksum import crc32
 from ckptfs.errors import IncompatibleVersionError, OldFormatError, RegionFormatError, in_words, not_a_region
+from ckptfs.units import align_up
 
 if TYPE_CHECKING:
     import numpy as np
@@ -97,7 +98,7 @@ class Superblock:
     def new(cls, region_bytes: int, block_bytes: int, created_ns: int,
             table_entries: int = DEFAULT_TABLE_ENTRIES) -> "Superblock":
         table_offset = SUPERBLOCK_BYTES
-        data_offset = _align(table_offset + 2 * table_entries * ENTRY_BYTES, block_bytes)  # table and mirror
+        data_offset = align_up(table_offset + 2 * table_entries * ENTRY_BYTES, block_bytes)  # table and mirror
         return cls(region_bytes, block_bytes, table_offset, table_entries, data_offset,
                    uuidlib.uuid4().bytes, created_ns)
 
@@ -366,9 +367,7 @@ def unpack_latest(word: int) -> tuple[int, int] | None:
 def slot_layout(manifest_bytes: int, data_bytes: int) -> tuple[int, int, int]:
     """(manifest_offset, data_offset, total bytes) of a slot holding such a checkpoint."""
     manifest_offset = SLOT_HEADER_BYTES
-    data_offset = manifest_offset + _align(manifest_bytes, PAGE_BYTES)
-    return manifest_offset, data_offset, data_offset + _align(data_bytes, PAGE_BYTES)
+    data_offset = manifest_offset + align_up(manifest_bytes, PAGE_BYTES)
+    return manifest_offset, data_offset, data_offset + align_up(data_bytes, PAGE_BYTES)
 
 
-def _align(value: int, alignment: int) -> int:
-    return (value + alignment - 1) // alignment * alignment

@@ -16,9 +16,9 @@ from ckptfs.errors import (BusyError, CorruptionError, InvalidNameError, in_word
 from ckptfs.region.backend import aligned_buffer
 from ckptfs.region.format import (COUNTER_WORD_OFFSET, ENTRY_BYTES, ENTRY_COPY_BYTES, ENTRY_COPY_OFFSET,
                                   LATEST_WORD_OFFSET, NAME_MAX_BYTES, SLOT_HEADER_BYTES, SUPERBLOCK_BYTES,
-                                  ModelEntry, _align)
+                                  ModelEntry)
 from ckptfs.region.locks import META_LOCK_OFFSET, model_lock_offset, slot_lock_offset
-from ckptfs.units import human_bytes
+from ckptfs.units import align_up, human_bytes
 
 log = logging.getLogger("ckptfs")
 ROOM_TO_GROW_RUNS = 4  # find_gap(room_to_grow=) places in the middle of a free run at least this many times the size
@@ -215,7 +215,7 @@ class ModelTable:
         the existing entry if present. Where the region has no room for ``nslots`` slots, as few
         as ``min_slots`` (with a warning): the model takes the others when room is made."""
         validate_model_name(name)
-        slot_bytes = _align(slot_bytes, self.superblock.block_bytes)
+        slot_bytes = align_up(slot_bytes, self.superblock.block_bytes)
         with self.meta_locked():
             entries, damaged = self._scan_entries()
             for entry in entries:

@@ -22,6 +22,7 @@ from ckptfs.manifest import Manifest
 from ckptfs.region.backend import aligned_buffer
 from ckptfs.region.format import PAGE_BYTES, SUPERBLOCK_BYTES, Superblock, checked
 from ckptfs.region.claim import SlotLayout
+from ckptfs.units import align_up
 
 V1_ENTRY_BYTES = 512
 V1_ENTRY = struct.Struct("<8sIIQQQH255sI")          # from offset 16 of an entry: magic .. CRC
@@ -146,7 +147,7 @@ def _copy_version(fd: int, ring, v: V1Version, progress) -> None:
         done = 0
         while done < v.data_bytes:
             n = min(COPY_CHUNK_BYTES, v.data_bytes - done)
-            buf = aligned_buffer((n + 4095) // 4096 * 4096)
+            buf = aligned_buffer(align_up(n, PAGE_BYTES))
             got = os.preadv(fd, [memoryview(buf)[:n]], v.data_start + done)
             if got != n:
                 raise CkptfsError(f"short read of the old region at {v.data_start + done}")

@@ -5,6 +5,7 @@ import threading
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
+from ckptfs.chunks import IO_ALIGN_BYTES
 from ckptfs.region.format import SLOTS_MAX
 from ckptfs.region.claim import Claim
 from ckptfs.writer.plan import SavePlan
@@ -22,8 +23,8 @@ def check_options(max_inflight: int, persist_threads: int, chunk_bytes: int, sta
     check_positive("max_inflight", max_inflight)
     check_positive("persist_threads", persist_threads)
     check_positive("chunk_bytes", chunk_bytes)
-    if chunk_bytes % 4096:
-        raise ValueError(f"chunk_bytes must be a multiple of 4096, got {chunk_bytes}")
+    if chunk_bytes % IO_ALIGN_BYTES:
+        raise ValueError(f"chunk_bytes must be a multiple of {IO_ALIGN_BYTES}, got {chunk_bytes}")
     if slots is not None and not max_inflight + 1 <= slots <= SLOTS_MAX:
         raise ValueError(f"slots={slots} must be between max_inflight+1={max_inflight + 1} and {SLOTS_MAX}: "
                          "N checkpoints in flight need N+1 slots so the latest is never overwritten")

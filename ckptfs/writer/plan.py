@@ -9,13 +9,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ckptfs.chunks import BlockPiece, Chunk, Piece, block_pieces, copy_runs, plan_chunks
+from ckptfs.chunks import IO_ALIGN_BYTES, BlockPiece, Chunk, Piece, block_pieces, copy_runs, plan_chunks
 from ckptfs.errors import CkptfsError
 from ckptfs.flatten import DTYPE_NAMES, Flattened, flatten
-from ckptfs.manifest import (CRC_BLOCK_BYTES, TENSOR_ALIGN_BYTES, EncodedTensors, Manifest, TensorRecord, align_up,
+from ckptfs.manifest import (CRC_BLOCK_BYTES, TENSOR_ALIGN_BYTES, EncodedTensors, Manifest, TensorRecord,
                               block_count, dumps_compact)
 from ckptfs.region.format import COUNTER_MAX
 from ckptfs.region.claim import SlotLayout
+from ckptfs.units import align_up
 from ckptfs.writer.replan import Structure
 
 
@@ -102,7 +103,7 @@ class Planner:
         writer's open of a model that has a version)."""
         with self._lock:
             if self.effective_chunk_bytes is None:
-                self.effective_chunk_bytes = min(self.chunk_bytes, max(align_up(data_bytes, 4096), 4096))
+                self.effective_chunk_bytes = min(self.chunk_bytes, max(align_up(data_bytes, IO_ALIGN_BYTES), IO_ALIGN_BYTES))
             return self.effective_chunk_bytes
 
 

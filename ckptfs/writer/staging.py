@@ -16,6 +16,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ckptfs import _native
+from ckptfs.chunks import IO_ALIGN_BYTES
 from ckptfs.errors import BusyError, StagingMemoryError
 from ckptfs.units import human_bytes
 
@@ -133,8 +134,8 @@ class StagingPool:
 
     def __init__(self, chunk_bytes: int, budget_bytes: int, pinned: bool = False, advice: str = WRITER_ADVICE,
                  pin_optional: bool = False, pin_device: int | None = None):
-        if chunk_bytes <= 0 or chunk_bytes % mmap.PAGESIZE:
-            raise ValueError(f"chunk_bytes must be a positive multiple of {mmap.PAGESIZE}, got {chunk_bytes}")
+        if chunk_bytes <= 0 or chunk_bytes % IO_ALIGN_BYTES:
+            raise ValueError(f"chunk_bytes must be a positive multiple of {IO_ALIGN_BYTES}, got {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
         self.max_buffers = max(1, budget_bytes // chunk_bytes)
         self.pinned = pinned

@@ -27,11 +27,12 @@ from concurrent.futures import wait as wait_for_futures
 import torch
 
 from ckptfs.errors import BusyError, CkptfsError, NotFoundError, RegionFullError, in_words
-from ckptfs.manifest import align_up, encode_files
+from ckptfs.manifest import encode_files
 from ckptfs.memcopy import default_copy_threads
 from ckptfs.region.region import Region, validate_model_name
 from ckptfs.region.ring import Ring
 from ckptfs.views import check_extra_names
+from ckptfs.units import align_up
 from ckptfs.writer.calls import SaveCalls, open_writers
 from ckptfs.writer.claimer import Claimer
 from ckptfs.writer.cuda import CallerMark, caller_mark
