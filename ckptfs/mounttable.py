@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import os
 
-FSTYPE = "fuse.ckptfs"  # the type of a ckptfs mount in /proc/self/mountinfo
+SUBTYPE = "ckptfs"  # libfuse's subtype= of a ckptfs mount
+FSTYPE = "fuse." + SUBTYPE  # its type in /proc/self/mountinfo
 FSTAB = "/etc/fstab"
 
 
@@ -54,10 +55,23 @@ def mountinfo(path: str) -> tuple[str, str, str] | None:
     return found
 
 
+def mount_source(region_path: str) -> str:
+    """The source (libfuse's ``fsname=``) of a ckptfs mount of the region at ``region_path``, as
+    /proc/self/mountinfo shows it: its absolute path with each ',' made '_' (libfuse splits its
+    options at commas, and fsname= is one of them)."""
+    return os.path.abspath(region_path).replace(",", "_")
+
+
+def is_mount_of(source: str, region_path: str) -> bool:
+    """True where a ckptfs mount whose source is ``source`` serves the region at ``region_path``
+    (mounted by that path, or by another that resolves to the same file)."""
+    real = os.path.realpath(region_path)
+    return source in (mount_source(region_path), mount_source(real)) or os.path.realpath(source) == real
+
+
 def mount_points(region_path: str) -> list[str]:
     """The mount points of the ckptfs mounts of the region at ``region_path``."""
-    real = os.path.realpath(region_path)
-    return [point for _, point, fstype, source in _mounts() if fstype == FSTYPE and os.path.realpath(source) == real]
+    return [point for _, point, fstype, source in _mounts() if fstype == FSTYPE and is_mount_of(source, region_path)]
 
 
 def unmounted_fstab_point(path: str) -> str | None:

@@ -11,6 +11,7 @@ from ckptfs.cli.common import cli, one_line, open_store, region_option
 from ckptfs.errors import CkptfsError
 from ckptfs.fs.daemon import READAHEAD_KB
 from ckptfs.fs.readers import MOUNT_COMMAND
+from ckptfs.mounttable import is_mount_of
 
 
 @cli.command()
@@ -109,8 +110,7 @@ def umount(region, mountpoint):
     from ckptfs.fs import daemon
 
     entry = daemon.mount_entry(mountpoint)
-    if region is not None and entry is not None and entry[1] != region.replace(",", "_") \
-            and os.path.realpath(entry[1]) != os.path.realpath(region):
+    if region is not None and entry is not None and not is_mount_of(entry[1], region):
         raise daemon.MountError(f"{mountpoint} shows region {entry[1]}, not {region}")
     if daemon.umount(mountpoint) == "detached":
         click.echo(f"{mountpoint} is busy: detached it; it goes away when its last user closes it", err=True)

@@ -28,7 +28,7 @@ import tempfile
 import time
 from typing import Callable, Iterable
 
-from ckptfs.mounttable import mountinfo
+from ckptfs.mounttable import FSTYPE, SUBTYPE, mount_source, mountinfo
 
 log = logging.getLogger("ckptfs.fs")
 
@@ -82,7 +82,7 @@ def umount(mountpoint: str, *, lazy_fallback: bool = True) -> str:
     entry = mount_entry(mountpoint)
     if entry is None:
         raise MountError(f"{mountpoint} is not mounted")
-    if not entry[0].startswith("fuse"):
+    if entry[0] != FSTYPE:  # another FUSE filesystem (sshfs, ...) is not ours to take down
         raise MountError(f"{mountpoint} is a {entry[0]} mount, not ckptfs; use umount(8)")
     tool = fusermount()
     cmd = [tool, "-u"] if tool else ["umount"]
@@ -124,7 +124,7 @@ def fuse_options(store_path: str, *, allow_other: bool = False, auto_unmount: bo
     directory modes; ``allow_other`` in ``extra`` (fstab's, the mount helper's spelling) is the
     same (without ``default_permissions`` any user could remove versions of a ``-o rw`` mount)."""
     extra = {o for o in extra if o}
-    opts = {"fsname=" + store_path.replace(",", "_"), "subtype=ckptfs", "noatime"}
+    opts = {"fsname=" + mount_source(store_path), "subtype=" + SUBTYPE, "noatime"}
     if allow_other or "allow_other" in extra:
         opts |= {"allow_other", "default_permissions"}
     if auto_unmount:
