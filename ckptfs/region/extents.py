@@ -30,7 +30,7 @@ import logging
 from ckptfs.errors import CkptfsError, RegionFullError
 from ckptfs.region.format import MAX_EXTENTS, SLOT_COMMITTED, SLOTS_MAX, Extent, ModelEntry, unpack_latest
 from ckptfs.region.locks import slot_lock_offset
-from ckptfs.units import align_up
+from ckptfs.units import align_up, human_bytes
 
 KEPT = 1 << 62  # Ring._slot_ages' value of a slot holding a kept version: never claimed, sorts last
 
@@ -106,7 +106,7 @@ class Extents:
                 except RegionFullError as e:
                     error = error or e
                     continue
-                log.info("model %r: %d more slot(s) of %.1f MiB (%s)", entry.name, nslots, slot_bytes / 2**20,
+                log.info("model %r: %d more slot(s) of %s (%s)", entry.name, nslots, human_bytes(slot_bytes),
                          "its checkpoints outgrew its slots" if outgrown else "every slot was busy")
                 self.ring.refresh()
                 return new

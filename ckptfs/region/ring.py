@@ -48,6 +48,7 @@ from ckptfs.region.format import (HEADER_COPY_OFFSETS, PAGE_BYTES, SLOT_COMMITTE
 from ckptfs.region.holders import holders_in_words
 from ckptfs.region.locks import model_lock_offset, slot_lock_offset
 from ckptfs.region.slots import SlotVersion, hidden_by
+from ckptfs.units import human_bytes
 
 log = logging.getLogger("ckptfs")
 
@@ -158,8 +159,8 @@ class Ring:
         layout = SlotLayout.of(index_bytes, data_bytes)
         if layout.slot_bytes > self.region.data_area_bytes():
             raise CheckpointTooLargeError(
-                f"this checkpoint of {self.entry.name!r} needs {_mib(layout.slot_bytes)} but the region "
-                f"{self.region.path} holds {_mib(self.region.data_area_bytes())} in all; " + in_words(
+                f"this checkpoint of {self.entry.name!r} needs {human_bytes(layout.slot_bytes)} but the region "
+                f"{self.region.path} holds {human_bytes(self.region.data_area_bytes())} in all; " + in_words(
                     python="create a larger region (Store.create(path, size_bytes=...))",
                     cli="create a larger region (`ckptfs mkfs --size`)"))
         return layout
@@ -213,8 +214,8 @@ class Ring:
                     full, full_until = e, now + GROW_RETRY_S
                     if not fits:
                         raise CheckpointTooLargeError(
-                            f"this checkpoint of {entry.name!r} needs slots of {_mib(need)}, larger than its "
-                            f"{_mib(entry.slot_bytes)}, and {e}") from None
+                            f"this checkpoint of {entry.name!r} needs slots of {human_bytes(need)}, larger than its "
+                            f"{human_bytes(entry.slot_bytes)}, and {e}") from None
                     self._forget_ages()
                     stuck_since = None if self._candidates(entry, need) else (stuck_since or now)
                     # every slot latest or kept: only an unkeep or a removal changes that, not waiting
@@ -484,5 +485,3 @@ def room_after_keeping(region, version) -> bool:
         return False
 
 
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / (1 << 20):.1f} MiB"
