@@ -20,6 +20,7 @@ import time
 import torch
 
 import ckptfs
+from ckptfs.fs.daemon import cli_argv
 
 MODEL_NAME = "demo-transformer"
 
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
     print(f"region: {store.path} ({store.status()['region_bytes'] >> 30} GiB, sparse)")
     mountpoint = args.mountpoint or tempfile.mkdtemp(prefix="ckptfs-demo-")
     os.makedirs(mountpoint, exist_ok=True)
-    cli = [sys.executable, "-m", "ckptfs.cli"]
+    cli = cli_argv()
     run(cli + ["mount", "--region", store.path, mountpoint])
     export_dir = tempfile.mkdtemp(prefix="ckptfs-export-")
     try:

@@ -59,6 +59,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _bench_common import GB, GiB, MiB, drop_caches, make_flat_state  # noqa: E402
+from ckptfs.testing.mounts import Mount, start_mount, stop_mount  # noqa: E402
 
 MODEL = "bench"
 LOAD_SCRIPT = ("import sys, time, torch\n"
@@ -118,12 +119,12 @@ def timed_listing(directory: str) -> float:
     return time.perf_counter() - t0
 
 
-def measure_listing(region: str, mnt: str, proc: subprocess.Popen, plain_dir: str, rounds: int):
+def measure_listing(region: str, mnt: str, proc: Mount, plain_dir: str, rounds: int):
     """(mount listing times, plain listing times, the mount's daemon): ``ls -l`` of the version
     on a fresh mount per round, caches dropped before each mount and each plain listing."""
     mounted, plain = [], []
     for _ in range(rounds):
-        unmount(proc, mnt)
+        stop_mount(proc)
         drop_caches()
         proc = mount(region, mnt)
         mounted.append(timed_listing(os.path.join(mnt, MODEL, "latest")))
@@ -132,27 +133,12 @@ def measure_listing(region: str, mnt: str, proc: subprocess.Popen, plain_dir: st
     return mounted, plain, proc
 
 
-def mount(region: str, mnt: str) -> subprocess.Popen:
-    os.makedirs(mnt, exist_ok=True)
-    proc = subprocess.Popen([sys.executable, "-m", "ckptfs.cli", "mount", "--foreground", "--region", region, mnt],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 60
-    while not os.path.ismount(mnt):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit(f"bench_read: the mount did not come up: {proc.stderr.read().decode()}")
-        time.sleep(0.05)
-    return proc
-
-
-def unmount(proc: subprocess.Popen, mnt: str) -> None:
-    subprocess.run(["fusermount3", "-u", mnt], capture_output=True)
+def mount(region: str, mnt: str) -> Mount:
+    """A fresh mount of ``region`` at ``mnt`` (exits with its log where it does not come up)."""
     try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        subprocess.run(["fusermount3", "-uz", mnt], capture_output=True)
-        proc.kill()
-        proc.wait()
+        return start_mount(region, mnt)
+    except RuntimeError as e:
+        raise SystemExit(f"bench_read: the mount did not come up: {e}") from None
 
 
 # row, kind, untimed runs after dropping the caches (None: caches not dropped, cold)
@@ -253,7 +239,7 @@ def main() -> None:
         kinds = {args.only} if args.only else {"cp", "load", "rows", "listing"}
         def remount():
             nonlocal proc
-            unmount(proc, mnt)
+            stop_mount(proc)
             proc = mount(region, mnt)
 
         samples = measure(pairs, rounds, kinds - {"listing"}, remount)
@@ -282,7 +268,7 @@ def main() -> None:
                            "loadavg": os.getloadavg()}, f, indent=1)
     finally:
         if proc is not None:
-            unmount(proc, mnt)
+            stop_mount(proc)
         shutil.rmtree(workdir, ignore_errors=True)
 
 

@@ -50,7 +50,7 @@ def mount(region, foreground, allow_other, options, auto_unmount, readahead_kb, 
         store = open_store(region, create=True)  # report a bad region here, from the caller
         path = os.path.abspath(store.path)  # the daemon runs in /
         store.close()
-        argv = daemon.foreground_argv() + ["mount", "--foreground", "--region", path, mountpoint]
+        argv = daemon.cli_argv() + ["mount", "--foreground", "--region", path, mountpoint]
         argv += ["--allow-other"] * allow_other + [f"-o{o}" for o in extra]
         argv += [] if auto_unmount else ["--no-auto-unmount"]
         argv += ["--readahead-kb", str(readahead_kb)]

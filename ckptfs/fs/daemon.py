@@ -379,6 +379,8 @@ def _read_all(fd: int, timeout: float) -> tuple[bytes, bool]:
     return data, True
 
 
-def foreground_argv() -> list[str]:
-    """How to run this package's CLI in a child process."""
+def cli_argv() -> list[str]:
+    """The command that runs this package's CLI in a child process: this interpreter's
+    ``-m ckptfs.cli``, so that the child runs the ckptfs of this environment (whatever ``ckptfs``
+    on PATH is)."""
     return [sys.executable, "-m", "ckptfs.cli"]

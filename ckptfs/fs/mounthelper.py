@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import os
-import sys
 from importlib import resources
 
 from ckptfs.errors import CkptfsError
+from ckptfs.fs.daemon import cli_argv
 
 HELPER_NAMES = ("mount.fuse.ckptfs", "mount.ckptfs")  # what mount(8) looks for, and the short name
 _UNSET = '\nINSTALLED_BIN=""\n'
@@ -29,7 +29,7 @@ def install(directory: str = "/sbin", command: list[str] | None = None) -> list[
     """Write the helper into ``directory`` as ``mount.fuse.ckptfs`` (mode 755, replaced
     atomically) with ``mount.ckptfs`` a symlink to it; returns both paths. ``command``: the ckptfs
     to run (default: this interpreter's ``-m ckptfs.cli``)."""
-    text = helper_text(command or [sys.executable, "-m", "ckptfs.cli"])
+    text = helper_text(command or cli_argv())
     main, short = (os.path.join(directory, n) for n in HELPER_NAMES)
     tmp = f"{main}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:

@@ -11,14 +11,13 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-import sys
 import tempfile
 import time
 
-from ckptfs.fs.daemon import fusermount, mount_entry
+from ckptfs.fs.daemon import cli_argv, fusermount, mount_entry
 
 MOUNT_TIMEOUT_S = 60.0
-CLI = [sys.executable, "-m", "ckptfs.cli"]
+CLI = cli_argv()
 
 
 def fuse_available() -> bool:
