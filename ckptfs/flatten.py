@@ -125,10 +125,12 @@ class _Walk:
                 # a subclass of a plain type (an enum, numpy's float64) as its base value: a key
                 # is a plain value in the index, never a leaf of ckptfs.leaves
                 base = next(t for t in _KEY_TYPES if isinstance(k, t))
+                plain = k if base is type(None) else base(k)
                 path.append("<key>")
-                key = self.node(k if base is type(None) else base(k))
+                key = self.node(plain)
                 path.pop()
-                text = k if isinstance(k, str) else repr(k)
+                # named as stored (skeleton.ref_names' rule): numpy's float64(1.5) is "1.5"
+                text = plain if isinstance(plain, str) else repr(plain)
             else:
                 raise UnsupportedObjectError(
                     f"{self._where()}: dict key {k!r} of type {type(k).__name__} is not supported; "
@@ -165,6 +167,11 @@ class _Walk:
         if t.is_meta:
             raise UnsupportedObjectError(f"{self._where()}: meta tensors have no data to save")
         device, shape = t.device, t.shape
+        # every reference takes its name, as skeleton.ref_names counts them: a stored tensor is
+        # named as its first reference is in the views ({"a": t, "b": {"c": t}, "b.c": u}: u is
+        # "b.c#1" in both)
+        name = unique_name(self._dotted() or "tensor", self._taken)
+        self._taken.add(name)
         key = None
         if 0 not in shape:  # not empty
             # The same first byte, shape, strides and dtype on the same device, and the same lazy
@@ -174,8 +181,6 @@ class _Walk:
             if index is not None:
                 return index
             self._seen[key] = len(self.tensors)
-        name = unique_name(self._dotted() or "tensor", self._taken)
-        self._taken.add(name)
         self.tensors.append(t)  # detached where its bytes are taken (snapshot.byte_source)
         self.names.append(name)
         self.signature.append((name, dtype_name, tuple(shape)))

@@ -209,3 +209,42 @@ def test_subclassed_plain_keys_are_stored_as_their_base_value():
     assert [k for k, _ in flat.skeleton["dict"]] == [{"float": (1.5).hex()}, {"str": "k"}, {"bool": True}]
     check_skeleton(flat.skeleton, 0)
     assert unflatten(flat.skeleton, []) == {1.5: 1, "k": 2, True: 3}
+
+
+class _Mode(str, enum.Enum):
+    X = "x"
+
+
+class _Level(enum.IntEnum):
+    A = 1
+
+
+@pytest.mark.parametrize("obj, names", [
+    ({"a": "T0", "b": {"c": "T0"}, "b.c": "T1"}, ["a", "b.c#1"]),  # b.c is taken by T0's second place
+    ({np.float64(1.5): "T0", _Level.A: "T1", _Mode.X: "T2"}, ["1.5", "1", "_Mode.X"]),  # keys as stored
+    (["T0", "T0", {"1": "T1"}, "T1"], ["0", "2.1"]),
+])
+def test_a_stored_tensor_is_named_as_its_first_place_in_the_views(obj, names):
+    """The name a version stores for a tensor (verify's and `ckptfs info`'s) is the name of its
+    first place in every view (skeleton.ref_names: state.safetensors, metadata.json): the two
+    rules differed for a key that is a subclass of a plain type (numpy's float64 was named
+    'np.float64(1.5)' where the views say '1.5') and where a tied tensor's second place took a
+    name first."""
+    from ckptfs.skeleton import ref_names, tensor_refs
+
+    made = {"T0": torch.ones(1), "T1": torch.zeros(2), "T2": torch.full((3,), 7.0)}
+
+    def build(o):  # "Tn": the tensor made[n], the same object at each of its places
+        if isinstance(o, dict):
+            return {k: build(v) for k, v in o.items()}
+        if isinstance(o, list):
+            return [build(v) for v in o]
+        return made[o]
+
+    flat = flatten(build(obj))
+    refs: list = []
+    tensor_refs(flat.skeleton, (), refs)
+    first: dict = {}
+    for name, (_, i) in zip(ref_names(refs), refs):
+        first.setdefault(i, name)
+    assert flat.names == names == [first[i] for i in range(len(flat.tensors))]
