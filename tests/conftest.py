@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import ckptfs
+from ckptfs.testing.crashcheck import same
 
 try:
     from torch.utils.serialization import config as serialization_config
@@ -74,29 +75,10 @@ def torch_load_still_works(torch_baseline):
 
 
 def assert_same(a, b, path="obj"):
-    """Exact structural equality: types, key order, dtypes, shapes, bits."""
-    assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{list(a.shape)} != {b.dtype}{list(b.shape)}"
-        if a.numel():
-            assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), f"{path}: bytes differ"
-    elif isinstance(a, dict):
-        assert list(a) == list(b), f"{path}: keys {list(a)} != {list(b)}"
-        for k in a:
-            assert_same(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}[{i}]")
-    elif isinstance(a, float) and a != a:
-        assert b != b, f"{path}: nan != {b}"
-    elif type(a).__module__ == "numpy":  # an array or a scalar: dtype, shape, order and bytes
-        assert (a.dtype, a.shape) == (b.dtype, b.shape) and a.tobytes() == b.tobytes(), f"{path}: {a!r} != {b!r}"
-        assert a.dtype is b.dtype or a.dtype.isnative is b.dtype.isnative, f"{path}: byte order"
-        if hasattr(a, "flags"):
-            assert a.flags.f_contiguous == b.flags.f_contiguous and a.flags.c_contiguous == b.flags.c_contiguous, path
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
+    """Exact structural equality (ckptfs.testing.crashcheck.same): types, key order, dtypes,
+    shapes, bits."""
+    differ = same(a, b, path)
+    assert differ is None, differ
 
 
 # Processes for multi-process tests: forked from a clean single-threaded server that has torch

@@ -37,6 +37,7 @@ from ckptfs.views import (Extent, Literal, View, ViewBuilder, files_for, key_fil
                           metadata_json_view, safetensors_view, torch_zip_view)
 from ckptfs.views.safetensors import SAFETENSORS_DTYPES, encode_header
 from ckptfs.views.torchpickle import LEGACY_STORAGE, contiguous_strides, pickle_skeleton
+from conftest import assert_same
 
 # torch warns whenever it creates a complex32 tensor
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
@@ -100,29 +101,6 @@ def sample(dtype: torch.dtype, shape=(2, 3), seed: int = 0) -> torch.Tensor:
 
 def all_dtypes() -> dict:
     return {name: sample(dtype, seed=i) for i, (name, dtype) in enumerate(DTYPES.items())}
-
-
-def assert_same(expected, actual, path="obj"):
-    """Same container types, key order, leaves; tensors same dtype, shape and bytes."""
-    assert type(actual) is type(expected), f"{path}: {type(actual)} != {type(expected)}"
-    if isinstance(expected, dict):
-        assert list(actual) == list(expected), path
-        for k in expected:
-            assert_same(expected[k], actual[k], f"{path}[{k!r}]")
-    elif isinstance(expected, (list, tuple)):
-        assert len(actual) == len(expected), path
-        for i, (e, a) in enumerate(zip(expected, actual)):
-            assert_same(e, a, f"{path}[{i}]")
-    elif isinstance(expected, torch.Tensor):
-        assert (actual.dtype, actual.shape) == (expected.dtype, expected.shape), path
-        assert tensor_bytes(actual) == tensor_bytes(expected), path
-    elif isinstance(expected, float):
-        assert (math.isnan(actual) and math.isnan(expected)) or (
-            actual == expected and math.copysign(1, actual) == math.copysign(1, expected)), path
-    elif type(expected).__module__ == "numpy":
-        assert (actual.dtype, actual.shape, actual.tobytes()) == (expected.dtype, expected.shape, expected.tobytes()), path
-    else:
-        assert actual == expected, path
 
 
 def rich_object() -> OrderedDict:

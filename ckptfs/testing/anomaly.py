@@ -36,6 +36,7 @@ from ckptfs import _native
 from ckptfs.region.backend import DevdaxBackend, FileBackend
 from ckptfs.region.region import Region
 from ckptfs.store import Store
+from ckptfs.testing.crashcheck import same
 from ckptfs.writer import staging
 from ckptfs.writer.writer import Writer
 
@@ -138,12 +139,6 @@ def state(step: int) -> dict:
             "optim": {"step": torch.tensor(float(step)), "lr": 0.1}, "step": step}
 
 
-def _same(a: dict, b: dict) -> bool:
-    return (a["step"] == b["step"] and a["optim"]["lr"] == b["optim"]["lr"]
-            and torch.equal(a["optim"]["step"], b["optim"]["step"])
-            and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]))
-
-
 def big_state(step: int) -> dict:
     """``state(step)`` with its weights 16 times larger: a save that outgrows the first one's slots."""
     obj = state(step)
@@ -210,7 +205,7 @@ def check_after_fault(path: str, step: int, model: str, saved: bool) -> list[str
     with Store(path) as store:
         try:
             latest = store.latest("m")
-            if latest is None or not _same(store.load("m", latest.step), state(latest.step)):
+            if latest is None or same(store.load("m", latest.step), state(latest.step)) is not None:
                 problems.append(f"the previous latest of m (step {latest and latest.step}) does not load exactly")
             # One copy of two left behind by the failed step (an entry or header copy that a
             # bad page kept from being written or set back) is reported and used from the
@@ -220,12 +215,12 @@ def check_after_fault(path: str, step: int, model: str, saved: bool) -> list[str
                 problems.append(f"the save completed but latest of {model} is not step {step}")
             if model == "g":
                 latest = store.latest("g")
-                if latest is None or not _same(store.load("g"), _expected("g", latest.step)):
+                if latest is None or same(store.load("g"), _expected("g", latest.step)) is not None:
                     problems.append(f"the latest of g (step {latest and latest.step}) does not load exactly")
             # claims, pins and permits given back: the next save works and becomes latest
             with store.writer(model, max_inflight=2, slots=4, chunk_bytes=8192, timeout_s=10) as w:
                 w.save(state(step + 1), step=step + 1).result(timeout=60)
-            if store.latest(model).step != step + 1 or not _same(store.load(model), state(step + 1)):
+            if store.latest(model).step != step + 1 or same(store.load(model), state(step + 1)) is not None:
                 problems.append(f"the save after the fault did not become latest of {model}")
             problems += [f"verify after the next save: {p}" for p in store.verify() if p.model == model]
         except Exception as e:  # noqa: BLE001 - any failure here is a finding

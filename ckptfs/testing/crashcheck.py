@@ -5,6 +5,7 @@ compares a loaded object with the saved one (every test that checks a load uses 
 from __future__ import annotations
 
 import re
+import struct
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -43,13 +44,18 @@ class Truth:
 
 
 def same(a, b, path: str = "obj") -> str | None:
-    """None if ``a`` and ``b`` are the same nested object (types, keys, dtypes, shapes, bits)."""
+    """None if ``a`` and ``b`` are the same nested object, else where and how they first differ:
+    types, key order, tensors' dtypes, shapes, devices and bits, floats to the bit (NaN is NaN, -0.0 is
+    not 0.0), numpy arrays' dtypes, byte order, shapes, memory order and bytes. The one equality
+    of the tests and the reliability runs (tests/conftest.py's assert_same asserts it)."""
     if type(a) is not type(b):
         return f"{path}: {type(a).__name__} != {type(b).__name__}"
     if isinstance(a, torch.Tensor):
         if a.dtype != b.dtype or a.shape != b.shape:
             return f"{path}: {a.dtype}{list(a.shape)} != {b.dtype}{list(b.shape)}"
-        if a.numel() and not torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)):
+        if a.device != b.device:
+            return f"{path}: on {a.device} != on {b.device}"
+        if a.numel() and not torch.equal(_bytes_of(a), _bytes_of(b)):
             return f"{path}: tensor bytes differ"
         return None
     if isinstance(a, dict):
@@ -68,7 +74,22 @@ def same(a, b, path: str = "obj") -> str | None:
             if d:
                 return d
         return None
+    if isinstance(a, float):
+        return None if struct.pack("<d", a) == struct.pack("<d", b) or (a != a and b != b) else f"{path}: {a!r} != {b!r}"
+    if type(a).__module__ == "numpy":  # an array or a scalar
+        if (a.dtype, a.shape, a.tobytes()) != (b.dtype, b.shape, b.tobytes()) or \
+                a.dtype.isnative is not b.dtype.isnative:
+            return f"{path}: {a!r} != {b!r}"
+        if hasattr(a, "flags") and (a.flags.f_contiguous, a.flags.c_contiguous) != (b.flags.f_contiguous,
+                                                                                    b.flags.c_contiguous):
+            return f"{path}: memory order differs"
+        return None
     return None if a == b else f"{path}: {a!r} != {b!r}"
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements in order as bytes, whatever its strides."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def check_image(path: str, truth: Truth, expected: Callable, torn_headers: set = frozenset()) -> list[str]:
