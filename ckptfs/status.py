@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from ckptfs.fs.readers import readers_behind_mounts
+from ckptfs.region.backend import free_bytes
 from ckptfs.region.holders import lock_holders
 from ckptfs.region.locks import model_lock_offset, slot_lock_offset
 from ckptfs.writer.progress import read_progress
@@ -57,6 +58,6 @@ def _unbacked_bytes(store) -> dict:
     device."""
     if store.region.backend.kind != "file":
         return {}
-    st, fs = os.stat(store.path), os.statvfs(store.path)
+    st = os.stat(store.path)
     return {"unallocated_bytes": max(0, st.st_size - st.st_blocks * 512),
-            "filesystem_free_bytes": fs.f_bavail * fs.f_frsize}
+            "filesystem_free_bytes": free_bytes(store.path)}

@@ -11,6 +11,7 @@ import torch
 
 import ckptfs
 from ckptfs.errors import CkptfsError, RegionFullError, RegionIOError
+from ckptfs.region.backend import free_bytes
 from conftest_mount import mounted, requires_fuse
 
 MIB = 1 << 20
@@ -39,11 +40,6 @@ def loop_ext4(tmp_path, options: str = "loop"):
 def small_fs(tmp_path):
     with loop_ext4(tmp_path) as mnt:
         yield mnt
-
-
-def free_bytes(path: str) -> int:
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
 
 
 def test_a_ring_that_does_not_fit_gives_back_what_it_took(small_fs, capsys):

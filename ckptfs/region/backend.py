@@ -62,8 +62,9 @@ def _punch_hole(fd: int, offset: int, length: int) -> None:
         raise OSError(err, f"cannot give back the blocks of a failed reservation: {os.strerror(err)}")
 
 
-def _free_bytes(fd: int) -> int:
-    st = os.fstatvfs(fd)
+def free_bytes(fd_or_path: int | str) -> int:
+    """What the filesystem of an open file or a path can still give an unprivileged writer."""
+    st = os.fstatvfs(fd_or_path) if isinstance(fd_or_path, int) else os.statvfs(fd_or_path)
     return st.f_bavail * st.f_frsize
 
 
@@ -399,7 +400,7 @@ class FileBackend(Backend):
         except OSError as e:
             if e.errno == errno.ENOSPC:
                 _punch_hole(self._fd, offset, length)
-                free = _free_bytes(self._fd)
+                free = free_bytes(self._fd)
                 raise RegionFullError(
                     f"the filesystem holding {self.path} has {human_bytes(free)} free, and the new ring needs "
                     f"{human_bytes(length)}; nothing was kept. Free space on that filesystem, " + in_words(

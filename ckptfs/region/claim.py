@@ -1,8 +1,11 @@
 """One slot claimed for one version (the slot lifecycle's steps 2-6, ckptfs.region.ring): ``begin``
 marks a slot that holds a version WRITING, ``write`` fills the data area, ``commit`` makes the
 index durable, then the header that vouches for it, then publishes; ``abort`` gives the slot
-back without a version. Claims are made by ``Ring.claim``; this is the only other code that
-writes slot headers."""
+back without a version. Claims are made by ``Ring.claim``. Slot headers are written here (a
+claim's, both copies in one write: torn, they are a version not there yet, never a lost one),
+by ``ring.rewrite_header`` (a committed version's: one copy at a time, each durable, so that one
+intact copy is always there) and by ``ModelTable.wipe_slot_headers`` (zeros, where a slot holds no
+version from then on)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
