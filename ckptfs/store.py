@@ -173,8 +173,7 @@ class Store:
             return []
         committed = self.region.committed(entry)  # in counter order
         latest = self.region.latest(entry, committed)  # from the same read of the headers
-        if latest is not None and not any(v.slot == latest.slot and v.header.counter == latest.header.counter
-                                          for v in committed):
+        if latest is not None and not any(v.is_save(latest) for v in committed):
             committed = self.region.committed(entry)  # published since: the listing holds its latest
         if hidden:
             return sorted(self._info(v, latest) for v in committed)
@@ -207,7 +206,7 @@ class Store:
 
     @staticmethod
     def _info(v: SlotVersion, latest: SlotVersion | None) -> VersionInfo:
-        return version_info(v, latest is not None and latest.slot == v.slot and latest.header.counter == v.header.counter)
+        return version_info(v, v.is_save(latest))
 
     def index_intact(self, info: VersionInfo) -> bool:
         """Whether the listed version's index still matches its checksum (a read of the index:
@@ -240,7 +239,7 @@ class Store:
         if not matches:
             raise no_step(model, step)
         v = matches[-1]
-        return v, latest is not None and latest.slot == v.slot and latest.header.counter == v.header.counter
+        return v, v.is_save(latest)
 
     # ------------------------------------------------------------------ reading
     def open_version(self, model: str, step: int | None = None, *, checked: set | None = None,

@@ -270,8 +270,7 @@ class Region(ModelTable, SlotReader):
     def _is_latest(self, version: SlotVersion) -> bool:
         """Whether ``version`` is its model's latest as listed (``SlotReader.latest``); its entry
         read as it is now by the caller."""
-        latest = self.latest(version.entry)
-        return latest is not None and latest.slot == version.slot and latest.header.counter == version.header.counter
+        return version.is_save(self.latest(version.entry))
 
 
 _regions: "weakref.WeakSet[Region]" = weakref.WeakSet()  # every Region opened in this process

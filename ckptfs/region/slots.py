@@ -28,6 +28,11 @@ class SlotVersion:
     def data_base(self) -> int:
         return self.entry.slot_offset(self.slot) + self.header.data_offset
 
+    def is_save(self, other: "SlotVersion | None") -> bool:
+        """Whether ``other`` is this very save (its slot and its save counter): a step saved
+        again is another save, and a slot reused holds another."""
+        return other is not None and other.slot == self.slot and other.header.counter == self.header.counter
+
 
 def hidden_by(committed: list[SlotVersion], step: int, counter: int) -> list[SlotVersion]:
     """Those of ``committed`` that the save ``counter`` of ``step`` hides: the earlier saves of
