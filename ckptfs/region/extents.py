@@ -41,6 +41,18 @@ GIVE_BACK_AFTER_COMMITS = 8  # spare slots go back once they were spare at this 
 EXTENTS_FOR_GROWTH = 2  # extents an entry keeps free when splitting extents: room to outgrow them again
 
 
+def least_ring_slots(max_inflight: int) -> int:
+    """The fewest slots of a ring with ``max_inflight`` saves in flight: one for each, and one
+    that holds the latest, which a save never overwrites."""
+    return max_inflight + 1
+
+
+def default_ring_slots(max_inflight: int) -> int:
+    """A ring's slots unless asked (``slots=``): one more than the least, so that the newest
+    ``max_inflight + 1`` versions stay readable while one slot is being overwritten."""
+    return least_ring_slots(max_inflight) + 1
+
+
 class Extents:
     """The extent policy of one ring (``Ring.extents``)."""
 
@@ -77,8 +89,8 @@ class Extents:
         room for that, a warning, and the saves wait for slots."""
         entry = self.ring.entry
         ring_slots = slots
-        if ring_slots is None and entry.ring_slots < max_inflight + 1:
-            ring_slots = max_inflight + 2
+        if ring_slots is None and entry.ring_slots < least_ring_slots(max_inflight):
+            ring_slots = default_ring_slots(max_inflight)
         try:
             self.reshape(ring_slots, slot_bytes)
         except RegionFullError as e:

@@ -6,6 +6,7 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 from ckptfs.chunks import IO_ALIGN_BYTES
+from ckptfs.region.extents import least_ring_slots
 from ckptfs.region.format import SLOTS_MAX
 from ckptfs.region.claim import Claim
 from ckptfs.writer.plan import SavePlan
@@ -25,8 +26,9 @@ def check_options(max_inflight: int, persist_threads: int, chunk_bytes: int, sta
     check_positive("chunk_bytes", chunk_bytes)
     if chunk_bytes % IO_ALIGN_BYTES:
         raise ValueError(f"chunk_bytes must be a multiple of {IO_ALIGN_BYTES}, got {chunk_bytes}")
-    if slots is not None and not max_inflight + 1 <= slots <= SLOTS_MAX:
-        raise ValueError(f"slots={slots} must be between max_inflight+1={max_inflight + 1} and {SLOTS_MAX}: "
+    least = least_ring_slots(max_inflight)
+    if slots is not None and not least <= slots <= SLOTS_MAX:
+        raise ValueError(f"slots={slots} must be between max_inflight+1={least} and {SLOTS_MAX}: "
                          "N checkpoints in flight need N+1 slots so the latest is never overwritten")
     if keep_every is not None:
         check_positive("keep_every", keep_every)

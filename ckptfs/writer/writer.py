@@ -29,6 +29,7 @@ import torch
 from ckptfs.errors import BusyError, CkptfsError, NotFoundError, RegionFullError, in_words
 from ckptfs.manifest import encode_files
 from ckptfs.memcopy import default_copy_threads
+from ckptfs.region.extents import default_ring_slots, least_ring_slots
 from ckptfs.region.region import Region, validate_model_name
 from ckptfs.region.ring import Ring
 from ckptfs.views import check_extra_names
@@ -464,14 +465,15 @@ class Writer:
         with self._setup_lock:
             if self._ring is None:
                 need = plan.slot_layout.slot_bytes
-                nslots = self._slots or self.max_inflight + 2
+                nslots = self._slots or default_ring_slots(self.max_inflight)
                 slot_bytes = max(self._slot_bytes or int(need * SLOT_HEADROOM), need)
-                # N saves in flight need N+1 slots; fewer than asked for where the region is short
+                # fewer than asked for where the region is short, but never fewer than the least
+                least = least_ring_slots(self.max_inflight)
                 try:
-                    entry = self.region.create_model(self.model, nslots, slot_bytes, min_slots=self.max_inflight + 1)
+                    entry = self.region.create_model(self.model, nslots, slot_bytes, min_slots=least)
                 except RegionFullError as e:
                     hint = in_words(python=f"; or fewer saves in flight: max_inflight={self.max_inflight} needs "
-                                           f"{self.max_inflight + 1} slots", cli="")
+                                           f"{least} slots", cli="")
                     raise RegionFullError(f"{e}{hint}") from None
                 self._ring = self.region.ring(entry, timeout_s=self.timeout_s, sole=self._sole)
             return self._ring
