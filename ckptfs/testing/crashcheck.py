@@ -75,7 +75,8 @@ def same(a, b, path: str = "obj") -> str | None:
                 return d
         return None
     if isinstance(a, float):
-        return None if struct.pack("<d", a) == struct.pack("<d", b) or (a != a and b != b) else f"{path}: {a!r} != {b!r}"
+        bitwise = struct.pack("<d", a) == struct.pack("<d", b)
+        return None if bitwise or (a != a and b != b) else f"{path}: {a!r} != {b!r}"
     if type(a).__module__ == "numpy":  # an array or a scalar
         if (a.dtype, a.shape, a.tobytes()) != (b.dtype, b.shape, b.tobytes()) or \
                 a.dtype.isnative is not b.dtype.isnative:

@@ -103,7 +103,8 @@ class Planner:
         writer's open of a model that has a version)."""
         with self._lock:
             if self.effective_chunk_bytes is None:
-                self.effective_chunk_bytes = min(self.chunk_bytes, max(align_up(data_bytes, IO_ALIGN_BYTES), IO_ALIGN_BYTES))
+                smallest = max(align_up(data_bytes, IO_ALIGN_BYTES), IO_ALIGN_BYTES)
+                self.effective_chunk_bytes = min(self.chunk_bytes, smallest)
             return self.effective_chunk_bytes
 
 
