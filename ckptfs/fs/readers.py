@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from ckptfs.fs.names import LATEST, step_of
+from ckptfs.fs.names import LATEST, dirname_step
 from ckptfs.mounttable import mount_points
 from ckptfs.region.holders import command_of
 
@@ -56,8 +56,9 @@ def _version_of(relative: str) -> tuple[str, int | None] | None:
     for i, part in enumerate(parts[1:], 1):
         if part == LATEST:
             return "/".join(parts[:i]), None
-        if part.startswith("step-") and step_of(part) is not None:
-            return "/".join(parts[:i]), step_of(part)
+        step = dirname_step(part)
+        if step is not None:
+            return "/".join(parts[:i]), step
     return None
 
 

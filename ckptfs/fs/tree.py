@@ -61,7 +61,7 @@ from typing import Any, Callable
 from ckptfs.dist.parts import loadable
 from ckptfs.errors import NotFoundError
 from ckptfs.fs.errors import read_only
-from ckptfs.fs.names import LATEST, version_dirname
+from ckptfs.fs.names import LATEST, dirname_step, version_dirname
 from ckptfs.fs.nodes import Attr, Kind, Node, OpenFile
 from ckptfs.fs.versionfiles import VersionFiles
 
@@ -327,7 +327,7 @@ class Tree:
             if name == LATEST and m.latest is not None:
                 return self._latest_node(parent.model)
             step = m.dirnames.get(name)
-            if step is None and name.startswith("step-"):
+            if step is None and dirname_step(name) is not None:
                 # a version newer than the snapshot, reached through a fresh ``latest``
                 self._refresh_model(parent.model, LATEST_FRESH_S)
                 step = self._model(parent.model).dirnames.get(name)
