@@ -9,7 +9,7 @@ import torch
 
 import ckptfs.errors
 from ckptfs.writer.staging import StagingPool
-from conftest import staging_buffers_made
+from conftest import assert_same, staging_buffers_made
 
 
 def test_prefill_makes_buffers_up_to_the_budget_and_acquire_uses_them():
@@ -24,18 +24,34 @@ def test_prefill_makes_buffers_up_to_the_budget_and_acquire_uses_them():
         pool.close()
 
 
-def test_a_small_save_works_where_the_host_page_is_64_kib(store, monkeypatch):
+def test_saves_work_where_the_host_page_is_64_kib(tmp_path, monkeypatch):
     """On a host of 64 KiB pages (arm64 kernels built so, as on some Grace Hopper nodes) a save of
     a few KiB plans chunks of a multiple of the format's 4 KiB page: the staging pool took only
     multiples of the host's page and refused them, so every small save failed. Chunks are
-    O_DIRECT-aligned at the format's page; mmap rounds a buffer up to the host's page itself."""
+    O_DIRECT-aligned at the format's page; mmap rounds a buffer up to the host's page itself.
+    Here a region made on such a host (its blocks, and so its slots' extents, of 64 KiB) takes
+    saves small and large, grown, kept and removed, and reads back whole on reopening."""
     import mmap
 
+    from ckptfs.region.backend import Backend
+
     monkeypatch.setattr(mmap, "PAGESIZE", 64 << 10)
-    state = {"w": torch.arange(2500, dtype=torch.float32)}  # 10,000 bytes: a chunk of 12 KiB
-    with store.writer("small") as w:
-        w.save(state, 1).result()
-    assert torch.equal(store.load("small")["w"], state["w"])
+    monkeypatch.setattr(Backend, "block_bytes", 64 << 10)
+    region = str(tmp_path / "r.region")
+    small = {"w": torch.arange(2500, dtype=torch.float32)}  # 10,000 bytes: a chunk of 12 KiB
+    grown = {"w": torch.randn(300_001), "b": torch.arange(7, dtype=torch.int16)}
+    with ckptfs.Store.create(region, size_bytes=64 << 20) as store:
+        assert store.region.superblock.block_bytes == 64 << 10
+        with store.writer("small") as w:
+            w.save(small, 1).result()
+            w.save(grown, 2, keep=True).result()
+            w.save(small, 3).result()
+        store.remove("small", 1)
+    with ckptfs.Store(region) as store:
+        assert [v.step for v in store.versions("small")] == [2, 3]
+        assert torch.equal(store.load("small")["w"], small["w"])
+        assert_same(store.load("small", 2), grown)
+        assert store.verify() == []
     pool = StagingPool(3 * 4096, 3 * 4096)
     try:
         assert len(pool.acquire(timeout_s=1).mapping) >= 3 * 4096
