@@ -359,6 +359,21 @@ def test_rm_r_removes_a_version_but_not_latest_or_pinned(toy, store):
     os.rmdir(os.path.join(model_dir, vdir(2)))
     assert [v.step for v in store.versions("rmme")] == [3]
 
+    # a subdirectory of a version alone (hf/ of a version saved with a config.json) is not
+    # removed, and is not said to be: rmdir and rm -r of it succeeded and removed nothing
+    with store.writer("rmme") as w:
+        for step in (4, 5):
+            w.save({"model": {"w": torch.ones(3)}}, step, extra={"config.json": {"model_type": "gpt2"}}).result()
+    hf = os.path.join(model_dir, vdir(4), "hf")
+    wait_for(lambda: os.path.isdir(hf), what="step 4's hf/")
+    assert oserror(os.rmdir, hf) == errno.EPERM
+    r = subprocess.run(["rm", "-r", hf], capture_output=True, text=True)
+    assert r.returncode != 0 and "Operation not permitted" in r.stderr
+    assert "config.json" in os.listdir(hf) and [v.step for v in store.versions("rmme")] == [3, 4, 5]
+    r = subprocess.run(["rm", "-r", os.path.join(model_dir, vdir(4))], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr  # the whole version, its hf/ included
+    assert [v.step for v in store.versions("rmme")] == [3, 5]
+
 
 def test_status_names_the_processes_reading_behind_the_mount(toy, store, tmp_path):
     """The mount's daemon holds the pins of every file open in it: status names, behind it, the
@@ -438,6 +453,13 @@ def test_rm_rf_of_a_model_leaves_its_milestones_and_latest(toy, store):
     wait_for(lambda: subprocess.run(["rm", "-r", os.path.join(toy / "milestones", vdir(2))]).returncode == 0,
              what="step 2 removable once unkept")
     assert [v.step for v in store.versions("milestones")] == [4, 5]
+    # kept a moment before its rm -r (the mount's listing, up to 0.5 s old, said not kept): kept
+    save_versions(store, "milestones", [6], slots=8)
+    wait_for(lambda: os.path.exists(os.path.join(toy / "milestones", vdir(6))), what="milestones step 6")
+    store.keep("milestones", 5)
+    r = subprocess.run(["rm", "-r", os.path.join(toy / "milestones", vdir(5))], capture_output=True, text=True)
+    assert r.returncode != 0 and "Operation not permitted" in r.stderr, r.stderr
+    assert [(v.step, v.kept) for v in store.versions("milestones")] == [(4, True), (5, True), (6, False)]
 
 
 def test_errno_of_everything_else(toy):

@@ -4,6 +4,7 @@ A small in-memory Store stands in for the region, so that listings, removals, sl
 refresh clock are under the test's control.
 """
 import errno
+import functools
 import os
 import stat
 from dataclasses import replace
@@ -305,11 +306,13 @@ def test_changes_allowed_and_refused(env):
     assert err(tree.check_unlink, model.ino, "latest", walking=True) == errno.EROFS
     assert err(tree.check_unlink, model.ino, "step-00000010", walking=True) == errno.EISDIR
     assert err(tree.check_unlink, v10.ino, "nope", walking=True) == errno.ENOENT
-    assert tree.version_to_remove(model.ino, "step-00000010") == ("gpt", 10)
-    assert err(tree.version_to_remove, model.ino, "latest") == errno.ENOTDIR
-    assert err(tree.version_to_remove, v10.ino, "checkpoint.pt") == errno.ENOTDIR
-    assert err(tree.version_to_remove, ROOT_INODE, "gpt") == errno.EROFS
-    assert err(tree.version_to_remove, model.ino, "step-00000099") == errno.ENOENT
+    for walking in (True, False):  # a version is removed the same way however it is asked
+        remove = functools.partial(tree.version_to_remove, walking=walking)
+        assert remove(model.ino, "step-00000010") == ("gpt", 10)
+        assert err(remove, model.ino, "latest") == errno.ENOTDIR
+        assert err(remove, v10.ino, "checkpoint.pt") == errno.ENOTDIR
+        assert err(remove, ROOT_INODE, "gpt") == errno.EROFS
+        assert err(remove, model.ino, "step-00000099") == errno.ENOENT
     assert err(tree.lookup, f.ino, "x") == errno.ENOTDIR
     assert err(tree.readlink, f) == errno.EINVAL
 

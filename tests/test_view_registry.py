@@ -104,12 +104,15 @@ def test_subdirectories_in_the_tree(store, extra_view):
             tree.lookup(extra.ino, "nothing")
         # rm -r of a non-latest version: files and subdirectories are no-ops, the version goes last
         tree.check_unlink(deep.ino, "first.bin", walking=True)
-        assert tree.version_to_remove(extra.ino, "deep") is None
-        assert tree.version_to_remove(version.ino, "extra") is None
+        assert tree.version_to_remove(extra.ino, "deep", walking=True) is None
+        assert tree.version_to_remove(version.ino, "extra", walking=True) is None
+        # alone (`rmdir step-N/extra`): refused, not a success that removed nothing
+        with pytest.raises(PermissionError, match="a version is removed whole"):
+            tree.version_to_remove(version.ino, "extra", walking=False)
         # inside the latest version: EBUSY, so that rm -r stops before the version
         latest = tree.lookup(tree.lookup(ROOT_INODE, "m").ino, "step-00000002")
         with pytest.raises(OSError) as busy:
-            tree.version_to_remove(latest.ino, "extra")
+            tree.version_to_remove(latest.ino, "extra", walking=True)
         assert busy.value.errno == errno.EBUSY
     finally:
         tree.close()

@@ -201,7 +201,8 @@ class CkptfsOperations(pyfuse3.Operations):
         can find the version still pinned by this mount; while one of our own handles pins it,
         wait up to ``RELEASE_GRACE`` seconds for pending releases before answering EBUSY."""
         with fuse_errors("rmdir"):
-            target = self.tree.version_to_remove(parent_inode, os.fsdecode(name))
+            target = self.tree.version_to_remove(parent_inode, os.fsdecode(name),
+                                                 walking=self._walking(parent_inode, ctx))
             if target is None:
                 return  # a subdirectory inside a version: goes with the version's own rmdir
             model, step = target
@@ -224,9 +225,13 @@ class CkptfsOperations(pyfuse3.Operations):
         has their directory open, as ``rm -r`` does (see ckptfs.fs.tree): another process's
         listing (an ``ls``, an rsync) made a lone ``rm FILE`` exit 0, the file still there."""
         with fuse_errors("unlink"):
-            me = _requester(ctx)
-            walking = any(ino == parent_inode and pid == me for ino, _, pid in self._dirs.values())
-            self.tree.check_unlink(parent_inode, os.fsdecode(name), walking=walking)
+            self.tree.check_unlink(parent_inode, os.fsdecode(name), walking=self._walking(parent_inode, ctx))
+
+    def _walking(self, parent_inode: int, ctx) -> bool:
+        """Whether the process asking has directory ``parent_inode`` open, as ``rm -r`` (and
+        ``shutil.rmtree``) hold a directory while they remove what is in it."""
+        me = _requester(ctx)
+        return any(ino == parent_inode and pid == me for ino, _, pid in self._dirs.values())
 
     # -------------------------------------------------------------- everything else is read-only
 

@@ -409,13 +409,14 @@ class Tree:
 
     # ---------------------------------------------------------------- the one change allowed
 
-    def version_to_remove(self, parent_ino: int, name: str) -> tuple[str, int] | None:
+    def version_to_remove(self, parent_ino: int, name: str, *, walking: bool) -> tuple[str, int] | None:
         """``rmdir parent/name``: the (model, step) to pass to ``store.remove``, or None for a
-        subdirectory inside a version that is not the latest (a no-op, so that ``rm -r`` of the
-        version goes on).
+        subdirectory inside a version that is not the latest while its parent is open
+        (``walking``, as ``check_unlink``): a no-op, so that ``rm -r`` of the version goes on.
 
         ENOTDIR for a file or ``latest``, EBUSY for a subdirectory inside the latest version,
-        EROFS for a model directory, EPERM for a kept version (a milestone: an ``rm -rf`` of the
+        EPERM for one alone (``rmdir step-N/hf`` reported a removal that did not happen), EROFS
+        for a model directory, EPERM for a kept version (a milestone: an ``rm -rf`` of the
         model's directory took every one of them), ENOENT if absent."""
         parent = self.node(parent_ino)
         node = self.lookup(parent_ino, name)
@@ -423,9 +424,14 @@ class Tree:
             raise NotADirectoryError(errno.ENOTDIR, f"{name} is not a directory")
         if node.kind is Kind.SUBDIR:
             self._refuse_in_latest(node)
+            if not walking:
+                raise self._removed_whole(name, node)
             return None
         if parent.kind is not Kind.MODEL:
             raise read_only(f"rmdir {name} (remove its versions, or use `ckptfs rm`)")
+        # kept as the region says now, not as the listing did up to a refresh ago: a `ckptfs keep`
+        # right before an `rm -r` of the version would not keep it
+        self._refresh_model(node.model, 0.0)
         if self._version(node.model, node.step).kept:
             raise PermissionError(errno.EPERM, f"{name} of {node.model} is kept: `ckptfs unkeep {node.model} "
                                                f"{node.step}` first, or `ckptfs rm {node.model} {node.step}`")
@@ -444,8 +450,13 @@ class Tree:
             raise read_only("unlink latest")
         self._refuse_in_latest(node)
         if not walking:
-            raise PermissionError(errno.EPERM, f"{name}: a version is removed whole (rm -r "
-                                               f"{version_dirname(node.step)}, or `ckptfs rm {node.model} {node.step}`)")
+            raise self._removed_whole(name, node)
+
+    @staticmethod
+    def _removed_whole(name: str, node: Node) -> PermissionError:
+        """EPERM for a part of a version removed alone: a version goes whole, or not at all."""
+        return PermissionError(errno.EPERM, f"{name}: a version is removed whole (rm -r "
+                                            f"{version_dirname(node.step)}, or `ckptfs rm {node.model} {node.step}`)")
 
     def _refuse_in_latest(self, node: Node) -> None:
         """EBUSY for a name inside the latest version (``rm -r`` must stop before its rmdir)."""
