@@ -147,7 +147,7 @@ def _zip_view(archive_name: str, entries: list[_Entry]) -> View:
         # extra field pads the data to a 64-byte boundary
         literal(tail + _LOCAL_HEADER.pack(0x04034B50, 0, flags, 0, 0, 0, 0, 0, 0, len(name),
                                           len(zip64) + _FB_EXTRA_HEADER + padding)
-                + name + zip64 + b"FB" + _U16.pack(padding) + b"Z" * padding)
+                + name + _zip64_extra(size, header_offset, local=True) + b"FB" + _U16.pack(padding) + b"Z" * padding)
         if data is None:
             extent(data_offset, size)
         else:
@@ -184,11 +184,13 @@ def _zip_size(members: list[tuple[int, int]]) -> int:
     return position + central + _ZIP64_END.size + _ZIP64_LOCATOR.size + _END.size
 
 
-def _zip64_extra(size: int, header_offset: int) -> bytes:
-    """The Zip64 extended-information field miniz adds when a size or the offset overflows."""
+def _zip64_extra(size: int, header_offset: int, local: bool = False) -> bytes:
+    """The Zip64 extended-information field miniz adds when a size or the offset overflows; in
+    the ``local`` header the compressed size is 0 (miniz writes it before the data, whose
+    compressed size it does not know yet: the data descriptor and the central header have it)."""
     fields = []
     if size >= _U32_MAX:
-        fields += [size, size]  # uncompressed, compressed
+        fields += [size, 0 if local else size]  # uncompressed, compressed
     if header_offset >= _U32_MAX:
         fields.append(header_offset)
     if not fields:
