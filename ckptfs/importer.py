@@ -35,7 +35,7 @@ from ckptfs.safetensors_file import SafetensorsFile, no_duplicates, reject
 from ckptfs.skeleton import check_skeleton, map_tensor_refs, unflatten
 from ckptfs.views import is_views_own
 from ckptfs.views.metadata import METADATA_FILE
-from ckptfs.views.safetensors import ALIASES_KEY, SKELETON_KEY, SKELETON_OMITTED_KEY, STATE_FILE
+from ckptfs.views.safetensors import ALIASES_KEY, SKELETON_KEY, SKELETON_OMITTED_KEY, SKIPPED_KEY, STATE_FILE
 from ckptfs.views.torchzip import CHECKPOINT_FILE
 
 log = logging.getLogger(__name__)
@@ -44,9 +44,9 @@ def nested(path: str, tensors: "OrderedDict[str, torch.Tensor]", metadata: dict[
     """The object that a ckptfs ``state.safetensors`` was exported from, rebuilt from the
     skeleton in its ``__metadata__`` (nesting, plain values, ties); ``tensors`` as they are for
     any other file, or for one whose tensors no longer match its skeleton (with a warning)."""
-    if SKELETON_OMITTED_KEY in metadata:  # tensors without their nesting and plain values: not the object
-        raise reject(path, f"it holds the tensors of a version whose skeleton was left out "
-                            f"({metadata[SKELETON_OMITTED_KEY]}): import the version's {CHECKPOINT_FILE}")
+    partial = _partial(metadata)
+    if partial is not None:  # not the object: imported, it would lose what it leaves out, unsaid
+        raise reject(path, f"{partial}: import the version's {CHECKPOINT_FILE}")
     text = metadata.get(SKELETON_KEY)
     if text is None:
         return with_aliases(path, tensors, metadata)
@@ -218,12 +218,11 @@ def version_directory(path: str) -> tuple[list[str], dict[str, str]] | None:
     whole = next((os.path.join(path, n) for n in VERSION_FILES if os.path.isfile(os.path.join(path, n))), None)
     if whole is None or not os.path.isfile(meta_path):
         return None
-    if whole.endswith(STATE_FILE) and _skeleton_omitted(whole):
-        # its tensors without the object's nesting and plain values: checkpoint.pt holds them
+    partial = _partial_file(whole) if whole.endswith(STATE_FILE) else None
+    if partial is not None:  # checkpoint.pt holds what state.safetensors leaves out
         whole = os.path.join(path, CHECKPOINT_FILE)
         if not os.path.isfile(whole):
-            raise reject(path, f"its {STATE_FILE} was made without the object's skeleton (too large for a "
-                                f"safetensors header) and it has no {CHECKPOINT_FILE}: copy the version's "
+            raise reject(path, f"its {STATE_FILE} {partial}, and it has no {CHECKPOINT_FILE}: copy the version's "
                                 f"{CHECKPOINT_FILE} beside it, or import that file")
     try:
         with open(meta_path, encoding="utf-8") as f:
@@ -245,14 +244,31 @@ def version_directory(path: str) -> tuple[list[str], dict[str, str]] | None:
                                 missing_ok=False)
 
 
-def _skeleton_omitted(path: str) -> bool:
-    """Whether the ckptfs ``state.safetensors`` at ``path`` was made without its skeleton (see
-    ``views.safetensors``); False for a file that cannot be read (its import says why)."""
+def _partial(metadata: dict[str, str]) -> str | None:
+    """What a ckptfs safetensors file of a version leaves out of the saved object, per its
+    ``__metadata__`` (see ``views.safetensors``): the tensors safetensors cannot hold (complex128,
+    a name that is not text), or the skeleton (nesting and plain values, where the header would
+    be too large); None for a file that leaves nothing out, or is not ckptfs's."""
+    if SKIPPED_KEY in metadata:
+        try:
+            names = json.loads(metadata[SKIPPED_KEY])
+            said = ", ".join(map(repr, names[:4])) + (", ..." if len(names) > 4 else "")
+        except (ValueError, TypeError):
+            said = metadata[SKIPPED_KEY][:80]
+        return f"leaves out tensors that safetensors cannot hold ({said})"
+    if SKELETON_OMITTED_KEY in metadata:
+        return f"was made without the object's skeleton ({metadata[SKELETON_OMITTED_KEY]})"
+    return None
+
+
+def _partial_file(path: str) -> str | None:
+    """``_partial`` of the safetensors file at ``path``; None for one that cannot be read (its
+    import says why)."""
     try:
         with SafetensorsFile(path) as f:
-            return SKELETON_OMITTED_KEY in f.header.metadata
+            return _partial(f.header.metadata)
     except (OSError, MalformedInputError):
-        return False
+        return None
 
 
 def _read_texts(path: str, names, missing_ok: bool) -> dict[str, str]:

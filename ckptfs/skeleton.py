@@ -108,7 +108,13 @@ def _check_skeleton(node, ntensors: int, depth: int) -> None:
         leaves.check(kind, value)  # or MalformedInputError: an unknown kind
 
 
-def _key_text(key: Any) -> str:
+def key_text(key_node: dict) -> str:
+    """A dict key node's part of a dotted name: a str key itself, any other key its value's repr
+    (the int 1 and the str "1" read the same here: ``tensor_refs(exact=True)`` tells them apart)."""
+    key = key_node.get("str")
+    if type(key) is str:
+        return key
+    key = unflatten(key_node, [])
     return key if isinstance(key, str) else repr(key)
 
 
@@ -190,7 +196,7 @@ def tensor_refs(node: dict, path: tuple, out: list, exact: bool = False) -> None
                         key = (key, len(seen))
                     seen.add(key)
                 else:
-                    key = _key_text(unflatten(k, []))
+                    key = key_text(k)
             sub = path + (key,)
             index = tensor_leaf(v)
             if index is None:

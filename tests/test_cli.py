@@ -434,6 +434,45 @@ def test_export_of_a_damaged_version_to_a_directory_leaves_nothing(capsys, fresh
     assert os.listdir(out_dir) == []
 
 
+def test_a_failed_export_with_force_leaves_the_files_it_would_replace(capsys, fresh_region, tmp_path, monkeypatch):
+    """--force over an earlier export: a failure on a later file unlinked the files already
+    replaced, so the directory held neither export. Now every file is written beside its place
+    and renamed only once all are whole."""
+    import ckptfs.cli.transfer as transfer
+
+    out_dir = tmp_path / "out"
+    assert run(capsys, "export", "--region", fresh_region, "--step", "100", TOY_MODEL, f"{out_dir}/")[0] == 0
+    before = {name: (out_dir / name).read_bytes() for name in os.listdir(out_dir)}
+    real, calls = transfer._export_file, []
+
+    def fail_on_the_third(view, data, dest):
+        calls.append(dest)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(view, data, dest)
+
+    monkeypatch.setattr(transfer, "_export_file", fail_on_the_third)
+    code, _, err = run(capsys, "export", "--region", fresh_region, "--step", "200", "--force", TOY_MODEL,
+                       f"{out_dir}/")
+    assert code == 1 and "No space left on device" in one_error_line(err)
+    assert {name: (out_dir / name).read_bytes() for name in os.listdir(out_dir)} == before  # step 100's, whole
+
+
+def test_export_key_names_the_file_as_the_mount_does(capsys, tmp_path):
+    """--key a/b exported nothing ("has no a/b.safetensors; it has ... a_b.safetensors"), and
+    --key state exported state.safetensors, the whole object's file, as if it were the key's."""
+    from safetensors.torch import load_file
+
+    region = str(tmp_path / "k.region")
+    with ckptfs.Store.create(region, size_bytes=64 << 20) as s, s.writer("m") as w:
+        w.save({"state": {"w": torch.ones(2)}, "a/b": {"x": torch.zeros(3)}, "other": {"v": torch.ones(1)}}, 1).result()
+    assert run(capsys, "export", "--region", region, "--key", "a/b", "m", tmp_path / "ab.safetensors")[0] == 0
+    assert list(load_file(tmp_path / "ab.safetensors")) == ["x"]
+    code, _, err = run(capsys, "export", "--region", region, "--key", "state", "m", tmp_path / "s.safetensors")
+    assert code == 2 and "--key 'state' has no file of its own (state.safetensors holds every tensor" in err
+    assert not os.path.exists(tmp_path / "s.safetensors")
+
+
 def test_import_of_an_exported_state_safetensors_keeps_the_nesting(capsys, fresh_region, tmp_path):
     """state.safetensors carries the object's skeleton: the import gives back the same object
     (nesting, int keys, plain values, tied tensors), not dotted top-level keys."""
@@ -585,11 +624,17 @@ def test_export_import_round_trip_of_every_safetensors_dtype(capsys, tmp_path):
     with ckptfs.Store.create(region, size_bytes=128 << 20) as s, s.writer("all") as w:
         w.save(tensors, 1).result()
     assert run(capsys, "export", "--region", region, "all", tmp_path / "x.safetensors")[0] == 0
-    assert run(capsys, "import", "--region", region, "back", tmp_path / "x.safetensors")[0] == 0
+    # complex128 and complex32 have no safetensors dtype: the file leaves them out and says so,
+    # and its import is refused rather than a version without them
+    code, _, err = run(capsys, "import", "--region", region, "back", tmp_path / "x.safetensors")
+    assert code == 1 and "leaves out tensors that safetensors cannot hold ('complex128', 'complex32')" in err
+    with ckptfs.Store(region) as s:
+        assert s.versions("back", missing_ok=True) == []
+    assert run(capsys, "export", "--region", region, "all", tmp_path / "x.pt")[0] == 0
+    assert run(capsys, "import", "--region", region, "back", tmp_path / "x.pt")[0] == 0
     with ckptfs.Store(region) as s:
         back = s.load("back")
-    assert set(tensors) - set(back) == {"complex128", "complex32"}  # no safetensors dtype
-    assert "float4_e2m1fn_x2" in back and "float8_e8m0fnu" in back
+    assert list(back) == list(tensors) and "float4_e2m1fn_x2" in back and "float8_e8m0fnu" in back
     for k, t in back.items():
         assert_same(t, tensors[k], k)
 
@@ -877,10 +922,36 @@ def test_a_version_whose_skeleton_was_left_out_imports_whole_from_its_checkpoint
     assert back["sampler"]["order"] == list(range(3000)) and back["step"] == 7
     assert torch.equal(back["model"]["w"], torch.arange(4.0))
     code, _, err = run(capsys, "import", "--region", region, "flat", tmp_path / "exp" / "state.safetensors")
-    assert code == 1 and "skeleton was left out" in one_error_line(err) and "checkpoint.pt" in err
+    assert code == 1 and "made without the object's skeleton" in one_error_line(err) and "checkpoint.pt" in err
     os.remove(tmp_path / "exp" / "checkpoint.pt")  # a copy without it was read as a Hugging Face directory
     code, _, err = run(capsys, "import", "--region", region, "hf", tmp_path / "exp")
     assert code == 1 and "has no checkpoint.pt" in one_error_line(err)
+
+
+def test_a_version_with_tensors_safetensors_cannot_hold_imports_whole_from_its_checkpoint(capsys, tmp_path):
+    """A complex128 tensor (no safetensors dtype) is left out of state.safetensors, which then
+    carries no skeleton: an exported version imported from it came back flat, without that
+    tensor, its plain values or its nesting, exit 0. Now its checkpoint.pt is imported; the
+    state.safetensors alone is refused, naming what it leaves out (a tied name too)."""
+    from safetensors import safe_open
+
+    region = str(tmp_path / "c.region")
+    rot = torch.randn(3, dtype=torch.complex128)
+    state = {"model": {"w": torch.arange(4.0), "rot": rot, "rot_tied": rot}, "epoch": 7,
+             "opt": {"param_groups": [{"lr": 0.1}]}}
+    with ckptfs.Store.create(region, size_bytes=64 << 20) as s, s.writer("m") as w:
+        w.save(state, 5).result()
+    assert run(capsys, "export", "--region", region, "m", f"{tmp_path / 'exp'}/")[0] == 0
+    with safe_open(str(tmp_path / "exp" / "state.safetensors"), "pt") as f:
+        assert json.loads(f.metadata()["ckptfs.skipped"]) == ["model.rot", "model.rot_tied"]
+    assert run(capsys, "import", "--region", region, "back", tmp_path / "exp")[0] == 0
+    with ckptfs.Store(region) as s:
+        back = s.load("back")
+    assert_same(back, state)
+    assert back["model"]["rot"] is back["model"]["rot_tied"]
+    code, _, err = run(capsys, "import", "--region", region, "flat", tmp_path / "exp" / "state.safetensors")
+    assert code == 1 and "leaves out tensors that safetensors cannot hold ('model.rot', 'model.rot_tied'): " \
+        "import the version's checkpoint.pt" in one_error_line(err)
 
 
 def test_an_export_listing_an_extra_named_as_a_views_file_imports_without_it(capsys, tmp_path, caplog):

@@ -701,9 +701,10 @@ def test_zip64_for_a_tensor_over_4_gib(tmp_path, monkeypatch):
     with zf.open(small_info) as f:  # reading to the end checks the CRC
         assert f.read() == bytes(small)
     assert zf.read("checkpoint/version") == b"3\n"
-    # the big entry's local header carries a Zip64 extra, and its data descriptor 64-bit sizes
+    # the big entry's local header carries a Zip64 extra (its compressed size 0, as miniz writes
+    # it before the data: byte for byte torch.save's), and its data descriptor 64-bit sizes
     header = view.read(big_info.header_offset, 30 + 17 + 20, zeros)
-    assert header[47:51] == b"\x01\x00\x10\x00" and header[51:67] == struct.pack("<QQ", big, big)
+    assert header[47:51] == b"\x01\x00\x10\x00" and header[51:67] == struct.pack("<QQ", big, 0)
     data_start = big_info.header_offset + 30 + 17 + 20 + 4 + (-(big_info.header_offset + 71) % 64)
     assert data_start % 64 == 0
     descriptor = view.read(data_start + big, 24, zeros)
@@ -782,6 +783,15 @@ def test_files_for_names_and_order(tmp_path):
     assert "lone" in load_file(stored.write(files["state.safetensors"], tmp_path / "state.safetensors"))
     optim = load_file(stored.write(files["optim.safetensors"], tmp_path / "o.safetensors"))
     assert list(optim) == ["state.0.m"]
+
+
+def test_two_top_level_keys_that_read_the_same_get_no_file():
+    """The int 3 and the str "3" read "3" in a dotted name: 3.safetensors held both keys'
+    tensors, nothing saying whose was whose. Neither gets a file of its own now (both are in
+    state.safetensors, as 3.x and 3.x#1); a key of its own still does."""
+    obj = {3: {"x": torch.ones(1)}, "3": {"x": torch.zeros(1)}, "model": {"w": torch.ones(2)}}
+    assert list(files_for(lay_out(obj).manifest)) == ["checkpoint.pt", "state.safetensors", "model.safetensors",
+                                                      "metadata.json"]
 
 
 def test_files_for_other_roots():

@@ -38,11 +38,16 @@ def export(region, step, file_name, key, force, model, output):
     replaced only with --force."""
     from ckptfs.dist.whole import as_whole, version_files, whole_absent
     from ckptfs.views import files_for
+    from ckptfs.views.safetensors import STATE_FILE, key_file_name
 
     if key is not None:
         if file_name is not None:
             raise click.UsageError("give --file or --key, not both")
-        file_name = f"{key}.safetensors"
+        file_name = key_file_name(key)  # the mount's name of the key's file ('/' as '_')
+        if file_name is None or file_name == STATE_FILE:
+            raise click.UsageError(f"--key {key!r} has no file of its own"
+                                   + (f" ({STATE_FILE} holds every tensor: --file {STATE_FILE})"
+                                      if file_name else "") + "; `ckptfs info MODEL` lists the files")
     to_dir = output != "-" and (output.endswith(os.sep) or os.path.isdir(output))
     if output == "-" and file_name is None:
         raise click.UsageError("with OUTPUT -, choose the file with --file NAME or --key KEY")
@@ -72,15 +77,18 @@ def export(region, step, file_name, key, force, model, output):
                     written += _export_file(views[name], v.data, dest)
                     done.append(dest)
             except BaseException:
-                for dest in done:  # a version is exported whole or not at all
-                    if dest != "-":
-                        os.unlink(dest)
+                for dest in done:  # a version is exported whole or not at all; files it would
+                    if dest != "-":  # replace (--force) are still there
+                        os.unlink(dest + PART_SUFFIX)
                 for d in sorted(made, key=len, reverse=True):  # and the directories made for it
                     try:
                         os.rmdir(d)
                     except OSError:
                         pass  # not made after all, or holds something else now
                 raise
+            for dest in done:  # every file whole and checked: now they replace what was there
+                if dest != "-":
+                    os.replace(dest + PART_SUFFIX, dest)
         if output != "-":
             what = file_name if file_name is not None else f"{len(names)} files"
             click.echo(f"exported {what} of {model} step {v.info.step} to {output} ({human_bytes(written)})")
@@ -112,9 +120,13 @@ def _file_for_extension(output: str) -> str:
     return names[ext]
 
 
+PART_SUFFIX = ".ckptfs-part"  # an exported file while it is written, beside its place
+
+
 def _export_file(view, data, dest: str) -> int:
     """Stream one view of a version to ``dest`` (``-``: standard output), checked as it goes;
-    a file appears only whole (written beside it, then renamed). Returns its size."""
+    a file is written whole beside its place (``dest + PART_SUFFIX``), for the caller to rename
+    once every file of the export is (nothing there is replaced before). Returns its size."""
     if dest == "-":
         out = sys.stdout.buffer  # (click.get_binary_stream is deprecated since Click 8.5)
         for block in view.iter_blocks(data.sequential_reader(), EXPORT_BLOCK_BYTES):
@@ -123,7 +135,7 @@ def _export_file(view, data, dest: str) -> int:
         data.confirm()
         return view.size
     os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)  # views' subdirectories (hf/)
-    tmp = dest + ".ckptfs-part"
+    tmp = dest + PART_SUFFIX
     try:
         with open(tmp, "wb") as f, progress(view.size, os.path.basename(dest)) as bar:
             # checked as it streams: a damaged tensor fails the export before the file is renamed
@@ -131,7 +143,6 @@ def _export_file(view, data, dest: str) -> int:
                 f.write(block)
                 bar.update(len(block))
         data.confirm()  # the blocks were views of the mapping: none read a faulted page
-        os.replace(tmp, dest)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections import Counter
 from json.encoder import encode_basestring_ascii
 from typing import Mapping
 
 from ckptfs import _native
 from ckptfs.manifest import Manifest, TensorRecord
-from ckptfs.skeleton import dumps_named_skeleton, unique_name
+from ckptfs.skeleton import dumps_named_skeleton, key_text, unique_name
 from ckptfs.views.registry import register
 from ckptfs.views.segments import LazyView, View, ViewBuilder
 
@@ -75,8 +76,9 @@ def safetensors_view(manifest: Manifest, *, key: str | None = None,
             skipped.append(name)
     if not kept:
         return None
-    if aliases and skipped:
+    if aliases and skipped:  # a skipped tensor's other names are left out with it, and listed
         kept_names = {name for name, _ in kept}
+        skipped += [alias for alias, name in aliases.items() if name not in kept_names]
         aliases = {alias: name for alias, name in aliases.items() if name in kept_names}
     meta = dict(metadata or {})
     skeleton_added = key is None and not skipped and SKELETON_KEY not in meta
@@ -234,11 +236,14 @@ def _top_level_tensor_keys(manifest: Manifest) -> list[str]:
     """Top-level keys (as text, like ``TensorRef.key_path[0]``) whose value is a container
     holding tensors, in order. A key whose value is one tensor gets no file of its own: a flat
     state dict (an imported Hugging Face model: hundreds of tensors at the top level) showed a
-    file per tensor, each in state.safetensors already."""
-    (kind, _), = manifest.skeleton.items()
+    file per tensor, each in state.safetensors already. Nor do two keys that read the same (the
+    int 3 and the str "3"): one file held both keys' tensors, and nothing said whose was whose."""
+    (kind, items), = manifest.skeleton.items()
     if kind not in ("dict", "odict"):
         return []
-    return list(dict.fromkeys(ref.key_path[0] for ref in manifest.refs() if len(ref.key_path) > 1))
+    texts = Counter(key_text(k) for k, _ in items)
+    return [text for text in dict.fromkeys(ref.key_path[0] for ref in manifest.refs() if len(ref.key_path) > 1)
+            if texts[text] == 1]
 
 
 register("safetensors", safetensors_files,
