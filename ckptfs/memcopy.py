@@ -10,6 +10,7 @@ writing the previous chunks at the same time.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import threading
 from array import array
@@ -31,11 +32,17 @@ def default_copy_threads() -> int:
     return max(1, min(COPY_THREADS_MAX, cores))
 
 
-def host_bytes(t: torch.Tensor):
-    """A buffer over the bytes of a contiguous CPU uint8 tensor (shares its memory)."""
+def host_bytes(t: torch.Tensor) -> memoryview:
+    """A writable buffer over the bytes of a contiguous CPU uint8 tensor: it shares the tensor's
+    memory and keeps the tensor alive while it is referenced. Not ``Tensor.numpy()``: that marks
+    the tensor's storage not resizable, for good, so a caller's ``storage().resize_(0)`` after a
+    save (FSDP's and offloading's way to free memory) failed."""
     if t.device.type != "cpu" or t.dtype != torch.uint8 or not t.is_contiguous():
         raise ValueError(f"expected a contiguous CPU uint8 tensor, got {t.dtype} on {t.device}")
-    return t.detach().numpy()
+    t = t.detach()
+    window = (ctypes.c_char * t.nbytes).from_address(t.data_ptr())
+    window.tensor = t  # the memory's owner, held as long as the buffer is
+    return memoryview(window).cast("B")
 
 
 class HostTargets:

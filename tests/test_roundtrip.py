@@ -74,6 +74,21 @@ def test_transformer_and_adamw_roundtrip(store):
     opt.load_state_dict(back["optim"])
 
 
+def test_a_save_leaves_the_callers_storages_resizable(store):
+    """The snapshot read a tensor's bytes through Tensor.numpy(), which marks its storage not
+    resizable for good: a `storage.resize_(0)` after a save (how FSDP and offloading free
+    memory) raised "Trying to resize storage that is not resizable", naming nothing of ckptfs."""
+    model = torch.nn.Linear(8, 4)
+    plain = torch.randn(1000)
+    with store.writer("m") as w:
+        w.save({"model": model.state_dict(), "x": plain}, 1).result()
+        w.save({"model": model.state_dict(), "x": plain}, 2, async_snapshot=True).result()
+    assert all(t.untyped_storage().resizable() for t in [plain, *model.state_dict().values()])
+    plain.resize_(8)
+    model.weight.untyped_storage().resize_(0)
+    assert store.load("m")["x"].shape == (1000,)
+
+
 def test_every_dtype_and_odd_tensors(store):
     big = torch.randn(64, 48)
     obj = {

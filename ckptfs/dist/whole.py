@@ -467,13 +467,15 @@ class WholeVersion:
         import torch
         from torch.autograd.graph import increment_version
 
+        from ckptfs.memcopy import host_bytes
+
         # host tensors are written by address: tell autograd, as a copy_ would (ckptfs.restore.copy_out)
         increment_version([t for t in tensors if t is not None and t.is_cpu])
         for (_, pieces), record, t in zip(self.layout.pieces, self.manifest.tensors, tensors):
             if t is None or not record.nbytes:
                 continue
             dest = t.detach() if t.is_cpu else torch.empty(record.nbytes, dtype=torch.uint8)
-            out = memoryview(dest.view(-1).view(torch.uint8).numpy())
+            out = host_bytes(dest.view(-1).view(torch.uint8))
             for p in pieces:
                 out[p.at:p.at + p.nbytes] = self._parts[p.part].read(p.offset, p.nbytes)
             if not t.is_cpu:
