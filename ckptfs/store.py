@@ -387,17 +387,20 @@ class Store:
 
         self.region.check_writable("changed")
         v, is_latest = self._find(model, step)
-        saves = [v] + list(reversed(hidden_by(self.region.committed(v.entry), step, v.header.counter)))
+        earlier = list(reversed(hidden_by(self.region.committed(v.entry), step, v.header.counter)))
         # the parts of a multi-rank version (read before it goes), given back once it is gone
-        named = parts.named_by(self, model, [(x.header.step, x.header.counter) for x in saves])
-        if is_latest and allow_latest and named:
-            self._keep_parts_of_next_latest(model, v)
-        self.region.remove_version(v, allow_latest=allow_latest)
-        for older in saves[1:]:
+        named = parts.named_by(self, model, [(x.header.step, x.header.counter) for x in [v, *earlier]])
+        # the earlier saves first: hidden by the newest, they are listed nowhere, so a refusal
+        # (one a reader holds) leaves the step as it was; the newest first had gone, then the
+        # refusal, and the step showed an earlier save (an abandoned run's) in its place
+        for older in earlier:
             try:
                 self.region.remove_version(older, allow_latest=allow_latest)
             except NotFoundError:
                 pass  # its slot was reused meanwhile
+        if is_latest and allow_latest and named:
+            self._keep_parts_of_next_latest(model, v)
+        self.region.remove_version(v, allow_latest=allow_latest)
         parts.give_back_parts(self, named)
 
     def _keep_parts_of_next_latest(self, model: str, latest: SlotVersion) -> None:

@@ -169,6 +169,17 @@ def test_rm_of_a_step_saved_twice_removes_both_saves(store, capsys):
         store.load("m", 3)
     store.remove("m", 2)  # a step saved once: as before
     assert [v.step for v in store.versions("m")] == [1, 4, 5]
+    # a reader (another Store: another process's) holds step 5 when a run saves it again: the
+    # removal is refused before anything listed changes; the newer save went first, then the
+    # refusal, and step 5 was the held save, an abandoned run's, latest for the next resume
+    with ckptfs.Store(store.path) as other, other.open_version("m", 5):
+        with store.writer("m") as w:
+            w.save({**state(5), "run": 2}, 5).result()
+        with pytest.raises(ckptfs.errors.BusyError, match="open or being written"):
+            store.remove("m", 5, allow_latest=True)
+        assert store.load("m")["run"] == 2 and store.latest("m").step == 5
+    store.remove("m", 5, allow_latest=True)
+    assert [v.step for v in store.versions("m", hidden=True)] == [1, 4, 4] and store.latest("m").step == 4
 
 
 def test_the_latest_removed_on_request_rolls_the_model_back(store, capsys):
