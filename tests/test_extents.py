@@ -524,3 +524,23 @@ def test_a_job_resumed_with_more_saves_in_flight_gets_the_ring_they_need(store):
     with store.writer("m", max_inflight=1) as w:
         w.save({"w": torch.ones(1000)}, step=12).result()
     assert store.region.get("m").ring_slots == 6
+
+
+def test_a_writer_refused_more_slots_leaves_the_model_as_it_was(tmp_path):
+    """`store.writer(model, slots=40)` in a region without room for them was refused, yet the
+    model kept 40 as its ring: its saves then took slot after slot until the region was full,
+    and another model's first save failed."""
+    with ckptfs.Store.create(str(tmp_path / "r.region"), size_bytes=64 << 20) as store:
+        with store.writer("a") as w:
+            w.save({"x": torch.zeros(1 << 20)}, 0).result()
+        before = store.region.get("a")
+        with pytest.raises(ckptfs.errors.RegionFullError):
+            store.writer("a", slots=40)
+        after = store.region.get("a")
+        assert (after.ring_slots, after.nslots) == (before.ring_slots, before.nslots) == (4, 4)
+        with store.writer("a") as w:
+            for step in range(1, 20):
+                w.save({"x": torch.zeros(1 << 20)}, step).result()
+        assert store.region.get("a").nslots == 4
+        with store.writer("b") as w:
+            w.save({"x": torch.zeros(1 << 20)}, 0).result()

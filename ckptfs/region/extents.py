@@ -70,12 +70,15 @@ class Extents:
         region = self.region
         if ring_slots is not None and ring_slots != self.ring.entry.ring_slots:
             with region.meta_locked():
+                # the slots first, then the new count: a region without room for them refuses
+                # with the model as it was (the count written first stayed, and the model then
+                # took slot after slot as it saved, until the region was full)
                 old = self.ring.refresh()
-                entry = old.with_extents(old.extents, ring_slots=ring_slots)
-                region.write_entry(entry, old)
-                usable = self.ring.usable_slots(self.ring.refresh(), entry.slot_bytes)
+                usable = self.ring.usable_slots(old, old.slot_bytes)
                 if ring_slots > usable:
-                    self._add(self.ring.refresh(), entry.slot_bytes, ring_slots - usable)
+                    self._add(old, old.slot_bytes, ring_slots - usable)
+                now = self.ring.refresh()
+                region.write_entry(now.with_extents(now.extents, ring_slots=ring_slots), now)
                 self.ring.refresh()
             self.give_back(now=True)
         if slot_bytes is not None and slot_bytes > self.ring.entry.slot_bytes:
