@@ -103,6 +103,11 @@ def test_extra_is_checked_when_save_is_called(tmp_path):
         for own in ("metadata.json", "checkpoint.pt", "state.safetensors", "hf", "model.safetensors"):
             with pytest.raises(ValueError, match=rf"extra: '{own}' is a name ckptfs gives its own files"):
                 w.save({"w": torch.ones(1)}, step=1, extra={"config.json": "{}", own: "x"}, async_snapshot=True)
+        # a multi-rank version's records: one alone made this version read as one, unreadable
+        for record in ("dcp-metadata.json", "dcp-parts.json"):
+            with pytest.raises(ValueError, match=rf"extra: '{record}' is a name ckptfs gives the records of a "
+                                                 "checkpoint of many ranks"):
+                w.save({"w": torch.ones(1)}, step=1, extra={record: "{}"})
         w.save({"w": torch.ones(1)}, step=1).result()  # nothing of the refusals was written
     with ckptfs.Store(str(tmp_path / "r.region")) as store:
         assert [v.step for v in store.versions("m")] == [1]

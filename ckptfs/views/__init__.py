@@ -19,6 +19,7 @@ contiguous, in the writing machine's byte order, at ``offset`` in the data area,
 """
 from __future__ import annotations
 
+from ckptfs.dist.names import RECORD_FILES
 from ckptfs.views.segments import Extent, Literal, View, ViewBuilder
 # Importing a view module registers it; the order of these imports is the listing order.
 from ckptfs.views.torchzip import CHECKPOINT_FILE, torch_zip_view
@@ -39,12 +40,18 @@ def is_views_own(name: str) -> bool:
     return name in OWN_ROOT_NAMES or name.endswith(OWN_ROOT_SUFFIX)
 
 
-def check_extra_names(names) -> None:
-    """ValueError, in the words of ``save(extra=)``, for an extra file named as ``is_views_own``."""
+def check_extra_names(names, *, records: bool = False) -> None:
+    """ValueError, in the words of ``save(extra=)``, for an extra file named as ``is_views_own``,
+    or as the records of a multi-rank version (``RECORD_FILES``: one of them alone made a version
+    of one process read as multi-rank, and unreadable), unless ``records`` (ckptfs's own writers
+    of those versions)."""
     for name in names:
         if is_views_own(name):
             raise ValueError(f"extra: {name!r} is a name ckptfs gives its own files in every version "
                              f"({', '.join(OWN_ROOT_NAMES[:3])}, {HF_DIR}/, <key>{OWN_ROOT_SUFFIX}): name it otherwise")
+        if name in RECORD_FILES and not records:
+            raise ValueError(f"extra: {name!r} is a name ckptfs gives the records of a checkpoint of many ranks "
+                             f"({', '.join(sorted(RECORD_FILES))}): name it otherwise")
 
 
 __all__ = ["CHECKPOINT_FILE", "HF_DIR", "METADATA_FILE", "OWN_ROOT_NAMES", "STATE_FILE", "Extent", "Literal", "View",
