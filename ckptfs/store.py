@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, NoReturn
 
 from ckptfs.errors import (BusyError, CkptfsError, CorruptionError, HeldError, NotFoundError, PartGoneError,
                            RegionFormatError, RegionFullError, in_words, no_step, no_version_yet, not_a_region)
@@ -323,7 +323,7 @@ class Store:
             return self._load_opened(self.open_version(model, step), map_location, verify, into, keys)
         except (CorruptionError, PartGoneError) as damaged:  # damaged, or a part of it is
             if step is not None or not verify:
-                raise
+                _say_into_was_written(damaged, into)
             entry = self.region.get(model)
             latest = self.region.latest(entry)
             for v in reversed(self.region.committed(entry)):
@@ -340,12 +340,7 @@ class Store:
                 log.warning("%s; loaded step %d of %r instead, the newest intact version",
                             damaged, v.header.step, model)
                 return obj
-            if into is not None:  # it was read into them as it came in
-                said = type(damaged)(f"{damaged}; into= holds some of its bytes now: load an intact version into it "
-                                     "(`ckptfs ls` lists them)")
-                said.__dict__.update(damaged.__dict__)  # a PartGoneError's rank
-                raise said from damaged
-            raise
+            _say_into_was_written(damaged, into)
 
     def _load_opened(self, version: Version, map_location, verify: bool, into, keys):
         """The saved object of ``version`` (opened, closed here): ``Version.load``; of a
@@ -504,3 +499,14 @@ class Store:
                 else sum(e.nbytes for e in self.region.entries()))
         return {"region_bytes": self.region.superblock.region_bytes, "used_bytes": used,
                 "free_bytes": self.region.data_area_bytes() - used}
+
+
+def _say_into_was_written(damaged: Exception, into) -> NoReturn:
+    """Raise ``damaged``, a load's damage, saying where ``into`` was given that it holds some of
+    the damaged version's bytes now (they were read into it as they came in)."""
+    if into is None:
+        raise damaged
+    said = type(damaged)(f"{damaged}; into= holds some of its bytes now: load an intact version into it "
+                         "(`ckptfs ls` lists them)")
+    said.__dict__.update(damaged.__dict__)  # a PartGoneError's rank
+    raise said from damaged

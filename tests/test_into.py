@@ -181,6 +181,14 @@ def test_keys_are_compared_as_stored_and_a_damaged_latest_falls_back_only_to_a_v
         with pytest.raises(ckptfs.errors.CorruptionError, match=r"'ema.w' of m step 2 fails its checksum.*; into= holds "
                                                                  r"some of its bytes now: load an intact version"):
             store.load("m", keys="ema", into=target)
+        # a step asked for by number does not fall back, and says the same
+        target = {"ema": {"w": torch.zeros(1000)}}
+        with pytest.raises(ckptfs.errors.CorruptionError, match=r"fails its checksum.*; into= holds some of its bytes "
+                                                                 r"now: load an intact version"):
+            store.load("m", step=2, keys="ema", into=target)
+        with pytest.raises(ckptfs.errors.CorruptionError) as no_into:
+            store.load("m", step=2, keys="ema")
+        assert "into=" not in str(no_into.value)
         # the weights alone are intact in step 2: no fall back
         assert store.load("m", keys="model")["model"]["w"].eq(2.0).all()
     flip_a_tensor_byte(region, "m", 2, "model.w")
