@@ -544,3 +544,21 @@ def test_a_writer_refused_more_slots_leaves_the_model_as_it_was(tmp_path):
         assert store.region.get("a").nslots == 4
         with store.writer("b") as w:
             w.save({"x": torch.zeros(1 << 20)}, 0).result()
+
+
+def test_a_writer_reopened_with_fewer_slots_keeps_the_older_versions_until_saves_replace_them(store):
+    """`store.writer(model, slots=2)` on a model of 8 versions dropped 5 of them at its opening,
+    before it saved anything, without a word: a restarted job lost its rollback points. They go
+    now as the saves that follow replace them."""
+    with store.writer("m", max_inflight=1, slots=8) as w:
+        for step in range(10):
+            w.save({"x": torch.full((1000,), float(step))}, step, keep=step == 3).result()
+    before = [v.step for v in store.versions("m")]
+    assert before == list(range(1, 10))  # a ring of 8, and the milestone
+    store.writer("m", max_inflight=1, slots=2).close()
+    assert [v.step for v in store.versions("m")] == before
+    with store.writer("m", max_inflight=1, slots=2) as w:
+        for step in range(10, 30):
+            w.save({"x": torch.full((1000,), float(step))}, step).result()
+    assert [v.step for v in store.versions("m")] == [3, 28, 29]  # the milestone, and the ring of 2
+

@@ -80,7 +80,9 @@ class Extents:
                 now = self.ring.refresh()
                 region.write_entry(now.with_extents(now.extents, ring_slots=ring_slots), now)
                 self.ring.refresh()
-            self.give_back(now=True)
+            # fewer: the slots the ring no longer needs go back after commits (give_back), with the
+            # versions in them; not here, where a job reopened with a smaller slots= lost its
+            # older versions, its rollback points, before it saved anything, without a word
         if slot_bytes is not None and slot_bytes > self.ring.entry.slot_bytes:
             self.add(slot_bytes, outgrown=True, headroom=1.0)
 
