@@ -105,7 +105,7 @@ def load_device(map_location) -> torch.device:
     if device.type not in ("cpu", "meta"):
         try:
             torch.empty(0, device=device)
-        except (RuntimeError, AssertionError) as e:  # a backend this torch lacks, an index past the devices
+        except (RuntimeError, AssertionError, ImportError) as e:  # a backend this torch lacks, an index past the devices
             raise ValueError(f"map_location={map_location!r}: {str(e).splitlines()[0]}") from None
     return device
 

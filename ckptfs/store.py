@@ -222,6 +222,8 @@ class Store:
         """The version of ``step`` (None: latest) and whether it is latest; of a step saved
         twice the newer, or the one whose counter is ``counter`` (with ``step`` None: the save
         ``counter`` whatever its step, a part or version named by its counter alone)."""
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+            raise ValueError(f"step must be an int (or None: the latest), got {step!r}")  # "0" was 'no step 0'
         entry = self.region.get(model)
         if step is None and counter is None:
             latest = self.region.latest(entry)

@@ -395,10 +395,11 @@ def test_ring_geometry_of_an_existing_model_takes_effect(store):
     assert store.region.get("geo").ring_slots == 10 and len(store.versions("geo")) == 10
     with store.writer("geo", slot_bytes=2 << 20):  # slots of at least 2 MiB, at once
         assert store.region.get("geo").slot_bytes >= 2 << 20
-    with store.writer("geo", slots=3) as w:  # fewer: the extra slots go back as they empty
-        for step in range(14, 18):
+    with store.writer("geo", slots=3) as w:  # fewer: the extra slots go back as saves replace their versions
+        assert len(store.versions("geo")) == 10  # not at the opening, before anything is saved
+        for step in range(14, 28):
             w.save({"w": torch.full((1000,), float(step))}, step=step).result()
-    assert store.region.get("geo").nslots == 3 and [v.step for v in store.versions("geo")] == [15, 16, 17]
+    assert store.region.get("geo").nslots == 3 and [v.step for v in store.versions("geo")] == [25, 26, 27]
     for options in ({}, {"slot_bytes": 4096}):  # what the ring has already
         with store.writer("geo", **options) as w:
             w.save({"w": torch.ones(1000)}, step=20).result()
@@ -557,3 +558,23 @@ def test_into_with_separate_tensors_where_the_checkpoint_ties_them(store):
                                          r"in the checkpoint\): saved float32\[4, 3\], into= has float32\[3, 4\]"):
         store.load("tied", into=bad)
     assert not any(t.any() for t in bad["model"].values())
+
+
+def test_arguments_of_another_type_are_refused_in_their_words(store):
+    """A str where an int goes: step "0" said 'no step 0' (versions() listed it), timeout_s
+    "60" or slot_bytes "4096" failed the first save with a bare TypeError (and left an empty
+    model), slot_bytes=-1 was taken; a device type this torch lacks raised ModuleNotFoundError."""
+    with store.writer("m") as w:
+        w.save({"w": torch.ones(2)}, 0).result()
+    for call in (lambda: store.load("m", step="0"), lambda: store.keep("m", "0"), lambda: store.remove("m", "0")):
+        with pytest.raises(ValueError, match=r"step must be an int \(or None: the latest\), got '0'"):
+            call()
+    for options, said in [({"timeout_s": "60"}, "timeout_s must be a positive number of seconds, got '60'"),
+                          ({"slot_bytes": "4096"}, "slot_bytes must be a positive int, got '4096'"),
+                          ({"slot_bytes": -1}, "slot_bytes must be a positive int, got -1"),
+                          ({"slots": "4"}, "slots must be a positive int, got '4'")]:
+        with pytest.raises(ValueError, match=said):
+            store.writer("n", **options)
+    assert store.models() == ["m"]
+    with pytest.raises(ValueError, match="map_location='hpu': "):
+        store.load("m", map_location="hpu")

@@ -19,11 +19,18 @@ def check_positive(name: str, value) -> None:
 
 
 def check_options(max_inflight: int, persist_threads: int, chunk_bytes: int, staging_budget_bytes: int | None,
-                  slots: int | None, keep_every: int | None) -> None:
-    """ValueError, in the words of the argument, for a Writer's option out of its range."""
+                  slots: int | None, keep_every: int | None, slot_bytes: int | None = None,
+                  timeout_s: float = 1.0) -> None:
+    """ValueError, in the words of the argument, for a Writer's option out of its range or of
+    another type (a str of digits failed the first save with a bare TypeError)."""
     check_positive("max_inflight", max_inflight)
     check_positive("persist_threads", persist_threads)
     check_positive("chunk_bytes", chunk_bytes)
+    for name, value in (("slots", slots), ("slot_bytes", slot_bytes), ("staging_budget_bytes", staging_budget_bytes)):
+        if value is not None:
+            check_positive(name, value)
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     if chunk_bytes % IO_ALIGN_BYTES:
         raise ValueError(f"chunk_bytes must be a multiple of {IO_ALIGN_BYTES}, got {chunk_bytes}")
     least = least_ring_slots(max_inflight)

@@ -84,7 +84,8 @@ class Writer:
                  slot_bytes: int | None = None, keep_every: int | None = None, timeout_s: float = 120.0,
                  give_back_hidden: bool = True, sole: bool = True):
         validate_model_name(model)
-        check_options(max_inflight, persist_threads, chunk_bytes, staging_budget_bytes, slots, keep_every)
+        check_options(max_inflight, persist_threads, chunk_bytes, staging_budget_bytes, slots, keep_every, slot_bytes,
+                      timeout_s)
         region.check_writable("saved to")
         self.region = region
         self.model = model
