@@ -411,11 +411,13 @@ def encode_files(extra: dict | None) -> tuple[tuple[str, str], ...]:
                 value = json.dumps(value, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
             except (TypeError, ValueError) as e:
                 raise TypeError(f"extra[{name!r}] is neither a str nor JSON-able: {e}") from None
-        total += len(value.encode("utf-8", "surrogatepass"))
+        # counted as the index stores it (ASCII JSON: a NUL or a CJK character takes 6 bytes), as
+        # the slots are sized: 16 MiB of text counted as UTF-8 made an index, and slots, of 96 MiB
+        total += len(dumps_compact(value))
         files.append((name, value))
     if total > FILES_MAX_BYTES:
-        raise ValueError(f"extra files hold {human_bytes(total)}; at most {human_bytes(FILES_MAX_BYTES)} "
-                         "(they are stored in the version's index); save large data as tensors")
+        raise ValueError(f"extra files take {human_bytes(total)} in the version's index (JSON text); at most "
+                         f"{human_bytes(FILES_MAX_BYTES)}: save large data as tensors")
     return tuple(files)
 
 

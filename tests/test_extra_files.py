@@ -99,6 +99,10 @@ def test_extra_is_checked_when_save_is_called(tmp_path):
                 w.save({"w": torch.ones(1)}, step=1, extra=bad, async_snapshot=True)
         with pytest.raises(ValueError, match="at most 16.0 MiB"):
             w.save({"w": torch.ones(1)}, step=1, extra={"big.txt": "x" * (17 << 20)})
+        # counted as the index holds it: 3 MiB of NULs are 18 MiB of JSON escapes there
+        with pytest.raises(ValueError, match=r"extra files take 18.0 MiB in the version's index \(JSON text\); "
+                                             r"at most 16.0 MiB"):
+            w.save({"w": torch.ones(1)}, step=1, extra={"nul.txt": "\0" * (3 << 20)})
         # a name the views take: it hid their file (metadata.json) or their directory (hf/) in silence
         for own in ("metadata.json", "checkpoint.pt", "state.safetensors", "hf", "model.safetensors"):
             with pytest.raises(ValueError, match=rf"extra: '{own}' is a name ckptfs gives its own files"):

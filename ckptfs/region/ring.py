@@ -230,8 +230,11 @@ class Ring:
                     if short:  # no room for the ring's share: make do with its other slots
                         if not self._short_said:
                             self._short_said = True
-                            log.warning("ckptfs: %r keeps fewer than its %d recent versions: its kept versions took "
-                                        "the other slots, and %s", entry.name, entry.ring_slots, e)
+                            # (not "its kept versions took them": a model that outgrew its slots, or
+                            # asked for more, has none kept)
+                            log.warning("ckptfs: %r keeps fewer than its %d recent versions for now: %d of its slots "
+                                        "can take this save (the others hold kept versions, or are smaller), and %s",
+                                        entry.name, entry.ring_slots, self.usable_slots(entry, need), e)
                         continue
             if now > deadline:
                 raise BusyError(f"every slot of {entry.name!r} is latest, kept, pinned by a reader or being written "
