@@ -107,8 +107,15 @@ def format_new_file(path: str, size_bytes: int) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.formatting-{os.getpid()}-{threading.get_ident()}")
-    make_sparse_file(tmp, size_bytes, truncate=False, exclusive=True)
     try:
+        try:
+            make_sparse_file(tmp, size_bytes, truncate=False, exclusive=True)
+        except OSError as e:
+            if e.errno != errno.EFBIG:
+                raise
+            raise RegionFormatError(f"{path}: a file of {human_bytes(size_bytes)} is larger than its filesystem "
+                                    "allows; " + in_words(python="pass a smaller size_bytes",
+                                                          cli="give a smaller --size")) from None
         format_in_place(tmp, None, shown=path)
         _publish_new_file(tmp, path)
     finally:
