@@ -379,7 +379,7 @@ class Store:
         than once, every save of it: the earlier ones, which the newer hid, would show again
         (BusyError for one a reader holds). A multi-rank version's parts in this region go back
         to their rings; a rollback first keeps those of the version that becomes latest
-        (CkptfsError, nothing removed, where one is gone: see docs/DISTRIBUTED.md)."""
+        (CkptfsError, nothing listed removed, where one is gone: see docs/DISTRIBUTED.md)."""
         from ckptfs.dist import parts
 
         self.region.check_writable("changed")
