@@ -5,9 +5,9 @@ Everything is parsed and validated before anything is written: a malformed or ho
 store) and leaves the region untouched -- no writer is created, no model ring allocated.
 
 * safetensors: the header is parsed strictly (ckptfs.safetensors_file) -- the 8-byte length
-  within bounds and within the file, a JSON object with no duplicate keys, known dtypes, non-negative integer shapes,
-  ``shape x itemsize == end - begin``, extents that start at 0 and tile the data exactly (no
-  overlap, no hole, nothing past the end, nothing after the last tensor). The tensors are then
+  within bounds and within the file, a JSON object with no duplicate keys, known dtypes,
+  non-negative integer shapes, ``shape x itemsize == end - begin``, extents that start at 0 and
+  tile the data exactly (no overlap, no hole, nothing past the end, nothing after the last tensor). The tensors are then
   read from a private mapping of the file (no copy before the writer's own snapshot) and saved as
   a flat ``{name: tensor}`` dict in header order (or ``{key: {...}}`` with ``key=``).
 * torch files: ``torch.load(weights_only=True)``, which refuses any global outside torch's
