@@ -7,9 +7,10 @@ store) and leaves the region untouched -- no writer is created, no model ring al
 * safetensors: the header is parsed strictly (ckptfs.safetensors_file) -- the 8-byte length
   within bounds and within the file, a JSON object with no duplicate keys, known dtypes,
   non-negative integer shapes, ``shape x itemsize == end - begin``, extents that start at 0 and
-  tile the data exactly (no overlap, no hole, nothing past the end, nothing after the last tensor). The tensors are then
-  read from a private mapping of the file (no copy before the writer's own snapshot) and saved as
-  a flat ``{name: tensor}`` dict in header order (or ``{key: {...}}`` with ``key=``).
+  tile the data exactly (no overlap, no hole, nothing past the end, nothing after the last
+  tensor). The tensors are then read from a private mapping of the file (no copy before the
+  writer's own snapshot) and saved as a flat ``{name: tensor}`` dict in header order (or
+  ``{key: {...}}`` with ``key=``).
 * torch files: ``torch.load(weights_only=True)``, which refuses any global outside torch's
   allowlist (``os.system``, arbitrary classes) and numpy's numeric arrays and scalars
   (ckptfs.leaves); every failure becomes MalformedInputError.

@@ -147,7 +147,8 @@ def _zip_view(archive_name: str, entries: list[_Entry]) -> View:
         # extra field pads the data to a 64-byte boundary
         literal(tail + _LOCAL_HEADER.pack(0x04034B50, 0, flags, 0, 0, 0, 0, 0, 0, len(name),
                                           len(zip64) + _FB_EXTRA_HEADER + padding)
-                + name + _zip64_extra(size, header_offset, local=True) + b"FB" + _U16.pack(padding) + b"Z" * padding)
+                + name + (_zip64_extra(size, header_offset, local=True) if zip64 else b"") + b"FB"
+                + _U16.pack(padding) + b"Z" * padding)
         if data is None:
             extent(data_offset, size)
         else:
