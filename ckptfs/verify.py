@@ -7,7 +7,7 @@ from typing import Callable
 from ckptfs.dist.parts import part_problems
 from ckptfs.errors import CorruptionError, RegionFormatError, no_step
 from ckptfs.reader import VerifyProblem, VersionData
-from ckptfs.region.format import COUNTER_MAX, SUPERBLOCK_BYTES, Superblock
+from ckptfs.region.format import COUNTER_MAX
 
 
 def verify(store, model: str | None = None, step: int | None = None,
@@ -53,7 +53,7 @@ def region_problems(store) -> list[VerifyProblem]:
     out = []
     region = store.region
     try:
-        primary = Superblock.unpack(bytes(region.backend.view(0, SUPERBLOCK_BYTES)), store.path)
+        primary = region.primary_superblock()
     except RegionFormatError as e:
         primary = None
         out.append(VerifyProblem("<region>", -1, None, f"{e}; the region was opened from its backup superblock"))

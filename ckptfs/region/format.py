@@ -94,6 +94,11 @@ class Superblock:
     def mirror_offset(self) -> int:
         return self.table_offset + self.table_entries * ENTRY_BYTES
 
+    @property
+    def data_end(self) -> int:
+        """The end of the data area: the last whole block before the backup superblock."""
+        return backup_superblock_offset(self.region_bytes) // self.block_bytes * self.block_bytes
+
     @classmethod
     def new(cls, region_bytes: int, block_bytes: int, created_ns: int,
             table_entries: int = DEFAULT_TABLE_ENTRIES) -> "Superblock":
@@ -351,6 +356,12 @@ class SlotHeader:
             raise IncompatibleVersionError(
                 f"a slot was written with format {major}, newer than this ckptfs; upgrade ckptfs")
         return cls(state, counter, step, time_ns, model_index, slot, m_off, m_bytes, m_crc, d_off, d_bytes, flags)
+
+
+def backup_superblock_offset(region_bytes: int) -> int:
+    """Where mkfs writes the superblock's backup: the region's last page, never given to a ring,
+    so that a damaged superblock does not take every checkpoint of the region with it."""
+    return region_bytes - SUPERBLOCK_BYTES
 
 
 def pack_latest(counter: int, slot: int) -> int:

@@ -10,7 +10,7 @@ import time
 from ckptfs.errors import BusyError, RegionFormatError, in_words
 from ckptfs.mounttable import mount_points
 from ckptfs.region.backend import io_step, open_backend
-from ckptfs.region.format import SUPERBLOCK_BYTES, SUPERBLOCK_MAGIC, Superblock
+from ckptfs.region.format import SUPERBLOCK_BYTES, SUPERBLOCK_MAGIC, Superblock, backup_superblock_offset
 from ckptfs.region.locks import any_lock_held
 from ckptfs.units import human_bytes
 
@@ -158,7 +158,7 @@ def format_in_place(path: str, size_bytes: int | None, *, shown: str | None = No
             check_region_size(backend.size_bytes, path)
         sb = Superblock.new(backend.size_bytes, backend.block_bytes, time.time_ns())
         table_bytes = sb.data_offset - sb.table_offset
-        backup = backend.size_bytes - SUPERBLOCK_BYTES
+        backup = backup_superblock_offset(backend.size_bytes)
         # written through the mapping: a full filesystem would answer with SIGBUS, reported
         # as a media error (a full disk said "the device reported a media error")
         for offset, length in ((0, sb.data_offset), (backup, SUPERBLOCK_BYTES)):

@@ -24,7 +24,8 @@ from ckptfs.errors import (BusyError, CkptfsError, CorruptionError, NotFoundErro
 from ckptfs.region.backend import Backend, open_backend
 from ckptfs.region.claim import Committed
 from ckptfs.region.format import (COUNTER_MAX, COUNTER_WORD_OFFSET, LATEST_WORD_OFFSET, SLOT_COMMITTED,
-                                  SUPERBLOCK_BYTES, ModelEntry, Superblock, unpack_latest)
+                                  SUPERBLOCK_BYTES, ModelEntry, Superblock, backup_superblock_offset,
+                                  unpack_latest)
 from ckptfs.region.events import Subscribers
 from ckptfs.region.locks import LockSpace, slot_lock_offset
 from ckptfs.region.mkfs import (check_region_size, format_in_place, format_new_file, make_sparse_file,
@@ -73,15 +74,12 @@ class Region(ModelTable, SlotReader):
             f" ({why}): it can be read, not {what}; make its filesystem writable and open the store again" if why
             else f": it can be read, not {what}; open the store writable"))
 
-    def _backup_superblock_offset(self) -> int:
-        return self.backend.size_bytes - SUPERBLOCK_BYTES
-
     def _read_superblock(self) -> Superblock:
         """The superblock; if it is damaged, the backup mkfs wrote in the region's last 4 KiB."""
         if self.backend.size_bytes < SUPERBLOCK_BYTES:
             raise not_a_region(self.path, f"{self.backend.size_bytes} bytes, too small to be one")
         try:
-            return Superblock.unpack(bytes(self.backend.view(0, SUPERBLOCK_BYTES)), self.path)
+            return self.primary_superblock()
         except RegionFormatError as primary_error:
             backup = self.backup_superblock()
             if backup is None:
@@ -91,9 +89,13 @@ class Region(ModelTable, SlotReader):
                         self.path, primary_error)
             return backup
 
+    def primary_superblock(self) -> Superblock:
+        """The superblock at offset 0, checked (RegionFormatError where it is damaged)."""
+        return Superblock.unpack(bytes(self.backend.view(0, SUPERBLOCK_BYTES)), self.path)
+
     def backup_superblock(self) -> Superblock | None:
         """The backup superblock if it is intact and matches this device's size, else None."""
-        offset = self._backup_superblock_offset()
+        offset = backup_superblock_offset(self.backend.size_bytes)
         if offset < SUPERBLOCK_BYTES:
             return None
         try:

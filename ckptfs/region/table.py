@@ -15,7 +15,7 @@ from ckptfs.errors import (BusyError, CorruptionError, InvalidNameError, in_word
                            RegionFormatError, RegionFullError, warn_once)
 from ckptfs.region.backend import aligned_buffer
 from ckptfs.region.format import (COUNTER_WORD_OFFSET, ENTRY_BYTES, ENTRY_COPY_BYTES, ENTRY_COPY_OFFSET,
-                                  LATEST_WORD_OFFSET, NAME_MAX_BYTES, SLOT_HEADER_BYTES, SUPERBLOCK_BYTES,
+                                  LATEST_WORD_OFFSET, NAME_MAX_BYTES, SLOT_HEADER_BYTES,
                                   ModelEntry)
 from ckptfs.region.locks import META_LOCK_OFFSET, model_lock_offset, slot_lock_offset
 from ckptfs.units import align_up, human_bytes
@@ -94,18 +94,13 @@ class ModelTable:
         except InvalidNameError as e:
             raise RegionFormatError(f"model table entry {entry.index} holds an impossible name: {e}") from None
         sb = self.superblock
-        end = self._data_end()
+        end = self.superblock.data_end
         ordered = sorted(entry.extents, key=lambda x: x.offset)
         for x in ordered:
             if x.offset % sb.block_bytes or x.slot_bytes % sb.block_bytes or x.offset < sb.data_offset or x.end > end:
                 raise RegionFormatError(f"model table entry {entry.index} places its slots outside the region's data area")
         if any(a.end > b.offset for a, b in zip(ordered, ordered[1:])):
             raise RegionFormatError(f"model table entry {entry.index} has extents that overlap")
-
-    def _data_end(self) -> int:
-        """The end of the data area: the backup superblock follows it."""
-        sb = self.superblock
-        return (sb.region_bytes - SUPERBLOCK_BYTES) // sb.block_bytes * sb.block_bytes
 
     def _maybe_used(self) -> list[int]:
         """The indices of the entries not free in at least one copy (a non-zero magic), in
@@ -321,7 +316,7 @@ class ModelTable:
 
     def data_area_bytes(self) -> int:
         """The bytes of the region that slots can use, all models together."""
-        return self._data_end() - self.superblock.data_offset
+        return self.superblock.data_end - self.superblock.data_offset
 
     def find_gap(self, nbytes: int, *, prefer: int | None = None, what: str = "new slots",
                  entries: list[ModelEntry] | None = None, room_to_grow: bool = False) -> int:
@@ -335,7 +330,7 @@ class ModelTable:
         sb = self.superblock
         entries = self._scan_entries()[0] if entries is None else entries
         taken = sorted((x.offset, x.end) for e in entries for x in e.extents)
-        end = self._data_end()
+        end = self.superblock.data_end
         if prefer is not None and prefer + nbytes <= end and all(b <= prefer or a >= prefer + nbytes for a, b in taken):
             return prefer
         runs, cursor = [], sb.data_offset  # the free runs, in order

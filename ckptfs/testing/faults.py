@@ -30,7 +30,7 @@ import torch
 from ckptfs.errors import CorruptionError, NotFoundError, RegionFormatError
 from ckptfs.region.format import (COUNTER_WORD_OFFSET, ENTRY_BYTES, ENTRY_COPY_OFFSET, HEADER_COPY_OFFSETS,
                                   LATEST_WORD_OFFSET, PAGE_BYTES, SUPERBLOCK_BYTES, ModelEntry, SlotHeader,
-                                  Superblock)
+                                  Superblock, backup_superblock_offset)
 from ckptfs.store import Store
 from ckptfs.testing.crashcheck import same
 from ckptfs.testing.recording import copy_sparse
@@ -81,7 +81,7 @@ def fault_sites(path: str) -> list[Site]:
         region = store.region
         sites.append(Site("superblock", 0, SUPERBLOCK_FIELDS))
         sites.append(Site("superblock-pad", SUPERBLOCK_FIELDS, SUPERBLOCK_BYTES - SUPERBLOCK_FIELDS))
-        sites.append(Site("backup", region.backend.size_bytes - SUPERBLOCK_BYTES, SUPERBLOCK_FIELDS))
+        sites.append(Site("backup", backup_superblock_offset(region.backend.size_bytes), SUPERBLOCK_FIELDS))
         for entry in region.entries():
             copy_a, copy_b = region.entry_copy_offsets(entry.index)
             base = copy_a - ENTRY_COPY_OFFSET  # the table's entry: the words, then copy A
