@@ -22,7 +22,8 @@ from concurrent.futures import Future
 
 import torch
 
-ALIGN = 4096
+from _raw_io import round_up
+
 MADV_POPULATE_WRITE = 23
 
 
@@ -38,7 +39,7 @@ class RawCheckpointer:
     def __init__(self, tensors: list[torch.Tensor], max_inflight: int, path: str,
                  chunk_bytes: int = 64 << 20, write_threads: int = 2):
         self._tensors = [t.detach().reshape(-1).view(torch.uint8) for t in tensors]
-        self._slot_bytes = _round_up(sum(t.numel() for t in self._tensors))
+        self._slot_bytes = round_up(sum(t.numel() for t in self._tensors))
         self._chunk_bytes = chunk_bytes
         self._nslots = max_inflight + 1
         self._buffers = [_buffer(self._slot_bytes) for _ in range(max_inflight)]
@@ -171,10 +172,6 @@ class _Progress:
             self.error = self.error or error
             self._left -= 1
             return self._left == 0
-
-
-def _round_up(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 def _buffer(nbytes: int) -> mmap.mmap:

@@ -45,7 +45,8 @@ class AlignedBuffer:
         self.mm.close()
 
 
-def _round_up(n: int, a: int = ALIGN) -> int:
+def round_up(n: int, a: int = ALIGN) -> int:
+    """The least multiple of ``a`` that is at least ``n``."""
     return (n + a - 1) // a * a
 
 
@@ -82,7 +83,7 @@ def odirect_write(path: str, nbytes: int, buf: AlignedBuffer, threads: int = 1,
     """Sequential O_DIRECT write of ``nbytes`` (rounded up to 4 KiB) from an aligned buffer in
     ``buf.nbytes`` blocks, then fdatasync. Returns seconds (open to sync). A new file (blocks
     allocated as it goes), or with ``overwrite`` in place over an existing file's blocks."""
-    total = _round_up(nbytes)
+    total = round_up(nbytes)
     block = buf.nbytes
     flags = os.O_WRONLY | os.O_DIRECT | (0 if overwrite else os.O_CREAT | os.O_TRUNC)
     t0 = time.perf_counter()
@@ -106,7 +107,7 @@ def odirect_write_states(path: str, nbytes: int, k: int, buf: AlignedBuffer) -> 
     """``k`` states of ``nbytes`` overwritten in a row over an existing file's blocks (state i at
     i * nbytes rounded up to 4 KiB), each followed by fdatasync, as back-to-back saves into the
     slots of a ring make them durable. Returns seconds for all of them."""
-    total = _round_up(nbytes)
+    total = round_up(nbytes)
     block = buf.nbytes
     t0 = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
@@ -127,7 +128,7 @@ def odirect_read(path: str, nbytes: int, buf: AlignedBuffer, threads: int = 1, o
     """Sequential O_DIRECT read of ``nbytes`` (rounded up to 4 KiB) of ``path`` from ``offset``
     (a multiple of 4 KiB)."""
     assert offset % 4096 == 0, offset
-    total = _round_up(nbytes)
+    total = round_up(nbytes)
     block = buf.nbytes
     bufs = [buf] + [AlignedBuffer(block) for _ in range(threads - 1)]
     t0 = time.perf_counter()
@@ -162,7 +163,7 @@ def odirect_read_fresh(path: str, nbytes: int, block: int = 64 << 20) -> float:
     memory allocated for it (anonymous, freed after), on one thread: what a load that returns
     new tensors pays for their fresh pages (the kernel zeroes each one at its first touch), which
     ``odirect_read`` into one reused buffer does not. Returns seconds, the allocation included."""
-    total = _round_up(nbytes)
+    total = round_up(nbytes)
     t0 = time.perf_counter()
     m = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # as malloc's (torch.empty's) memory
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
