@@ -773,8 +773,18 @@ def test_background_mount_umount_and_their_errors(capsys, toy_region, tmp_path):
         assert run(capsys, "mount", "--region", toy_region, mnt)[0] == 0
         code, _, err = run(capsys, "umount", mnt)
         assert code == 0 and err == "" and mount_entry(mnt) is None
+        # as mount(8) takes them: the region first, then the directory
+        code, _, err = run(capsys, "mount", toy_region, mnt)
+        assert code == 0, err
+        assert os.listdir(os.path.join(mnt, TOY_MODEL))[0] == "latest"
+        assert run(capsys, "umount", mnt)[0] == 0
     finally:
         force_unmount(mnt)
+    for args, words in ((("mount",), "got no paths; give [REGION] MOUNTPOINT"),
+                        (("mount", toy_region, mnt, mnt), "got 3 paths"),
+                        (("mount", "--region", tmp_path / "other.region", toy_region, mnt), "two regions given")):
+        code, _, err = run(capsys, *args)
+        assert code == 2 and err.count("\n") == 1 and err.startswith("ckptfs mount: usage: ") and words in err, err
 
 
 def mount_flags(path: str) -> list[str]:

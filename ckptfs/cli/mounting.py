@@ -28,10 +28,13 @@ from ckptfs.mounttable import is_mount_of
 @click.option("--log-file", type=click.Path(dir_okay=False), help="Where the daemon logs (default: stderr).")
 @click.option("--debug", is_flag=True, help="Verbose log: pyfuse3 internals and every error answered to the kernel.")
 @click.option("--ready-fd", type=int, hidden=True)
-@click.argument("mountpoint", type=click.Path(file_okay=False))
+@click.argument("paths", nargs=-1, metavar="[REGION] MOUNTPOINT")
 def mount(region, foreground, allow_other, options, auto_unmount, readahead_kb, log_file, debug, ready_fd,
-          mountpoint):
+          paths):
     """Mount the region at MOUNTPOINT: /MODEL/latest, /MODEL/step-NNNNNNNN/{checkpoint.pt, ...}.
+
+    The region is --region's, or REGION's where it is given first, as mount(8) takes a source
+    and a directory (`ckptfs mount run.region /ckpt`).
 
     Returns once the mount is up; the daemon keeps serving in the background (--foreground to
     stay attached). Unmount with `ckptfs umount MOUNTPOINT`, or SIGTERM/SIGINT to the daemon.
@@ -42,6 +45,7 @@ def mount(region, foreground, allow_other, options, auto_unmount, readahead_kb, 
     """
     from ckptfs.fs import daemon
 
+    region, mountpoint = _region_and_mountpoint(region, paths)
     mountpoint = os.path.abspath(mountpoint)
     extra = [o.strip() for opt in options for o in opt.split(",")]
     views = _views_option(extra)
@@ -83,6 +87,19 @@ def mount(region, foreground, allow_other, options, auto_unmount, readahead_kb, 
     finally:
         store.close()
     return 0
+
+
+def _region_and_mountpoint(region: str | None, paths: tuple[str, ...]) -> tuple[str | None, str]:
+    """The region and mount point of `ckptfs mount [REGION] MOUNTPOINT`; UsageError for more
+    paths, or for a REGION that --region contradicts."""
+    if not paths or len(paths) > 2:
+        raise click.UsageError(f"got {len(paths) or 'no'} paths; give [REGION] MOUNTPOINT")
+    if len(paths) == 1:
+        return region, paths[0]
+    given, mountpoint = paths
+    if region is not None and os.path.abspath(region) != os.path.abspath(given):
+        raise click.UsageError(f"two regions given: --region {region} and {given}; give one")
+    return given, mountpoint
 
 
 def _views_option(options: list[str]) -> tuple[str, ...] | None:
