@@ -206,6 +206,16 @@ def hf_directory(path: str) -> tuple[list[str], dict[str, str] | None, dict[str,
     return files, weight_map, _read_texts(path, HF_EXTRAS, missing_ok=True)
 
 
+def hf_left_out(path: str, files: list[str]) -> list[str]:
+    """The entries of Hugging Face model directory ``path`` that its import leaves out: all but
+    the weight ``files``, their index and ``HF_EXTRAS`` (a Trainer's checkpoint-N also holds
+    optimizer.pt, scheduler.pt, rng_state.pth, trainer_state.json, tokenizer files), a
+    subdirectory with a '/'. Named in a warning: a resumable checkpoint imported as its weights
+    alone lost its optimizer state in silence."""
+    taken = {os.path.basename(f) for f in files} | set(HF_INDEXES) | set(HF_EXTRAS)
+    return sorted(n + "/" * os.path.isdir(os.path.join(path, n)) for n in os.listdir(path) if n not in taken)
+
+
 VERSION_FILES = (STATE_FILE, CHECKPOINT_FILE)  # a version's whole object, by preference
 
 
@@ -338,12 +348,14 @@ def import_file(store, model: str, path: str, *, step: int | None = None, fmt: s
             raise CkptfsError(f"{path}: a directory; the format applies to a file (each of its files is "
                               "recognized by its name)")
         version = version_directory(path)
+        left_out = []
         if version is not None:
             (files, extra), weight_map = version, None
         else:
             files, weight_map, extra = hf_directory(path)
+            left_out = hf_left_out(path, files)
     elif os.path.isfile(path):
-        files, weight_map, extra = [path], None, None
+        files, weight_map, extra, left_out = [path], None, None, []
     else:
         raise CkptfsError(f"{path}: no such file or directory")
     if step is None:
@@ -372,4 +384,10 @@ def import_file(store, model: str, path: str, *, step: int | None = None, fmt: s
         obj = None
         for source in sources:
             source.close()
+    if left_out:
+        shown = ", ".join(left_out[:8]) + (f" and {len(left_out) - 8} more" if len(left_out) > 8 else "")
+        torch_file = next((n for n in left_out if n.endswith((".pt", ".pth", ".bin"))), None)
+        log.warning("%s: imported its weights and config; left out %s%s", path, shown,
+                    "" if torch_file is None else f" (a torch file can be a model of its own: ckptfs import "
+                    f"{model}-{torch_file.rsplit('.', 1)[0]} {os.path.join(path, torch_file)})")
     return next(v for v in store.versions(model) if v.step == step)

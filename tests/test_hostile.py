@@ -14,6 +14,7 @@ a RecursionError, an IndexError...) is a finding. CKPTFS_HYPOTHESIS_EXAMPLES sca
 """
 import dataclasses
 import json
+import logging
 import os
 import struct
 import zipfile
@@ -518,6 +519,28 @@ def test_import_of_a_hugging_face_directory(tmp_path, shards):
             files = dict(opened.manifest.files)
             assert files["config.json"] == open(os.path.join(src, "config.json")).read()
             assert {"hf/config.json", "hf/model.safetensors"} <= set(files_for(opened.manifest))
+
+
+def test_import_of_a_trainer_checkpoint_names_what_it_leaves_out(tmp_path, caplog):
+    """A Trainer's checkpoint-N is a model directory and more (the optimizer and scheduler
+    state, RNG states, the trainer's JSON): its import takes the weights and config, and names
+    the rest with the way to import a torch file of it. It was left out in silence."""
+    src = str(tmp_path / "checkpoint-500")
+    _hf_directory(src, shards=False)
+    torch.save({"state": {0: {"exp_avg": torch.ones(3)}}, "param_groups": []}, os.path.join(src, "optimizer.pt"))
+    with open(os.path.join(src, "trainer_state.json"), "w") as f:
+        f.write('{"global_step": 500}')
+    os.mkdir(os.path.join(src, "runs"))
+    with ckptfs.Store.create(str(tmp_path / "r.region"), size_bytes=64 << 20) as store:
+        with caplog.at_level(logging.WARNING, logger="ckptfs"):
+            importer.import_file(store, "gpt2", src)
+        assert ("left out optimizer.pt, runs/, trainer_state.json (a torch file can be a model of its own: ckptfs "
+                f"import gpt2-optimizer {src}/optimizer.pt)") in caplog.text
+        assert "config.json" in dict(store.open_version("gpt2", 0).manifest.files)
+        caplog.clear()
+        importer.import_file(store, "gpt2-optimizer", os.path.join(src, "optimizer.pt"))
+        assert torch.equal(store.load("gpt2-optimizer")["state"][0]["exp_avg"], torch.ones(3))
+        assert "left out" not in caplog.text
 
 
 def _hostile_directories():
