@@ -165,7 +165,8 @@ def import_(region, step, fmt, key, model, file):
     object, state.safetensors or checkpoint.pt, and the extra files its metadata.json lists), or
     a Hugging Face model directory (save_pretrained's: model.safetensors, or its shards and their
     index; pytorch_model.bin too): its tensors become one version, its config.json is kept with
-    it (the mount shows it as hf/, for from_pretrained).
+    it (the mount shows it as hf/, for from_pretrained), and a warning names the files left out
+    (a Trainer's optimizer.pt: import it as a model of its own).
 
     The input is validated completely first; malformed or hostile input is refused with nothing
     written. Torch files are read with torch.load(weights_only=True)."""
