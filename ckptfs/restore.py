@@ -249,7 +249,9 @@ def matching_tensors(manifest: Manifest, into, skeleton: dict | None = None) -> 
     are taken otherwise). A stored tensor at several names (tied weights, e.g.
     ``lm_head.weight`` and ``transformer.wte.weight``) may be separate tensors in ``into`` (an
     untied model): each gets the saved bytes, as ``load_state_dict`` of a ``torch.load``
-    would copy them."""
+    would copy them. A name only ``into`` has is no difference where its tensor is one that
+    a stored name fills (a tied alias the checkpoint holds once, as ``save_pretrained`` stores
+    ``lm_head.weight``: a Hugging Face model's state dict, loaded from its import)."""
     try:
         flat = flatten(into)
     except UnsupportedObjectError as e:
@@ -274,7 +276,7 @@ def matching_tensors(manifest: Manifest, into, skeleton: dict | None = None) -> 
                              f"{_saved_name(skeleton, saved, path)!r}, which {manifest.model} step {manifest.step} "
                              "stores apart: pass a tensor of its own for each (clone() one)")
         first.setdefault(i, j)
-    if missing or len(at) != len(saved):  # a key path one side lacks
+    if missing or any(j not in stored_of for j in at.values()):  # a key path one side lacks
         _key_paths_differ(manifest, skeleton, flat, saved, have, at, into)
     for j, t in enumerate(flat.tensors):
         record = manifest.tensors[stored_of[j]]

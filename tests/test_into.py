@@ -102,6 +102,25 @@ def test_into_is_matched_by_key_path(shared_store, shape, untie, rnd, data):
         assert not any(t.any() for t in fresh.values() if isinstance(t, torch.Tensor))
 
 
+def test_a_tied_alias_only_into_has_is_filled_with_the_name_it_shares(tmp_path):
+    """save_pretrained stores a tied lm_head.weight once (as transformer.wte.weight): loading
+    such a checkpoint into the model's state dict, which names the tensor twice, fills both
+    names; a name only into= has that is a tensor of its own stays refused, nothing written."""
+    wte = torch.arange(12.0).reshape(4, 3)
+    with ckptfs.Store.create(str(tmp_path / "r.region"), size_bytes=64 << 20) as store:
+        with store.writer("hf") as w:
+            w.save({"transformer.wte.weight": wte, "ln.bias": torch.ones(3)}, 1).result()
+        model = {"transformer.wte.weight": torch.zeros(4, 3), "ln.bias": torch.zeros(3)}
+        model["lm_head.weight"] = model["transformer.wte.weight"]  # tied, as the model holds it
+        store.load("hf", into=model)
+        assert torch.equal(model["lm_head.weight"], wte) and model["lm_head.weight"] is model["transformer.wte.weight"]
+        untied = {"transformer.wte.weight": torch.zeros(4, 3), "ln.bias": torch.zeros(3),
+                  "lm_head.weight": torch.zeros(4, 3)}
+        with pytest.raises(ValueError, match="only into= has 'lm_head.weight'"):
+            store.load("hf", into=untied)
+        assert not any(t.any() for t in untied.values())
+
+
 def _training_checkpoint():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Linear(64, 2))
