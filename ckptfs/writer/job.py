@@ -43,11 +43,14 @@ def check_options(max_inflight: int, persist_threads: int, chunk_bytes: int, sta
         raise ValueError(f"staging_budget_bytes={staging_budget_bytes} is smaller than one chunk ({chunk_bytes})")
 
 
+STEP_LIMIT = 1 << 62  # steps are below it: a slot header holds a signed 64-bit step, with room to spare
+
+
 def is_kept(step, keep: bool | None, keep_every: int | None) -> bool:
     """Check a save's ``step`` (ValueError) and say whether the version is kept: ``keep``, or
     by default a step that is a multiple of ``keep_every`` (the writers' ``keep_every=``)."""
-    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 1 << 62:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < STEP_LIMIT:
+        raise ValueError(f"step must be an int from 0 to 2**62 - 1, got {step!r}")
     if keep is None:
         return keep_every is not None and step % keep_every == 0
     return bool(keep)
