@@ -1015,7 +1015,8 @@ def test_a_multi_rank_version_loads_whole_in_one_process_with_its_plain_values(s
     assert not any(n.startswith("hf/dcp-") for n in names)
     # DCP's key paths keep a list's indices and make every dict key a str (as dcp_to_torch_save)
     expected = {**{k: v for k, v in state.items() if k != "z"}, "sparse": {"0": w + 1, "2": w + 2}}
-    with pytest.warns(UserWarning, match="m step 1: z left out"):
+    with pytest.warns(UserWarning, match=r"m step 1: left out z \(values that are not plain data, kept as DCP's "
+                                         r"pickles"):
         back = store.load("m")
     assert_same(_sorted(expected), _sorted(back))
     into = {"w": torch.zeros(6), "epoch": 0, "groups": [{"lr": 0.0, "betas": (0.0, 0.0)}, {"lr": 0.0, "betas": ()}],
@@ -1023,8 +1024,13 @@ def test_a_multi_rank_version_loads_whole_in_one_process_with_its_plain_values(s
             "rng": None, "amp": {"dtype": None, "shape": None}, "best": 0.0}
     assert store.load("m", into=into) is into
     assert_same(state, into)
-    assert run(capsys, "export", "--region", store.path, "m", str(tmp_path / "m.pt"))[0] == 0
+    # the CLI says what the whole files leave out; it exported them in silence
+    code, _, err = run(capsys, "export", "--region", store.path, "m", str(tmp_path / "m.pt"))
+    assert code == 0 and err.startswith("ckptfs export: warning: m step 1: left out z (values that are not plain "), err
     assert_same(_sorted(expected), _sorted(torch.load(tmp_path / "m.pt", weights_only=False)))  # numpy's too
+    code, out, _ = run(capsys, "info", "--region", store.path, "m")
+    assert code == 0 and "left out z (values that are not plain data" in out
+    assert run(capsys, "info", "--region", store.path, "m", "--json")[1].count('"not_shown": [\n  "z"\n ]') == 1
     # a part whose values are not plain data (a tensor reference into the part) is refused
     real = ckptfs.dist.parts.part_state
     monkeypatch.setattr(ckptfs.dist.parts, "part_state",

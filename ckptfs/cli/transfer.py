@@ -36,7 +36,7 @@ def export(region, step, file_name, key, force, model, output):
     Every tensor is checked as it streams: a damaged version fails with the tensor's name and
     leaves no file behind (on standard output, the stream stops short). Existing files are
     replaced only with --force."""
-    from ckptfs.dist.whole import as_whole, version_files, whole_absent
+    from ckptfs.dist.whole import as_whole, not_shown_words, version_files, whole_absent
     from ckptfs.views import files_for
     from ckptfs.views.safetensors import STATE_FILE, key_file_name
 
@@ -57,7 +57,7 @@ def export(region, step, file_name, key, force, model, output):
     if output != "-" and not os.path.isdir(parent):
         raise CkptfsError(f"cannot write {output}: no directory {parent}")
     with open_store(region) as store:
-        v, _ = as_whole(store, store.open_version(model, version_step(store, model, step).step))
+        v, layout = as_whole(store, store.open_version(model, version_step(store, model, step).step))
         with v:
             views = version_files(v, files_for)
             if file_name is not None and file_name not in views:
@@ -89,6 +89,9 @@ def export(region, step, file_name, key, force, model, output):
             for dest in done:  # every file whole and checked: now they replace what was there
                 if dest != "-":
                     os.replace(dest + PART_SUFFIX, dest)
+        if layout and layout.not_shown:
+            click.echo(f"ckptfs export: warning: {model} step {v.info.step}: left out "
+                       f"{not_shown_words(layout.not_shown)}", err=True)
         if output != "-":
             what = file_name if file_name is not None else f"{len(names)} files"
             click.echo(f"exported {what} of {model} step {v.info.step} to {output} ({human_bytes(written)})")

@@ -76,7 +76,7 @@ def _size(store, v) -> str | None:
 @click.argument("model")
 def info(region, as_json, step, model):
     """Show one version of MODEL: step, time, tensors (dtype, shape, size, CRC32), files."""
-    from ckptfs.dist.whole import as_whole, version_files, whole_absent
+    from ckptfs.dist.whole import as_whole, not_shown_words, version_files, whole_absent
     from ckptfs.views import files_for
 
     with open_store(region) as store:
@@ -87,7 +87,8 @@ def info(region, as_json, step, model):
             # a multi-rank version's data: its tensors' bytes, as ls counts them (its manifest's
             # data_bytes spans the address space the whole tensors are laid out in, parts beside)
             data_bytes = sum(t.nbytes for t in m.tensors) if layout else m.data_bytes
-            doc = dict(info_dict(v.info), data_bytes=data_bytes, files=files, whole_absent=whole_absent(v), tensors=[
+            doc = dict(info_dict(v.info), data_bytes=data_bytes, files=files, whole_absent=whole_absent(v),
+                       not_shown=list(layout.not_shown) if layout else [], tensors=[
                 {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes,
                  "crc32": f"{t.crc32:08x}"} for t in m.tensors])
         if as_json:
@@ -100,6 +101,8 @@ def info(region, as_json, step, model):
         click.echo(f"data     {human_bytes(doc['data_bytes'])} in {len(doc['tensors'])} tensors")
         if doc.get("whole_absent"):
             click.echo(f"whole    not shown here: {doc['whole_absent']}")
+        if doc["not_shown"]:
+            click.echo(f"left out {not_shown_words(doc['not_shown'])}")
         click.echo("files    " + ", ".join(f"{n} ({human_bytes(s)})" for n, s in files.items()))
         click.echo()
         table([[t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar", human_bytes(t["nbytes"]), t["crc32"]]

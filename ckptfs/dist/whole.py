@@ -377,6 +377,13 @@ def as_whole(store, version, layout: WholeLayout | bool | None = None):
         raise
 
 
+def not_shown_words(fqns) -> str:
+    """What the whole view of a multi-rank version leaves out (``WholeLayout.not_shown``), in the
+    words every interface shows it with (a load's warning, ``ckptfs info`` and ``export``)."""
+    return (f"{', '.join(fqns)} (values that are not plain data, kept as DCP's pickles, which ckptfs never "
+            "unpickles: a load at the ranks with into= gives them back through DCP)")
+
+
 class WholeVersion:
     """A pinned DCP global version read as its whole tensors: ``manifest`` (the layout's),
     ``read`` / ``confirm`` / ``close`` as a Version's, and ``data`` (itself: the reads are
@@ -454,9 +461,7 @@ class WholeVersion:
             import warnings
 
             m = self.manifest
-            warnings.warn(f"{m.model} step {m.step}: {', '.join(self.layout.not_shown)} left out (values that are "
-                          "not plain data are kept as pickles, which ckptfs never unpickles; into= loads them "
-                          "through DCP)", stacklevel=4)
+            warnings.warn(f"{m.model} step {m.step}: left out {not_shown_words(self.layout.not_shown)}", stacklevel=4)
         from ckptfs.restore import restore
 
         return restore(self, map_location, verify, into, fill=self._read_tensors, keys=keys)
