@@ -109,6 +109,17 @@ def part_state(tensors: list, values: dict) -> dict:
     return {"items": tensors, "values": values}
 
 
+def named_by_fqn(message: str, items: list) -> str:
+    """``message``, an error about a path of ``part_state`` (``items.3: ...``, ``values.3...``),
+    with that path said as the state dict's key of the item (its FQN, ``model.emb: ...``)."""
+    import re
+
+    found = re.match(r"(?:items|values)\.(\d+)(?=[.:\s\[]|$)", message)
+    if found is None or int(found.group(1)) >= len(items):
+        return message
+    return items[int(found.group(1))].index.fqn + message[found.end():]
+
+
 def item_records(part) -> dict[int, int]:
     """{position in the part's item list: its tensor's index in the manifest}."""
     return {int(ref.key_path[1]): ref.tensor_index for ref in part.manifest.refs() if ref.key_path[:1] == ("items",)}

@@ -44,7 +44,7 @@ from ckptfs.dist.group import Arrival, check_agreement, exchange, meet_before_dc
 from ckptfs.dist.names import (METADATA_FILE, checkpoint_id_of, part_model, part_models, refuse_part_name,
                                step_of_checkpoint_id)
 from ckptfs.dist.resolve import Resolved, resolve_items
-from ckptfs.errors import CkptfsError
+from ckptfs.errors import CkptfsError, UnsupportedObjectError
 from ckptfs.views import check_extra_names
 from ckptfs.writer.writer import Writer
 
@@ -215,6 +215,9 @@ class StorageWriter(_DCPWriter):
         parts.started(self.store, name, self.step)
         try:
             save = writer.save(parts.part_state(resolved.tensors, resolved.values), step=self.step, keep=True)
+        except UnsupportedObjectError as e:  # its path is the part's (items.3): say the state's key instead
+            self.release_part()
+            raise UnsupportedObjectError(parts.named_by_fqn(str(e), items)) from None
         except BaseException:
             self.release_part()
             raise

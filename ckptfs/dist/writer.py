@@ -245,12 +245,16 @@ class DistWriter:
         save at 40,000 tensors (17 -> 8 s)."""
         import torch.distributed.checkpoint as dcp
 
+        from torch.distributed.checkpoint.api import CheckpointException
+
         structure = describe(state)
         try:
             dcp.save(state, storage_writer=storage, process_group=self._group, no_dist=world_size(self._group) == 1)
-        except BaseException:
+        except BaseException as e:
             if storage.written is not None:
                 storage.release_part()  # no commit follows: a later save may reclaim the part
+            if isinstance(e, CheckpointException):
+                raise_unwrapped(e, f"step {step} of {self.model!r}", "nothing of it is committed")
             raise
         written = storage.written
         if written.metadata is not None:  # encoded once per plan, not at every commit
@@ -418,17 +422,24 @@ def load(store, model: str, into: dict, *, group=None, step: int | None = None, 
             # a group of one rank: DCP plans without its collectives (at 40,000 tensors 4.3-4.9 ->
             # 2.8-3.4 s a load), as _plan_and_write does
             dcp.load(into, storage_reader=reader, process_group=gloo, no_dist=world_size(gloo) == 1)
-    except CheckpointException as e:  # DCP's wrapping of every failed rank's error: say it as ckptfs's
-        failures = {rank: error for rank, (error, _) in e.failures.items()}
-        rank = this_rank()
+    except CheckpointException as e:
         if reader.metadata_error is not None:  # ours, not DCP's AssertionError that words it again
             raise reader.metadata_error from None
-        if rank in failures:
-            raise failures[rank] from None
-        other, error = min(failures.items())
-        raise CkptfsError(f"the load of {model!r} failed on rank {other} ({type(error).__name__}: {error}); this "
-                          "rank's state is partly loaded: load again once that is mended") from None
+        raise_unwrapped(e, f"the load of {model!r}", "this rank's state is partly loaded: load again once that is "
+                                                     "mended")
     return into
+
+
+def raise_unwrapped(e, what: str, then: str) -> None:
+    """Raise DCP's CheckpointException ``e`` (every failed rank's error wrapped, a BaseException)
+    as ckptfs says it: this rank's own error where it failed, else a CkptfsError naming the first
+    rank that did (``what`` failed on rank R (its error); ``then``)."""
+    failures = {rank: error for rank, (error, _) in e.failures.items()}
+    rank = this_rank()
+    if rank in failures:
+        raise failures[rank] from None
+    other, error = min(failures.items())
+    raise CkptfsError(f"{what} failed on rank {other} ({type(error).__name__}: {error}); {then}") from None
 
 
 def load_in_this_process(store, model: str, step: int, into, keys=None):
