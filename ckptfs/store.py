@@ -146,7 +146,27 @@ class Store:
         from ckptfs.writer.writer import Writer
 
         self._close_idle_dcp_writers(model)  # they would refuse it
-        return Writer(self.region, model, **options)
+        writer = Writer(self.region, model, **options)
+        self._release_parts_after_commits(writer, model)
+        return writer
+
+    def _release_parts_after_commits(self, writer: Writer, model: str) -> None:
+        """Where ``model`` has parts of multi-rank saves: after each commit of ``writer``, its own
+        writer of one process, give back the parts that no global version left names
+        (``ckptfs.dist.parts.release_unnamed``); until the writer is closed."""
+        from ckptfs.dist.names import part_models
+
+        if not part_models(self, model):
+            return
+
+        def committed(event) -> None:
+            if writer.closed:
+                unsubscribe()
+            elif event.model == model:
+                from ckptfs.dist.parts import release_unnamed
+
+                release_unnamed(self, model)
+        unsubscribe = self.region.commits.subscribe(committed)
 
     def _close_idle_dcp_writers(self, model: str) -> None:
         """Close the writers this process keeps for DCP saves of ``model`` and its parts, where

@@ -1082,6 +1082,28 @@ def test_a_job_resumed_at_fewer_ranks_gives_back_the_parts_of_the_others(tmp_pat
     run_ranks(_load_step, 2, region, 6)
 
 
+def test_a_model_saved_on_by_one_process_gives_back_the_parts_no_version_names(tmp_path):
+    """Saved at 2 ranks (step 1 kept, then unkept), then fine-tuned on by one process under the
+    same name: once its ring reuses the global versions, their parts go back, and the part
+    models with them. They stayed kept for good, unlisted: a multi-rank commit, which never
+    came, was the only thing that gave them back."""
+    region = str(tmp_path / "r.region")
+    ckptfs.Store.create(region, size_bytes=128 << 20).close()
+    run_ranks(_save_sharded_steps, 2, region, [1, 2], (1,))
+    with ckptfs.Store(region) as store:
+        free_after_dcp = store.status()["free_bytes"]
+        store.unkeep("m", 1)
+        with store.writer("m") as w:
+            w.save({"w": torch.full((8, 4), 3.0)}, 3).result()  # step 1 and 2 are still versions
+            assert {".m.rank0", ".m.rank1"} <= set(store.models())
+            for step in range(4, 10):
+                w.save({"w": torch.full((8, 4), float(step))}, step).result()
+        assert [v.step for v in store.versions("m")] == [6, 7, 8, 9]
+        assert not [m for m in store.models() if m.startswith(".")]
+        assert store.status()["free_bytes"] > free_after_dcp
+        assert torch.equal(store.load("m")["w"], torch.full((8, 4), 9.0))
+
+
 @requires_fuse
 def test_a_global_step_whose_parts_are_gone_is_not_listed_and_is_not_found(tmp_path, caplog, capsys):
     """A step other than the latest holds its parts only until a newer step commits and the

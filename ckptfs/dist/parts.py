@@ -223,6 +223,28 @@ def reclaim(store, model: str, keep_step: int) -> None:
                     pass  # a reader holds one of its versions (the next commit tries again), or it went
 
 
+def release_unnamed(store, model: str) -> None:
+    """After a save of ``model`` by a single process's writer: unkeep every part of its part
+    models that no global version of ``model`` left in ``store``'s region names, and remove the
+    part models none of whose parts is named. Those parts are otherwise given back only by a
+    later multi-rank commit, which a model fine-tuned on by one process after its multi-rank
+    saves never has: they held a whole sharded checkpoint for good, unlisted. No multi-rank save
+    of ``model`` is in flight meanwhile: the single process's writer holds the model's lock
+    byte exclusively, which the multi-rank writers share."""
+    names = part_models(store, model)
+    if not names:
+        return
+    named = named_parts(store, model)
+    for name in names:
+        versions = store.versions(name, missing_ok=True, hidden=True)
+        _unkeep(store, name, [v for v in versions if (name, v.counter) not in named])
+        if not any(n == name for n, _ in named):
+            try:
+                store.remove_model(name)
+            except (BusyError, NotFoundError):
+                pass  # a reader holds one of its versions (the next save tries again), or it went
+
+
 def keep_parts(store, model: str, step: int, counter: int | None = None) -> None:
     """Keep the parts in ``store``'s region of global version ``step`` of ``model`` (of a step
     saved twice the newer, or the one whose counter is ``counter``; nothing for a version that

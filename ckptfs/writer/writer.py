@@ -291,6 +291,11 @@ class Writer:
         except NotFoundError:
             return True
 
+    @property
+    def closed(self) -> bool:
+        """Whether close began: no save is taken any more."""
+        return self._closed
+
     def close(self) -> None:
         """Wait for every save (the save() calls under way on other threads too; later ones
         are refused), then stop the workers and free the staging memory."""
