@@ -345,3 +345,13 @@ def test_copy_runs_are_the_pieces_without_block_cuts(sizes, chunk_bytes, crc_blo
     cut = plan_chunks(records, offset, chunk_bytes, crc_block_bytes)
     whole = plan_chunks(records, offset, chunk_bytes, 0)
     assert [copy_runs(c.pieces) for c in cut] == [c.pieces for c in whole]
+
+
+def test_an_entry_of_more_slots_than_a_model_can_have_is_not_packed():
+    """What unpack would refuse as damaged is never written: 65537 slots made an entry that no
+    command could read or remove."""
+    from ckptfs.region.format import SLOTS_MAX, ModelEntry
+
+    assert ModelEntry.new(0, "m", SLOTS_MAX, 4096, 1 << 20, 1).pack_copy()
+    with pytest.raises(ValueError, match="65537 slots .* more than a model can have"):
+        ModelEntry.new(0, "m", SLOTS_MAX + 1, 4096, 1 << 20, 1).pack_copy()

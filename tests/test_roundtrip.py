@@ -572,7 +572,11 @@ def test_arguments_of_another_type_are_refused_in_their_words(store):
     for options, said in [({"timeout_s": "60"}, "timeout_s must be a positive number of seconds, got '60'"),
                           ({"slot_bytes": "4096"}, "slot_bytes must be a positive int, got '4096'"),
                           ({"slot_bytes": -1}, "slot_bytes must be a positive int, got -1"),
-                          ({"slots": "4"}, "slots must be a positive int, got '4'")]:
+                          ({"slots": "4"}, "slots must be a positive int, got '4'"),
+                          # a ring past the slots a model can have wrote an entry that read as
+                          # damaged for good ('rm --all' refused it)
+                          ({"max_inflight": 65535}, r"max_inflight=65535 needs a ring of 65537 slots, more than a "
+                                                    r"model can have \(65536\); pass a smaller max_inflight")]:
         with pytest.raises(ValueError, match=said):
             store.writer("n", **options)
     assert store.models() == ["m"]

@@ -254,7 +254,11 @@ class ModelEntry:
                           self.created_ns, tuple(joined), self.generation + 1)
 
     def pack_copy(self) -> bytes:
-        """One copy of the entry (the table holds two, at ENTRY_COPY_OFFSETS)."""
+        """One copy of the entry (the table holds two, at ENTRY_COPY_OFFSETS). ValueError for a
+        slot count that ``unpack`` would not admit: such an entry read as damaged, for good."""
+        if not 1 <= self.ring_slots <= SLOTS_MAX or any(e.first_slot + e.nslots > SLOTS_MAX for e in self.extents):
+            raise ValueError(f"model {self.name!r}: {self.nslots} slots (ring of {self.ring_slots}) is more than a "
+                             f"model can have ({SLOTS_MAX})")
         name = self.name.encode()
         flat = []
         for e in self.extents:

@@ -6,7 +6,7 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 from ckptfs.chunks import IO_ALIGN_BYTES
-from ckptfs.region.extents import least_ring_slots
+from ckptfs.region.extents import default_ring_slots, least_ring_slots
 from ckptfs.region.format import SLOTS_MAX
 from ckptfs.region.claim import Claim
 from ckptfs.writer.plan import SavePlan
@@ -34,6 +34,9 @@ def check_options(max_inflight: int, persist_threads: int, chunk_bytes: int, sta
     if chunk_bytes % IO_ALIGN_BYTES:
         raise ValueError(f"chunk_bytes must be a multiple of {IO_ALIGN_BYTES}, got {chunk_bytes}")
     least = least_ring_slots(max_inflight)
+    if slots is None and default_ring_slots(max_inflight) > SLOTS_MAX:
+        raise ValueError(f"max_inflight={max_inflight} needs a ring of {default_ring_slots(max_inflight)} slots, more "
+                         f"than a model can have ({SLOTS_MAX}); pass a smaller max_inflight")
     if slots is not None and not least <= slots <= SLOTS_MAX:
         raise ValueError(f"slots={slots} must be between max_inflight+1={least} and {SLOTS_MAX}: "
                          "N checkpoints in flight need N+1 slots so the latest is never overwritten")
