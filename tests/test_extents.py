@@ -562,3 +562,30 @@ def test_a_writer_reopened_with_fewer_slots_keeps_the_older_versions_until_saves
             w.save({"x": torch.full((1000,), float(step))}, step).result()
     assert [v.step for v in store.versions("m")] == [3, 28, 29]  # the milestone, and the ring of 2
 
+
+
+def test_a_first_save_that_fails_gives_its_new_model_back_and_a_refusal_is_said_once(tmp_path, caplog):
+    """A new model's first save that fails after its ring was made (staging memory refused)
+    removes the model again at close: its ring held the region's space for good, and the next
+    model found it full. A save outgrowing its slots in a full region is raised to save()'s
+    caller once: it was logged as well ("save of m step 2 failed: ..." twice on the command
+    line); a background snapshot's, which no caller hears of at once, is still logged."""
+    from ckptfs.testing.anomaly import failing_staging
+
+    with ckptfs.Store.create(str(tmp_path / "r.region"), size_bytes=64 << 20) as store:
+        free_bytes = store.status()["free_bytes"]
+        with pytest.raises(ckptfs.errors.StagingMemoryError):
+            with failing_staging(1), store.writer("n") as w:
+                w.save({"w": torch.ones(1 << 20)}, 1)
+        assert store.models() == [] and store.status()["free_bytes"] == free_bytes
+        with store.writer("m") as w:
+            w.save({"w": torch.ones(1 << 20)}, 1).result()
+        with store.writer("big") as w:
+            w.save({"w": torch.ones(2 << 20)}, 1).result()
+        for background in (False, True):
+            caplog.clear()
+            with store.writer("m") as w:
+                with pytest.raises(ckptfs.errors.CheckpointTooLargeError, match="needs slots of 32.0 MiB"):
+                    w.save({"w": torch.ones(8 << 20)}, 2, async_snapshot=background).result()
+            assert caplog.text.count("save of m step 2 failed") == background, caplog.text
+        assert [v.step for v in store.versions("m")] == [1]

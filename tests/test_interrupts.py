@@ -160,10 +160,10 @@ def test_a_second_ctrl_c_during_the_cleanup_of_an_interrupted_save(store, monkey
     state = {"w": torch.arange(1000.0)}
     real_fail = PersistPipeline.fail
 
-    def fail_under_a_second_ctrl_c(self, job, error):
+    def fail_under_a_second_ctrl_c(self, job, error, **kwargs):
         os.kill(os.getpid(), signal.SIGINT)  # to the main thread, which waits for this cleanup
         time.sleep(0.05)
-        real_fail(self, job, error)
+        real_fail(self, job, error, **kwargs)
 
     with store.writer("m", max_inflight=2, timeout_s=10) as w:
         w.save(state, step=1).result()

@@ -189,7 +189,7 @@ class Job:
     plan: SavePlan
     future: SaveFuture
     started: float  # perf_counter at save()
-    crc_in_snapshot: bool  # a background snapshot takes the chunks' CRCs itself (see snapshot.py)
+    background: bool  # async_snapshot: snapshotted beside the caller, who hears of a failure only from its future
     keep: bool = False  # commit the version kept (a milestone the ring never reuses)
     chunks_left: int = 0
     ready: threading.Event = field(default_factory=threading.Event)  # the slot may be written
@@ -210,6 +210,11 @@ class Job:
     @property
     def step(self) -> int:
         return self.plan.step
+
+    @property
+    def crc_in_snapshot(self) -> bool:
+        """A background snapshot takes the chunks' CRCs itself (see snapshot.py)."""
+        return self.background
 
     @property
     def chunks(self):

@@ -136,7 +136,13 @@ class PersistPipeline:
                 self.fail(job, e)
 
     def _begin(self, job: Job) -> None:
-        claim = job.claimed.result()  # claimed beside the snapshot, usually long since
+        try:
+            claim = job.claimed.result()  # claimed beside the snapshot, usually long since
+        except BaseException as e:  # noqa: BLE001 - delivered through the future
+            # Writer._start waits for the claim too, and raises its refusal to save()'s caller
+            # (but for a background snapshot's): logged here too, it was said twice
+            self.fail(job, e, raised=not job.background)
+            return
         with job.mutex:  # a job failed meanwhile has finished (or will): nothing more to show
             if job.error is not None:
                 return
@@ -217,8 +223,9 @@ class PersistPipeline:
         self._finish(job, SaveResult(claim.model, job.step, claim.counter, claim.slot, manifest.data_bytes,
                                      committed.published, job.stall_s, time.perf_counter() - job.started), None)
 
-    def fail(self, job: Job, error: BaseException) -> None:
-        """Stop ``job`` (once): its claim is aborted and its future fails with ``error``."""
+    def fail(self, job: Job, error: BaseException, *, raised: bool = False) -> None:
+        """Stop ``job`` (once): its claim is aborted and its future fails with ``error``, which
+        is logged unless ``raised`` (raised to the caller of save() there: said twice, it was)."""
         with job.mutex:
             if job.error is not None or job.future.done():
                 return
@@ -228,5 +235,6 @@ class PersistPipeline:
         if job.claim is not None:  # else a claim that ends from now on is aborted by the claimer
             job.claim.abort()
         # str() of some errors is empty (KeyboardInterrupt): the type says what happened
-        log.error("save of %s step %d failed: %s", job.model, job.step, str(error) or type(error).__name__)
+        if not raised:
+            log.error("save of %s step %d failed: %s", job.model, job.step, str(error) or type(error).__name__)
         self._finish(job, None, error)

@@ -104,6 +104,7 @@ class Writer:
         self._permits = threading.BoundedSemaphore(max_inflight)
         self._pools: dict[bool, StagingPool] = {}
         self._outstanding = Outstanding()
+        self._made_empty = False  # its ring was made for a model without a version (_remove_if_never_saved)
         self._closed = False  # refuses saves: close began
         self._stopped = False  # close ended: workers stopped, ring closed
         self._calls = SaveCalls()  # close waits for the save() calls of other threads
@@ -336,10 +337,28 @@ class Writer:
             # only once no worker writes: the ring's close lets go of its claims and the model
             if self._ring is not None:
                 self._ring.close()
+                self._remove_if_never_saved()
         finally:
             self._progress.close()
         self._stopped = True
         open_writers.discard(self)
+
+    def _remove_if_never_saved(self) -> None:
+        """A model that was empty when this writer made its ring (new, or left empty by a first
+        save that a crash cut short) and still has no version at close is removed, its slots back
+        to the region: a first save that failed (its staging memory refused, say) gives back what
+        it took; the empty model held its whole ring for good, and the next model found the
+        region full. A writer shared with other processes (``sole=False``) leaves it to them."""
+        if not (self._sole and self._made_empty):
+            return
+        try:
+            if not self.region.committed(self.region.reload(self._ring.entry)):
+                self.region.remove_model(self.model)
+        except (BusyError, NotFoundError):
+            pass  # another writer of it came meanwhile (it is theirs now), or it went
+        except CkptfsError as e:  # the region failing (a media error): the save's own error stands
+            log.warning("model %r, left without a version by its first save, could not be removed again: %s; "
+                        "remove it once the region works again", self.model, e)
 
     def __enter__(self) -> "Writer":
         return self
@@ -395,7 +414,7 @@ class Writer:
             raise
         job = None
         try:
-            job = Job(self.model, plan, future, started, crc_in_snapshot=background, keep=keep)
+            job = Job(self.model, plan, future, started, background=background, keep=keep)
             # the slot is claimed beside the snapshot (staging buffers need none); its writes wait
             # for the claim, and the save is snapshotted once both are done
             self._claimer.submit(job, lambda: ring.claim(plan.step, slot_layout))
@@ -404,7 +423,7 @@ class Writer:
                 self._snapshotter.take(job, pool, mark)
             job.claimed.result()
         except BaseException as e:
-            uninterrupted(functools.partial(self._start_failed, job, future, e))
+            uninterrupted(functools.partial(self._start_failed, job, future, e, background))
             if job is not None and job.error is not None and job.error is not e:
                 raise job.error from None  # what stopped the save first: the claim's refusal, say
             raise
@@ -427,7 +446,8 @@ class Writer:
             pass  # the save failed while it was being snapshotted (that error stands), or set already
         self._persist.unpark(job)
 
-    def _start_failed(self, job: Job | None, future: SaveFuture, error: BaseException) -> None:
+    def _start_failed(self, job: Job | None, future: SaveFuture, error: BaseException,
+                      background: bool = False) -> None:
         """A save whose permit is held failed before its snapshot was taken: its job (None: not
         made yet) fails, or the permit goes back; raised by ``_start`` (to save()'s caller, which
         then does not see it again from wait(); an async save's is wait()'s to raise)."""
@@ -435,7 +455,7 @@ class Writer:
             self._permits.release()
             self._drop(future, error)
             return
-        self._persist.fail(job, error)
+        self._persist.fail(job, error, raised=not background)  # logged where no caller is told
         self._outstanding.discard(future)  # raised here: not again by wait() (as a refusal before any write)
 
     def _drop(self, future: SaveFuture, error: BaseException) -> None:
@@ -463,6 +483,7 @@ class Writer:
         if error is not None:
             job.future.fail(error)
         else:
+            self._made_empty = False  # it has a version now
             self._hidden.after_commit(self._ring, result, job.keep)
             job.future.set_result(result)
 
@@ -483,6 +504,7 @@ class Writer:
                                            f"{least} slots", cli="")
                     raise RegionFullError(f"{e}{hint}") from None
                 self._ring = self.region.ring(entry, timeout_s=self.timeout_s, sole=self._sole)
+                self._made_empty = not self.region.committed(entry)
             return self._ring
 
     def _start_prefill(self, entry) -> None:
