@@ -107,6 +107,21 @@ def test_errors_are_one_line_from_the_real_entry_point(tmp_path):
     assert r.stderr.strip().count("\n") == 0, "a usage error is one line"
 
 
+def test_a_region_larger_than_the_address_space_limit_says_so(tmp_path):
+    """A region is mapped whole: under `ulimit -v` smaller than it, every command said only
+    "Cannot allocate memory"."""
+    import resource
+
+    path = tmp_path / "big.region"
+    assert subprocess.run(CLI + ["mkfs", str(path), "--size", "16G"], capture_output=True).returncode == 0
+    limit = functools.partial(resource.setrlimit, resource.RLIMIT_AS, (8 << 30, 8 << 30))
+    r = subprocess.run(CLI + ["ls", "--region", str(path)], capture_output=True, text=True, preexec_fn=limit)
+    assert r.returncode == 1 and one_error_line(r.stderr) == (
+        f"ckptfs: error: cannot map {path} (16.0 GiB) into this process: its address space is limited (`ulimit "
+        "-v`); ckptfs maps a region whole, which takes address space, not memory: raise the limit (`ulimit -v "
+        "unlimited`)"), r.stderr
+
+
 def test_unknown_model_and_step(capsys, toy_region):
     code, _, err = run(capsys, "info", "--region", toy_region, "nomodel")
     assert code == 1 and "nomodel" in one_error_line(err)

@@ -87,7 +87,16 @@ class Backend:
     # ---- mapping --------------------------------------------------------------------------
     def _map_region(self, fd: int) -> None:
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if self.writable else 0)
-        self._map = mmap.mmap(fd, self.size_bytes, flags=mmap.MAP_SHARED, prot=prot)
+        try:
+            self._map = mmap.mmap(fd, self.size_bytes, flags=mmap.MAP_SHARED, prot=prot)
+        except OSError as e:
+            if e.errno != errno.ENOMEM:
+                raise
+            # the region is mapped whole: its size in address space (not in memory) at once
+            raise RegionIOError(f"cannot map {self.path} ({human_bytes(self.size_bytes)}) into this process: its "
+                                "address space is limited (`ulimit -v`); ckptfs maps a region whole, which takes "
+                                "address space, not memory: raise the limit (`ulimit -v unlimited`)",
+                                errno.ENOMEM, "mmap") from None
         self._view = memoryview(self._map)
         self._guard = _native.guard_mapping(self._map)
         # The guard goes with the mapping itself: where close() cannot unmap it (a reader still
