@@ -146,6 +146,12 @@ def test_mkfs(capsys, tmp_path):
     assert code == 1 and "too small" in one_error_line(err)
     code, _, err = run(capsys, "mkfs", tmp_path / "x.region", "--size", "lots")
     assert code == 2 and "Traceback" not in err
+    # a character device or a pipe: said as such (/dev/null was "not a ckptfs region (it is
+    # empty) ... `ckptfs mkfs NEW_PATH` makes one", to someone running mkfs)
+    code, _, err = run(capsys, "mkfs", "/dev/null")
+    assert code == 1 and one_error_line(err) == (
+        "ckptfs: error: /dev/null is neither a file, a block device nor a devdax device (/dev/daxX.Y): a region "
+        "cannot be made there; give a file path or such a device")
 
 
 def test_a_path_that_is_not_a_region_is_said_so_without_sending_to_mkfs(capsys, tmp_path):

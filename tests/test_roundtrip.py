@@ -1,5 +1,6 @@
 """Tier 1-2: what goes in comes back, exactly; what cannot go in is refused before any write."""
 import math
+import os
 from collections import OrderedDict
 
 import pytest
@@ -580,5 +581,9 @@ def test_arguments_of_another_type_are_refused_in_their_words(store):
         with pytest.raises(ValueError, match=said):
             store.writer("n", **options)
     assert store.models() == ["m"]
+    for size in (1.5e9, "1G", True):  # a bare TypeError of int() or of >=
+        with pytest.raises(ValueError, match=r"size_bytes must be an int \(a number of bytes, e.g. 64 << 30\), got "):
+            ckptfs.Store.create(store.path + ".other", size)
+    assert not os.path.exists(store.path + ".other")
     with pytest.raises(ValueError, match="map_location='hpu': "):
         store.load("m", map_location="hpu")

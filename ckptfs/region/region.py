@@ -21,7 +21,7 @@ import weakref
 from ckptfs import _native
 from ckptfs.errors import (BusyError, CkptfsError, CorruptionError, NotFoundError, RegionFormatError, in_words,
                            not_a_region)
-from ckptfs.region.backend import Backend, open_backend
+from ckptfs.region.backend import Backend, is_devdax, open_backend
 from ckptfs.region.claim import Committed
 from ckptfs.region.format import (COUNTER_MAX, COUNTER_WORD_OFFSET, LATEST_WORD_OFFSET, SLOT_COMMITTED,
                                   SUPERBLOCK_BYTES, ModelEntry, Superblock, backup_superblock_offset,
@@ -118,6 +118,8 @@ class Region(ModelTable, SlotReader):
         device whose first MiB holds data (a filesystem, a partition table) - RegionFormatError
         says which and how to proceed.
         """
+        if size_bytes is not None and (isinstance(size_bytes, bool) or not isinstance(size_bytes, int)):
+            raise ValueError(f"size_bytes must be an int (a number of bytes, e.g. 64 << 30), got {size_bytes!r}")
         try:
             mode = os.stat(path).st_mode
         except FileNotFoundError:
@@ -127,6 +129,9 @@ class Region(ModelTable, SlotReader):
         if exists and stat.S_ISDIR(mode):
             raise RegionFormatError(f"{path} is a directory; a region is a file or a device: give a file path "
                                     f"such as {os.path.join(path, 'ckptfs.region')}")
+        if special and not stat.S_ISBLK(mode) and not is_devdax(path):
+            raise RegionFormatError(f"{path} is neither a file, a block device nor a devdax device (/dev/daxX.Y): "
+                                    "a region cannot be made there; give a file path or such a device")
         if exists and not force:
             refuse_to_overwrite(path, special)
         if exists:
