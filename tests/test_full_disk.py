@@ -175,6 +175,32 @@ def test_mkfs_on_a_full_filesystem_says_it_is_full(small_fs, capsys):
     assert sorted(os.listdir(small_fs)) == ["filler.bin", "lost+found"]  # no region, no temporary file
 
 
+def test_cli_errors_on_full_and_read_only_filesystems_name_the_user_s_paths(tmp_path, capsys):
+    """mkfs on a read-only filesystem named its temporary file (.r.region.formatting-PID-TID);
+    export there named OUT.ckptfs-part, and on a full one named no file at all."""
+    from test_cli import TOY_MODEL, make_toy_region, one_error_line, run
+
+    region = str(tmp_path / "toy.region")
+    make_toy_region(region)
+    with loop_ext4(tmp_path, "loop,ro") as read_only:
+        code, _, err = run(capsys, "mkfs", os.path.join(read_only, "r.region"), "--size", "64M")
+        assert code == 1 and one_error_line(err) == f"ckptfs: error: Read-only file system: {read_only}/r.region"
+        code, _, err = run(capsys, "export", "--region", region, TOY_MODEL, os.path.join(read_only, "out.pt"))
+        assert code == 1 and one_error_line(err) == f"ckptfs: error: Read-only file system: {read_only}/out.pt"
+    (tmp_path / "mnt").rmdir()
+    with loop_ext4(tmp_path) as full:
+        with open(os.path.join(full, "filler.bin"), "wb") as f:
+            while True:
+                try:
+                    f.write(bytes(8 * MIB))
+                    f.flush()
+                except OSError:
+                    break
+        code, _, err = run(capsys, "export", "--region", region, TOY_MODEL, os.path.join(full, "out/"))
+        assert code == 1 and one_error_line(err).startswith(f"ckptfs: error: No space left on device: {full}/out/"), err
+        assert sorted(os.listdir(full)) == ["filler.bin", "lost+found"]  # nothing half-written left
+
+
 def test_a_region_truncated_while_a_save_writes_fails_that_save(tmp_path, monkeypatch):
     """The file cut short after the save claimed its slot (its check at the claim passed): the
     save was reported committed, its direct writes having made the file longer again."""

@@ -146,9 +146,11 @@ def _export_file(view, data, dest: str) -> int:
                 f.write(block)
                 bar.update(len(block))
         data.confirm()  # the blocks were views of the mapping: none read a faulted page
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError) and e.filename in (tmp, None):  # a write's has none (a full disk)
+            raise OSError(e.errno, e.strerror, dest) from None  # named as the user named it
         raise
     return view.size
 

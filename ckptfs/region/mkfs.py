@@ -118,8 +118,12 @@ def format_new_file(path: str, size_bytes: int) -> None:
                                                           cli="give a smaller --size")) from None
         format_in_place(tmp, None, shown=path)
         _publish_new_file(tmp, path)
+    except OSError as e:
+        if e.filename != tmp:
+            raise
+        raise OSError(e.errno, e.strerror, path) from None  # the user's path, not the temporary name
     finally:
-        with contextlib.suppress(FileNotFoundError):
+        if os.path.lexists(tmp):  # (an unlink of what is not there failed again on a read-only filesystem)
             os.unlink(tmp)
     with contextlib.suppress(OSError):  # the new name is durable with its directory entry
         dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
