@@ -795,10 +795,19 @@ def _first_start_and_a_rank_that_cannot_list(rank, world, region):
     one rank whose listing of the region fails: every rank fails at once (DCP called that rank's
     read_metadata again, whose collectives met the others' next ones: 300 s, then a bare gloo
     timeout naming no one)."""
+    import logging
+
     store = ckptfs.Store(region)
     state = {"w": torch.zeros(4)}
+    logged = []
+    handler = logging.Handler()
+    handler.emit = logged.append
+    logging.getLogger().addHandler(handler)
     with pytest.raises(ckptfs.errors.NotFoundError, match="'m' has no committed version yet"):
         store.load("m", group=dist.group.WORLD, into=state, timeout_s=20)
+    logging.getLogger().removeHandler(handler)
+    # said once, by the error: DCP logged two tracebacks of it on each rank first
+    assert [r.getMessage() for r in logged if r.exc_info] == []
     # (dcp.load says it in its own CheckpointException, as of any storage)
     from torch.distributed.checkpoint.api import CheckpointException
 

@@ -84,11 +84,12 @@ class StorageReader(_DCPReader):
             self.metadata, self.metadata_error = None, None
         return checkpoint_id_of(self.model, self.step)
 
-    def read_metadata(self, *args, **kwargs) -> Metadata:
+    def read_metadata(self, *args) -> Metadata:
         # Every rank runs this (DCP's local step of a load): the ranks agree on the step here, in
-        # collectives. A rank whose first call failed is called again by DCP (``rank=``: a
-        # rank-local metadata it falls back to); that call raises the same error at once, as its
-        # collectives would have met the other ranks' next ones and waited timeout_s for nothing.
+        # collectives. No ``**kwargs``: DCP calls a reader that takes them again after a failure
+        # (``rank=``, for a rank-local metadata ckptfs has none of), logging a second traceback;
+        # a call again raises the same error at once, as its collectives would have met the
+        # other ranks' next ones and waited timeout_s for nothing.
         if self.metadata_error is not None:
             raise self.metadata_error
         try:

@@ -26,6 +26,7 @@ writer's contract of a single process, for many:
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -418,9 +419,9 @@ def load(store, model: str, into: dict, *, group=None, step: int | None = None, 
     gloo = _gloo_group(group, timeout_s, model, "load")
     reader = StorageReader(store, model, step, peers=peers, timeout_s=timeout_s, group=gloo)
     try:
-        with paused_gc():  # DCP's planning and ours make and drop many objects: see ckptfs.gcpause
-            # a group of one rank: DCP plans without its collectives (at 40,000 tensors 4.3-4.9 ->
-            # 2.8-3.4 s a load), as _plan_and_write does
+        with paused_gc(), _without_dcp_fallback_notice():  # (paused_gc: DCP's planning and ours make and drop
+            # many objects, see ckptfs.gcpause) a group of one rank: DCP plans without its
+            # collectives (at 40,000 tensors 4.3-4.9 -> 2.8-3.4 s a load), as _plan_and_write does
             dcp.load(into, storage_reader=reader, process_group=gloo, no_dist=world_size(gloo) == 1)
     except CheckpointException as e:
         if reader.metadata_error is not None:  # ours, not DCP's AssertionError that words it again
@@ -428,6 +429,28 @@ def load(store, model: str, into: dict, *, group=None, step: int | None = None, 
         raise_unwrapped(e, f"the load of {model!r}", "this rank's state is partly loaded: load again once that is "
                                                      "mended")
     return into
+
+
+class _NoFallbackNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Global metadata is not found")
+
+
+_NO_FALLBACK_NOTICE = _NoFallbackNotice()
+
+
+@contextlib.contextmanager
+def _without_dcp_fallback_notice():
+    """DCP logs every failed ``read_metadata`` with its traceback on the root logger ("Global
+    metadata is not found. Falling back to rank local metadata."), which ckptfs's reader has
+    none of: each rank of a job's first start logged a traceback before the load's own
+    NotFoundError. The load raises ckptfs's error, once (``reader.metadata_error``)."""
+    root = logging.getLogger()
+    root.addFilter(_NO_FALLBACK_NOTICE)
+    try:
+        yield
+    finally:
+        root.removeFilter(_NO_FALLBACK_NOTICE)
 
 
 def raise_unwrapped(e, what: str, then: str) -> None:
