@@ -353,6 +353,26 @@ def test_a_rank_that_trains_on_past_a_save_fails_only_that_step(tmp_path):
     run_ranks(_one_rank_trains_on_past_a_save, 2, _new_region(tmp_path))
 
 
+def _one_rank_never_opens_the_writer(rank, world, region):
+    """A rank that never comes to the first save or load of a model (stuck in its data loader):
+    the others fail after timeout_s naming it. ckptfs's groups are made at the first one, and
+    dist.new_group waited there, then failed with the store's timeout naming a key, not a rank."""
+    store = ckptfs.Store(region)
+    if rank == 1:
+        time.sleep(8)  # past both timeouts below, then gone without a collective
+        return
+    with pytest.raises(CkptfsError, match=r"^the first load of 'm': rank\(s\) 1 did not come within timeout_s=3 "
+                                          r"\(stopped, or not loading it\); nothing was read$"):
+        store.load("m", group=dist.group.WORLD, into={"w": torch.zeros(2)}, timeout_s=3)
+    with pytest.raises(CkptfsError, match=r"^the first save of 'm': rank\(s\) 1 did not come within timeout_s=3 "):
+        store.writer("m", group=dist.group.WORLD, timeout_s=3)
+    store.close()
+
+
+def test_a_rank_that_never_comes_to_the_first_save_or_load_is_named(tmp_path):
+    run_ranks(_one_rank_never_opens_the_writer, 2, _new_region(tmp_path))
+
+
 def _one_rank_skips_one_save(rank, world, region):
     """Rank 1's state-dict code raised at step 2 and its loop went on to step 3: rank 0's step 2
     fails at once, naming it, and rank 1's step 3 waits for rank 0's; from then on the steps

@@ -35,8 +35,33 @@ def coordination(timeout_s: float, model: str, purpose: str = "save"):
     key = (timeout_s, model, purpose)
     group = _groups.get(key)
     if group is None:
-        group = _groups[key] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        group = _groups[key] = _new_group(timeout_s, model, purpose)
     return group
+
+
+def _new_group(timeout_s: float, model: str, purpose: str):
+    """``dist.new_group`` (gloo, ``timeout_s``), collective over the world; where it fails (a
+    rank that never came: a bare store timeout naming no one), CkptfsError naming the ranks
+    that did not come, from marks each rank leaves in the job's key-value store first."""
+    import torch.distributed as dist
+
+    kv, rank = _kv_store(), dist.get_rank()
+    mark = f"ckptfs/group/{model}/{purpose}/"
+    if kv is not None:
+        kv.set(mark + str(rank), "1")
+    try:
+        return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    except Exception:
+        try:
+            absent = [r for r in range(dist.get_world_size()) if not kv.check([mark + str(r)])]
+        except Exception:  # noqa: BLE001 - no store, or gone with its rank: the error in flight stands
+            absent = []
+        if not absent:
+            raise
+        load = purpose == "load"
+        raise CkptfsError(f"the first {purpose} of {model!r}: rank(s) {', '.join(map(str, absent))} did not come within "
+                          f"timeout_s={timeout_s:g} (stopped, or not {'loading' if load else 'saving'} it); nothing was "
+                          f"{'read' if load else 'committed'}") from None
 
 
 def storage_group(storage, purpose: str):
