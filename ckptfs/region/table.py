@@ -94,7 +94,7 @@ class ModelTable:
         except InvalidNameError as e:
             raise RegionFormatError(f"model table entry {entry.index} holds an impossible name: {e}") from None
         sb = self.superblock
-        end = self.superblock.data_end
+        end = sb.data_end
         ordered = sorted(entry.extents, key=lambda x: x.offset)
         for x in ordered:
             if x.offset % sb.block_bytes or x.slot_bytes % sb.block_bytes or x.offset < sb.data_offset or x.end > end:
@@ -330,7 +330,7 @@ class ModelTable:
         sb = self.superblock
         entries = self._scan_entries()[0] if entries is None else entries
         taken = sorted((x.offset, x.end) for e in entries for x in e.extents)
-        end = self.superblock.data_end
+        end = sb.data_end
         if prefer is not None and prefer + nbytes <= end and all(b <= prefer or a >= prefer + nbytes for a, b in taken):
             return prefer
         runs, cursor = [], sb.data_offset  # the free runs, in order
