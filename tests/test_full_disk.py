@@ -36,6 +36,17 @@ def loop_ext4(tmp_path, options: str = "loop"):
         subprocess.run(["umount", str(mnt)], check=True)
 
 
+def fill_up(directory: str) -> None:
+    """Write filler.bin in ``directory`` until its filesystem is full."""
+    with open(os.path.join(directory, "filler.bin"), "wb") as f:
+        while True:
+            try:
+                f.write(bytes(8 * MIB))
+                f.flush()
+            except OSError:
+                return
+
+
 @pytest.fixture
 def small_fs(tmp_path):
     with loop_ext4(tmp_path) as mnt:
@@ -161,13 +172,7 @@ def test_mkfs_on_a_full_filesystem_says_it_is_full(small_fs, capsys):
     that was a SIGBUS, reported as "the device reported a media error" at a temporary name."""
     from test_cli import run
 
-    with open(os.path.join(small_fs, "filler.bin"), "wb") as f:
-        while True:
-            try:
-                f.write(bytes(8 * MIB))
-                f.flush()
-            except OSError:
-                break
+    fill_up(small_fs)
     path = os.path.join(small_fs, "r.region")
     code, _, err = run(capsys, "mkfs", path, "--size", "1GiB")
     assert code == 1 and f"allocating the region's superblock and model table of {path} failed: No space left " \
@@ -189,13 +194,7 @@ def test_cli_errors_on_full_and_read_only_filesystems_name_the_user_s_paths(tmp_
         assert code == 1 and one_error_line(err) == f"ckptfs: error: Read-only file system: {read_only}/out.pt"
     (tmp_path / "mnt").rmdir()
     with loop_ext4(tmp_path) as full:
-        with open(os.path.join(full, "filler.bin"), "wb") as f:
-            while True:
-                try:
-                    f.write(bytes(8 * MIB))
-                    f.flush()
-                except OSError:
-                    break
+        fill_up(full)
         code, _, err = run(capsys, "export", "--region", region, TOY_MODEL, os.path.join(full, "out/"))
         assert code == 1 and one_error_line(err).startswith(f"ckptfs: error: No space left on device: {full}/out/"), err
         assert sorted(os.listdir(full)) == ["filler.bin", "lost+found"]  # nothing half-written left
