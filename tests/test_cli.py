@@ -351,6 +351,9 @@ def test_usage_errors_are_one_line_in_cli_words(capsys, toy_region, tmp_path):
     code, _, err = run(capsys, "rm", "--region", toy_region, TOY_MODEL, "first")
     assert code == 2 and err.count("\n") == 1 and err.startswith("ckptfs rm: usage: ")
     assert "'first' is not a step" in err and "ckptfs rm --help" in err
+    # past the last step: said of the option (it was the writer's "step must be an int ...")
+    code, _, err = run(capsys, "import", "--region", toy_region, "--step", str(1 << 62), "m", tmp_path / "x.pt")
+    assert code == 2 and err.startswith("ckptfs import: usage: ") and "is past the last step (2**62 - 1)" in err
     code, _, err = run(capsys, "mkfs", tmp_path / "small.region", "--size", "1M")
     assert "--size" in one_error_line(err) and "size_bytes" not in err
     code, _, err = run(capsys, "mkfs", toy_region)

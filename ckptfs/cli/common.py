@@ -89,8 +89,12 @@ class _Step(click.ParamType):
         from ckptfs.fs.names import step_of
 
         step = value if isinstance(value, int) else step_of(str(value).strip())
+        from ckptfs.region.format import STEP_LIMIT
+
         if step is None:
             self.fail(f"{value!r} is not a step (e.g. 1200 or step-00001200)", param, ctx)
+        if step >= STEP_LIMIT:
+            self.fail(f"{value!r} is past the last step (2**62 - 1)", param, ctx)
         return step
 
 

@@ -41,6 +41,7 @@ SLOT_MAGIC = b"CKPTSLOT"
 ENTRY_MAGIC = b"CKMODEL\0"
 COUNTER_MAX = (1 << 48) - 1
 SLOTS_MAX = 1 << 16
+STEP_LIMIT = 1 << 62  # steps are below it: a slot header holds a signed 64-bit step, with room to spare
 
 # slot states, and flags of a committed slot
 SLOT_WRITING = 1

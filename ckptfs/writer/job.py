@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from ckptfs.chunks import IO_ALIGN_BYTES
 from ckptfs.region.extents import default_ring_slots, least_ring_slots
-from ckptfs.region.format import SLOTS_MAX
+from ckptfs.region.format import SLOTS_MAX, STEP_LIMIT
 from ckptfs.region.claim import Claim
 from ckptfs.writer.plan import SavePlan
 
@@ -44,9 +44,6 @@ def check_options(max_inflight: int, persist_threads: int, chunk_bytes: int, sta
         check_positive("keep_every", keep_every)
     if staging_budget_bytes is not None and staging_budget_bytes < chunk_bytes:
         raise ValueError(f"staging_budget_bytes={staging_budget_bytes} is smaller than one chunk ({chunk_bytes})")
-
-
-STEP_LIMIT = 1 << 62  # steps are below it: a slot header holds a signed 64-bit step, with room to spare
 
 
 def is_kept(step, keep: bool | None, keep_every: int | None) -> bool:
