@@ -52,9 +52,11 @@ def _new_group(timeout_s: float, model: str, purpose: str):
     try:
         return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     except Exception:
+        if kv is None:
+            raise
         try:
             absent = [r for r in range(dist.get_world_size()) if not kv.check([mark + str(r)])]
-        except Exception:  # noqa: BLE001 - no store, or gone with its rank: the error in flight stands
+        except Exception:  # noqa: BLE001 - the store gone with its rank: the error in flight stands
             absent = []
         if not absent:
             raise

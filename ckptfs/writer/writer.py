@@ -344,11 +344,11 @@ class Writer:
         open_writers.discard(self)
 
     def _remove_if_never_saved(self) -> None:
-        """A model that was empty when this writer made its ring (new, or left empty by a first
-        save that a crash cut short) and still has no version at close is removed, its slots back
-        to the region: a first save that failed (its staging memory refused, say) gives back what
-        it took; the empty model held its whole ring for good, and the next model found the
-        region full. A writer shared with other processes (``sole=False``) leaves it to them."""
+        """A model no save had claimed a slot of when this writer made its ring (a new one) and
+        that still has no version at close is removed, its slots back to the region: a first
+        save that failed (its staging memory refused, say) gives back what it took; the empty
+        model held its whole ring for good, and the next model found the region full. A writer
+        shared with other processes (``sole=False``) leaves it to them."""
         if not (self._sole and self._made_empty):
             return
         try:
@@ -504,7 +504,8 @@ class Writer:
                                            f"{least} slots", cli="")
                     raise RegionFullError(f"{e}{hint}") from None
                 self._ring = self.region.ring(entry, timeout_s=self.timeout_s, sole=self._sole)
-                self._made_empty = not self.region.committed(entry)
+                # a model no save ever claimed a slot of (its counter word, not a read of every header)
+                self._made_empty = self.region.counter_word(entry) == 0
             return self._ring
 
     def _start_prefill(self, entry) -> None:
