@@ -1026,7 +1026,7 @@ def test_a_multi_rank_version_loads_whole_in_one_process_with_its_plain_values(s
     assert_same(state, into)
     # the CLI says what the whole files leave out; it exported them in silence
     code, _, err = run(capsys, "export", "--region", store.path, "m", str(tmp_path / "m.pt"))
-    assert code == 0 and err.startswith("ckptfs export: warning: m step 1: left out z (values that are not plain "), err
+    assert code == 0 and err.startswith("ckptfs: warning: m step 1: left out z (values that are not plain "), err
     assert_same(_sorted(expected), _sorted(torch.load(tmp_path / "m.pt", weights_only=False)))  # numpy's too
     code, out, _ = run(capsys, "info", "--region", store.path, "m")
     assert code == 0 and "left out z (values that are not plain data" in out

@@ -615,3 +615,25 @@ def test_import_of_a_directory_of_torch_shards(tmp_path):
         assert set(back) == {"model"} and all(torch.equal(back["model"][k], v) for k, v in state.items())
         with store.open_version("toy") as v:
             assert dict(v.manifest.files) == {"config.json": '{"model_type": "toy"}'}
+
+
+def test_the_cli_says_the_librarys_warnings_in_its_own_line(tmp_path, capsys):
+    """`ckptfs import` of a Trainer's checkpoint: the left-out files come out as the command's one
+    warning line, as `export`'s own warning does; they came out bare (Python's last-resort
+    handler), beside `ckptfs export: warning: ...` lines."""
+    from ckptfs.cli import main as cli_main
+
+    src = str(tmp_path / "checkpoint-500")
+    _hf_directory(src, shards=False)
+    torch.save({"state": {}, "param_groups": []}, os.path.join(src, "optimizer.pt"))
+    region = str(tmp_path / "r.region")
+    ckptfs.Store.create(region, size_bytes=64 << 20).close()
+    capsys.readouterr()  # what making the directory printed (transformers)
+    with pytest.raises(SystemExit) as e:
+        cli_main(["import", "--region", region, "gpt2", src])
+    out, err = capsys.readouterr()
+    assert e.value.code == 0 and "imported" in out
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"ckptfs: warning: {src}: imported its weights and config; "
+                                                   "left out optimizer.pt"), err
+    assert not logging.getLogger("ckptfs").handlers  # the command's handler went with it

@@ -17,7 +17,7 @@ import sys
 import click
 
 from ckptfs.cli import mounting, region, transfer, versions
-from ckptfs.cli.common import cli, one_line
+from ckptfs.cli.common import cli, cli_lines, one_line
 from ckptfs.errors import CkptfsError, cli_words
 
 __all__ = ["cli", "main"]
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
 
     debug = os.environ.get("CKPTFS_DEBUG", "") not in ("", "0")
     try:
-        with cli_words():
+        with cli_words(), cli_lines():
             rv = cli.main(args=argv, prog_name="ckptfs", standalone_mode=False)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)

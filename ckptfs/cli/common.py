@@ -2,9 +2,13 @@
 users write them, tables, progress bars and one-line errors."""
 from __future__ import annotations
 
+import contextlib
 import datetime
+import logging
+import os
 import re
 import sys
+import warnings
 from typing import Any
 
 import click
@@ -108,6 +112,53 @@ def parse_size(text: str) -> int:
         raise click.BadParameter(f"{text!r} is not a size (e.g. 64G, 512M, 4096)")
     scale = 1024 ** "bkmgtp".index((m.group(2) or "b").lower())
     return int(float(m.group(1)) * scale)
+
+
+def warn(text: str) -> None:
+    """A command's warning: one line on stderr, as the library's own come out (``cli_lines``)."""
+    click.echo(f"ckptfs: warning: {' '.join(text.split())}", err=True)
+
+
+class _Lines(logging.Handler):
+    """The library's log records (WARNING and above) as the CLI's lines: ``ckptfs: warning: ...``."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = " ".join(record.getMessage().removeprefix("ckptfs: ").split())
+        click.echo(f"ckptfs: {record.levelname.lower()}: {text}", err=True)
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@contextlib.contextmanager
+def cli_lines():
+    """While a command runs, the library's warnings (its log records and its ``warnings.warn``)
+    come out as the command's own: one line each, ``ckptfs: warning: ...`` (without it, log
+    records came out bare, and a warning with its file and line)."""
+    logger = logging.getLogger("ckptfs")
+    handler = _Lines(logging.WARNING)
+    logger.addHandler(handler)
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if str(filename).startswith(_PACKAGE_DIR):
+            warn(str(message))
+        else:  # another library's (torch's): as Python shows it
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
+        logger.removeHandler(handler)
+
+
+def stop_cli_lines() -> None:
+    """For a mount's daemon, which logs with its own handler (time, pid): no second line."""
+    logger = logging.getLogger("ckptfs")
+    for handler in [h for h in logger.handlers if isinstance(h, _Lines)]:
+        logger.removeHandler(handler)
 
 
 def when(time_ns: int) -> str:

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from ckptfs.cli.common import cli, one_line, open_store, region_option
+from ckptfs.cli.common import cli, one_line, open_store, region_option, stop_cli_lines
 from ckptfs.errors import CkptfsError
 from ckptfs.fs.daemon import READAHEAD_KB
 from ckptfs.fs.readers import MOUNT_COMMAND
@@ -67,6 +67,7 @@ def mount(region, foreground, allow_other, options, auto_unmount, readahead_kb, 
     handler.setFormatter(logging.Formatter("%(asctime)s ckptfs[%(process)d] %(levelname)s %(message)s"))
     root = logging.getLogger()
     root.addHandler(handler)
+    stop_cli_lines()
     root.setLevel(logging.DEBUG if debug else logging.INFO)
     if ready_fd is not None:
         os.chdir("/")

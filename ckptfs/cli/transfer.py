@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from ckptfs.cli.common import STEP, cli, open_store, progress, region_option, version_step
+from ckptfs.cli.common import STEP, cli, open_store, progress, region_option, version_step, warn
 from ckptfs.errors import CkptfsError
 from ckptfs.units import human_bytes
 
@@ -90,8 +90,7 @@ def export(region, step, file_name, key, force, model, output):
                 if dest != "-":
                     os.replace(dest + PART_SUFFIX, dest)
         if layout and layout.not_shown:
-            click.echo(f"ckptfs export: warning: {model} step {v.info.step}: left out "
-                       f"{not_shown_words(layout.not_shown)}", err=True)
+            warn(f"{model} step {v.info.step}: left out {not_shown_words(layout.not_shown)}")
         if output != "-":
             what = file_name if file_name is not None else f"{len(names)} files"
             click.echo(f"exported {what} of {model} step {v.info.step} to {output} ({human_bytes(written)})")
