@@ -314,6 +314,30 @@ def test_milestones_kept_in_outgrown_slots_hold_only_their_own(store):
     assert store.verify() == []
 
 
+def test_an_unkeep_or_removal_by_another_reaches_a_writer_that_stays_open(store):
+    """A milestone kept, then unkept (or removed) by another process (`ckptfs unkeep`, `rm`)
+    while the writer saves on: its slot goes back to the ring and the spare one to the region.
+    The writer's ring counted it kept from its own view for as long as it stayed open: the
+    unkept version was listed for good and the ring held 5 slots for 3."""
+    other = ckptfs.Store(store.path)  # the other process's own view of the region
+    with store.writer("m", slots=3, max_inflight=1) as w:
+        for step in range(1, 4):
+            w.save(state(step), step).result()
+        other.keep("m", 2)
+        other.keep("m", 3)
+        for step in range(4, 10):
+            w.save(state(step), step).result()
+        assert store.region.get("m").nslots == 5  # the ring's 3 and the 2 milestones
+        other.unkeep("m", 2)
+        other.remove("m", 3)
+        for step in range(10, 10 + 2 * GIVE_BACK_AFTER_COMMITS + 2):
+            w.save(state(step), step).result()
+        assert [v.step for v in store.versions("m")] == list(range(step - 2, step + 1))
+        assert store.region.get("m").nslots == 3
+    other.close()
+    assert store.verify() == []
+
+
 def test_splitting_extents_leaves_an_entry_room_to_grow(store):
     """Milestones in every other slot of a large extent, then the model grows: the extent is
     split only as far as the entry keeps two extents free, and the model outgrows its slots

@@ -60,7 +60,7 @@ class Extents:
         self.ring = ring
         self.region = ring.region
         self._spare_commits = 0  # commits in a row (of this process) after which slots were spare
-        self._kept_small_commits = 0  # commits since smaller slots holding kept versions were looked at
+        self._kept_commits = 0  # commits since the slots this ring counts kept were looked at
 
     # ------------------------------------------------------------------ taking
     def reshape(self, ring_slots: int | None, slot_bytes: int | None) -> None:
@@ -172,23 +172,16 @@ class Extents:
         once). Cheap when there is nothing to return: the table lock is taken only then. Never
         raises: the commit it follows is complete; slots not given back now go at a later one."""
         entry = self.ring.entry
-        try:  # from the cached ages (no header read) unless another claim's wait cleared them
-            ages = self.ring._slot_ages(entry)
+        try:
+            ages = self._ages(entry)
         except (CkptfsError, OSError) as e:
             log.warning("model %r: spare slots not given back this time: %s", entry.name, e)
             return False
         kept = sum(1 for age in ages.values() if age == KEPT)
-        # Smaller slots that all hold kept versions (step 0, saved before the optimizer had
-        # state, kept by keep_every) have nothing to give: every commit scanned every header for
-        # them. They are looked at again every GIVE_BACK_AFTER_COMMITS commits, from the headers:
-        # an unkeep by another process does not reach this ring's ages.
+        # smaller slots that all hold kept versions (step 0, saved before the optimizer had
+        # state, kept by keep_every) have nothing to give: no scan of every header for them
         small = [s for x in entry.extents if x.slot_bytes < entry.slot_bytes for s in x.slots]
         outgrown = any(ages[s] != KEPT for s in small)
-        if small and not outgrown:
-            self._kept_small_commits += 1
-            if self._kept_small_commits >= GIVE_BACK_AFTER_COMMITS:
-                self._kept_small_commits, outgrown = 0, True
-                self.ring._forget_ages()
         if entry.nslots - kept > entry.ring_slots:  # no lock
             self._spare_commits += 1
         else:
@@ -205,6 +198,21 @@ class Extents:
         if given:
             self._spare_commits = 0
         return given
+
+    def _ages(self, entry: ModelEntry) -> dict[int, int]:
+        """The ring's ages of ``entry``'s slots: cached (no header read) unless another claim's
+        wait cleared them, and read again from the headers every GIVE_BACK_AFTER_COMMITS commits
+        while it counts a slot kept. An unkeep or a removal by another process (`ckptfs unkeep`,
+        a multi-rank job's leader) does not reach the cache: the version unkept stayed listed
+        and its slot was neither reused nor given back for as long as this writer stayed open."""
+        ages = self.ring._slot_ages(entry)
+        if KEPT in ages.values():
+            self._kept_commits += 1
+            if self._kept_commits >= GIVE_BACK_AFTER_COMMITS:
+                self._kept_commits = 0
+                self.ring._forget_ages()
+                ages = self.ring._slot_ages(entry)
+        return ages
 
     def _give_back_locked(self, entry: ModelEntry, spare: bool = True) -> bool:
         """Give back the slots of ``entry`` it does not keep (the table lock is held); those of
