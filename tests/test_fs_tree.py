@@ -371,6 +371,35 @@ def test_ops_translate_errors_and_survive_bugs(env):
     trio.run(scenario)
 
 
+def test_a_model_listing_is_one_fresh_snapshot_holding_the_version_latest_names(env, monkeypatch):
+    """A job whose ring turns over faster than the half-second snapshot: ``ls MODEL`` lists the
+    versions of one listing of it taken at opendir (at most LATEST_FRESH_S old), ``latest``'s
+    among them. It listed the opendir's stale snapshot less what a newer one no longer held at
+    readdir: ``latest`` alone, as if the model had no version (4 of 2000 listings at 30 saves/s)."""
+    store, tree, ops = _ops(env)
+    model = path(tree, "gpt")  # the half-second snapshot: steps 10, 20, 30
+
+    def turn_over(steps):  # the ring reuses every slot
+        store.table["gpt"] = {}
+        for step in steps:
+            store.commit("gpt", step)
+
+    replies = []
+    monkeypatch.setattr(pyfuse3, "readdir_reply", lambda token, name, entry, next_id: replies.append(name) or True)
+
+    async def scenario():
+        tree._clock.now += 0.1
+        turn_over((40, 50, 60))
+        fh = await ops.opendir(model.ino, None)
+        tree._clock.now += 0.6  # readdir's look at the entries takes a newer snapshot
+        turn_over((70, 80, 90))
+        await ops.readdir(fh, 0, None)
+        await ops.releasedir(fh)
+
+    trio.run(scenario)
+    assert replies == [b"latest", b"step-00000040", b"step-00000050", b"step-00000060"]
+
+
 def test_rmdir_waits_for_a_pending_release_of_its_own(env):
     """close(2) sends RELEASE asynchronously: an rmdir right after must not fail with EBUSY."""
     store, tree, ops = _ops(env)

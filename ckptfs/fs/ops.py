@@ -17,7 +17,6 @@ Caching contract with the kernel:
 from __future__ import annotations
 
 import errno
-import functools
 import itertools
 import logging
 import os
@@ -30,7 +29,7 @@ import trio
 from ckptfs.errors import BusyError, HeldError
 from ckptfs.fs.errors import fuse_errors, read_only
 from ckptfs.fs.names import version_dirname
-from ckptfs.fs.nodes import Node, OpenFile
+from ckptfs.fs.nodes import Attr, Node, OpenFile
 from ckptfs.fs.tree import ROOT_INODE, Tree
 
 log = logging.getLogger("ckptfs.fs")
@@ -66,7 +65,7 @@ class CkptfsOperations(pyfuse3.Operations):
         self.tree = tree or Tree(store, views=views)
         self._files: dict[int, OpenFile] = {}
         # fh -> (inode, entries, the pid that opened it)
-        self._dirs: dict[int, tuple[int, list[tuple[bytes, Node]], int]] = {}
+        self._dirs: dict[int, tuple[int, list[tuple[bytes, pyfuse3.EntryAttributes]], int]] = {}
         self._fh = itertools.count(1)
         # fh of a version's file -> (process, model, step, when opened)
         self._opened_by: dict[int, tuple[int, str, int, float]] = {}
@@ -78,8 +77,9 @@ class CkptfsOperations(pyfuse3.Operations):
 
     # -------------------------------------------------------------- attributes and names
 
-    def _entry(self, node: Node) -> pyfuse3.EntryAttributes:
-        a = self.tree.attr(node)
+    def _entry(self, node: Node, a: Attr | None = None) -> pyfuse3.EntryAttributes:
+        """The kernel's entry of ``node``, of its attributes ``a`` (None: looked up now)."""
+        a = self.tree.attr(node) if a is None else a
         e = pyfuse3.EntryAttributes()
         e.st_ino = a.ino
         e.generation = 0
@@ -142,9 +142,11 @@ class CkptfsOperations(pyfuse3.Operations):
     # -------------------------------------------------------------- directories
 
     async def opendir(self, inode, ctx):
-        """Snapshot the entries now, so that a listing that changes meanwhile is read consistently."""
+        """Take the entries and their attributes now, of one snapshot (``Tree.listing``), so
+        that a listing that changes meanwhile is read consistently."""
         with fuse_errors("opendir"):
-            entries = [(os.fsencode(n), node) for n, node in await self._unheld(lambda: self.tree.children(inode))]
+            listing = await self._unheld(lambda: self.tree.listing(inode))
+            entries = [(os.fsencode(n), self._entry(node, a)) for n, node, a in listing]
             fh = next(self._fh)
             self._dirs[fh] = (inode, entries, _requester(ctx))
             return fh
@@ -153,11 +155,7 @@ class CkptfsOperations(pyfuse3.Operations):
         with fuse_errors("readdir"):
             entries = self._dirs[fh][1]
             for i in range(start_id, len(entries)):
-                name, node = entries[i]
-                try:
-                    entry = await self._unheld(functools.partial(self._entry, node))
-                except FileNotFoundError:  # gone since opendir
-                    continue
+                name, entry = entries[i]
                 if not pyfuse3.readdir_reply(token, name, entry, i + 1):
                     break
 

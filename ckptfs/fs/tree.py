@@ -15,9 +15,11 @@ Contracts:
   every ``refresh_interval`` seconds (0.5 s), when a lookup, a readdir or a getattr needs it, so a
   new version appears within about a second and a version whose slot was reused disappears as
   soon as the snapshot no longer holds it. Only committed versions are shown (``store.versions``).
-  ``latest``, and a version directory not in the snapshot, are read from a listing of their
-  model at most ``LATEST_FRESH_S`` (10 ms) old: a path through ``latest`` reaches a version
-  still there while the job saves every few tens of ms.
+  ``latest``, a version directory not in the snapshot, and a model directory's entries (``ls
+  MODEL``, its attributes taken with it: ``listing``) are read from a listing of their model at
+  most ``LATEST_FRESH_S`` (10 ms) old: a path through ``latest`` reaches a version still there
+  while the job saves every few tens of ms, and a model's listing holds the version ``latest``
+  named when it was taken.
 * **Inodes** are allocated on first sight and never reused or changed for the life of the mount:
   a model and ``<model>/latest`` keep their inode; a version directory's and its files' inodes
   are keyed by the version's save too (``(model, step, save_id[, name])``: its counter and time,
@@ -340,11 +342,17 @@ class Tree:
         return self._in_version_node(parent.model, parent.step, path)
 
     def children(self, ino: int) -> list[tuple[str, Node]]:
-        """The entries of directory ``ino``, sorted by name (``latest`` first in a model)."""
+        """The entries of directory ``ino``, sorted by name (``latest`` first in a model); of a
+        model, from a listing of it at most ``LATEST_FRESH_S`` old, as ``latest``'s target is:
+        from the half-second snapshot, a ring turning over faster listed versions all gone, and
+        not the one ``latest`` named."""
         node = self.node(ino)
         if not node.is_dir:
             raise NotADirectoryError(errno.ENOTDIR, "not a directory")
-        self.refresh()
+        if node.kind is Kind.MODEL:
+            self._refresh_model(node.model, LATEST_FRESH_S)
+        else:
+            self.refresh()
         self._live(node)
         if node.kind is Kind.ROOT:
             return [(name, self._model_node(name)) for name in self._models]
@@ -354,9 +362,27 @@ class Tree:
             return out + [(d, self._version_node(node.model, s)) for d, s in m.dirnames.items()]
         return self._entries_in(node.model, node.step, "" if node.kind is Kind.VERSION else node.name + "/")
 
+    def listing(self, ino: int) -> list[tuple[str, Node, Attr]]:
+        """``children`` of directory ``ino`` with their attributes, all of the same snapshot (the
+        answer of a ``readdir``, made at its ``opendir``): attributes looked up later, from a
+        newer snapshot, left out the entries gone since, and a model's listing could come out
+        as ``latest`` alone. An entry whose attributes cannot be had (a version's files, its
+        version gone meanwhile) is left out."""
+        out = []
+        for name, node in self.children(ino):
+            try:
+                out.append((name, node, self._attr(node)))
+            except FileNotFoundError:
+                continue
+        return out
+
     def attr(self, node: Node) -> Attr:
         """``stat`` of a live node (ENOENT if it disappeared)."""
         self.refresh()
+        return self._attr(node)
+
+    def _attr(self, node: Node) -> Attr:
+        """``attr`` from the snapshot as it is."""
         self._live(node)
         if node.kind is Kind.ROOT:
             mtime = max((m.mtime_ns for m in self._models.values()), default=0) or self.mounted_ns
