@@ -204,14 +204,19 @@ def _entry_head(rec: TensorRecord) -> str:
 def safetensors_files(manifest: Manifest) -> dict[str, View]:
     """``state.safetensors`` if any tensor can be stored in it, and ``<key>.safetensors`` for each
     top-level key of a dict root whose value is a container holding such a tensor (the key made
-    into a safe file name, or left out when it cannot be, see ``key_file_name``)."""
+    into a safe file name, or left out when it cannot be, see ``key_file_name``, or when another
+    key's name is the same)."""
     state = safetensors_view(manifest)
     if state is None:
         return {}
     files = {STATE_FILE: state}
-    for key in _top_level_tensor_keys(manifest):
+    keys = _top_level_tensor_keys(manifest)
+    # keys made the same file name ("a/b" and "a_b"): neither has a file, as the file of the
+    # first showed under the other's name (`export --key a_b` gave a/b's tensors)
+    names = Counter(key_file_name(key) for key in keys)
+    for key in keys:
         name = key_file_name(key)
-        if name is None or name in files:
+        if name is None or name in files or names[name] > 1:
             continue
         view = safetensors_view(manifest, key=key)
         if view is not None:
