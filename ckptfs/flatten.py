@@ -54,6 +54,18 @@ def flatten(obj: Any) -> Flattened:
 
 _KEY_TYPES = (bool, str, int, float, type(None))  # bool first: it is an int too
 _PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+# the data of an instance of a subclass of each, not its str() or int(), which the subclass may
+# define otherwise: str() of a str enum's member is "Split.TRAIN", its value "train"
+_BASE_VALUE = ((str, str.__str__), (int, int.__int__), (float, float.__float__))
+
+
+def _base_value(obj):
+    """The plain value of ``obj``, a plain key or value or an instance of a subclass of str, int
+    or float (an enum's member, numpy's float64): of the base type itself. A bool or None is
+    itself (neither can be subclassed)."""
+    if obj is None or type(obj) is bool:
+        return obj
+    return next(value(obj) for base, value in _BASE_VALUE if isinstance(obj, base))
 
 
 class _Walk:
@@ -124,8 +136,7 @@ class _Walk:
             elif isinstance(k, _KEY_TYPES):
                 # a subclass of a plain type (an enum, numpy's float64) as its base value: a key
                 # is a plain value in the index, never a leaf of ckptfs.leaves
-                base = next(t for t in _KEY_TYPES if isinstance(k, t))
-                plain = k if base is type(None) else base(k)
+                plain = _base_value(k)
                 path.append("<key>")
                 key = self.node(plain)
                 path.pop()
@@ -216,12 +227,8 @@ class _Walk:
         node = leaves.encode(obj, self._where())
         if node is not None:
             return node
-        if isinstance(obj, int):
-            return {"int": int(obj)}
-        if isinstance(obj, float):
-            return {"float": float(obj).hex()}
-        if isinstance(obj, str):
-            return {"str": str(obj)}
+        if isinstance(obj, (int, float, str)):
+            return self.node(_base_value(obj))
         if isinstance(obj, dict):
             raise UnsupportedObjectError(f"{self._where()}: {type(obj).__name__} is not supported; convert it to a dict")
         if isinstance(obj, (list, tuple)):
