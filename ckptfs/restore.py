@@ -132,11 +132,12 @@ def _restore(data: VersionData, map_location, verify: bool, into, fill, keys):
     else:
         read_into(data, tensors, verify, prefault=into is None)
     if targets is not None:
-        for target, t in zip(targets, tensors):
-            if t is not target:
-                target.copy_(t)
-        for extra, i in untied:  # the saved tensor's other names, not tied in into=
-            extra.copy_(targets[i])
+        with torch.no_grad():  # a Parameter's in place, as its contiguous bytes were read into it
+            for target, t in zip(targets, tensors):
+                if t is not target:
+                    target.copy_(t)
+            for extra, i in untied:  # the saved tensor's other names, not tied in into=
+                extra.copy_(targets[i])
         if shown is not None:  # into='s own tensors at those names, as it holds them apart
             return unflatten(*shown)
         tensors = targets
@@ -146,6 +147,20 @@ def _restore(data: VersionData, map_location, verify: bool, into, fill, keys):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     return unflatten(skeleton, tensors)
+
+
+def _may_overlap(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory: False where each of its strides, smallest
+    first, passes the span of the dimensions before it (a transposed, sliced or strided view),
+    True for an expand()ed view (a stride of 0) and for an as_strided view this cannot clear.
+    (torch's own check answers "too hard to tell" for every view that is not dense: a column
+    slice was refused.)"""
+    span = 1
+    for size, stride in sorted(((n, s) for n, s in zip(t.shape, t.stride()) if n > 1), key=lambda d: d[1]):
+        if stride < span:
+            return True
+        span += (size - 1) * stride
+    return False
 
 
 def read_into(data: VersionData, tensors: list[torch.Tensor | None], verify: bool, prefault: bool) -> None:
@@ -288,7 +303,7 @@ def matching_tensors(manifest: Manifest, into, skeleton: dict | None = None) -> 
                 f" (a name that shares {_saved_name(skeleton, saved, tie)!r} in the checkpoint)"
             raise ValueError(f"into= differs from {manifest.model} step {manifest.step} at {name!r}{shares}: saved "
                              f"{record.dtype}{list(record.shape)}, into= has {dtype}{list(shape)}")
-        if not t.is_contiguous() and torch._debug_has_internal_overlap(t) != 0:  # 0: none; 2: too hard to tell
+        if not t.is_contiguous() and _may_overlap(t):
             raise ValueError(f"into= tensor {name!r} has elements that share memory (an expand()ed view): it cannot "
                              "be loaded in place; pass a tensor of its own (clone() it)")
     targets = [flat.tensors[first[i]] if i in first else None for i in range(len(manifest.tensors))]

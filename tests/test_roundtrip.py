@@ -481,6 +481,29 @@ def test_a_channels_last_model_and_its_optimizer_resume_in_place(store):
 
 
 
+def test_into_parameters_that_are_not_contiguous_and_strided_views(store):
+    """into= a model's parameters themselves (``named_parameters()``: leaves that require grad)
+    in channels_last, and views a column slice or a step makes: loaded in place. The first
+    failed after other targets were written ("a leaf Variable that requires grad is being used
+    in an in-place operation"), the others were refused as sharing memory, which they do not."""
+    conv = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    saved = {"weight": torch.randn(4, 3, 3, 3), "bias": torch.randn(4)}
+    with store.writer("conv") as w:
+        w.save(saved, step=1).result()
+    params = dict(conv.named_parameters())
+    assert not params["weight"].is_contiguous() and params["weight"].requires_grad
+    store.load("conv", into=params)
+    assert torch.equal(conv.weight.detach(), saved["weight"]) and torch.equal(conv.bias.detach(), saved["bias"])
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last) and conv.weight.requires_grad
+
+    with store.writer("strided") as w:
+        w.save({"cols": torch.arange(8.).reshape(4, 2), "every_other": torch.arange(5.)}, step=1).result()
+    wide, long = torch.zeros(4, 6), torch.zeros(10)
+    store.load("strided", into={"cols": wide[:, 1:3], "every_other": long[::2]})
+    assert torch.equal(wide[:, 1:3], torch.arange(8.).reshape(4, 2)) and not wide[:, [0, 3, 4, 5]].any()
+    assert torch.equal(long[::2], torch.arange(5.)) and not long[1::2].any()
+
+
 def test_into_of_another_structure_names_what_differs(store):
     """A model grown since the save (a layer added): the error said "into= holds 3 tensors, m
     step 1 2" and named no key."""

@@ -153,7 +153,8 @@ class PartRead:
                 whole = self.wholes[t.index].view(record.torch_dtype).view(record.shape)
                 for dim, (offset, length) in enumerate(zip(t.item.storage_offsets, t.item.lengths)):
                     whole = whole.narrow(dim, offset, length)
-                t.tensor.copy_(whole)
+                with torch.no_grad():  # a parameter that requires grad, written in place
+                    t.tensor.copy_(whole)
             self.planner.commit_tensor(t.item, t.tensor)
         self.wholes.clear()
 
