@@ -411,6 +411,11 @@ def encode_files(extra: dict | None) -> tuple[tuple[str, str], ...]:
                 value = json.dumps(value, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
             except (TypeError, ValueError) as e:
                 raise TypeError(f"extra[{name!r}] is neither a str nor JSON-able: {e}") from None
+        try:  # a file is served as UTF-8: a lone surrogate was stored, then unreadable in the mount
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"extra[{name!r}] is not valid text: {e.object[e.start:e.end]!r} at character {e.start} "
+                             "is a lone surrogate, which UTF-8 cannot encode; fix the text") from None
         # counted as the index stores it (ASCII JSON: a NUL or a CJK character takes 6 bytes), as
         # the slots are sized: 16 MiB of text counted as UTF-8 made an index, and slots, of 96 MiB
         total += len(dumps_compact(value))

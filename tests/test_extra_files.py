@@ -107,6 +107,12 @@ def test_extra_is_checked_when_save_is_called(tmp_path):
         for own in ("metadata.json", "checkpoint.pt", "state.safetensors", "hf", "model.safetensors"):
             with pytest.raises(ValueError, match=rf"extra: '{own}' is a name ckptfs gives its own files"):
                 w.save({"w": torch.ones(1)}, step=1, extra={"config.json": "{}", own: "x"}, async_snapshot=True)
+        # text UTF-8 cannot encode (a lone surrogate, in a str or in JSON): stored, then unreadable
+        # in the mount (from_pretrained's json.load) and refused by the import of its export
+        for bad in ({"config.json": {"name": "x\ud800"}}, {"s.txt": "\udcff"}):
+            with pytest.raises(ValueError, match=r"extra\[.*\] is not valid text: '\\ud[8c]..' at character \d+ is a "
+                                                 r"lone surrogate"):
+                w.save({"w": torch.ones(1)}, step=1, extra=bad)
         # a multi-rank version's records: one alone made this version read as one, unreadable
         for record in ("dcp-metadata.json", "dcp-parts.json"):
             with pytest.raises(ValueError, match=rf"extra: '{record}' is a name ckptfs gives the records of a "
