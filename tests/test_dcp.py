@@ -1485,3 +1485,14 @@ def test_a_gc_hold_ends_at_its_expiry_or_when_the_call_it_spans_returns():
     hold.release()
     hold.release()  # idempotent: the GC's state is counted once
     assert gc.isenabled()
+
+
+def test_a_bad_extra_is_refused_before_any_rank_writes(store):
+    """An extra file that cannot be stored (NaN in JSON, a name ckptfs takes, a lone surrogate)
+    is refused where the StorageWriter is made, on every rank: it was refused at the global
+    commit, once every rank's part was written (and those parts were left unlisted)."""
+    for extra, error in [({"x.json": float("nan")}, TypeError), ({"hf": "x"}, ValueError),
+                         ({"dcp-parts.json": "{}"}, ValueError), ({"s.txt": "\udcff"}, ValueError)]:
+        with pytest.raises(error, match=r"^extra"):
+            ckptfs.dcp.StorageWriter(store, "m", step=1, extra=extra)
+    assert store.models() == []

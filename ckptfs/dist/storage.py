@@ -45,7 +45,7 @@ from ckptfs.dist.names import (METADATA_FILE, checkpoint_id_of, part_model, part
                                step_of_checkpoint_id)
 from ckptfs.dist.resolve import Resolved, resolve_items
 from ckptfs.errors import CkptfsError, UnsupportedObjectError
-from ckptfs.views import check_extra_names
+from ckptfs.views import checked_extra
 from ckptfs.writer.writer import Writer
 
 __all__ = ["StorageWriter"]
@@ -110,6 +110,7 @@ class StorageWriter(_DCPWriter):
         self.step = step
         self.keep = keep  # the global version is a milestone (see Writer.save)
         self.part_durable_at = self.committed_at = None  # set by the commit (see _commit)
+        checked_extra(extra)  # refused here, on every rank: at the commit, every rank's part was written
         self.extra = dict(extra or {})  # small files of the global version (e.g. config.json)
         self.max_inflight = max_inflight
         self.timeout_s = timeout_s
@@ -359,7 +360,7 @@ def _record_here(store, model: str, step: int, record: str, started_ns: int, kee
         log.warning("ckptfs: step %d of %r finished after step %d, already latest, and is not recorded (an older "
                     "step never becomes latest)", step, model, latest.step)
         return
-    check_extra_names(extra or {})  # the caller's: the records' names are ours
+    checked_extra(extra)  # the caller's: the records' names are ours
     w = _kept_writer(store, model, 1)
     # ``regions``: the uuids of every node's region, which each records the step (a load tells a
     # commit cut between the leaders' records from a step saved without some node: reader.py)

@@ -40,6 +40,17 @@ def is_views_own(name: str) -> bool:
     return name in OWN_ROOT_NAMES or name.endswith(OWN_ROOT_SUFFIX)
 
 
+def checked_extra(extra: dict | None, *, records: bool = False) -> tuple[tuple[str, str], ...]:
+    """The extra files of a save (``save(extra=)``) as (name, text), every rule of them checked
+    (``manifest.encode_files``: the values; ``check_extra_names``: the names): TypeError /
+    ValueError in the argument's words, before anything is written."""
+    from ckptfs.manifest import encode_files
+
+    files = encode_files(extra)
+    check_extra_names((name for name, _ in files), records=records)
+    return files
+
+
 def check_extra_names(names, *, records: bool = False) -> None:
     """ValueError, in the words of ``save(extra=)``, for an extra file named as ``is_views_own``,
     or as the records of a multi-rank version (``RECORD_FILES``: one of them alone made a version
@@ -55,6 +66,6 @@ def check_extra_names(names, *, records: bool = False) -> None:
 
 
 __all__ = ["CHECKPOINT_FILE", "HF_DIR", "METADATA_FILE", "OWN_ROOT_NAMES", "STATE_FILE", "Extent", "Literal", "View",
-           "ViewBuilder", "check_extra_names", "extra_files", "hf_files", "is_views_own",
+           "ViewBuilder", "check_extra_names", "checked_extra", "extra_files", "hf_files", "is_views_own",
            "ViewSpec", "check_view_ids", "files_for", "key_file_name", "metadata_json_view", "register",
            "registered_views", "safetensors_view", "torch_zip_view"]

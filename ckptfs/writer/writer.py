@@ -27,12 +27,11 @@ from concurrent.futures import wait as wait_for_futures
 import torch
 
 from ckptfs.errors import BusyError, CkptfsError, NotFoundError, RegionFullError, in_words
-from ckptfs.manifest import encode_files
 from ckptfs.memcopy import default_copy_threads
 from ckptfs.region.extents import default_ring_slots, least_ring_slots
 from ckptfs.region.region import Region, validate_model_name
 from ckptfs.region.ring import Ring
-from ckptfs.views import check_extra_names
+from ckptfs.views import checked_extra
 from ckptfs.units import align_up
 from ckptfs.writer.calls import SaveCalls, open_writers
 from ckptfs.writer.claimer import Claimer
@@ -183,9 +182,8 @@ class Writer:
 
     def _save(self, obj, step: int, async_snapshot: bool, extra: dict | None, keep: bool | None) -> SaveFuture:
         keep = is_kept(step, keep, self.keep_every)
-        files = encode_files(extra)
         # sole=False: ckptfs's own writers of multi-rank saves, which record those in their files
-        check_extra_names((name for name, _ in files), records=not self._sole)
+        files = checked_extra(extra, records=not self._sole)
         started = time.perf_counter()
         future = SaveFuture()
         # with async_snapshot nothing else happens on the caller's thread: right after its
