@@ -244,6 +244,10 @@ def test_region_full(store):
     assert store.models() == []
     with store.writer("huge", max_inflight=1) as w:  # 2 slots of 110 MiB fit
         w.save({"w": torch.zeros(100 << 20, dtype=torch.uint8)}, step=1).result()
+    with store.writer("huger", max_inflight=1) as w:  # at 1 in flight, no fewer to advise
+        with pytest.raises(RegionFullError) as e:
+            w.save({"w": torch.zeros(100 << 20, dtype=torch.uint8)}, step=1)
+    assert "remove models" in str(e.value) and "fewer saves in flight" not in str(e.value)
 
 
 def test_bad_model_name_via_api(store):

@@ -498,8 +498,9 @@ class Writer:
                 try:
                     entry = self.region.create_model(self.model, nslots, slot_bytes, min_slots=least)
                 except RegionFullError as e:
+                    fewer = self.max_inflight > 1  # at 1 there is no fewer to ask for
                     hint = in_words(python=f"; or fewer saves in flight: max_inflight={self.max_inflight} needs "
-                                           f"{least} slots", cli="")
+                                           f"{least} slots", cli="") if fewer else ""
                     raise RegionFullError(f"{e}{hint}") from None
                 self._ring = self.region.ring(entry, timeout_s=self.timeout_s, sole=self._sole)
                 # a model no save ever claimed a slot of (its counter word, not a read of every header)
