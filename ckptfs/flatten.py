@@ -68,6 +68,17 @@ def _base_value(obj):
     return next(value(obj) for base, value in _BASE_VALUE if isinstance(obj, base))
 
 
+def _rng_state_words(obj) -> str | None:
+    """How to save the state of ``obj`` where it is a random generator (torch.Generator, numpy's
+    Generator or RandomState, random.Random), else None."""
+    if hasattr(obj, "bit_generator"):  # numpy's Generator
+        return "save its bit_generator.state (a dict) instead, and set it back on a new generator"
+    for get, put in (("get_state", "set_state"), ("getstate", "setstate")):
+        if callable(getattr(obj, get, None)) and callable(getattr(obj, put, None)):
+            return f"save its {get}() instead, and restore it with {put}()"
+    return None
+
+
 class _Walk:
     """One walk over a saved object, building its skeleton.
 
@@ -234,6 +245,10 @@ class _Walk:
         if isinstance(obj, (list, tuple)):
             raise UnsupportedObjectError(
                 f"{self._where()}: {type(obj).__name__} is not supported; convert it to a list or tuple")
+        rng_state = _rng_state_words(obj)
+        if rng_state is not None:  # a random generator: its state is plain data
+            raise UnsupportedObjectError(
+                f"{self._where()}: {type(obj).__module__}.{type(obj).__qualname__} cannot be stored; {rng_state}")
         if callable(getattr(obj, "state_dict", None)):  # a module, an optimizer, a scheduler, a scaler
             raise UnsupportedObjectError(
                 f"{self._where()}: {type(obj).__module__}.{type(obj).__qualname__} cannot be stored; save its "

@@ -3,6 +3,7 @@ import base64
 import collections
 import enum
 
+import random
 import numpy as np
 import pytest
 import torch
@@ -85,6 +86,12 @@ def test_plain_subclasses_are_stored_as_their_base_value():
     ({"opt": torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)}, r"^opt: .*SGD .*state_dict\(\) instead"),
     ({"q": [TwoTensor(torch.ones(2), torch.zeros(2))]}, r"^q\.0: torch\.testing\._internal\.two_tensor\.TwoTensor is a "
                                                         r"tensor subclass whose data is not one plain tensor"),
+    # a random generator: its state is what a training checkpoint saves (it said "convert it")
+    ({"g": torch.Generator()}, r"^g: .*Generator cannot be stored; save its get_state\(\) instead, and restore "
+                               r"it with set_state\(\)"),
+    ({"rs": np.random.RandomState(0)}, r"^rs: .*RandomState .*save its get_state\(\) instead"),
+    ({"py": random.Random(1)}, r"^py: random\.Random .*save its getstate\(\) instead, and restore it with setstate"),
+    ({"np": np.random.default_rng(0)}, r"^np: .*Generator .*save its bit_generator\.state \(a dict\) instead"),
 ])
 def test_refusals_name_the_path(obj, match):
     with pytest.raises(UnsupportedObjectError, match=match):
