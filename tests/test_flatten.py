@@ -2,8 +2,8 @@
 import base64
 import collections
 import enum
-
 import random
+
 import numpy as np
 import pytest
 import torch
