@@ -36,7 +36,8 @@ from ckptfs.safetensors_file import SafetensorsFile, no_duplicates, reject
 from ckptfs.skeleton import check_skeleton, map_tensor_refs, unflatten
 from ckptfs.views import is_views_own
 from ckptfs.views.metadata import METADATA_FILE
-from ckptfs.views.safetensors import ALIASES_KEY, SKELETON_KEY, SKELETON_OMITTED_KEY, SKIPPED_KEY, STATE_FILE
+from ckptfs.views.safetensors import (ALIASES_KEY, SKELETON_KEY, SKELETON_OMITTED_KEY, SKIPPED_KEY, STATE_FILE,
+                                      TIED_KEY)
 from ckptfs.views.torchzip import CHECKPOINT_FILE
 
 log = logging.getLogger(__name__)
@@ -74,24 +75,44 @@ def nested(path: str, tensors: "OrderedDict[str, torch.Tensor]", metadata: dict[
 
 def with_aliases(path: str, tensors: "OrderedDict[str, torch.Tensor]", metadata: dict[str, str]
                  ) -> "OrderedDict[str, torch.Tensor]":
-    """``tensors`` with the names that the file's ``__metadata__["ckptfs.aliases"]`` gives to
-    another of them back, each the same tensor (the tie kept): a ckptfs ``<key>.safetensors`` or
-    ``hf/model.safetensors`` stores tied weights once (an import dropped the other names)."""
-    text = metadata.get(ALIASES_KEY)
-    if text is None:
-        return tensors
-    try:
-        aliases = json.loads(text, object_pairs_hook=no_duplicates)
-    except (ValueError, MalformedInputError) as exc:
-        raise reject(path, f"__metadata__[{ALIASES_KEY!r}] is damaged ({exc})") from None
-    if not isinstance(aliases, dict) or not all(
-            isinstance(alias, str) and isinstance(name, str) and alias not in tensors and name in tensors
-            for alias, name in aliases.items()):
-        raise reject(path, f"__metadata__[{ALIASES_KEY!r}] must map names the file does not hold to names it holds")
+    """``tensors`` with their ties back, each name of a tied tensor the same tensor: the names
+    that the file's ``__metadata__["ckptfs.aliases"]`` gives to another of them (a ckptfs
+    ``<key>.safetensors`` stores tied weights once: an import dropped the other names), and those
+    that ``["ckptfs.tied"]`` ties to another it holds (``hf/model.safetensors`` holds them under
+    each name: an import stored them apart, twice)."""
     out = OrderedDict(tensors)
-    for alias, name in aliases.items():
+    # hf/model.safetensors holds a tied tensor under each name, the later ones listed as tied
+    for name, first in _name_map(path, metadata, TIED_KEY, held=True, tensors=tensors).items():
+        if not _same(tensors[name], tensors[first]):
+            raise reject(path, f"__metadata__[{TIED_KEY!r}] ties {name!r} to {first!r}, whose values differ")
+        out[name] = tensors[first]
+    for alias, name in _name_map(path, metadata, ALIASES_KEY, held=False, tensors=tensors).items():
         out[alias] = tensors[name]
     return out
+
+
+def _name_map(path: str, metadata: dict[str, str], key: str, *, held: bool, tensors) -> dict[str, str]:
+    """``__metadata__[key]``: {name: a name the file holds}, the first names either held too
+    (``held``: ckptfs.tied) or not (ckptfs.aliases); MalformedInputError where it is not."""
+    text = metadata.get(key)
+    if text is None:
+        return {}
+    try:
+        names = json.loads(text, object_pairs_hook=no_duplicates)
+    except (ValueError, MalformedInputError) as exc:
+        raise reject(path, f"__metadata__[{key!r}] is damaged ({exc})") from None
+    if not isinstance(names, dict) or not all(
+            isinstance(a, str) and isinstance(b, str) and (a in tensors) == held and b in tensors and a != b
+            for a, b in names.items()):
+        raise reject(path, f"__metadata__[{key!r}] must map names the file {'holds' if held else 'does not hold'} "
+                           "to names it holds")
+    return names
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the same bytes (a tie: compared as bytes, so NaNs are equal)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
 
 
 _SAFE_GLOBALS_LOCK = threading.Lock()

@@ -5,6 +5,7 @@ import os
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_model
 
 import ckptfs
@@ -71,9 +72,48 @@ def test_from_pretrained_of_an_exported_version(saved_gpt2, tmp_path, capsys):
     back = transformers.GPT2LMHeadModel.from_pretrained(out / "hf")
     same_model(model, back)
     assert back.lm_head.weight.data_ptr() == back.transformer.wte.weight.data_ptr()  # the tie is kept
+    # hf/ holds the tied tensor under each name, as torch.save of the state dict does (for the
+    # classes that have only one of them); the version's model.safetensors once, for load_model
+    with safe_open(out / "hf" / "model.safetensors", "pt") as f:
+        assert {"transformer.wte.weight", "lm_head.weight"} <= set(f.keys())
+        assert json.loads(f.metadata()["ckptfs.tied"]) == {"lm_head.weight": "transformer.wte.weight"}
     fresh = tiny_gpt2(seed=1)
-    missing, unexpected = load_model(fresh, out / "hf" / "model.safetensors")  # strict: no unexpected key
+    missing, unexpected = load_model(fresh, out / "model.safetensors")  # strict: no unexpected key
     assert unexpected == [] and set(missing) <= {"lm_head.weight"}
+    same_model(model, fresh)
+
+
+@pytest.mark.slow
+def test_hf_holds_a_tied_tensor_under_each_name_for_the_base_model(tmp_path):
+    """XLM-R's masked LM names the head's copy of its word embeddings first in its state dict:
+    hf/ held the tensor under that name alone, and AutoModel.from_pretrained (the encoder, to
+    fine-tune for classification) started from random embeddings, with only a load report to
+    say so. An import of hf/ ties the names again (ckptfs.tied)."""
+    import transformers
+
+    from ckptfs import importer
+
+    torch.manual_seed(0)
+    mlm = transformers.XLMRobertaForMaskedLM(transformers.XLMRobertaConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=100,
+        max_position_embeddings=70))
+    state = mlm.state_dict()
+    names = [k for k in state if k in ("lm_head.decoder.weight", "roberta.embeddings.word_embeddings.weight")]
+    assert names[0] == "lm_head.decoder.weight"  # the head's name first
+    path = str(tmp_path / "r.region")
+    with ckptfs.Store.create(path, size_bytes=64 << 20) as store, store.writer("xlmr") as w:
+        w.save({"model": state}, step=1, extra={"config.json": mlm.config.to_dict()}).result()
+    out = tmp_path / "export"
+    with pytest.raises(SystemExit) as e:
+        cli_main(["export", "--region", path, "xlmr", f"{out}/"])
+    assert e.value.code == 0
+    encoder = transformers.AutoModel.from_pretrained(out / "hf")
+    assert torch.equal(encoder.embeddings.word_embeddings.weight, mlm.roberta.embeddings.word_embeddings.weight)
+    with ckptfs.Store(path) as store:
+        importer.import_file(store, "back", str(out / "hf"))
+        back = store.load("back")  # flat, as an HF directory holds it
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+    assert back[names[0]].data_ptr() == back[names[1]].data_ptr()  # one tensor, as saved
 
 
 @pytest.mark.fuse

@@ -637,3 +637,25 @@ def test_the_cli_says_the_librarys_warnings_in_its_own_line(tmp_path, capsys):
     assert len(lines) == 1 and lines[0].startswith(f"ckptfs: warning: {src}: imported its weights and config; "
                                                    "left out optimizer.pt"), err
     assert not logging.getLogger("ckptfs").handlers  # the command's handler went with it
+
+
+def test_a_tied_map_that_lies_is_refused(tmp_path):
+    """hf/model.safetensors names tied tensors in __metadata__["ckptfs.tied"], which an import
+    ties back into one tensor: a map tying tensors whose values differ, or naming one the file
+    does not hold, is refused (tied as told, one tensor's values were lost)."""
+    from safetensors.torch import save_file
+
+    path = str(tmp_path / "w.safetensors")
+    with ckptfs.Store.create(str(tmp_path / "r.region"), size_bytes=64 << 20) as store:
+        for tied, words in [({"b": "a"}, r"ties 'b' to 'a', whose values differ"),
+                            ({"c": "a"}, r"must map names the file holds to names it holds"),
+                            ({"a": "a"}, r"must map names the file holds to names it holds")]:
+            save_file({"a": torch.ones(3), "b": torch.zeros(3)}, path,
+                      metadata={"format": "pt", "ckptfs.tied": json.dumps(tied)})
+            with pytest.raises(MalformedInputError, match=words):
+                importer.import_file(store, "m", path)
+        save_file({"a": torch.ones(3), "b": torch.ones(3)}, path, metadata={"ckptfs.tied": '{"b": "a"}'})
+        importer.import_file(store, "m", path)
+        back = store.load("m")
+        assert back["a"].data_ptr() == back["b"].data_ptr() and torch.equal(back["b"], torch.ones(3))
+        assert store.models() == ["m"] and [v.step for v in store.versions("m")] == [0]

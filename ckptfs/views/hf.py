@@ -38,7 +38,9 @@ def hf_files(manifest: Manifest) -> dict[str, View]:
         return {}
     files = {f"{HF_DIR}/{name}": view for name, view in extra_files(manifest).items() if name not in RECORD_FILES}
     has_model_key = any(ref.key_path[:1] == (MODEL_KEY,) for ref in manifest.refs())
-    weights = safetensors_view(manifest, key=MODEL_KEY if has_model_key else None)
+    # a tied tensor under each of its names: from_pretrained of the base model (AutoModel) of
+    # a checkpoint whose head's name came first (XLM-R, a sorted state dict) found no embeddings
+    weights = safetensors_view(manifest, key=MODEL_KEY if has_model_key else None, every_name=True)
     if weights is not None:
         files[f"{HF_DIR}/{HF_WEIGHTS}"] = weights
     return files

@@ -40,6 +40,7 @@ SAFETENSORS_DTYPES: dict[str, str] = {
 METADATA_KEY = "__metadata__"
 SKIPPED_KEY = "ckptfs.skipped"
 ALIASES_KEY = "ckptfs.aliases"
+TIED_KEY = "ckptfs.tied"
 SKELETON_KEY = "ckptfs.skeleton"
 SKELETON_OMITTED_KEY = "ckptfs.skeleton_omitted"
 _HEADER_ALIGN = 8
@@ -47,7 +48,7 @@ MAX_HEADER_BYTES = 100_000_000  # the largest header the safetensors reference i
 
 
 def safetensors_view(manifest: Manifest, *, key: str | None = None,
-                     metadata: Mapping[str, str] | None = None) -> View | None:
+                     metadata: Mapping[str, str] | None = None, every_name: bool = False) -> View | None:
     """The safetensors file of ``manifest``'s tensors, or None when no tensor qualifies.
 
     ``key=None``: every tensor (``manifest.refs()``), named by its dotted path. ``key="model"``:
@@ -55,6 +56,10 @@ def safetensors_view(manifest: Manifest, *, key: str | None = None,
     several names (tied weights) is stored once, under its first name, as ``save_model`` and
     ``save_pretrained`` do, so that ``safetensors.torch.load_model`` accepts the file; its other
     names map to that one in ``__metadata__["ckptfs.aliases"]`` (a JSON object string).
+    ``every_name`` (``hf/``): each of its names is an entry of its own over the same stored bytes,
+    as ``torch.save`` of a state dict holds it, so that ``from_pretrained`` of any class finds
+    its own name (the base model's embeddings where the head's name came first); the later
+    names map to the first in ``__metadata__["ckptfs.tied"]``, for ``ckptfs import`` to tie.
 
     Tensors whose dtype (or shape) safetensors cannot represent, or whose every name is not text
     (a lone surrogate, which Python's json writes as an escape that safetensors' serde_json
@@ -67,7 +72,7 @@ def safetensors_view(manifest: Manifest, *, key: str | None = None,
     unless the header would then pass MAX_HEADER_BYTES (``ckptfs.skeleton_omitted`` says so).
     The header is a pure function of the arguments (byte-exact tests).
     """
-    selected, aliases, first_name, skipped = _select(manifest, key)
+    selected, aliases, first_name, skipped = _select(manifest, key, every_name)
     kept = []
     for name, rec in selected:
         if _representable(rec):
@@ -78,10 +83,15 @@ def safetensors_view(manifest: Manifest, *, key: str | None = None,
         return None
     if aliases and skipped:  # a skipped tensor's other names are left out with it, and listed
         kept_names = {name for name, _ in kept}
-        skipped += [alias for alias, name in aliases.items() if name not in kept_names]
+        if not every_name:  # (else each name was an entry, skipped with its tensor)
+            skipped += [alias for alias, name in aliases.items() if name not in kept_names]
         aliases = {alias: name for alias, name in aliases.items() if name in kept_names}
     meta = dict(metadata or {})
-    skeleton_added = key is None and not skipped and SKELETON_KEY not in meta
+    if every_name and aliases:
+        meta[TIED_KEY] = json.dumps(aliases, ensure_ascii=True, separators=(",", ":"))
+        aliases = {}
+    # the skeleton's tensor i is the file's i-th entry: not so with a tensor under every name
+    skeleton_added = key is None and not skipped and SKELETON_KEY not in meta and not every_name
     if skeleton_added:
         meta[SKELETON_KEY] = dumps_named_skeleton(manifest.skeleton, first_name)
     header, extents, data_bytes = _header_and_extents(_metadata(manifest, skipped, aliases, meta), kept)
@@ -104,11 +114,12 @@ def safetensors_view(manifest: Manifest, *, key: str | None = None,
     return LazyView(len(header) + data_bytes, segments)
 
 
-def _select(manifest: Manifest, key: str | None
+def _select(manifest: Manifest, key: str | None, every_name: bool = False
             ) -> tuple[list[tuple[str, TensorRecord]], dict[str, str], dict[int, str], list[str]]:
     """(unique tensor name, record) for every tensor the file should hold, in skeleton order,
-    {alias: that name} for the later references to a tensor already selected, {tensor index:
-    its name in the file}, and the names left out as not text (``_is_text``): a tensor saved
+    {alias: that name} for the later references to a tensor already selected (with
+    ``every_name``, each also in the first list, over the same record), {tensor index: its
+    first name in the file}, and the names left out as not text (``_is_text``): a tensor saved
     under another name too keeps that one."""
     if key is None:
         named = [(ref.name, ref.tensor_index) for ref in manifest.refs()]
@@ -127,8 +138,10 @@ def _select(manifest: Manifest, key: str | None
         taken.add(name)
         if index in first_name:
             aliases[name] = first_name[index]
-            continue
-        first_name[index] = name
+            if not every_name:
+                continue
+        else:
+            first_name[index] = name
         out.append((name, manifest.tensors[index]))
     return out, aliases, first_name, untext
 
