@@ -35,6 +35,7 @@ from ckptfs.manifest import check_file_name
 from ckptfs.safetensors_file import SafetensorsFile, no_duplicates, reject
 from ckptfs.skeleton import check_skeleton, map_tensor_refs, unflatten
 from ckptfs.views import is_views_own
+from ckptfs.views.hf import HF_INDEXES, HF_SINGLE
 from ckptfs.views.metadata import METADATA_FILE
 from ckptfs.views.safetensors import (ALIASES_KEY, SKELETON_KEY, SKELETON_OMITTED_KEY, SKIPPED_KEY, STATE_FILE,
                                       TIED_KEY)
@@ -191,8 +192,6 @@ def detect_format(path: str) -> str:
                               "name it .safetensors or .pt, or pass --format")
 
 
-HF_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")  # save_pretrained's shards
-HF_SINGLE = ("model.safetensors", "pytorch_model.bin")
 HF_EXTRAS = ("config.json", "generation_config.json")  # kept with the version: its hf/ directory
 
 

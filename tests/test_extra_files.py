@@ -163,6 +163,21 @@ def test_extra_is_checked_when_save_is_called(tmp_path):
         assert [v.step for v in store.versions("m")] == [1]
 
 
+def test_hf_shows_no_weight_index_of_the_extras(tmp_path):
+    """The extras of a save_pretrained directory, its weight index among them: hf/ holds its own
+    model.safetensors and not the index, which named shards hf/ does not have (accelerate's
+    loader, which prefers an index, went after them); the version's root keeps the file."""
+    index = json.dumps({"weight_map": {"w": "model-00001-of-00002.safetensors"}})
+    with ckptfs.Store.create(str(tmp_path / "r.region"), size_bytes=64 << 20) as store:
+        with store.writer("m") as w:
+            w.save({"model": {"w": torch.ones(2)}}, step=1,
+                   extra={"config.json": {"n": 1}, "model.safetensors.index.json": index}).result()
+        with store.open_version("m") as v:
+            files = files_for(v.manifest)
+    assert "model.safetensors.index.json" in files and "hf/model.safetensors.index.json" not in files
+    assert {"hf/config.json", "hf/model.safetensors"} <= set(files)
+
+
 def test_manifest_files_round_trip_and_are_absent_from_the_bytes_when_none():
     base = dict(model="m", step=1, counter=2, time_ns=3, tensors=(), skeleton={"none": None}, data_bytes=0)
     plain = Manifest(**base)

@@ -5,8 +5,11 @@
 ``transformers``' ``from_pretrained`` opens as it is: the extras (not ckptfs's own records of a
 multi-rank version: ``dcp-metadata.json``, ``dcp-parts.json``), and ``model.safetensors`` with the
 tensors under the top-level key ``model`` named as in ``model.state_dict()`` (the whole state when
-the object has no such key), tied weights stored once (see ckptfs.views.safetensors). One file
-of any size: ``from_pretrained`` reads unsharded safetensors of every size.
+the object has no such key), a tied tensor under each of its names (see
+ckptfs.views.safetensors). One file of any size: ``from_pretrained`` reads unsharded
+safetensors of every size; an extra named as ``save_pretrained``'s weights or their index is not
+shown in ``hf/`` (an index naming shards that are not there sent loaders that prefer an index,
+accelerate's, after them).
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ HF_DIR = "hf"
 HF_CONFIG = "config.json"
 HF_WEIGHTS = "model.safetensors"
 MODEL_KEY = "model"
+HF_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")  # save_pretrained's shards
+HF_SINGLE = ("model.safetensors", "pytorch_model.bin")
 
 
 def text_view(text: str) -> View:
@@ -36,7 +41,8 @@ def hf_files(manifest: Manifest) -> dict[str, View]:
     """``hf/<extra>`` and ``hf/model.safetensors`` where the extras hold a ``config.json``."""
     if HF_CONFIG not in dict(manifest.files):
         return {}
-    files = {f"{HF_DIR}/{name}": view for name, view in extra_files(manifest).items() if name not in RECORD_FILES}
+    files = {f"{HF_DIR}/{name}": view for name, view in extra_files(manifest).items()
+             if name not in RECORD_FILES and name not in HF_INDEXES + HF_SINGLE}
     has_model_key = any(ref.key_path[:1] == (MODEL_KEY,) for ref in manifest.refs())
     # a tied tensor under each of its names: from_pretrained of the base model (AutoModel) of
     # a checkpoint whose head's name came first (XLM-R, a sorted state dict) found no embeddings
