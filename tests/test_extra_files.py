@@ -163,6 +163,28 @@ def test_extra_is_checked_when_save_is_called(tmp_path):
         assert [v.step for v in store.versions("m")] == [1]
 
 
+@pytest.mark.slow
+def test_hf_names_a_wrapped_models_weights_as_the_model_itself(tmp_path):
+    """A state dict of a compiled and DDP-wrapped model (``module._orig_mod.transformer...``):
+    hf/ names its weights as save_pretrained of the model itself does, so that from_pretrained
+    loads them (with the prefix it found none and started from random weights, a load report
+    its only word); the version's own files keep the names as saved."""
+    import transformers
+
+    model = tiny_gpt2()
+    state = {"module._orig_mod." + k: v for k, v in model.state_dict().items()}
+    path = str(tmp_path / "r.region")
+    with ckptfs.Store.create(path, size_bytes=64 << 20) as store, store.writer("gpt2") as w:
+        w.save({"model": state}, step=1, extra={"config.json": model.config.to_dict()}).result()
+    out = tmp_path / "export"
+    with pytest.raises(SystemExit) as e:
+        cli_main(["export", "--region", path, "gpt2", f"{out}/"])
+    assert e.value.code == 0
+    same_model(model, transformers.GPT2LMHeadModel.from_pretrained(out / "hf"))
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert all(k.startswith("module._orig_mod.") for k in f.keys())
+
+
 def test_hf_shows_no_weight_index_of_the_extras(tmp_path):
     """The extras of a save_pretrained directory, its weight index among them: hf/ holds its own
     model.safetensors and not the index, which named shards hf/ does not have (accelerate's

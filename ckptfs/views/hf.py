@@ -6,10 +6,11 @@
 multi-rank version: ``dcp-metadata.json``, ``dcp-parts.json``), and ``model.safetensors`` with the
 tensors under the top-level key ``model`` named as in ``model.state_dict()`` (the whole state when
 the object has no such key), a tied tensor under each of its names (see
-ckptfs.views.safetensors). One file of any size: ``from_pretrained`` reads unsharded
-safetensors of every size; an extra named as ``save_pretrained``'s weights or their index is not
-shown in ``hf/`` (an index naming shards that are not there sent loaders that prefer an index,
-accelerate's, after them).
+ckptfs.views.safetensors), without the prefix a wrapper puts before every name (DDP's
+``module.``, torch.compile's ``_orig_mod.``). One file of any size: ``from_pretrained`` reads
+unsharded safetensors of every size. An extra named as ``save_pretrained``'s weights or their
+index is not shown in ``hf/`` (an index naming shards that are not there sent loaders that
+prefer an index, accelerate's, after them).
 """
 from __future__ import annotations
 
@@ -45,8 +46,11 @@ def hf_files(manifest: Manifest) -> dict[str, View]:
              if name not in RECORD_FILES and name not in HF_INDEXES + HF_SINGLE}
     has_model_key = any(ref.key_path[:1] == (MODEL_KEY,) for ref in manifest.refs())
     # a tied tensor under each of its names: from_pretrained of the base model (AutoModel) of
-    # a checkpoint whose head's name came first (XLM-R, a sorted state dict) found no embeddings
-    weights = safetensors_view(manifest, key=MODEL_KEY if has_model_key else None, every_name=True)
+    # a checkpoint whose head's name came first (XLM-R, a sorted state dict) found no embeddings;
+    # the names of a DDP-wrapped or compiled model's state dict without their wrappers' prefix,
+    # as save_pretrained of the model itself names them (with it, from_pretrained found none)
+    weights = safetensors_view(manifest, key=MODEL_KEY if has_model_key else None, every_name=True,
+                               unwrapped=True)
     if weights is not None:
         files[f"{HF_DIR}/{HF_WEIGHTS}"] = weights
     return files

@@ -48,7 +48,8 @@ MAX_HEADER_BYTES = 100_000_000  # the largest header the safetensors reference i
 
 
 def safetensors_view(manifest: Manifest, *, key: str | None = None,
-                     metadata: Mapping[str, str] | None = None, every_name: bool = False) -> View | None:
+                     metadata: Mapping[str, str] | None = None, every_name: bool = False,
+                     unwrapped: bool = False) -> View | None:
     """The safetensors file of ``manifest``'s tensors, or None when no tensor qualifies.
 
     ``key=None``: every tensor (``manifest.refs()``), named by its dotted path. ``key="model"``:
@@ -60,6 +61,8 @@ def safetensors_view(manifest: Manifest, *, key: str | None = None,
     as ``torch.save`` of a state dict holds it, so that ``from_pretrained`` of any class finds
     its own name (the base model's embeddings where the head's name came first); the later
     names map to the first in ``__metadata__["ckptfs.tied"]``, for ``ckptfs import`` to tie.
+    ``unwrapped`` (``hf/``): names without the prefix that wrappers put before every one of them
+    (``WRAPPER_PREFIXES``: a state dict of a DDP-wrapped or compiled model).
 
     Tensors whose dtype (or shape) safetensors cannot represent, or whose every name is not text
     (a lone surrogate, which Python's json writes as an escape that safetensors' serde_json
@@ -72,7 +75,7 @@ def safetensors_view(manifest: Manifest, *, key: str | None = None,
     unless the header would then pass MAX_HEADER_BYTES (``ckptfs.skeleton_omitted`` says so).
     The header is a pure function of the arguments (byte-exact tests).
     """
-    selected, aliases, first_name, skipped = _select(manifest, key, every_name)
+    selected, aliases, first_name, skipped = _select(manifest, key, every_name, unwrapped)
     kept = []
     for name, rec in selected:
         if _representable(rec):
@@ -114,7 +117,7 @@ def safetensors_view(manifest: Manifest, *, key: str | None = None,
     return LazyView(len(header) + data_bytes, segments)
 
 
-def _select(manifest: Manifest, key: str | None, every_name: bool = False
+def _select(manifest: Manifest, key: str | None, every_name: bool = False, unwrapped: bool = False
             ) -> tuple[list[tuple[str, TensorRecord]], dict[str, str], dict[int, str], list[str]]:
     """(unique tensor name, record) for every tensor the file should hold, in skeleton order,
     {alias: that name} for the later references to a tensor already selected (with
@@ -127,6 +130,9 @@ def _select(manifest: Manifest, key: str | None, every_name: bool = False
         # A top-level value that is itself a tensor has no path below the key: it keeps the key.
         named = [(".".join(ref.key_path[1:]) or key, ref.tensor_index)
                  for ref in manifest.refs() if ref.key_path[:1] == (key,)]
+    if unwrapped:
+        cut = len(wrapper_prefix([name for name, _ in named]))
+        named = [(name[cut:], index) for name, index in named]
     taken = {METADATA_KEY}  # a tensor called "__metadata__" would clash with the header's own
     out, first_name, aliases, untext = [], {}, {}, []
     for name, index in named:
@@ -144,6 +150,24 @@ def _select(manifest: Manifest, key: str | None, every_name: bool = False
             first_name[index] = name
         out.append((name, manifest.tensors[index]))
     return out, aliases, first_name, untext
+
+
+# what wrappers put before every name of a model's state dict: DistributedDataParallel's and
+# DataParallel's "module.", torch.compile's "_orig_mod." (both: "module._orig_mod.")
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+def wrapper_prefix(names: list[str]) -> str:
+    """The wrappers' prefixes (``WRAPPER_PREFIXES``) that every one of ``names`` starts with,
+    with more after them, or ''."""
+    prefix = ""
+    while names:
+        longer = next((prefix + p for p in WRAPPER_PREFIXES
+                       if all(n.startswith(prefix + p) and len(n) > len(prefix + p) for n in names)), None)
+        if longer is None:
+            break
+        prefix = longer
+    return prefix
 
 
 def _is_text(name: str) -> bool:
