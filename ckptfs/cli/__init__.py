@@ -17,7 +17,7 @@ import sys
 import click
 
 from ckptfs.cli import mounting, region, transfer, versions
-from ckptfs.cli.common import cli, cli_lines, one_line
+from ckptfs.cli.common import cli, cli_lines, one_line, say
 from ckptfs.errors import CkptfsError, cli_words
 
 __all__ = ["cli", "main"]
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     except (CkptfsError, MountError, OSError, ValueError) as exc:  # ValueError: a bad argument
         if debug:
             raise
-        click.echo(f"ckptfs: error: {one_line(exc)}", err=True)
+        say("error", one_line(exc))
         sys.exit(1)
     except Exception as exc:  # noqa: BLE001 - never a traceback for the user
         if debug:

@@ -114,20 +114,28 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * scale)
 
 
+def say(level: str, text: str) -> None:
+    """A command's line other than its output (``level``: warning, error): one line on stderr,
+    ``ckptfs: <level>: <text>``, the library's own too (``cli_lines``)."""
+    click.echo(f"ckptfs: {level}: {' '.join(text.split())}", err=True)
+
+
 def warn(text: str) -> None:
-    """A command's warning: one line on stderr, as the library's own come out (``cli_lines``)."""
-    click.echo(f"ckptfs: warning: {' '.join(text.split())}", err=True)
+    say("warning", text)
 
 
 class _Lines(logging.Handler):
-    """The library's log records (WARNING and above) as the CLI's lines: ``ckptfs: warning: ...``."""
+    """The library's log records (WARNING and above) as the CLI's lines (``say``)."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        text = " ".join(record.getMessage().removeprefix("ckptfs: ").split())
-        click.echo(f"ckptfs: {record.levelname.lower()}: {text}", err=True)
+        try:
+            say(record.levelname.lower(), record.getMessage().removeprefix("ckptfs: "))
+        except Exception:  # noqa: BLE001 - a log call never raises into the library (as logging's own)
+            self.handleError(record)
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PACKAGE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")
+_shown_before = []  # warnings.showwarning as cli_lines found it, while it is replaced
 
 
 @contextlib.contextmanager
@@ -141,24 +149,31 @@ def cli_lines():
     shown = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):
-        if str(filename).startswith(_PACKAGE_DIR):
-            warn(str(message))
-        else:  # another library's (torch's): as Python shows it
+        if not str(filename).startswith(_PACKAGE_DIR):  # another library's (torch's): as Python shows it
             shown(message, category, filename, lineno, file, line)
+            return
+        try:
+            warn(str(message))
+        except OSError:
+            pass  # stderr gone (as Python's own showwarning)
 
     warnings.showwarning = show
+    _shown_before.append(shown)
     try:
         yield
     finally:
-        warnings.showwarning = shown
-        logger.removeHandler(handler)
+        stop_cli_lines()
 
 
 def stop_cli_lines() -> None:
-    """For a mount's daemon, which logs with its own handler (time, pid): no second line."""
+    """The library's lines as Python gives them again (for a mount's daemon, which logs with its
+    own handler: time, pid; its stderr is closed once it is mounted)."""
     logger = logging.getLogger("ckptfs")
     for handler in [h for h in logger.handlers if isinstance(h, _Lines)]:
         logger.removeHandler(handler)
+    if _shown_before:
+        warnings.showwarning = _shown_before[0]
+        _shown_before.clear()
 
 
 def when(time_ns: int) -> str:
