@@ -163,6 +163,56 @@ def _may_overlap(t: torch.Tensor) -> bool:
     return False
 
 
+def _sharing_memory(tensors: list[torch.Tensor]) -> tuple[int, int] | None:
+    """Two of ``tensors`` (distinct views) with elements in common, or None. Only those whose
+    byte spans meet in memory are compared, element by element, on a mask of the bytes they
+    span (views of one fused weight, its rows or its columns, share no element)."""
+    spans: dict = {}  # device -> [(start, end, index)]
+    for j, t in enumerate(tensors):
+        n = t.numel()
+        if n:
+            size = t.element_size()
+            reach = n * size if t.is_contiguous() else \
+                (sum((k - 1) * st for k, st in zip(t.shape, t.stride())) + 1) * size
+            spans.setdefault(t.device, []).append((t.data_ptr(), t.data_ptr() + reach, j))
+    for on_device in spans.values():
+        on_device.sort()
+        group, end = [], 0
+        for lo, hi, j in on_device + [(float("inf"), 0, -1)]:  # (a sentinel closes the last group)
+            if lo < end:
+                group.append((lo, j))
+                end = max(end, hi)
+                continue
+            if len(group) > 1:
+                found = _common_elements(tensors, group, end)
+                if found is not None:
+                    return found
+            group, end = [(lo, j)], hi
+    return None
+
+
+def _common_elements(tensors: list[torch.Tensor], group: list[tuple[int, int]], top: int) -> tuple[int, int] | None:
+    """Of ``group`` ((start address, index) of tensors whose spans meet, ending at ``top``), two
+    with a byte in common, or None (a mask of a byte per byte of their span)."""
+    base = group[0][0]
+
+    def marks(mask, lo, j):  # the bytes of tensors[j] in ``mask``
+        t, size = tensors[j], tensors[j].element_size()
+        return mask.as_strided((*t.shape, size), (*(st * size for st in t.stride()), 1), lo - base)
+
+    mask = torch.zeros(top - base, dtype=torch.bool, device=tensors[group[0][1]].device)
+    for n, (lo, j) in enumerate(group):
+        mine = marks(mask, lo, j)
+        if mine.any():  # which of the ones before: each alone (only on the way to the error)
+            for lo_k, k in group[:n]:
+                alone = torch.zeros_like(mask)
+                marks(alone, lo_k, k).fill_(True)
+                if marks(alone, lo, j).any():
+                    return k, j
+        mine.fill_(True)
+    return None
+
+
 def read_into(data: VersionData, tensors: list[torch.Tensor | None], verify: bool, prefault: bool) -> None:
     """Read every stored tensor of ``data`` into ``tensors`` (one per record, contiguous, of its
     size; None: a record not wanted, whose bytes are neither read nor checked); CorruptionError
@@ -260,8 +310,8 @@ def matching_tensors(manifest: Manifest, into, skeleton: dict | None = None) -> 
     None, or where there are such, the skeleton and tensors to ``unflatten`` the loaded object
     from). ValueError naming the first difference, before anything is written into them: a key
     path one side lacks, a dtype or shape that differs, one tensor of ``into`` at the names of
-    two stored tensors (which bytes should it hold?), elements that share memory (any strides
-    are taken otherwise). A stored tensor at several names (tied weights, e.g.
+    two stored tensors (which bytes should it hold?), elements that share memory, in one tensor
+    or between two (any strides are taken otherwise). A stored tensor at several names (tied weights, e.g.
     ``lm_head.weight`` and ``transformer.wte.weight``) may be separate tensors in ``into`` (an
     untied model): each gets the saved bytes, as ``load_state_dict`` of a ``torch.load``
     would copy them. A name only ``into`` has is no difference where its tensor is one that
@@ -304,8 +354,13 @@ def matching_tensors(manifest: Manifest, into, skeleton: dict | None = None) -> 
             raise ValueError(f"into= differs from {manifest.model} step {manifest.step} at {name!r}{shares}: saved "
                              f"{record.dtype}{list(record.shape)}, into= has {dtype}{list(shape)}")
         if not t.is_contiguous() and _may_overlap(t):
-            raise ValueError(f"into= tensor {name!r} has elements that share memory (an expand()ed view): it cannot "
-                             "be loaded in place; pass a tensor of its own (clone() it)")
+            raise ValueError(f"into= tensor {name!r} has elements that may share memory (an expand()ed or "
+                             "as_strided view): it cannot be loaded in place; pass a tensor of its own (clone() it)")
+    shared = _sharing_memory(flat.tensors)
+    if shared is not None:  # the later write won: one target held the other's values
+        a, b = (flat.signature[j][0] for j in shared)
+        raise ValueError(f"into= tensors {a!r} and {b!r} share memory (views of one tensor that overlap): they "
+                         "cannot both be loaded in place; pass a tensor of its own for one (clone() it)")
     targets = [flat.tensors[first[i]] if i in first else None for i in range(len(manifest.tensors))]
     untied = [(flat.tensors[j], i) for j, i in stored_of.items() if first[i] != j]
     if not untied:
