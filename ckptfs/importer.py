@@ -54,7 +54,9 @@ def nested(path: str, tensors: "OrderedDict[str, torch.Tensor]", metadata: dict[
     if text is None:
         return with_aliases(path, tensors, metadata)
     position = {name: i for i, name in enumerate(tensors)}
-    used: set[int] = set()
+    # the later names of a tied tensor (hf/model.safetensors holds it under each): the skeleton
+    # names the first, these hold the same bytes
+    used = {position[name] for name in _tied(path, tensors, metadata)}
 
     def index(name):
         if not isinstance(name, str) or name not in position:
@@ -82,14 +84,25 @@ def with_aliases(path: str, tensors: "OrderedDict[str, torch.Tensor]", metadata:
     that ``["ckptfs.tied"]`` ties to another it holds (``hf/model.safetensors`` holds them under
     each name: an import stored them apart, twice)."""
     out = OrderedDict(tensors)
-    # hf/model.safetensors holds a tied tensor under each name, the later ones listed as tied
-    for name, first in _name_map(path, metadata, TIED_KEY, held=True, tensors=tensors).items():
-        if not _same(tensors[name], tensors[first]):
-            raise reject(path, f"__metadata__[{TIED_KEY!r}] ties {name!r} to {first!r}, whose values differ")
+    for name, first in _tied(path, tensors, metadata).items():
         out[name] = tensors[first]
     for alias, name in _name_map(path, metadata, ALIASES_KEY, held=False, tensors=tensors).items():
-        out[alias] = tensors[name]
+        out[alias] = out[name]  # (a tied name's: the tensor it is tied to)
     return out
+
+
+def _tied(path: str, tensors: "OrderedDict[str, torch.Tensor]", metadata: dict[str, str]) -> dict[str, str]:
+    """``__metadata__["ckptfs.tied"]``: {a later name of a tied tensor: its first name}, both
+    held by the file (``hf/model.safetensors`` holds a tied tensor under each name), each first
+    name not itself tied to another, and the two holding the same bytes; MalformedInputError
+    where not (tied as told, a tensor's values would be lost)."""
+    tied = _name_map(path, metadata, TIED_KEY, held=True, tensors=tensors)
+    for name, first in tied.items():
+        if first in tied:
+            raise reject(path, f"__metadata__[{TIED_KEY!r}] ties {name!r} to {first!r}, which it ties to another")
+        if not _same(tensors[name], tensors[first]):
+            raise reject(path, f"__metadata__[{TIED_KEY!r}] ties {name!r} to {first!r}, whose values differ")
+    return tied
 
 
 def _name_map(path: str, metadata: dict[str, str], key: str, *, held: bool, tensors) -> dict[str, str]:

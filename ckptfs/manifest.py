@@ -408,14 +408,14 @@ def encode_files(extra: dict | None) -> tuple[tuple[str, str], ...]:
             raise ValueError(f"extra: {e}") from None
         if not isinstance(value, str):
             try:
-                value = json.dumps(value, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+                value = _json_text(value)
             except (TypeError, ValueError) as e:
                 raise TypeError(f"extra[{name!r}] is neither a str nor JSON-able: {e}") from None
         try:  # a file is served as UTF-8: a lone surrogate was stored, then unreadable in the mount
             value.encode("utf-8")
         except UnicodeEncodeError as e:
             raise ValueError(f"extra[{name!r}] is not valid text: {e.object[e.start:e.end]!r} at character {e.start} "
-                             "is a lone surrogate, which UTF-8 cannot encode; fix the text") from None
+                             "is a surrogate code point, which UTF-8 cannot encode; fix the text") from None
         # counted as the index stores it (ASCII JSON: a NUL or a CJK character takes 6 bytes), as
         # the slots are sized: 16 MiB of text counted as UTF-8 made an index, and slots, of 96 MiB
         total += len(dumps_compact(value))
@@ -424,6 +424,18 @@ def encode_files(extra: dict | None) -> tuple[tuple[str, str], ...]:
         raise ValueError(f"extra files take {human_bytes(total)} in the version's index (JSON text); at most "
                          f"{human_bytes(FILES_MAX_BYTES)}: save large data as tensors")
     return tuple(files)
+
+
+def _json_text(value) -> str:
+    """``value`` as the JSON text of an extra file (indent 2, as ``save_pretrained`` writes a
+    config): characters as they are, or escaped (``\\udXXX``) where the text holds one that UTF-8
+    cannot encode (a lone surrogate: JSON reads the escape back to it)."""
+    text = json.dumps(value, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(value, indent=2, ensure_ascii=True, allow_nan=False) + "\n"
+    return text
 
 
 def _torch_version() -> str:

@@ -147,12 +147,13 @@ def test_extra_is_checked_when_save_is_called(tmp_path):
         for own in ("metadata.json", "checkpoint.pt", "state.safetensors", "hf", "model.safetensors"):
             with pytest.raises(ValueError, match=rf"extra: '{own}' is a name ckptfs gives its own files"):
                 w.save({"w": torch.ones(1)}, step=1, extra={"config.json": "{}", own: "x"}, async_snapshot=True)
-        # text UTF-8 cannot encode (a lone surrogate, in a str or in JSON): stored, then unreadable
-        # in the mount (from_pretrained's json.load) and refused by the import of its export
-        for bad in ({"config.json": {"name": "x\ud800"}}, {"s.txt": "\udcff"}):
-            with pytest.raises(ValueError, match=r"extra\[.*\] is not valid text: '\\ud[8c]..' at character \d+ is a "
-                                                 r"lone surrogate"):
-                w.save({"w": torch.ones(1)}, step=1, extra=bad)
+        # text UTF-8 cannot encode (a lone surrogate): stored, then unreadable in the mount
+        # (from_pretrained's json.load) and refused by the import of its export
+        with pytest.raises(ValueError, match=r"extra\['s.txt'\] is not valid text: '\\udcff' at character 1 is a "
+                                             r"surrogate code point"):
+            w.save({"w": torch.ones(1)}, step=1, extra={"s.txt": "x\udcff"})
+        # in a JSON value it is written as JSON's escape, which reads back to it
+        assert json.loads(dict(encode_files({"config.json": {"name": "x\ud800"}}))["config.json"]) == {"name": "x\ud800"}
         # a multi-rank version's records: one alone made this version read as one, unreadable
         for record in ("dcp-metadata.json", "dcp-parts.json"):
             with pytest.raises(ValueError, match=rf"extra: '{record}' is a name ckptfs gives the records of a "
@@ -198,6 +199,28 @@ def test_hf_shows_no_weight_index_of_the_extras(tmp_path):
             files = files_for(v.manifest)
     assert "model.safetensors.index.json" in files and "hf/model.safetensors.index.json" not in files
     assert {"hf/config.json", "hf/model.safetensors"} <= set(files)
+
+
+def test_an_import_of_hf_gives_back_the_object_without_a_model_key(tmp_path, capsys):
+    """hf/model.safetensors of an object without a ``model`` key is the whole state: with its
+    tied tensor under each name it kept its skeleton, so that an import of it rebuilds the
+    nesting, the plain values and the tie (without it, they came back flat, in silence)."""
+    from ckptfs import importer
+
+    path = str(tmp_path / "r.region")
+    w = torch.arange(3.0)
+    with ckptfs.Store.create(path, size_bytes=64 << 20) as store, store.writer("m") as wr:
+        wr.save({"enc": {"w": w, "tied": w}, "step": 3}, step=1, extra={"config.json": {"n": 1}}).result()
+    with pytest.raises(SystemExit) as e:
+        cli_main(["export", "--region", path, "m", "--file", "hf/model.safetensors", str(tmp_path / "hf.safetensors")])
+    assert e.value.code == 0
+    with safe_open(tmp_path / "hf.safetensors", "pt") as f:
+        assert list(f.keys()) == ["enc.tied", "enc.w"] and "ckptfs.skeleton" in f.metadata()
+    with ckptfs.Store(path) as store:
+        importer.import_file(store, "back", str(tmp_path / "hf.safetensors"))
+        back = store.load("back")
+    assert back["step"] == 3 and torch.equal(back["enc"]["w"], w)
+    assert back["enc"]["w"].data_ptr() == back["enc"]["tied"].data_ptr()
 
 
 def test_manifest_files_round_trip_and_are_absent_from_the_bytes_when_none():

@@ -649,13 +649,16 @@ def test_a_tied_map_that_lies_is_refused(tmp_path):
     with ckptfs.Store.create(str(tmp_path / "r.region"), size_bytes=64 << 20) as store:
         for tied, words in [({"b": "a"}, r"ties 'b' to 'a', whose values differ"),
                             ({"c": "a"}, r"must map names the file holds to names it holds"),
-                            ({"a": "a"}, r"must map names the file holds to names it holds")]:
+                            ({"a": "a"}, r"must map names the file holds to names it holds"),
+                            ({"b": "a", "a": "b"}, r"ties 'b' to 'a', which it ties to another")]:
             save_file({"a": torch.ones(3), "b": torch.zeros(3)}, path,
                       metadata={"format": "pt", "ckptfs.tied": json.dumps(tied)})
             with pytest.raises(MalformedInputError, match=words):
                 importer.import_file(store, "m", path)
-        save_file({"a": torch.ones(3), "b": torch.ones(3)}, path, metadata={"ckptfs.tied": '{"b": "a"}'})
+        save_file({"a": torch.ones(3), "b": torch.ones(3)}, path,
+                  metadata={"ckptfs.tied": '{"b": "a"}', "ckptfs.aliases": '{"c": "b"}'})
         importer.import_file(store, "m", path)
         back = store.load("m")
-        assert back["a"].data_ptr() == back["b"].data_ptr() and torch.equal(back["b"], torch.ones(3))
+        assert back["a"].data_ptr() == back["b"].data_ptr() == back["c"].data_ptr()  # an alias of a tied name too
+        assert torch.equal(back["c"], torch.ones(3))
         assert store.models() == ["m"] and [v.step for v in store.versions("m")] == [0]

@@ -773,13 +773,15 @@ def test_files_for_names_and_order(tmp_path):
     obj = {"model": {"w": torch.ones(2)}, "optim": {"state": {0: {"m": torch.zeros(2)}}},
            "a/b": {"x": torch.ones(1)}, "state": {"s": torch.ones(1)}, "": {"e": torch.ones(1)}, "step": 3,
            "c128": {"c": torch.zeros(1, dtype=torch.complex128)}, "a_b": {"y": torch.zeros(1)},
-           "c/d": {"z": torch.ones(1)}, "lone": torch.ones(3)}  # a top-level tensor: in state.safetensors only
+           "c/d": {"z": torch.ones(1)}, "lone": torch.ones(3),  # a top-level tensor: in state.safetensors only
+           "x/y": {"c": torch.zeros(1, dtype=torch.complex128)}, "x_y": {"v": torch.ones(2)}}
     stored = lay_out(obj)
     files = files_for(stored.manifest)
     # "a/b" and "a_b" make the same name: neither has a file (a_b.safetensors held a/b's tensors,
-    # under a_b's name; `export --key a_b` wrote them)
+    # under a_b's name; `export --key a_b` wrote them); "x/y" has no file (complex128), so x_y does
     assert list(files) == ["checkpoint.pt", "state.safetensors", "model.safetensors",
-                           "optim.safetensors", "c_d.safetensors", "metadata.json"]
+                           "optim.safetensors", "c_d.safetensors", "x_y.safetensors", "metadata.json"]
+    assert list(load_file(stored.write(files["x_y.safetensors"], tmp_path / "x_y.safetensors"))) == ["v"]
     c_d = load_file(stored.write(files["c_d.safetensors"], tmp_path / "c_d.safetensors"))
     assert list(c_d) == ["z"]
     assert "lone" in load_file(stored.write(files["state.safetensors"], tmp_path / "state.safetensors"))

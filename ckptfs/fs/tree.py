@@ -366,8 +366,7 @@ class Tree:
         """``children`` of directory ``ino`` with their attributes, all of the same snapshot (the
         answer of a ``readdir``, made at its ``opendir``): attributes looked up later, from a
         newer snapshot, left out the entries gone since, and a model's listing could come out
-        as ``latest`` alone. An entry whose attributes cannot be had (a version's files, its
-        version gone meanwhile) is left out."""
+        as ``latest`` alone. An entry the snapshot no longer holds (ENOENT) is left out."""
         out = []
         for name, node in self.children(ino):
             try:

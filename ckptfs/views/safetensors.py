@@ -70,8 +70,8 @@ def safetensors_view(manifest: Manifest, *, key: str | None = None,
     string, in ``__metadata__["ckptfs.skipped"]``. ``__metadata__`` also carries
     ``format`` ("pt"), ``model`` and ``step``; entries of ``metadata`` (strings only) are added
     and win over those. The whole-state file (``key=None``) with every tensor kept also carries
-    the saved object's skeleton (``ckptfs.skeleton``: the manifest's, its tensor ``i`` being the
-    file's i-th tensor), so that ``ckptfs import`` rebuilds the nesting and the plain values,
+    the saved object's skeleton (``ckptfs.skeleton``: the manifest's, its tensor ``i`` named by
+    the file's first name of it), so that ``ckptfs import`` rebuilds the nesting and the plain values,
     unless the header would then pass MAX_HEADER_BYTES (``ckptfs.skeleton_omitted`` says so).
     The header is a pure function of the arguments (byte-exact tests).
     """
@@ -93,8 +93,7 @@ def safetensors_view(manifest: Manifest, *, key: str | None = None,
     if every_name and aliases:
         meta[TIED_KEY] = json.dumps(aliases, ensure_ascii=True, separators=(",", ":"))
         aliases = {}
-    # the skeleton's tensor i is the file's i-th entry: not so with a tensor under every name
-    skeleton_added = key is None and not skipped and SKELETON_KEY not in meta and not every_name
+    skeleton_added = key is None and not skipped and SKELETON_KEY not in meta
     if skeleton_added:
         meta[SKELETON_KEY] = dumps_named_skeleton(manifest.skeleton, first_name)
     header, extents, data_bytes = _header_and_extents(_metadata(manifest, skipped, aliases, meta), kept)
@@ -247,17 +246,16 @@ def safetensors_files(manifest: Manifest) -> dict[str, View]:
     if state is None:
         return {}
     files = {STATE_FILE: state}
-    keys = _top_level_tensor_keys(manifest)
-    # keys made the same file name ("a/b" and "a_b"): neither has a file, as the file of the
-    # first showed under the other's name (`export --key a_b` gave a/b's tensors)
-    names = Counter(key_file_name(key) for key in keys)
-    for key in keys:
+    views = {}  # file name -> the views of the keys that make it
+    for key in _top_level_tensor_keys(manifest):
         name = key_file_name(key)
-        if name is None or name in files or names[name] > 1:
-            continue
-        view = safetensors_view(manifest, key=key)
-        if view is not None:
-            files[name] = view
+        if name is not None and name != STATE_FILE:
+            view = safetensors_view(manifest, key=key)
+            if view is not None:
+                views.setdefault(name, []).append(view)
+    # keys that make the same file name ("a/b" and "a_b"): neither has a file, as the file of
+    # the first showed under the other's name (`export --key a_b` gave a/b's tensors)
+    files.update((name, made[0]) for name, made in views.items() if len(made) == 1)
     return files
 
 
