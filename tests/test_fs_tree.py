@@ -400,6 +400,30 @@ def test_a_model_listing_is_one_fresh_snapshot_holding_the_version_latest_names(
     assert replies == [b"latest", b"step-00000040", b"step-00000050", b"step-00000060"]
 
 
+def test_a_file_held_open_keeps_its_attributes_when_its_step_is_saved_again(env):
+    """A job rolled back saves step 10 again while a reader copies its file: the open file pins
+    the old save and reads it, and its getattr (the kernel's check before a read once the
+    attributes expired, an fstat) answers from that handle. It said ENOENT, failing the copy."""
+    store, tree, ops = _ops(env)
+    f = path(tree, "gpt", "step-00000010", "checkpoint.pt")
+
+    async def scenario():
+        info = await ops.open(f.ino, os.O_RDONLY, None)
+        store.table["gpt"].pop(10)
+        store.commit("gpt", 10)  # saved again: a new save of the step
+        tree._clock.now += 10
+        assert path(tree, "gpt", "step-00000010", "checkpoint.pt").ino != f.ino  # the new save's file
+        attr = await ops.getattr(f.ino, None)
+        assert attr.st_size == 2 + 1000 and attr.st_ino == f.ino
+        assert bytes(await ops.read(info.fh, 0, 2)) == b"v1"  # the old save's bytes
+        await ops.release(info.fh)
+        with pytest.raises(pyfuse3.FUSEError) as e:
+            await ops.getattr(f.ino, None)
+        assert e.value.errno == errno.ENOENT  # closed: gone, as before
+
+    trio.run(scenario)
+
+
 def test_rmdir_waits_for_a_pending_release_of_its_own(env):
     """close(2) sends RELEASE asynchronously: an rmdir right after must not fail with EBUSY."""
     store, tree, ops = _ops(env)

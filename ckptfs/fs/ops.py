@@ -67,8 +67,8 @@ class CkptfsOperations(pyfuse3.Operations):
         # fh -> (inode, entries, the pid that opened it)
         self._dirs: dict[int, tuple[int, list[tuple[bytes, pyfuse3.EntryAttributes]], int]] = {}
         self._fh = itertools.count(1)
-        # fh of a version's file -> (process, model, step, when opened)
-        self._opened_by: dict[int, tuple[int, str, int, float]] = {}
+        # fh of a version's file -> (process, model, step, when opened, inode)
+        self._opened_by: dict[int, tuple[int, str, int, float, int]] = {}
         self._latest_given: dict[tuple[int, str], tuple[int, float]] = {}  # (process, model) -> (step, when)
         self.initialized = False  # set once the kernel's INIT request has been answered
 
@@ -118,7 +118,18 @@ class CkptfsOperations(pyfuse3.Operations):
 
     async def getattr(self, inode, ctx=None):
         with fuse_errors("getattr"):
-            return await self._unheld(lambda: self._entry(self.tree.node(inode)))
+            node = self.tree.node(inode)
+            try:
+                return await self._unheld(lambda: self._entry(node))
+            except FileNotFoundError:
+                # a file held open whose version the listing no longer shows (its step saved
+                # again): its handle still reads the version it pins, and the kernel's check of
+                # the attributes before a read (an fstat) failed the reader with ENOENT
+                held = next((self._files[fh] for fh, opened in self._opened_by.items()
+                             if opened[4] == inode and fh in self._files), None)
+                if held is None:
+                    raise
+                return self._entry(node, self.tree.held_attr(node, held))
 
     async def readlink(self, inode, ctx):
         with fuse_errors("readlink"):
@@ -170,7 +181,7 @@ class CkptfsOperations(pyfuse3.Operations):
             handle = await self._unheld(lambda: self.tree.open(node, flags))
             fh = next(self._fh)
             self._files[fh] = handle
-            self._opened_by[fh] = (_requester(ctx), node.model, node.step, time.monotonic())
+            self._opened_by[fh] = (_requester(ctx), node.model, node.step, time.monotonic(), inode)
             return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=False)
 
     async def read(self, fh, off, size):

@@ -398,6 +398,12 @@ class Tree:
         size = self._views(node.model, node.step)[1][node.name].size
         return Attr(node.ino, stat.S_IFREG | 0o444, 1, size, info.time_ns)
 
+    @staticmethod
+    def held_attr(node: Node, held: OpenFile) -> Attr:
+        """``stat`` of file ``node`` from ``held``, a handle of it that pins its version, where
+        the listing no longer shows that version (its step was saved again)."""
+        return Attr(node.ino, stat.S_IFREG | 0o444, 1, held.size, held.version.info.time_ns)
+
     def readlink(self, node: Node) -> str:
         """Target of ``<model>/latest``: ``step-…`` of the newest committed version, from a
         listing at most ``LATEST_FRESH_S`` old."""
