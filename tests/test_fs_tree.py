@@ -297,8 +297,9 @@ def test_changes_allowed_and_refused(env):
     v10 = path(tree, "gpt", "step-00000010")
     v30 = path(tree, "gpt", "step-00000030")
     f = path(tree, "gpt", "step-00000010", "checkpoint.pt")
-    for flags in (os.O_WRONLY, os.O_RDWR, os.O_TRUNC, os.O_APPEND):
+    for flags in (os.O_WRONLY, os.O_RDWR, os.O_TRUNC, os.O_WRONLY | os.O_APPEND):
         assert err(tree.open, f, flags) == errno.EROFS
+    tree.open(f, os.O_RDONLY | os.O_APPEND).close()  # a read (it was EROFS; a local file reads)
     assert err(tree.open, v10, os.O_RDONLY) == errno.EISDIR
     tree.check_unlink(v10.ino, "checkpoint.pt", walking=True)  # accepted: first half of `rm -r`
     assert err(tree.check_unlink, v10.ino, "checkpoint.pt", walking=False) == errno.EPERM  # a file alone

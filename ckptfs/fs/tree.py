@@ -422,7 +422,8 @@ class Tree:
         HeldError, without waiting, while its save's commit holds it: Store.open_version)."""
         if node.is_dir:
             raise IsADirectoryError(errno.EISDIR, "is a directory")
-        if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
+        # (O_APPEND alone is no write: a read-only open with it reads, as on a local file)
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC):
             raise read_only("open for writing")
         if node.kind is not Kind.FILE:
             raise OSError(errno.EINVAL, "cannot open a symbolic link")
