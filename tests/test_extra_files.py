@@ -37,6 +37,19 @@ def saved_gpt2(tmp_path):
     return path, model
 
 
+def saved_and_exported(tmp_path, name: str, weights: dict, config) -> tuple[str, object]:
+    """(region, export directory) of ``{"model": weights}`` saved with ``config`` as its
+    config.json extra, then exported whole by the CLI."""
+    path = str(tmp_path / "r.region")
+    with ckptfs.Store.create(path, size_bytes=64 << 20) as store, store.writer(name) as w:
+        w.save({"model": weights}, step=1, extra={"config.json": config.to_dict()}).result()
+    out = tmp_path / "export"
+    with pytest.raises(SystemExit) as e:
+        cli_main(["export", "--region", path, name, f"{out}/"])
+    assert e.value.code == 0
+    return path, out
+
+
 def same_model(a: torch.nn.Module, b: torch.nn.Module) -> None:
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys()
@@ -100,13 +113,7 @@ def test_hf_holds_a_tied_tensor_under_each_name_for_the_base_model(tmp_path):
     state = mlm.state_dict()
     names = [k for k in state if k in ("lm_head.decoder.weight", "roberta.embeddings.word_embeddings.weight")]
     assert names[0] == "lm_head.decoder.weight"  # the head's name first
-    path = str(tmp_path / "r.region")
-    with ckptfs.Store.create(path, size_bytes=64 << 20) as store, store.writer("xlmr") as w:
-        w.save({"model": state}, step=1, extra={"config.json": mlm.config.to_dict()}).result()
-    out = tmp_path / "export"
-    with pytest.raises(SystemExit) as e:
-        cli_main(["export", "--region", path, "xlmr", f"{out}/"])
-    assert e.value.code == 0
+    path, out = saved_and_exported(tmp_path, "xlmr", state, mlm.config)
     encoder = transformers.AutoModel.from_pretrained(out / "hf")
     assert torch.equal(encoder.embeddings.word_embeddings.weight, mlm.roberta.embeddings.word_embeddings.weight)
     with ckptfs.Store(path) as store:
@@ -174,13 +181,7 @@ def test_hf_names_a_wrapped_models_weights_as_the_model_itself(tmp_path):
 
     model = tiny_gpt2()
     state = {"module._orig_mod." + k: v for k, v in model.state_dict().items()}
-    path = str(tmp_path / "r.region")
-    with ckptfs.Store.create(path, size_bytes=64 << 20) as store, store.writer("gpt2") as w:
-        w.save({"model": state}, step=1, extra={"config.json": model.config.to_dict()}).result()
-    out = tmp_path / "export"
-    with pytest.raises(SystemExit) as e:
-        cli_main(["export", "--region", path, "gpt2", f"{out}/"])
-    assert e.value.code == 0
+    _, out = saved_and_exported(tmp_path, "gpt2", state, model.config)
     same_model(model, transformers.GPT2LMHeadModel.from_pretrained(out / "hf"))
     with safe_open(out / "model.safetensors", "pt") as f:
         assert all(k.startswith("module._orig_mod.") for k in f.keys())
