@@ -1014,3 +1014,31 @@ def test_an_export_listing_an_extra_named_as_a_views_file_imports_without_it(cap
     assert "metadata.json, named as ckptfs's own files, are left out" in caplog.text
     with ckptfs.Store(region) as s, s.open_version("back") as v:
         assert dict(v.manifest.files) == {"notes.txt": "kept"}
+
+
+def test_the_clis_lines_never_raise_into_the_library(monkeypatch, capsys):
+    """While a command runs, the library's warnings are its lines (cli_lines): a stderr that is
+    gone raises nothing into the library's call, as logging's own handlers do (a commit's log
+    line raised out of code that must not raise), and the end of the command, or a mount's
+    daemon, gives warnings.showwarning back."""
+    import logging
+
+    from ckptfs.cli import common
+
+    shown = warnings.showwarning
+    ours = os.path.join(os.path.dirname(ckptfs.__file__), "x.py")
+    with common.cli_lines():
+        assert warnings.showwarning is not shown
+        warnings.showwarning("a warning", UserWarning, ours, 1)
+        assert capsys.readouterr().err.splitlines()[-1] == "ckptfs: warning: a warning"
+
+        def gone(*args, **kwargs):
+            raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+        monkeypatch.setattr(common.click, "echo", gone)
+        monkeypatch.setattr(logging, "raiseExceptions", False)  # (handleError's report of it, not needed here)
+        logging.getLogger("ckptfs").error("stderr closed")
+        warnings.showwarning("another", UserWarning, ours, 1)
+        common.stop_cli_lines()  # the daemon's own handler takes over
+        assert warnings.showwarning is shown and not logging.getLogger("ckptfs").handlers
+    assert warnings.showwarning is shown
