@@ -377,7 +377,7 @@ def _str(x) -> str:
     return x
 
 
-FILE_NAME_MAX_BYTES = 255
+FILE_NAME_MAX_BYTES = 255  # Linux NAME_MAX: the longest name of a file in the mount
 FILES_MAX_BYTES = 16 << 20  # extra files are small (configs, tokenizer JSON): they live in the index
 
 

@@ -318,6 +318,30 @@ def test_changes_allowed_and_refused(env):
     assert err(tree.readlink, f) == errno.EINVAL
 
 
+def test_directory_links_count_subdirectories_and_long_names_are_enametoolong():
+    """A version directory's nlink is 2 + its subdirectories, as on a local filesystem (find
+    and rsync trust it: a directory of nlink 2 has no subdirectory to descend into); a name past
+    NAME_MAX is ENAMETOOLONG, as a local filesystem answers, not ENOENT."""
+    store = FakeStore()
+    store.commit("gpt", 10)
+
+    def files_for(info):
+        leaf = View([Literal(b"x")])
+        return {"checkpoint.pt": leaf, "hf/config.json": leaf, "hf/sub/a": leaf, "hf/sub2/b": leaf,
+                "other/c": leaf}
+
+    tree = Tree(store, files_for=files_for, whole=lambda store, version, layout: (version, False), clock=Clock())
+    assert tree.attr(path(tree, "gpt", "step-00000010")).nlink == 2 + 2  # hf/, other/
+    assert tree.attr(path(tree, "gpt", "step-00000010", "hf")).nlink == 2 + 2  # sub/, sub2/
+    assert tree.attr(path(tree, "gpt", "step-00000010", "hf", "sub")).nlink == 2
+    assert tree.attr(path(tree, "gpt", "step-00000010", "other")).nlink == 2
+    assert [a.nlink for n, _, a in tree.listing(path(tree, "gpt").ino) if n != "latest"] == [4]
+    v = path(tree, "gpt", "step-00000010")
+    assert err(tree.lookup, v.ino, "x" * 256) == errno.ENAMETOOLONG
+    assert err(tree.lookup, v.ino, "é" * 128) == errno.ENAMETOOLONG  # bytes, not characters
+    assert err(tree.lookup, v.ino, "x" * 255) == errno.ENOENT
+
+
 @pytest.mark.parametrize("exc, code", [
     (E.NotFoundError("x"), errno.ENOENT),
     (E.BusyError("x"), errno.EBUSY),

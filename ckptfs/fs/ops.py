@@ -31,6 +31,7 @@ from ckptfs.fs.errors import fuse_errors, read_only
 from ckptfs.fs.names import version_dirname
 from ckptfs.fs.nodes import Attr, Node, OpenFile
 from ckptfs.fs.tree import ROOT_INODE, Tree
+from ckptfs.manifest import FILE_NAME_MAX_BYTES
 
 log = logging.getLogger("ckptfs.fs")
 
@@ -295,7 +296,7 @@ class CkptfsOperations(pyfuse3.Operations):
             # no inode limit: none counted, as procfs and sysfs (`df -i` shows "-"); the inodes in
             # use with none free read as a full filesystem to the monitoring of every host
             st.f_files = st.f_ffree = st.f_favail = 0
-            st.f_namemax = 255
+            st.f_namemax = FILE_NAME_MAX_BYTES
             return st
 
     # -------------------------------------------------------------- shutdown

@@ -62,6 +62,7 @@ from typing import Any, Callable
 
 from ckptfs.dist.parts import loadable
 from ckptfs.errors import NotFoundError
+from ckptfs.manifest import FILE_NAME_MAX_BYTES
 from ckptfs.fs.errors import read_only
 from ckptfs.fs.names import LATEST, dirname_step, version_dirname
 from ckptfs.fs.nodes import Attr, Kind, Node, OpenFile
@@ -312,7 +313,10 @@ class Tree:
     # ---------------------------------------------------------------- name space
 
     def lookup(self, parent_ino: int, name: str) -> Node:
-        """The node called ``name`` in directory ``parent_ino`` (ENOENT, ENOTDIR)."""
+        """The node called ``name`` in directory ``parent_ino`` (ENOENT, ENOTDIR, ENAMETOOLONG
+        past FILE_NAME_MAX_BYTES, which no name in the mount is)."""
+        if len(os.fsencode(name)) > FILE_NAME_MAX_BYTES:
+            raise OSError(errno.ENAMETOOLONG, f"{name[:32]}...: name longer than {FILE_NAME_MAX_BYTES} bytes")
         parent = self.node(parent_ino)
         if not parent.is_dir:
             raise NotADirectoryError(errno.ENOTDIR, f"{parent.name or parent.kind.value} is not a directory")
@@ -394,7 +398,12 @@ class Tree:
             return Attr(node.ino, stat.S_IFLNK | 0o777, 1, len(version_dirname(m.latest.step)), m.latest.time_ns)
         info = self._version(node.model, node.step)
         if node.kind in (Kind.VERSION, Kind.SUBDIR):
-            return Attr(node.ino, stat.S_IFDIR | 0o755, 2, 0, info.time_ns)
+            # 2 + its subdirectories' ".." links, as on a local filesystem: find and rsync
+            # skip the stat of the rest of a directory whose nlink says it has no subdirectory
+            prefix = "" if node.kind is Kind.VERSION else node.name + "/"
+            subdirs = {p[len(prefix):].partition("/")[0] for p in self._views(node.model, node.step)[1]
+                       if p.startswith(prefix) and "/" in p[len(prefix):]}
+            return Attr(node.ino, stat.S_IFDIR | 0o755, 2 + len(subdirs), 0, info.time_ns)
         size = self._views(node.model, node.step)[1][node.name].size
         return Attr(node.ino, stat.S_IFREG | 0o444, 1, size, info.time_ns)
 

@@ -16,13 +16,12 @@ from json.encoder import encode_basestring_ascii
 from typing import Mapping
 
 from ckptfs import _native
-from ckptfs.manifest import Manifest, TensorRecord
+from ckptfs.manifest import FILE_NAME_MAX_BYTES, Manifest, TensorRecord
 from ckptfs.skeleton import dumps_named_skeleton, key_text, unique_name
 from ckptfs.views.registry import register
 from ckptfs.views.segments import LazyView, View, ViewBuilder
 
 STATE_FILE = "state.safetensors"
-_NAME_MAX = 255  # bytes, Linux NAME_MAX
 
 # torch dtype name -> safetensors dtype, for every dtype safetensors 0.8 can represent (its Rust
 # ``Dtype`` enum). complex128 and complex32 have no safetensors dtype and are skipped.
@@ -269,7 +268,7 @@ def key_file_name(key: str) -> str | None:
         encoded = os.fsencode(name)
     except UnicodeEncodeError:
         return None
-    return name if len(encoded) <= _NAME_MAX else None
+    return name if len(encoded) <= FILE_NAME_MAX_BYTES else None
 
 
 def _top_level_tensor_keys(manifest: Manifest) -> list[str]:
