@@ -152,6 +152,29 @@ def test_inodes_are_stable_and_distinct(toy):
     assert os.stat(latest).st_ino == os.stat(os.path.join(base, vdir(TOY_STEPS[-1]), "checkpoint.pt")).st_ino
 
 
+def test_inodes_keep_their_numbers_after_the_kernel_forgets_them_and_in_another_mount(toy, tmp_path):
+    """The daemon drops the inodes the kernel forgets (its table held every name ever looked up
+    for the life of the mount); a name looked up again has its old number, and another mount of
+    the region gives the same numbers (a backup tool reads again a file whose inode changed)."""
+    def numbers(root):
+        out = {}
+        for d, dirs, files in os.walk(root):
+            for n in dirs + files:
+                out[os.path.relpath(os.path.join(d, n), root)] = os.lstat(os.path.join(d, n)).st_ino
+        return out
+
+    first = numbers(toy.path)
+    assert len(first) > 3 * len(TOY_STEPS) and len(set(first.values())) == len(first)
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:  # the kernel forgets the names not in use
+        f.write("2")
+    assert numbers(toy.path) == first
+    got = torch.load(os.path.join(toy / TOY_MODEL, vdir(TOY_STEPS[0]), "checkpoint.pt"), weights_only=True)
+    assert_same(got, toy_state(TOY_STEPS[0]))
+    with mounted(toy.region, str(tmp_path / "again")) as again:
+        assert numbers(again.path) == first
+
+
 # ------------------------------------------------------------------------------ standard tools on the files
 
 

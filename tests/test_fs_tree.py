@@ -425,6 +425,52 @@ def test_a_model_listing_is_one_fresh_snapshot_holding_the_version_latest_names(
     assert replies == [b"latest", b"step-00000040", b"step-00000050", b"step-00000060"]
 
 
+def test_forgotten_inodes_leave_the_table_and_come_back_with_their_numbers(env, monkeypatch):
+    """The kernel's FORGET drops an inode once every lookup of it (LOOKUP answers, READDIRPLUS
+    entries) is forgotten: a mount up for weeks beside a job saving every minute kept a node
+    for every version ever listed. A name looked up again gets the number it had (a hash of it:
+    the same in another mount too); an inode an open listing may still hand out stays."""
+    store, tree, ops = _ops(env)
+    sent = []
+    monkeypatch.setattr(pyfuse3, "readdir_reply",
+                        lambda token, name, entry, next_id: not sent and (sent.append(entry.st_ino) or True))
+
+    def known(ino):
+        try:
+            return tree.node(ino) is not None
+        except FileNotFoundError:
+            return False
+
+    async def scenario():
+        model = await ops.lookup(ROOT_INODE, b"gpt", None)
+        assert (await ops.lookup(ROOT_INODE, b"gpt", None)).st_ino == model.st_ino  # 2 lookups
+        v10 = await ops.lookup(model.st_ino, b"step-00000010", None)
+        fh = await ops.opendir(v10.st_ino, None)
+        await ops.readdir(fh, 0, None)  # the kernel's buffer takes 1 entry of the 2 files
+        listed = [e.st_ino for _, e in ops._dirs[fh][1]]
+        assert sent == listed[:1] and len(listed) == 2
+        f = await ops.lookup(v10.st_ino, b"checkpoint.pt", None)
+        await ops.forget([(sent[0], 1)])
+        assert known(sent[0]) and known(listed[1])  # in the open listing, which may hand them out
+        await ops.releasedir(fh)
+        assert not known(listed[1])  # never handed out
+        assert known(sent[0]) == (sent[0] == f.st_ino)  # the kernel holds it if it is the file looked up
+        await ops.forget([(f.st_ino, 1), (v10.st_ino, 1)])
+        assert not known(sent[0]) and not known(f.st_ino) and not known(v10.st_ino)
+        await ops.forget([(model.st_ino, 1)])
+        assert known(model.st_ino)  # one of its two lookups is still held
+        await ops.forget([(model.st_ino, 1), (ROOT_INODE, 1)])
+        assert not known(model.st_ino) and known(ROOT_INODE)
+        assert list(tree._by_ino) == [ROOT_INODE]  # nothing else kept
+        again = await ops.lookup(ROOT_INODE, b"gpt", None)
+        assert again.st_ino == model.st_ino
+        assert (await ops.lookup(again.st_ino, b"step-00000010", None)).st_ino == v10.st_ino
+
+    trio.run(scenario)
+    other = Tree(store, files_for=fake_files_for, whole=lambda store, version, layout: (version, False), clock=Clock())
+    assert path(other, "gpt", "step-00000010").ino == path(tree, "gpt", "step-00000010").ino  # another mount
+
+
 def test_a_file_held_open_keeps_its_attributes_when_its_step_is_saved_again(env):
     """A job rolled back saves step 10 again while a reader copies its file: the open file pins
     the old save and reads it, and its getattr (the kernel's check before a read once the

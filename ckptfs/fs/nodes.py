@@ -18,7 +18,8 @@ class Kind(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Node:
-    """One name in the tree; ``ino`` is fixed for the life of the mount."""
+    """One name in the tree; ``ino`` is derived from the name and the save it shows (the same
+    in every mount: ``Tree._free_ino``)."""
 
     ino: int
     kind: Kind

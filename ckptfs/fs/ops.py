@@ -71,6 +71,8 @@ class CkptfsOperations(pyfuse3.Operations):
         # fh of a version's file -> (process, model, step, when opened, inode)
         self._opened_by: dict[int, tuple[int, str, int, float, int]] = {}
         self._latest_given: dict[tuple[int, str], tuple[int, float]] = {}  # (process, model) -> (step, when)
+        self._lookups: dict[int, int] = {}  # inode -> lookups the kernel holds (_known, forget)
+        self._in_listings: dict[int, int] = {}  # inode -> open directory listings that hold it
         self.initialized = False  # set once the kernel's INIT request has been answered
 
     def init(self):
@@ -115,7 +117,7 @@ class CkptfsOperations(pyfuse3.Operations):
 
     async def lookup(self, parent_inode, name, ctx=None):
         with fuse_errors("lookup"):
-            return await self._unheld(lambda: self._entry(self.tree.lookup(parent_inode, os.fsdecode(name))))
+            return self._known(await self._unheld(lambda: self._entry(self.tree.lookup(parent_inode, os.fsdecode(name)))))
 
     async def getattr(self, inode, ctx=None):
         with fuse_errors("getattr"):
@@ -148,8 +150,29 @@ class CkptfsOperations(pyfuse3.Operations):
                 self._latest_given[key] = (step, now)
             return os.fsencode(version_dirname(step))
 
+    def _known(self, entry: pyfuse3.EntryAttributes) -> pyfuse3.EntryAttributes:
+        """``entry``, counted as one more lookup of its inode by the kernel (a LOOKUP's answer,
+        each entry of a READDIRPLUS), until its FORGET."""
+        self._lookups[entry.st_ino] = self._lookups.get(entry.st_ino, 0) + 1
+        return entry
+
     async def forget(self, inode_list):
-        """Inodes are kept for the life of the mount (a few per version), so nothing to do."""
+        """Drop the inodes the kernel forgot (all their lookups), so that the table of a mount
+        up for weeks beside a job saving every minute holds what the kernel caches, not every
+        version ever listed. A count here can only be too high (a reply the kernel dropped):
+        an inode is then kept, never dropped while the kernel still holds it."""
+        for ino, nlookup in inode_list:
+            left = self._lookups.pop(ino, 0) - nlookup
+            if left > 0:
+                self._lookups[ino] = left
+            else:
+                self._drop_unknown(ino)
+
+    def _drop_unknown(self, ino: int) -> None:
+        """Drop ``ino`` from the tree unless the kernel or an open listing (whose readdir may
+        still hand it out) holds it."""
+        if ino not in self._lookups and ino not in self._in_listings:
+            self.tree.forget(ino)
 
     # -------------------------------------------------------------- directories
 
@@ -159,6 +182,8 @@ class CkptfsOperations(pyfuse3.Operations):
         with fuse_errors("opendir"):
             listing = await self._unheld(lambda: self.tree.listing(inode))
             entries = [(os.fsencode(n), self._entry(node, a)) for n, node, a in listing]
+            for _, node, _ in listing:
+                self._in_listings[node.ino] = self._in_listings.get(node.ino, 0) + 1
             fh = next(self._fh)
             self._dirs[fh] = (inode, entries, _requester(ctx))
             return fh
@@ -170,9 +195,16 @@ class CkptfsOperations(pyfuse3.Operations):
                 name, entry = entries[i]
                 if not pyfuse3.readdir_reply(token, name, entry, i + 1):
                     break
+                self._known(entry)  # pyfuse3 answers READDIRPLUS: the kernel counts a lookup
 
     async def releasedir(self, fh):
-        self._dirs.pop(fh, None)
+        _, entries, _ = self._dirs.pop(fh, (None, (), None))
+        for _, entry in entries:  # the entries it never handed out are dropped here
+            held = self._in_listings.pop(entry.st_ino, 0) - 1
+            if held > 0:
+                self._in_listings[entry.st_ino] = held
+            else:
+                self._drop_unknown(entry.st_ino)
 
     # -------------------------------------------------------------- files
 

@@ -20,9 +20,11 @@ Contracts:
   most ``LATEST_FRESH_S`` (10 ms) old: a path through ``latest`` reaches a version still there
   while the job saves every few tens of ms, and a model's listing holds the version ``latest``
   named when it was taken.
-* **Inodes** are allocated on first sight and never reused or changed for the life of the mount:
-  a model and ``<model>/latest`` keep their inode; a version directory's and its files' inodes
-  are keyed by the version's save too (``(model, step, save_id[, name])``: its counter and time,
+* **Inodes** are numbered by a hash of their name (``_free_ino``): the same in every mount of
+  the region and after the kernel forgot one (FORGET drops it from the table, which holds only
+  what the kernel knows), never two live names on one number. A model and ``<model>/latest``
+  keep their inode; a version directory's and its files' inodes are keyed by the version's save
+  too (``(model, step, save_id[, name])``: its counter and time,
   ``VersionInfo.save_id``), so they are stable for a given version, and a step that is committed
   again later (saved again, after a removal, or by a model removed and made again, whose
   counters start again at 1) gets new ones: its bytes differ, the kernel page cache of the old files
@@ -52,6 +54,7 @@ layer translates them (``ckptfs.fs.errors.errno_for``).
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
 import math
 import os
@@ -121,7 +124,7 @@ class Tree:
         self._model_refreshed_at: dict[str, float] = {}  # models listed again since (_refresh_model)
         self._by_key: dict[tuple, Node] = {}
         self._by_ino: dict[int, Node] = {}
-        self._next_ino = ROOT_INODE + 1
+        self._key_of: dict[int, tuple] = {}
         self.uid, self.gid = os.getuid(), os.getgid()
         self.mounted_ns = time.time_ns()
         commits = getattr(getattr(store, "region", None), "commits", None)
@@ -230,11 +233,31 @@ class Tree:
     def _node(self, key: tuple, **fields) -> Node:
         node = self._by_key.get(key)
         if node is None:
-            node = Node(self._next_ino, **fields)
-            self._next_ino += 1
+            node = Node(self._free_ino(key), **fields)
             self._by_key[key] = node
             self._by_ino[node.ino] = node
+            self._key_of[node.ino] = key
         return node
+
+    def _free_ino(self, key: tuple) -> int:
+        """The inode number of the name ``key``: a hash of it (its model, step, save and path),
+        so that a file has the same number after the kernel forgot it, and in every mount of
+        the region (a backup tool such as restic reads again every file whose inode changed),
+        while the table holds only the inodes the kernel knows. On a collision with a live
+        inode, the next free number: two live names never share one."""
+        digest = hashlib.blake2b(repr(key).encode("utf-8", "surrogatepass"), digest_size=8).digest()
+        ino = max(int.from_bytes(digest, "little") >> 1, ROOT_INODE + 1)  # < 2**63: st_ino of every tool
+        while ino in self._by_ino:
+            ino = ino + 1 if ino < (1 << 63) - 1 else ROOT_INODE + 1
+        return ino
+
+    def forget(self, ino: int) -> None:
+        """Drop the inode ``ino``: the kernel holds it no more (FORGET of its every lookup). A
+        later lookup of its name makes it again, with the same number. The root stays."""
+        if ino == ROOT_INODE or ino not in self._by_ino:
+            return
+        del self._by_ino[ino]
+        del self._by_key[self._key_of.pop(ino)]
 
     def node(self, ino: int) -> Node:
         """The node of an inode handed out earlier (ENOENT for one the kernel invented)."""
