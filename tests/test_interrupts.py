@@ -196,6 +196,36 @@ def test_a_cleanup_runs_where_no_thread_can_be_started(monkeypatch):
     assert ran == ["MainThread"]
 
 
+@pytest.mark.timeout(60)  # the old code waited forever for the claim
+@pytest.mark.parametrize("thread", ["ckptfs-claim", "ckptfs-progress"])
+def test_a_thread_that_cannot_be_started_fails_one_save_not_the_next(store, monkeypatch, thread):
+    """A writer's claim or progress thread that could not be started (a process at its thread
+    or address-space limit for a moment) was kept as if it ran: every later save of the writer
+    waited forever for its claim, and close() raised "cannot join thread before it is started".
+    The progress file is advisory: no save fails for it."""
+    real_start = threading.Thread.start
+
+    def refuse_once(self):
+        if self.name == thread:
+            monkeypatch.setattr(threading.Thread, "start", real_start)
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+    state = {"w": torch.randn(1 << 16)}
+    w = store.writer("m", timeout_s=20)
+    monkeypatch.setattr(threading.Thread, "start", refuse_once)
+    if thread == "ckptfs-claim":
+        with pytest.raises(RuntimeError, match="can't start new thread"):
+            w.save(state, step=1).result()
+    else:
+        w.save(state, step=1).result()
+    t0 = time.monotonic()
+    w.save(state, step=2).result()
+    assert time.monotonic() - t0 < 10
+    w.close()
+    assert ckptfs_threads() == []
+    assert [v.step for v in store.versions("m")] == ([2] if thread == "ckptfs-claim" else [1, 2])
+
+
 def test_a_ctrl_c_while_the_snapshot_thread_starts_leaves_one_thread_that_close_stops(store, monkeypatch):
     """A Ctrl-C while the first async save starts the writer's snapshot thread (Thread.start
     waits for it to run): the thread was started but not recorded, no stop reached it, and the

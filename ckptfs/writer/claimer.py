@@ -30,8 +30,9 @@ class Claimer:
         A claim made for a job that failed meanwhile is aborted (its slot goes back)."""
         with self._lock:
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="ckptfs-claim", daemon=True)
-                self._thread.start()
+                thread = threading.Thread(target=self._loop, name="ckptfs-claim", daemon=True)
+                thread.start()  # may fail (no memory for a stack): then none is kept, the next save tries again
+                self._thread = thread
         self._queue.put((job, claim))
 
     def close(self) -> None:

@@ -80,8 +80,12 @@ class ProgressBoard:
             return
         self._dirty = True
         if self._publisher is None:
-            self._publisher = threading.Thread(target=self._publish_loop, name="ckptfs-progress", daemon=True)
-            self._publisher.start()
+            publisher = threading.Thread(target=self._publish_loop, name="ckptfs-progress", daemon=True)
+            try:
+                publisher.start()
+            except RuntimeError:  # no thread now (a process at its limit): advisory, so no save
+                return            # fails for it; the next change tries again
+            self._publisher = publisher
         self._changed.notify_all()
 
     def _publish_loop(self) -> None:
