@@ -81,7 +81,7 @@ class Store:
             if not writable or e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
                 raise
             self._region = Region(path, writable=False)
-            self._region.read_only_reason = e.strerror or "no write access"
+            self._region.read_only_reason = e
 
     @classmethod
     def create(cls, path: str, size_bytes: int | None = None, *, exist_ok: bool = False,

@@ -152,6 +152,28 @@ def loop_device(tmp_path, request):
         subprocess.run(["losetup", "--detach", device], check=True)
 
 
+@pytest.mark.loop_bytes(64 << 20)
+def test_a_block_device_that_shrinks_under_a_writer_is_said_to_have_shrunk(loop_device):
+    """An LV reduced, or a loop device re-read after its file was cut, under an open writer:
+    saves went on into the part still there, then said "the filesystem is full" (there is none)
+    or "the device reported an I/O error"; a file region cut short was already named so."""
+    import os
+    import subprocess
+
+    from ckptfs.errors import RegionIOError
+
+    device, image = loop_device
+    with Store.create(device) as s:
+        with s.writer("m") as w:
+            w.save({"w": torch.ones(1 << 18)}, step=1).result()
+            os.truncate(image, 8 << 20)
+            subprocess.run(["losetup", "--set-capacity", device], check=True)
+            with pytest.raises(RegionIOError, match=r"region's device .* shrank to 8\.0 MiB while in use"):
+                w.save({"w": torch.ones(1 << 18)}, step=2).result()
+        with pytest.raises(RegionIOError, match="shrank to"):
+            s.load("m")
+
+
 def test_block_device_region_round_trip(loop_device):
     device, _ = loop_device
     with pytest.raises(ValueError, match="takes all of it"):

@@ -319,9 +319,10 @@ def test_changes_allowed_and_refused(env):
 
 
 def test_directory_links_count_subdirectories_and_long_names_are_enametoolong():
-    """A version directory's nlink is 2 + its subdirectories, as on a local filesystem (find
-    and rsync trust it: a directory of nlink 2 has no subdirectory to descend into); a name past
-    NAME_MAX is ENAMETOOLONG, as a local filesystem answers, not ENOENT."""
+    """A version directory's nlink is 1, "not counted" (2 told find and fts it had no
+    subdirectory, and hf/ is one; a count would read every version's index to list a model),
+    a subdirectory's 2 + its subdirectories, as on a local filesystem; a name past NAME_MAX is
+    ENAMETOOLONG, as a local filesystem answers, not ENOENT."""
     store = FakeStore()
     store.commit("gpt", 10)
 
@@ -331,11 +332,12 @@ def test_directory_links_count_subdirectories_and_long_names_are_enametoolong():
                 "other/c": leaf}
 
     tree = Tree(store, files_for=files_for, whole=lambda store, version, layout: (version, False), clock=Clock())
-    assert tree.attr(path(tree, "gpt", "step-00000010")).nlink == 2 + 2  # hf/, other/
+    assert tree.attr(path(tree, "gpt", "step-00000010")).nlink == 1
     assert tree.attr(path(tree, "gpt", "step-00000010", "hf")).nlink == 2 + 2  # sub/, sub2/
     assert tree.attr(path(tree, "gpt", "step-00000010", "hf", "sub")).nlink == 2
     assert tree.attr(path(tree, "gpt", "step-00000010", "other")).nlink == 2
-    assert [a.nlink for n, _, a in tree.listing(path(tree, "gpt").ino) if n != "latest"] == [4]
+    assert [a.nlink for n, _, a in tree.listing(path(tree, "gpt").ino) if n != "latest"] == [1]
+    assert [n for n, _, a in tree.listing(path(tree, "gpt", "step-00000010").ino) if a.nlink > 1] == ["hf", "other"]
     v = path(tree, "gpt", "step-00000010")
     assert err(tree.lookup, v.ino, "x" * 256) == errno.ENAMETOOLONG
     assert err(tree.lookup, v.ino, "é" * 128) == errno.ENAMETOOLONG  # bytes, not characters

@@ -116,7 +116,7 @@ def test_a_filesystem_that_goes_read_only_under_a_running_writer(tmp_path):
             done = subprocess.run(["ckptfs", *args, "--region", path], capture_output=True, text=True, timeout=60)
             assert done.returncode == 1, (args, done.stderr)
             assert re.fullmatch(r"ckptfs: error: .*is open read-only \(Read-only file system\): it can be read, not "
-                                r"changed; make its filesystem writable and open the store again\n", done.stderr), \
+                                r"changed; make its filesystem writable and run the command again\n", done.stderr), \
                 (args, done.stderr)
 
 
@@ -219,6 +219,35 @@ def test_a_region_truncated_while_a_save_writes_fails_that_save(tmp_path, monkey
         with pytest.raises(RegionIOError, match="was truncated to .* while in use"):
             w.save({"w": torch.full((MIB // 4,), 2.0)}, step=2).result()
         assert cut and store.latest("m").step == 1
+        os.truncate(path, 2 * MIB)  # past the slot headers: their reads fail too, and say why
+        for listing in (store.versions, store.latest):
+            with pytest.raises(RegionIOError, match="was truncated to 2.0 MiB while in use"):
+                listing("m")
+
+
+def test_limits_of_the_process_are_not_blamed_on_the_device(tmp_path):
+    """Out of file descriptors or under a file-size limit (`ulimit -f`, set by some batch
+    schedulers), a save said "check the device and the filesystem holding the region", and
+    mkfs "larger than its filesystem allows" with the filesystem nearly empty."""
+    import errno
+    import resource
+
+    from ckptfs.region.backend import io_step
+
+    for code, advice in ((errno.EMFILE, "raise its limit (`ulimit -n`)"), (errno.ENFILE, "close some")):
+        with pytest.raises(RegionIOError, match=re.escape(advice)), io_step("open for a writer", "r.region"):
+            raise OSError(code, os.strerror(code))
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (MIB, hard))
+    try:
+        with pytest.raises(ckptfs.errors.RegionFormatError,
+                           match=re.escape("may write files up to 1.0 MiB (`ulimit -f`): raise that limit")):
+            ckptfs.Store.create(str(tmp_path / "r.region"), size_bytes=64 * MIB)
+        with pytest.raises(RegionIOError, match=re.escape("(`ulimit -f`)")), io_step("write", "r.region"):
+            raise OSError(errno.EFBIG, os.strerror(errno.EFBIG))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert os.listdir(tmp_path) == []
 
 
 def _writer_threads() -> int:
@@ -246,3 +275,24 @@ def test_a_writer_whose_opening_fails_leaves_no_thread_and_no_claim(store, monke
     with store.writer("m") as w:
         w.save({"w": torch.full((8,), 2.0)}, step=2).result()
     assert torch.equal(store.load("m")["w"], torch.full((8,), 2.0))
+
+
+def test_a_region_this_user_may_not_write_says_so(tmp_path, monkeypatch):
+    """A region another user owns (mode 644) opens read-only; a save to it said "make its
+    filesystem writable", where the file's permissions are the cause."""
+    import errno
+
+    path = str(tmp_path / "r.region")
+    ckptfs.Store.create(path, size_bytes=64 * MIB).close()
+    real_init = ckptfs.region.region.Region.__init__
+
+    def as_another_user(self, p, writable=True, **kw):  # what open(2) answers a user who may not write
+        if writable:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), p)
+        real_init(self, p, writable=writable, **kw)
+    monkeypatch.setattr(ckptfs.region.region.Region, "__init__", as_another_user)
+    with ckptfs.Store(path) as store:
+        with pytest.raises(CkptfsError, match=r"is open read-only \(Permission denied\): it can be read, not saved "
+                                              r"to; give this user write access to it \(its owner may: chmod, chown\), "
+                                              r"or run as its owner, and open the store again"):
+            store.writer("m")

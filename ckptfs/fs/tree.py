@@ -420,10 +420,13 @@ class Tree:
         if node.kind is Kind.LATEST:
             return Attr(node.ino, stat.S_IFLNK | 0o777, 1, len(version_dirname(m.latest.step)), m.latest.time_ns)
         info = self._version(node.model, node.step)
-        if node.kind in (Kind.VERSION, Kind.SUBDIR):
-            # 2 + its subdirectories' ".." links, as on a local filesystem: find and rsync
-            # skip the stat of the rest of a directory whose nlink says it has no subdirectory
-            prefix = "" if node.kind is Kind.VERSION else node.name + "/"
+        if node.kind is Kind.VERSION:
+            # 1: "not counted", as filesystems that do not count say it (find and fts then look
+            # into every entry). 2 said it had no subdirectory (hf/ has one), and a count needs
+            # the version's files: a listing of the model read every version's index
+            return Attr(node.ino, stat.S_IFDIR | 0o755, 1, 0, info.time_ns)
+        if node.kind is Kind.SUBDIR:  # 2 + its subdirectories' "..", as a local filesystem counts
+            prefix = node.name + "/"
             subdirs = {p[len(prefix):].partition("/")[0] for p in self._views(node.model, node.step)[1]
                        if p.startswith(prefix) and "/" in p[len(prefix):]}
             return Attr(node.ino, stat.S_IFDIR | 0o755, 2 + len(subdirs), 0, info.time_ns)

@@ -26,6 +26,7 @@ import ctypes
 import errno
 import mmap
 import os
+import resource
 import re
 import stat
 import threading
@@ -224,6 +225,8 @@ class Backend:
         a slot and each version is opened (an fstat); what happens after the check is covered by
         the bus guard and ``check_mapping``."""
         self.check_mapping()
+        if self.kind == "block" and self._fd >= 0:
+            self._check_size()
         if self.kind != "file" or self._fd < 0:
             return
         st = os.fstat(self._fd)
@@ -234,12 +237,18 @@ class Backend:
         self._check_size(st)
 
     def _check_size(self, st: os.stat_result | None = None) -> None:
-        """RegionIOError if the region file is now shorter than when it was opened."""
-        if self.kind != "file" or self._fd < 0:
+        """RegionIOError if the region file, or block device (an LV reduced, a loop device
+        re-read after its file was cut), is now shorter than when it was opened."""
+        if self.kind not in ("file", "block") or self._fd < 0:
             return
-        st = os.fstat(self._fd) if st is None else st
-        if st.st_size < self.size_bytes:
-            raise RegionIOError(f"the region file {self.path} was truncated to {human_bytes(st.st_size)} while in use "
+        if self.kind == "block":
+            size = os.lseek(self._fd, 0, os.SEEK_END)
+        else:
+            size = (os.fstat(self._fd) if st is None else st).st_size
+        if size < self.size_bytes:
+            what = "region file" if self.kind == "file" else "region's device"
+            verb = "was truncated to" if self.kind == "file" else "shrank to"
+            raise RegionIOError(f"the {what} {self.path} {verb} {human_bytes(size)} while in use "
                                 f"(it was {human_bytes(self.size_bytes)}); its versions are damaged: restore it from "
                                 "a copy", errno.EIO, "fstat")
 
@@ -265,7 +274,21 @@ _WHAT_TO_DO = {
     errno.EDQUOT: "the disk quota is exhausted: free space or raise the quota",
     errno.EROFS: "the filesystem is read-only: remount it read-write",
     errno.EIO: "the device reported an I/O error: check it (dmesg) and run `ckptfs verify`",
+    # the process's or the system's limits, not the device's
+    errno.EMFILE: "this process has as many files open as it may: raise its limit (`ulimit -n`) or close some",
+    errno.ENFILE: "the system has as many files open as it may: close some (or raise fs.file-max)",
+    errno.ENOMEM: "the system is out of memory",
 }
+
+
+def what_to_do(code: int) -> str:
+    """The advice for an I/O step on the region that failed with ``code``."""
+    if code == errno.EFBIG:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY:
+            return f"this process may write files up to {human_bytes(limit)} (`ulimit -f`): raise that limit"
+        return "the filesystem allows no file this large"
+    return _WHAT_TO_DO.get(code, "check the device and the filesystem holding the region")
 
 
 @contextlib.contextmanager
@@ -277,7 +300,7 @@ def io_step(operation: str, path: str, offset: int | None = None, length: int | 
     except OSError as e:
         code = e.errno or errno.EIO
         where = "" if offset is None else f" at offset {offset}" + ("" if length is None else f" ({human_bytes(length)})")
-        advice = _WHAT_TO_DO.get(code, "check the device and the filesystem holding the region")
+        advice = what_to_do(code)
         raise RegionIOError(f"{operation} of {path}{where} failed: {os.strerror(code)}; {advice}",
                             code, operation) from e
 
@@ -392,8 +415,12 @@ class FileBackend(Backend):
         # would be faulted in from disk with the GIL held.
         self._check_range(offset, length)
         buf = bytearray(length)
-        with io_step("read", self.path, offset, length):
-            self._pread(self._fd, memoryview(buf), offset, self.path)
+        try:
+            with io_step("read", self.path, offset, length):
+                self._pread(self._fd, memoryview(buf), offset, self.path)
+        except RegionIOError:
+            self._check_size()  # a short read of a region cut short under this process: say so
+            raise
         return bytes(buf)
 
     def allocate(self, offset: int, length: int) -> None:

@@ -9,7 +9,7 @@ import time
 
 from ckptfs.errors import BusyError, RegionFormatError, in_words
 from ckptfs.mounttable import mount_points
-from ckptfs.region.backend import io_step, open_backend
+from ckptfs.region.backend import io_step, open_backend, what_to_do
 from ckptfs.region.format import SUPERBLOCK_BYTES, SUPERBLOCK_MAGIC, Superblock, backup_superblock_offset
 from ckptfs.region.locks import any_lock_held
 from ckptfs.units import human_bytes
@@ -113,9 +113,8 @@ def format_new_file(path: str, size_bytes: int) -> None:
         except OSError as e:
             if e.errno != errno.EFBIG:
                 raise
-            raise RegionFormatError(f"{path}: a file of {human_bytes(size_bytes)} is larger than its filesystem "
-                                    "allows; " + in_words(python="pass a smaller size_bytes",
-                                                          cli="give a smaller --size")) from None
+            raise RegionFormatError(f"{path}: a file of {human_bytes(size_bytes)} cannot be made: {what_to_do(e.errno)}; "
+                                    + in_words(python="or pass a smaller size_bytes", cli="or give a smaller --size")) from None
         format_in_place(tmp, None, shown=path)
         _publish_new_file(tmp, path)
     except OSError as e:

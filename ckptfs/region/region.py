@@ -12,6 +12,7 @@ Concurrency model (several processes may open one region):
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
@@ -48,7 +49,7 @@ class Region(ModelTable, SlotReader):
         harnesses pass an instrumented one)."""
         self.path = path
         self.writable = writable
-        self.read_only_reason: str | None = None  # why a region asked for writable opened read-only
+        self.read_only_reason: OSError | None = None  # why a region asked for writable opened read-only
         self.backend: Backend = backend if backend is not None else open_backend(path, writable)
         try:
             self.superblock = self._read_superblock()
@@ -70,9 +71,13 @@ class Region(ModelTable, SlotReader):
         if self.writable:
             return
         why = self.read_only_reason
-        raise CkptfsError(f"{self.path} is open read-only" + (
-            f" ({why}): it can be read, not {what}; make its filesystem writable and open the store again" if why
-            else f": it can be read, not {what}; open the store writable"))
+        if why is None:
+            raise CkptfsError(f"{self.path} is open read-only: it can be read, not {what}; open the store writable")
+        again = in_words(python="open the store again", cli="run the command again")
+        fix = (f"make its filesystem writable and {again}" if why.errno == errno.EROFS
+               else f"give this user write access to it (its owner may: chmod, chown), or run as its owner, and {again}")
+        raise CkptfsError(f"{self.path} is open read-only ({why.strerror or 'no write access'}): it can be read, "
+                          f"not {what}; {fix}")
 
     def _read_superblock(self) -> Superblock:
         """The superblock; if it is damaged, the backup mkfs wrote in the region's last 4 KiB."""
