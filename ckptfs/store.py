@@ -464,7 +464,16 @@ class Store:
                     python="Store.unkeep / Store.remove / Store.remove_model",
                     cli="`ckptfs unkeep` / `ckptfs rm`"))
         keep_parts(self, model, step, counter)  # nothing for a model without part models
-        return self._set_kept(model, step, True, counter)
+        newly = self._set_kept(model, step, True, counter)
+        try:
+            # again, flag set: a commit's reclaim that read the milestones before it may have
+            # given the parts back since (parts.keep_milestones_again covers the other order)
+            keep_parts(self, model, step, counter)
+        except BaseException:
+            if newly:
+                self._set_kept(model, step, False, counter)
+            raise
+        return newly
 
     def unkeep(self, model: str, step: int, *, counter: int | None = None) -> bool:
         """Give a kept version back to the ring (it is reused once it is older than the versions

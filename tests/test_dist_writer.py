@@ -1240,3 +1240,62 @@ def test_who_is_missing_of_many_ranks_takes_few_store_requests(missing):
     if len(missing) <= 2:
         assert store.checks <= 1 + 2 * max(len(missing), 1) * 10
     assert present(store, []) == []
+
+
+def _three_steps(rank, world, region, first=1):
+    store = ckptfs.Store(region)
+    with store.writer("m", group=dist.group.WORLD, timeout_s=60) as w:
+        for s in range(first, first + 3):
+            w.save({"w": torch.full((2, 100), float(s))}, step=s).result()
+    store.close()
+
+
+def _part_kept(store, step) -> list[bool]:
+    """Whether each part that global version ``step`` of "m" names is kept (rank 0's alone
+    holds the replicated "w": DCP writes it once)."""
+    from ckptfs.dist.parts import named_by
+
+    counter = next(v.counter for v in store.versions("m") if v.step == step)
+    named = named_by(store, "m", [(step, counter)])
+    assert named
+    return [v.kept for name, c in sorted(named) for v in store.versions(name, hidden=True) if v.counter == c]
+
+
+@pytest.mark.parametrize("order", ["keep inside the reclaim", "reclaim inside the keep"])
+def test_a_milestone_kept_beside_a_commit_keeps_its_parts(tmp_path, monkeypatch, order):
+    """`ckptfs keep` of a step while the job's commit gives superseded parts back: the commit's
+    reclaim read the milestones, the keep set the step's flag (its parts still kept, nothing to
+    do), then the reclaim unkept the parts: the step was listed kept while its parts' slots were
+    reused, and the milestone could not be loaded (6 of 7 runs). Each side checks again now."""
+    from ckptfs.dist import parts
+
+    region = _new_region(tmp_path)
+    run_ranks(_three_steps, 2, region)
+    store = ckptfs.Store(region)
+    # step 2's parts kept again, its global version not: the state between step 3's commit and
+    # its reclaim, where the keep comes
+    assert store.keep("m", 2) and store.unkeep("m", 2) and all(_part_kept(store, 2))
+    real_named, real_set_kept = parts.named_parts, ckptfs.Store._set_kept
+    if order == "keep inside the reclaim":
+        def named_then_kept(store_, model, *, kept_only=False):
+            got = real_named(store_, model, kept_only=kept_only)
+            if kept_only:
+                monkeypatch.setattr(parts, "named_parts", real_named)
+                assert store.keep("m", 2)  # after the reclaim's read of the milestones
+            return got
+        monkeypatch.setattr(parts, "named_parts", named_then_kept)
+        parts.reclaim(store, "m", 3)
+    else:
+        def reclaim_then_set(self, model, step, kept, counter=None):
+            if model == "m" and kept:
+                monkeypatch.setattr(ckptfs.Store, "_set_kept", real_set_kept)
+                parts.reclaim(store, "m", 3)  # all of it between the keep's check of the parts and its flag
+            return real_set_kept(self, model, step, kept, counter)
+        monkeypatch.setattr(ckptfs.Store, "_set_kept", reclaim_then_set)
+        assert store.keep("m", 2)
+    assert [v.step for v in store.versions("m") if v.kept] == [2]
+    assert all(_part_kept(store, 2))
+    store.close()
+    run_ranks(_three_steps, 2, region, 4)  # 3 more saves: the unkept slots are reused
+    with ckptfs.Store(region) as store:
+        assert store.load("m", step=2)["w"].unique().tolist() == [2.0]

@@ -6,10 +6,13 @@ can name it any more: superseded by a newer global step, or of a step that never
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 
 from ckptfs.dist.names import METADATA_FILE, part_model, part_models
 from ckptfs.errors import BusyError, CkptfsError, NotFoundError, PartGoneError
+
+log = logging.getLogger("ckptfs")
 
 
 def checkpoint_bytes(store, model: str, step: int) -> tuple[int, int, int] | None:
@@ -163,8 +166,9 @@ def release_abandoned(store, model: str, name: str, step: int) -> None:
     with _in_flight_lock:
         busy = {s for path, n, s in _in_flight if path == store.path and n == name}
     milestones = named_parts(store, model, kept_only=True)
-    _unkeep(store, name, [v for v in versions if v.step < step and (latest is None or v.step != latest.step)
-                          and v.step not in busy and (name, v.counter) not in milestones])
+    keep_milestones_again(store, model, _unkeep(
+        store, name, [v for v in versions if v.step < step and (latest is None or v.step != latest.step)
+                      and v.step not in busy and (name, v.counter) not in milestones]))
 
 
 _first_parts: set[tuple[str, str]] = set()  # (region, part model) this process has begun a part of
@@ -208,11 +212,13 @@ def reclaim(store, model: str, keep_step: int) -> None:
         # of a part model): not a save of the step again still in flight, whose part is newer
         return v.step < keep_step or (v.step == keep_step and v.counter < current.get(name, -1))
     gone = []  # part models without a part of this step: ranks the job no longer has here
+    unkept = []
     for name in part_models(store, model):
         versions = store.versions(name, missing_ok=True, hidden=True)
-        _unkeep(store, name, [v for v in versions if superseded(name, v) and (name, v.counter) not in milestones])
+        unkept += _unkeep(store, name, [v for v in versions if superseded(name, v) and (name, v.counter) not in milestones])
         if all(v.step < keep_step for v in versions):
             gone.append(name)
+    keep_milestones_again(store, model, unkept)
     if gone:
         named = {name for name, _ in named_parts(store, model)}
         for name in gone:
@@ -356,11 +362,32 @@ def _named_in(store, manifest) -> frozenset:
     return frozenset((rank, counter) for region, rank, counter in placed_parts(text) if region == here)
 
 
-def _unkeep(store, name: str, versions) -> None:
-    """Unkeep those of ``versions`` (of part model ``name``) that are kept."""
+def _unkeep(store, name: str, versions) -> list[tuple[str, int, int]]:
+    """Unkeep those of ``versions`` (of part model ``name``) that are kept; (name, step,
+    counter) of each unkept."""
+    done = []
     for v in versions:
         if v.kept:
             try:
-                store.unkeep(name, v.step, counter=v.counter)
+                if store.unkeep(name, v.step, counter=v.counter):
+                    done.append((name, v.step, v.counter))
             except NotFoundError:
                 pass  # reused meanwhile: nothing to give back
+    return done
+
+
+def keep_milestones_again(store, model: str, unkept: list[tuple[str, int, int]]) -> None:
+    """Keep again those of the parts just ``unkept`` that a kept global version of ``model``
+    names now: a keep (``ckptfs keep`` beside a running job) between the read of the milestones
+    and the unkeep of their parts left the milestone kept and its parts given back to their
+    rings, reused by the next saves (``Store.keep`` checks its parts again after setting its
+    flag, for the other order)."""
+    if not unkept:
+        return
+    milestones = named_parts(store, model, kept_only=True)
+    for name, step, counter in unkept:
+        if (name, counter) in milestones:
+            try:
+                store.keep(name, step, counter=counter)
+            except CkptfsError as e:  # its slot reused in the instant between: the keep of it fails
+                log.warning("a part of kept step %d of %r could not be kept again: %s", step, model, e)
