@@ -266,8 +266,11 @@ class Store:
     # ------------------------------------------------------------------ reading
     def open_version(self, model: str, step: int | None = None, *, checked: set | None = None,
                      manifest: Manifest | None = None, counter: int | None = None,
-                     wait_s: float = PIN_WAIT_S) -> Version:
+                     wait_s: float = PIN_WAIT_S, whole: bool = True) -> Version:
         """Pin and open a version (``step`` None: the latest). Close it to release the pin.
+        ``whole``: a multi-rank version is opened as its whole tensors (``dist.whole.WholeVersion``:
+        its ranks' parts pinned with it, ``load()`` the whole state); False: the global version's
+        own record (what the parts and the mount read it through).
         ``counter``: of a step saved twice, that save's version (else the newer); alone, the
         save with that counter (NotFoundError once its slot was reused).
         ``checked``: tensors (and blocks) already found intact by an earlier open of the same version (see
@@ -292,7 +295,12 @@ class Store:
                 except BaseException:
                     self.region.unpin(v)
                     raise
-                return Version(self, v, index, is_latest, checked)
+                version = Version(self, v, index, is_latest, checked)
+                if not whole:
+                    return version
+                from ckptfs.dist.whole import as_whole
+
+                return as_whole(self, version)[0]
             # Held exclusively: by the save committing it (its header's barrier: listed from the
             # moment its header is written; an older step committed after a newer one too), which
             # is waited for; or by a claim that reuses its slot, which marks it WRITING soon
@@ -342,7 +350,7 @@ class Store:
 
             return load(self, model, into, group=group, step=step, peers=peers, timeout_s=timeout_s, keys=keys)
         try:
-            return self._load_opened(self.open_version(model, step), map_location, verify, into, keys)
+            return self._load_opened(self.open_version(model, step, whole=False), map_location, verify, into, keys)
         except (CorruptionError, PartGoneError) as damaged:  # damaged, or a part of it is
             if step is not None or not verify:
                 _say_into_was_written(damaged, into)
@@ -352,7 +360,7 @@ class Store:
                 if latest is None or v.header.counter >= latest.header.counter:
                     continue  # only versions older than the damaged latest
                 try:
-                    version = self.open_version(model, v.header.step)
+                    version = self.open_version(model, v.header.step, whole=False)
                     if version.info.counter != v.header.counter:
                         version.close()
                         continue

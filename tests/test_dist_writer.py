@@ -1299,3 +1299,19 @@ def test_a_milestone_kept_beside_a_commit_keeps_its_parts(tmp_path, monkeypatch,
     run_ranks(_three_steps, 2, region, 4)  # 3 more saves: the unkept slots are reused
     with ckptfs.Store(region) as store:
         assert store.load("m", step=2)["w"].unique().tolist() == [2.0]
+
+
+def test_open_version_of_a_multi_rank_step_pins_its_parts_and_loads_its_state(tmp_path):
+    """store.open_version of a multi-rank step pinned its global record alone: `ckptfs status`
+    listed it pinned while the ranks' next saves reused its parts' slots, and its load() gave
+    the record ({"dcp": ...}), not the checkpoint."""
+    region = _new_region(tmp_path)
+    run_ranks(_three_steps, 2, region)
+    with ckptfs.Store(region) as store:
+        with store.open_version("m", 2) as v:
+            got = v.load()
+            assert set(got) == {"w"} and got["w"].unique().tolist() == [2.0]
+            run_ranks(_three_steps, 2, region, 4)  # the ring turns over: step 2's parts stay pinned
+            assert store.load("m", step=2)["w"].unique().tolist() == [2.0]
+        with store.open_version("m", 2, whole=False) as raw:  # the record the mount and the parts read
+            assert "dcp" in raw.load()

@@ -77,7 +77,7 @@ class FakeStore:
             raise E.NotFoundError(model)
         return sorted(self.table[model].values(), key=lambda i: i.step)
 
-    def open_version(self, model, step=None, checked=None, manifest=None, counter=None, wait_s=1.0):
+    def open_version(self, model, step=None, checked=None, manifest=None, counter=None, wait_s=1.0, whole=True):
         self.given_manifests.append(manifest)
         info = self.table.get(model, {}).get(step)
         if info is None or counter not in (None, info.counter):

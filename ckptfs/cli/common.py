@@ -211,7 +211,7 @@ def version_step(store, model: str, step: int | None):
     for v in store.versions(model):
         if v.step == step:
             return v
-    with store.open_version(model, step):  # the Store's words: a step whose header is damaged is "damaged"
+    with store.open_version(model, step, whole=False):  # the Store's words: a step whose header is damaged is "damaged"
         pass
     raise no_step(model, step)
 

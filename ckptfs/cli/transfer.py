@@ -57,7 +57,7 @@ def export(region, step, file_name, key, force, model, output):
     if output != "-" and not os.path.isdir(parent):
         raise CkptfsError(f"cannot write {output}: no directory {parent}")
     with open_store(region) as store:
-        v, layout = as_whole(store, store.open_version(model, version_step(store, model, step).step))
+        v, layout = as_whole(store, store.open_version(model, version_step(store, model, step).step, whole=False))
         with v:
             views = version_files(v, files_for)
             if file_name is not None and file_name not in views:

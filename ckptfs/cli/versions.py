@@ -80,7 +80,7 @@ def info(region, as_json, step, model):
     from ckptfs.views import files_for
 
     with open_store(region) as store:
-        v, layout = as_whole(store, store.open_version(model, version_step(store, model, step).step))
+        v, layout = as_whole(store, store.open_version(model, version_step(store, model, step).step, whole=False))
         with v:
             m = v.manifest  # a multi-rank version's whole tensors
             files = {name: view.size for name, view in version_files(v, files_for).items()}

@@ -20,7 +20,7 @@ def checkpoint_bytes(store, model: str, step: int) -> tuple[int, int, int] | Non
     of the global DCP version ``step`` of ``model``, or None if that version is not one."""
     from ckptfs.dist.codec import placed_parts  # imports torch.distributed.checkpoint
 
-    with store.open_version(model, step) as v:
+    with store.open_version(model, step, whole=False) as v:
         text = dict(v.manifest.files).get(METADATA_FILE)
     if text is None:
         return None
@@ -41,7 +41,7 @@ def open_part(store, model: str, rank: int, counter: int, checked: set | None = 
     try:
         # not waited for where held: a part named by a committed global version is committed
         # itself (held only by a removal, or a claim taking its slot), and the mount opens it on its loop
-        return store.open_version(name, checked=checked, counter=counter, wait_s=0.0)
+        return store.open_version(name, checked=checked, counter=counter, wait_s=0.0, whole=False)
     except NotFoundError:
         pass  # its slot was reused
     # no "load the latest" here: the latest's own part is gone where it was removed or damaged
@@ -342,7 +342,7 @@ def _parts_of(store, model: str, step: int, counter: int) -> frozenset | None:
     named = _parts.get(key)
     if named is None:
         try:
-            with store.open_version(model, step, counter=counter) as g:
+            with store.open_version(model, step, counter=counter, whole=False) as g:
                 named = _named_in(store, g.manifest)
         except NotFoundError:
             return None  # reused meanwhile: it names nothing any more

@@ -144,7 +144,7 @@ class StorageReader(_DCPReader):
         named = None  # the regions of every node that saved ``newest`` (None: not known)
         if mine:
             try:
-                with self.store.open_version(self.model, newest) as v:
+                with self.store.open_version(self.model, newest, whole=False) as v:
                     if is_global_version(v.manifest):
                         saved = v.load()
                         named = saved["dcp"].get("regions") if isinstance(saved.get("dcp"), dict) else None
@@ -175,7 +175,7 @@ class StorageReader(_DCPReader):
         """(the DCP Metadata of ``step``, the bytes the nodes compare, None), or (None, b"", the
         error that stopped this rank: said to the others, which would wait for it)."""
         try:
-            with self.store.open_version(self.model, step) as v:
+            with self.store.open_version(self.model, step, whole=False) as v:
                 if is_global_version(v.manifest):
                     text = dict(v.manifest.files)[METADATA_FILE]
                     return decode_metadata(text), text.encode(), None

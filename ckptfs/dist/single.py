@@ -84,7 +84,7 @@ def _holds_tensor(value) -> bool:
 def open_one_process(store, model: str, counter: int):
     """The pinned one-process version of ``model`` with ``counter`` (NotFoundError if it went)."""
     try:
-        return store.open_version(model, counter=counter)
+        return store.open_version(model, counter=counter, whole=False)
     except NotFoundError:
         raise NotFoundError(f"the version of {model!r} being loaded (counter {counter}) is gone: the ring reused "
                             "its slot; load again (a newer version)") from None

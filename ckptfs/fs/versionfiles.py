@@ -54,7 +54,7 @@ class VersionFiles:
             else:
                 model, step, _ = key
                 with self._whole(key, self._store.open_version(model, step, counter=info.counter,
-                                                               wait_s=0.0)) as pinned:
+                                                               wait_s=0.0, whole=False)) as pinned:
                     views = self._made(pinned, info)
                     version = pinned
         self._views[key] = views
@@ -68,7 +68,8 @@ class VersionFiles:
         model, step, _ = key
         checked = self._checked.setdefault(key, set())
         return self._whole(key, self._store.open_version(model, step, checked=checked,
-                                                         manifest=self._manifests.get(key), wait_s=0.0))
+                                                         manifest=self._manifests.get(key), wait_s=0.0,
+                                                         whole=False))
 
     def forget(self, live: set, which: Callable[[Key], bool]) -> None:
         """Let go of everything kept of the versions not in ``live`` for which ``which`` holds."""
