@@ -371,12 +371,25 @@ def test_one_writer_per_model_in_this_process_or_another(store, region_path, mon
              "try:\n    ckptfs.Store(sys.argv[1]).writer('shared')\nexcept ckptfs.errors.BusyError as e:\n"
              "    print(e)", region_path], capture_output=True, text=True, timeout=60)
         assert f"pid {os.getpid()}" in other.stdout and "one writer per model" in other.stdout, other.stderr
-        fresh = store.writer("fresh")  # a new model's second writer is refused at its first save
-        with store.writer("fresh") as first:
-            first.save(state(1), step=1).result()
-            with pytest.raises(ckptfs.errors.BusyError, match="one writer per model"):
-                fresh.save(state(2), step=2)
+        # a model not made yet (made at the first save): its name is held from the first writer's
+        # opening (the second opened, and the first of the two to save refused the other's saves)
+        store.writer("never").close()  # closed unsaved: the name is free again
+        fresh = store.writer("fresh")
+        with pytest.raises(ckptfs.errors.BusyError, match=r"'fresh' has a writer open in this process that has "
+                                                          r"not saved yet: one writer per model"):
+            store.writer("fresh")
+        other = subprocess.run(
+            [sys.executable, "-c", "import sys, ckptfs\ntry:\n    ckptfs.Store(sys.argv[1]).writer('fresh')\n"
+             "except ckptfs.errors.BusyError as e:\n    print(e)", region_path], capture_output=True, text=True,
+            timeout=60)
+        assert f"pid {os.getpid()}" in other.stdout and "not saved yet" in other.stdout, other.stderr
+        fresh.save(state(1), step=1).result()  # the model is made: its own lock byte from here
+        with pytest.raises(ckptfs.errors.BusyError, match="one writer per model"):
+            store.writer("fresh")
         fresh.close()
+        with store.writer("fresh") as again:
+            again.save(state(2), step=2).result()
+        assert [v.step for v in store.versions("fresh")] == [1, 2]
     with store.writer("shared") as w2:
         assert w2.save(state(2), step=2).result().published
     assert store.latest("shared").step == 2

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import logging
 import os
 import struct
@@ -29,6 +30,7 @@ META_LOCK_OFFSET = 1 << 40
 MODEL_LOCK_BASE = META_LOCK_OFFSET + 1  # + a model's index: held exclusively by the ring open on it
 SLOT_LOCK_BASE = 1 << 41
 SLOT_LOCK_STRIDE = 1 << 16
+NAME_LOCK_BASE = 1 << 42  # + a hash of a model's name: held by a writer of a model not made yet
 EXCLUSIVE = -1  # LockSpace._counts value of a byte held exclusively
 
 
@@ -50,6 +52,14 @@ def any_lock_held(path: str) -> bool:
 
 def slot_lock_offset(model_index: int, slot: int) -> int:
     return SLOT_LOCK_BASE + model_index * SLOT_LOCK_STRIDE + slot
+
+
+def name_lock_offset(name: str) -> int:
+    """The byte a writer of model ``name`` holds exclusively from its opening to its first save,
+    which makes the model (and its own lock byte, ``model_lock_offset``): a second writer of a
+    model without a version opened, and the first of the two to save refused the other's saves.
+    40 bits of a hash of the name: two names share a byte once in 10**12."""
+    return NAME_LOCK_BASE + int.from_bytes(hashlib.blake2b(name.encode(), digest_size=5).digest(), "little")
 
 
 def model_lock_offset(model_index: int) -> int:

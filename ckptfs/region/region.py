@@ -28,7 +28,7 @@ from ckptfs.region.format import (COUNTER_MAX, COUNTER_WORD_OFFSET, LATEST_WORD_
                                   SUPERBLOCK_BYTES, ModelEntry, Superblock, backup_superblock_offset,
                                   unpack_latest)
 from ckptfs.region.events import Subscribers
-from ckptfs.region.locks import LockSpace, slot_lock_offset
+from ckptfs.region.locks import LockSpace, name_lock_offset, slot_lock_offset
 from ckptfs.region.mkfs import (check_region_size, format_in_place, format_new_file, make_sparse_file,
                                 refuse_if_in_use, refuse_to_overwrite)
 from ckptfs.region.ring import Ring, move_latest_back
@@ -171,6 +171,25 @@ class Region(ModelTable, SlotReader):
         """The slot lifecycle of ``entry``'s ring for one writer (ckptfs.region.ring); close it
         when done. ``timeout_s``: the longest a claim waits for a free slot; ``sole``: see Ring."""
         return Ring(self, entry, timeout_s=timeout_s, sole=sole)
+
+    def hold_name(self, model: str) -> tuple[ModelEntry | None, int | None]:
+        """For a writer of ``model``, no model of that name being made yet: (None, the name's
+        lock byte, held exclusively until ``pins.release`` of it, once the first save made the
+        model: a second writer of it is refused at its opening, ``locks.name_lock_offset``); or
+        (the model's entry, None) where it was made meanwhile: its ring's lock decides. BusyError
+        naming who holds the byte."""
+        offset = name_lock_offset(model)
+        if not self.pins.try_exclusive(offset):
+            from ckptfs.region.holders import holders_in_words
+
+            who, here_only = holders_in_words(self.path, offset)
+            raise BusyError(f"model {model!r} has a writer open in {'this process' if here_only else who} that has "
+                            "not saved yet: one writer per model; close that one first, or save under another name")
+        entry = self.find(model)
+        if entry is not None:
+            self.pins.release(offset)
+            return entry, None
+        return None, offset
 
 
     # ---------------------------------------------------------------- latest pointer and counter

@@ -116,12 +116,15 @@ class Writer:
         self._last_snapshot = None
         self._background: list[threading.Thread] = []  # prefill and prepare, joined at close
         self._ring: Ring | None = None
+        self._name_held: int | None = None  # Region.hold_name's lock byte, until the model is made
         self._persist = PersistPipeline(persist_threads, self._progress, self._finish)
         self._claimer = Claimer()
         try:
             self._snapshotter = Snapshotter(self._persist.enqueue, self._persist.unpark, default_copy_threads(),
                                             timeout_s)
             entry = region.find(model)
+            if entry is None and sole:  # the model is made at the first save: its name held till then
+                entry, self._name_held = region.hold_name(model)
             if entry is not None:
                 self._ring = region.ring(entry, timeout_s=timeout_s, sole=sole)
                 self._ring.extents.fit_writer(slots, slot_bytes, max_inflight)
@@ -336,10 +339,16 @@ class Writer:
             if self._ring is not None:
                 self._ring.close()
                 self._remove_if_never_saved()
+            self._let_go_of_name()
         finally:
             self._progress.close()
         self._stopped = True
         open_writers.discard(self)
+
+    def _let_go_of_name(self) -> None:
+        if self._name_held is not None:
+            self.region.pins.release(self._name_held)
+            self._name_held = None
 
     def _remove_if_never_saved(self) -> None:
         """A model no save had claimed a slot of when this writer made its ring (a new one) and
@@ -503,6 +512,7 @@ class Writer:
                                            f"{least} slots", cli="") if fewer else ""
                     raise RegionFullError(f"{e}{hint}") from None
                 self._ring = self.region.ring(entry, timeout_s=self.timeout_s, sole=self._sole)
+                self._let_go_of_name()  # the model's own lock byte holds from here
                 # a model no save ever claimed a slot of (its counter word, not a read of every header)
                 self._made_empty = self.region.counter_word(entry) == 0
             return self._ring
