@@ -296,3 +296,44 @@ def test_a_region_this_user_may_not_write_says_so(tmp_path, monkeypatch):
                                               r"to; give this user write access to it \(its owner may: chmod, chown\), "
                                               r"or run as its owner, and open the store again"):
             store.writer("m")
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 40 MiB tmpfs (no blocks reserved for root, as ext4 keeps: a root process sees more
+    room than statvfs's f_bavail says)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(mnt)], check=True)
+    try:
+        yield str(mnt)
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_a_checkpoint_that_grew_on_a_full_filesystem_is_not_told_to_unkeep(small_tmpfs):
+    """A checkpoint grown past its slots (1 MiB -> 3 MiB) on a nearly full filesystem gets one
+    larger slot; the next save was refused saying "every slot holds its latest or a kept
+    version ... unkeep or remove a version of it" where none is kept: its other slots are too
+    small, and only room on the filesystem helps."""
+    small_fs = small_tmpfs
+    path = os.path.join(small_fs, "r.region")
+
+    def state(n):
+        return {"model": {f"w{i}": torch.ones(256, 1024) for i in range(n)}}
+    with ckptfs.Store.create(path, size_bytes=1 << 30) as store:
+        with store.writer("m", max_inflight=3, timeout_s=10) as w:
+            for s in range(5):
+                w.save(state(1), step=s).result()
+            st = os.statvfs(small_fs)
+            with open(os.path.join(small_fs, "filler.bin"), "wb") as f:  # 4 MiB left
+                os.posix_fallocate(f.fileno(), 0, st.f_bavail * st.f_frsize - 4 * MIB)
+            w.save(state(3), step=5).result()  # one larger slot
+            with pytest.raises(RegionFullError) as refused:
+                w.save(state(3), step=6).result()
+            said = str(refused.value)
+            assert "grew past its older slots, and its one slot large enough holds its latest" in said, said
+            assert "unkeep" not in said and "the filesystem holding" in said
+        assert [v.step for v in store.versions("m")] == [1, 2, 3, 4, 5] and store.latest("m").step == 5

@@ -223,10 +223,7 @@ class Ring:
                     # until its leader, maybe in another process, gives the older ones back after
                     # each global commit: a ring of parts waits a while for that first
                     if stuck_since is not None and (self.sole or now - stuck_since >= PARTS_STUCK_S):
-                        raise RegionFullError(
-                            f"every slot of {entry.name!r} holds its latest or a kept version, and {e}" + (
-                                "" if "unkeep" in str(e) else "; unkeep or remove a version of it") + ": " + in_words(
-                                python="Store.unkeep / Store.remove", cli="`ckptfs unkeep` / `ckptfs rm`")) from None
+                        raise self._stuck(entry, need, e) from None
                     if short:  # no room for the ring's share: make do with its other slots
                         if not self._short_said:
                             self._short_said = True
@@ -267,6 +264,20 @@ class Ring:
                 continue
             return now, slot, header
         return None
+
+    def _stuck(self, entry: ModelEntry, need: int, full: RegionFullError) -> RegionFullError:
+        """The error of a save no slot of ``entry`` can ever take (``_candidates`` none) in a
+        region too ``full`` for another: its slots large enough hold its latest or kept versions;
+        where none is kept, the checkpoint grew past its other slots, and no unkeep helps."""
+        ages = self._slot_ages(entry)
+        if not any(ages[s] == KEPT for s in entry.slots() if entry.slot_size(s) >= need):
+            return RegionFullError(
+                f"this checkpoint of {entry.name!r} ({human_bytes(need)} a slot) grew past its older slots, and its "
+                f"one slot large enough holds its latest; {full}")
+        return RegionFullError(
+            f"every slot of {entry.name!r} holds its latest or a kept version, and {full}" + (
+                "" if "unkeep" in str(full) else "; unkeep or remove a version of it") + ": " + in_words(
+                python="Store.unkeep / Store.remove", cli="`ckptfs unkeep` / `ckptfs rm`"))
 
     def _candidates(self, entry: ModelEntry, need: int) -> list[int]:
         """The slots of ``entry`` a version of ``need`` bytes may take once free: large enough,
