@@ -421,8 +421,9 @@ def encode_files(extra: dict | None) -> tuple[tuple[str, str], ...]:
         total += len(dumps_compact(value))
         files.append((name, value))
     if total > FILES_MAX_BYTES:
-        raise ValueError(f"extra files take {human_bytes(total)} in the version's index (JSON text); at most "
-                         f"{human_bytes(FILES_MAX_BYTES)}: save large data as tensors")
+        raise ValueError(f"extra files take {total} bytes in the version's index (its ASCII JSON text: a "
+                         f"character past ASCII takes 6); at most {FILES_MAX_BYTES} ({human_bytes(FILES_MAX_BYTES)}): "
+                         "save large data as tensors")
     return tuple(files)
 
 

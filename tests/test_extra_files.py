@@ -144,12 +144,16 @@ def test_extra_is_checked_when_save_is_called(tmp_path):
                            ({"x.json": float("nan")}, TypeError), ({1: "x"}, TypeError), (["x"], TypeError)]:
             with pytest.raises(error):
                 w.save({"w": torch.ones(1)}, step=1, extra=bad, async_snapshot=True)
-        with pytest.raises(ValueError, match="at most 16.0 MiB"):
+        with pytest.raises(ValueError, match=r"at most 16777216 \(16.0 MiB\)"):
             w.save({"w": torch.ones(1)}, step=1, extra={"big.txt": "x" * (17 << 20)})
         # counted as the index holds it: 3 MiB of NULs are 18 MiB of JSON escapes there
-        with pytest.raises(ValueError, match=r"extra files take 18.0 MiB in the version's index \(JSON text\); "
-                                             r"at most 16.0 MiB"):
+        with pytest.raises(ValueError, match=rf"extra files take {6 * (3 << 20) + 2} bytes in the version's index "
+                                             r"\(its ASCII JSON text: a character past ASCII takes 6\); at most "
+                                             r"16777216 \(16.0 MiB\)"):
             w.save({"w": torch.ones(1)}, step=1, extra={"nul.txt": "\0" * (3 << 20)})
+        # exactly over by the 2 quotes: it said "take 16.0 MiB ...; at most 16.0 MiB"
+        with pytest.raises(ValueError, match=r"take 16777218 bytes"):
+            w.save({"w": torch.ones(1)}, step=1, extra={"edge.txt": "x" * (16 << 20)})
         # a name the views take: it hid their file (metadata.json) or their directory (hf/) in silence
         for own in ("metadata.json", "checkpoint.pt", "state.safetensors", "hf", "model.safetensors"):
             with pytest.raises(ValueError, match=rf"extra: '{own}' is a name ckptfs gives its own files"):
