@@ -156,8 +156,9 @@ class Structure:
         elif kind in ("dict", "odict"):
             if type(obj) is not (dict if kind == "dict" else OrderedDict) or tuple(obj) != n.keys:
                 raise _Changed
-            if n.key_types is not None and tuple(map(type, obj)) != n.key_types:
-                raise _Changed  # True == 1: equal keys of another type change the skeleton
+            if n.key_types is not None and (tuple(map(type, obj)) != n.key_types or float in n.key_types and any(
+                    type(k) is float and math.copysign(1.0, k) != math.copysign(1.0, c) for k, c in zip(obj, n.keys))):
+                raise _Changed  # True == 1, -0.0 == 0.0: equal keys of another type or sign change the skeleton
             if n.all_tensors:
                 leaves.extend(obj.values())
             else:
@@ -185,7 +186,8 @@ class Structure:
                     or not t.is_contiguous()):
                 raise _Changed
             append(t.data_ptr())
-        if any(ptrs[a] != ptrs[b] for a, b in self._tied):  # ties kept ...
+        if any(ptrs[a] != ptrs[b] or leaves[a].is_neg() != leaves[b].is_neg() or leaves[a].is_conj() != leaves[b].is_conj()
+               for a, b in self._tied):  # ties kept (a lazily negated view of the same bytes is no tie) ...
             raise _Changed
         distinct = {ptrs[leaf] for leaf in self._nonempty}
         if len(distinct) != len(self._nonempty) or 0 in distinct:  # ... and none added; no meta tensors
