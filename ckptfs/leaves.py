@@ -115,7 +115,10 @@ def numpy_safe_globals() -> list:
     codes = ["|b1", "|i1", "|u1"] + [f"<{k}{n}" for k in "iu" for n in (2, 4, 8)] + ["<f2", "<f4", "<f8", "<c8", "<c16"]
     # a file torch.save wrote under numpy 1 names numpy.core.multiarray (numpy 2's is numpy._core)
     old_names = [(core._reconstruct, "numpy.core.multiarray._reconstruct"), (core.scalar, "numpy.core.multiarray.scalar")]
-    return [core._reconstruct, core.scalar, *old_names, np.ndarray, np.dtype, *{type(np.dtype(c)) for c in codes}]
+    # an empty array's state holds b"", which a protocol-2 pickle builds through __builtin__.bytes
+    # (torch reads that name as builtins.bytes; torch.save's own file needs it too)
+    empty = [bytes]
+    return [core._reconstruct, core.scalar, *old_names, *empty, np.ndarray, np.dtype, *{type(np.dtype(c)) for c in codes}]
 
 
 def _numpy_dtype_code(dtype, where: str) -> str:

@@ -488,6 +488,23 @@ def test_torch_load_weights_only_round_trip(tmp_path, mmap):
     assert loaded["transposed"].is_contiguous()
 
 
+def test_numpy_arrays_load_weights_only_within_the_documented_safe_globals(tmp_path):
+    """README: checkpoint.pt loads with weights_only=True within
+    safe_globals(ckptfs.leaves.numpy_safe_globals()); an empty array's pickle names bytes
+    (__builtin__.bytes), which the list left out, as torch.save's own file does."""
+    import ckptfs.leaves
+
+    obj = {"w": torch.ones(2), "empty": np.zeros((0, 3)), "ints": np.arange(4, dtype=np.int32),
+           "scalar": np.float32(2.5), "rng": np.random.RandomState(0).get_state()}
+    stored = lay_out(obj)
+    path = stored.write(torch_zip_view(stored.manifest), tmp_path / "checkpoint.pt")
+    with torch.serialization.safe_globals(ckptfs.leaves.numpy_safe_globals()):
+        loaded = torch.load(path, weights_only=True)
+    assert loaded["empty"].shape == (0, 3) and loaded["empty"].dtype == np.float64
+    assert np.array_equal(loaded["ints"], obj["ints"]) and loaded["scalar"] == np.float32(2.5)
+    assert np.array_equal(loaded["rng"][1], obj["rng"][1])
+
+
 def computed_storage_offsets():
     """torch's option to compute storage offsets, set for a ``with`` block by torch's own scoped
     patch (never monkeypatch: its undo can delete the option from torch's config object)."""
