@@ -126,8 +126,7 @@ def _select(manifest: Manifest, key: str | None, every_name: bool = False, unwra
         named = [(ref.name, ref.tensor_index) for ref in manifest.refs()]
     else:
         # A top-level value that is itself a tensor has no path below the key: it keeps the key.
-        named = [(".".join(ref.key_path[1:]) or key, ref.tensor_index)
-                 for ref in manifest.refs() if ref.key_path[:1] == (key,)]
+        named = [(".".join(ref.key_path[1:]) or key, ref.tensor_index) for ref in manifest.refs_under(key)]
     if unwrapped:
         cut = len(wrapper_prefix([name for name, _ in named]))
         named = [(name[cut:], index) for name, index in named]
