@@ -1042,3 +1042,18 @@ def test_the_clis_lines_never_raise_into_the_library(monkeypatch, capsys):
         common.stop_cli_lines()  # the daemon's own handler takes over
         assert warnings.showwarning is shown and not logging.getLogger("ckptfs").handlers
     assert warnings.showwarning is shown
+
+
+def test_info_shows_keys_a_terminal_cannot_print_escaped(tmp_path):
+    """A key holding a lone surrogate ended `info` with "'utf-8' codec can't encode" after its
+    header, and one holding a newline printed a bogus row: both are escaped as Python writes
+    them (as `verify` names them)."""
+    region = str(tmp_path / "r.region")
+    with ckptfs.Store.create(region, size_bytes=64 << 20) as store, store.writer("m") as w:
+        w.save({"model": {"ok": torch.ones(1), "bad\ud800": torch.zeros(2), "line\nbreak": torch.ones(3)}},
+               step=1).result()
+    done = subprocess.run([sys.executable, "-m", "ckptfs.cli", "info", "m", "--region", region],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    rows = [line.split()[0] for line in done.stdout.splitlines() if line.startswith("model.")]
+    assert rows == ["model.ok", "model.bad\\ud800", "model.line\\nbreak"]

@@ -180,8 +180,15 @@ def when(time_ns: int) -> str:
     return datetime.datetime.fromtimestamp(time_ns / 1e9).isoformat(sep=" ", timespec="seconds")
 
 
+def shown(text: str) -> str:
+    """``text`` with what a terminal cannot show as it is escaped as Python writes it: a
+    newline or NUL in a key made a bogus row, and a lone surrogate ended ``info`` with an
+    encoding error half-way."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def table(rows: list[list[Any]], header: list[str]) -> None:
-    cells = [header] + [[str(c) for c in r] for r in rows]
+    cells = [header] + [[shown(str(c)) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     # one write: an echo per row was a third of `info` of a version of 40,000 tensors
     click.echo("\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells))
