@@ -977,3 +977,19 @@ def test_the_files_of_many_top_level_keys_walk_the_tensors_once(monkeypatch, tmp
     assert len(files) == 301
     got = load_file(stored.write(files["layers.7.weight.safetensors"], tmp_path / "k"))
     assert sorted(got) == ["exp_avg", "step"] and got["exp_avg"].tolist() == [7.0, 7.0]
+
+
+def test_no_safetensors_file_whose_tensor_entries_alone_pass_what_readers_open(monkeypatch):
+    """Past MAX_HEADER_BYTES of header without the skeleton (a million tensors, or names of
+    megabytes), state.safetensors and <key>.safetensors were shown, and exported, though
+    safetensors refuses them ("header too large") and `ckptfs import` of the export failed on
+    them: they are left out (checkpoint.pt has every tensor)."""
+    import ckptfs.views.safetensors as sv
+    from ckptfs.views import files_for
+
+    obj = {"model": {f"layer{i}." + "w" * 40: torch.ones(1) for i in range(20)}}
+    manifest = lay_out(obj).manifest
+    assert {"state.safetensors", "model.safetensors"} <= set(files_for(manifest))
+    monkeypatch.setattr(sv, "MAX_HEADER_BYTES", 1000)
+    shown = set(files_for(manifest))
+    assert "checkpoint.pt" in shown and not {"state.safetensors", "model.safetensors"} & shown, shown

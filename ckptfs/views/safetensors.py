@@ -103,6 +103,10 @@ def safetensors_view(manifest: Manifest, *, key: str | None = None,
         meta[SKELETON_OMITTED_KEY] = (f"{len(header) - 8} bytes of header with the skeleton, over the "
                                       f"{MAX_HEADER_BYTES} that safetensors reads: see checkpoint.pt")
         header, extents, data_bytes = _header_and_extents(_metadata(manifest, skipped, aliases, meta), kept)
+    if len(header) - 8 > MAX_HEADER_BYTES:
+        # the tensors' entries alone (a million tensors, names of megabytes): no reader would
+        # open it, and `ckptfs import` of an export took it over checkpoint.pt beside it
+        return None
 
     def segments():
         # made on the first read: a listing needs the size only, and 40,000 tensors stored apart
