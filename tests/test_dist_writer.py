@@ -1315,3 +1315,29 @@ def test_open_version_of_a_multi_rank_step_pins_its_parts_and_loads_its_state(tm
             assert store.load("m", step=2)["w"].unique().tolist() == [2.0]
         with store.open_version("m", 2, whole=False) as raw:  # the record the mount and the parts read
             assert "dcp" in raw.load()
+
+
+def _load_newest_into(rank, world, region, out):
+    store = ckptfs.Store(region)
+    into = {"w": torch.zeros(2, 100)}
+    store.load("m", group=dist.group.WORLD, into=into, timeout_s=60)
+    torch.save(into["w"], f"{out}.{rank}")
+    store.close()
+
+
+def test_a_multi_rank_load_whose_latest_record_is_damaged_falls_back_to_an_older_step(tmp_path):
+    """A load with no step asked for, whose newest step's global record (its index) is damaged:
+    every rank said "falling back to step 2" and then failed on step 3, where a load of one
+    process loads step 2. Every rank now loads the newest step that every rank reads intact."""
+    from ckptfs.testing.faults import Fault, fault_sites, inject
+
+    region = _new_region(tmp_path)
+    run_ranks(_three_steps, 2, region)
+    site = next(s for s in fault_sites(region) if s.kind == "index" and s.model == "m" and s.step == 3)
+    assert inject(region, Fault(site, "bit", site.offset + site.length // 2, 1, 2))
+    with ckptfs.Store(region) as store:
+        assert store.load("m")["w"].unique().tolist() == [2.0]  # one process: step 2
+    out = str(tmp_path / "w")
+    run_ranks(_load_newest_into, 2, region, out)
+    for rank in range(2):
+        assert torch.load(f"{out}.{rank}").unique().tolist() == [2.0]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import logging
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -28,6 +29,8 @@ from ckptfs.dist.single import ONE_PROCESS, one_process_metadata, open_one_proce
 from ckptfs.errors import CkptfsError, CorruptionError, NotFoundError, no_version_yet
 from ckptfs.gcpause import GCHold, paused_gc
 from ckptfs.scan import ReadAhead, ReadBuffers
+
+log = logging.getLogger("ckptfs")
 
 
 OPEN_THREADS = 8  # the parts of a load opened at once
@@ -126,11 +129,19 @@ class StorageReader(_DCPReader):
                 raise NotFoundError(f"step {self.step} of {self.model!r} is not a version that every node records; "
                                     "`ckptfs ls` lists the steps")
             raise no_version_yet(self.model)
-        step = max(agreed)
-        metadata, record, failure = self._read_step(step)
-        self._compare_nodes(step, record, failure, group)
-        self.metadata = metadata
-        return metadata
+        # the newest step every node records, or (no step asked for) the newest older one whose
+        # record every rank reads intact, as a load of one process falls back
+        older = sorted(agreed, reverse=True)[1:] if self.step is None else []
+        for step in sorted(agreed, reverse=True):
+            metadata, record, failure = self._read_step(step)
+            damaged = self._compare_nodes(step, record, failure, group, may_fall_back=bool(older))
+            if damaged is None:
+                self.metadata = metadata
+                return metadata
+            log.warning("%s; loading step %d of %r instead, the newest older one every node records intact",
+                        damaged, older[0], self.model)
+            older.pop(0)
+        raise AssertionError("unreachable: the oldest step is read without a fall-back")
 
     def _check_newer_step(self, newest: int, mine: bool, agreed: set, steps: list[set], group) -> None:
         """Some nodes record ``newest``, newer than every step all nodes record (``agreed``).
@@ -184,13 +195,20 @@ class StorageReader(_DCPReader):
         except Exception as e:  # noqa: BLE001 - said to the other ranks, which would wait for this one
             return None, b"", e
 
-    def _compare_nodes(self, step: int, record: bytes, failure: Exception | None, group) -> None:
+    def _compare_nodes(self, step: int, record: bytes, failure: Exception | None, group,
+                       may_fall_back: bool = False) -> str | None:
         """Every rank's outcome of ``_read_step``: this rank's failure, another's, or nodes whose
         regions hold different checkpoints as ``step`` (a node whose region holds the model of
-        another job at the same step would load a mixture) raise, on every rank."""
+        another job at the same step would load a mixture) raise, on every rank. With
+        ``may_fall_back``, a record found damaged (CorruptionError) on some rank is returned
+        instead, in words, on every rank alike (from the same outcomes): the caller loads an
+        older step. None: every rank read it."""
         outcomes = exchange((self.store.path, hashlib.sha256(record).hexdigest(),
                              None if failure is None else f"{type(failure).__name__}: {failure}"), group,
                             f"the comparison of step {step} of {self.model!r} across the nodes")
+        damaged = [why for _, _, why in outcomes if why is not None and why.startswith(f"{CorruptionError.__name__}: ")]
+        if may_fall_back and damaged:
+            return damaged[0][len(CorruptionError.__name__) + 2:]
         if failure is not None:
             raise failure
         failed = [(path, why) for path, _, why in outcomes if why is not None]
@@ -204,6 +222,7 @@ class StorageReader(_DCPReader):
             raise CorruptionError(f"the nodes' regions hold different checkpoints as step {step} of {self.model!r} "
                                   f"({' / '.join(', '.join(sorted(set(p))) for p in kinds.values())}): one of them "
                                   "belongs to another job; load with the regions of this job only")
+        return None
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
         self.metadata = metadata
