@@ -309,6 +309,7 @@ def test_two_nodes_each_record_the_global_version_and_load_across_them(tmp_path)
     assert {"metadata.json", "dcp-parts.json"} <= set(files)
     info = subprocess.run(CLI + ["info", "--region", regions[0], "fsdp"], capture_output=True, text=True)
     assert info.returncode == 0 and "whole    not shown here: the parts of rank(s) 2, 3" in info.stdout, info.stdout
+    assert "left out" not in info.stdout and parts["not_shown"] == []  # "epoch" is no pickle: it is elsewhere
     export = subprocess.run(CLI + ["export", "--region", regions[0], "fsdp", str(tmp_path / "x.pt")],
                             capture_output=True, text=True)
     assert export.returncode == 1 and "has no checkpoint.pt here (the parts of rank(s) 2, 3" in export.stderr

@@ -120,8 +120,11 @@ def _plan_whole(store, version) -> WholeLayout:
                                         "another node's region")
         else:
             records, skeleton, shown = _plan_state(layout, meta, opened, items)
-        layout.not_shown = tuple(sorted(fqn for fqn, md in meta.state_dict_metadata.items()
-                                        if not isinstance(md, TensorStorageMetadata) and fqn not in shown))
+        # the values the parts here did not store as plain data; none where nothing is shown (a
+        # plain "epoch" in another node's part was said to be one of DCP's pickles)
+        layout.not_shown = () if remote else tuple(sorted(
+            fqn for fqn, md in meta.state_dict_metadata.items() if not isinstance(md, TensorStorageMetadata)
+            and fqn not in shown))
         summary["not_shown"] = list(layout.not_shown)
         _plan_parts(layout, meta, opened, items)
     finally:
