@@ -292,3 +292,34 @@ def test_a_dcp_writer_whose_close_was_cut_short_is_closed_by_a_removal_or_a_writ
     store.remove_model("k")
     assert kept._stopped and "k" not in store.models()
 
+
+
+def test_a_ctrl_c_while_the_claim_thread_starts_leaves_one_thread_that_close_stops(store, monkeypatch):
+    """As the snapshot thread's: a Ctrl-C in Thread.start's wait for the claim thread left it
+    running unrecorded; the next save started a second on the same queue (claims out of order),
+    and close's one stop could reach the wrong one, its join then waiting forever."""
+    import signal
+
+    real_start, main = threading.Thread.start, threading.main_thread().ident
+
+    def start_under_a_ctrl_c(self):
+        if self.name == "ckptfs-claim":
+            monkeypatch.setattr(threading.Thread, "start", real_start)
+            signal.pthread_kill(main, signal.SIGINT)
+            time.sleep(0.05)
+        real_start(self)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        state = {"w": torch.randn(1 << 16)}
+        w = store.writer("m")
+        monkeypatch.setattr(threading.Thread, "start", start_under_a_ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            w.save(state, step=1).result()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    claim_threads = [t for t in threading.enumerate() if t.name == "ckptfs-claim"]
+    assert claim_threads == [w._claimer._thread]
+    w.save(state, step=2).result()
+    assert [t for t in threading.enumerate() if t.name == "ckptfs-claim"] == claim_threads
+    w.close()
+    assert ckptfs_threads() == [] and store.latest("m").step == 2

@@ -11,7 +11,7 @@ import threading
 from typing import Callable
 
 from ckptfs.region.claim import Claim
-from ckptfs.writer.job import Job
+from ckptfs.writer.job import Job, uninterrupted
 
 
 class Claimer:
@@ -30,10 +30,17 @@ class Claimer:
         A claim made for a job that failed meanwhile is aborted (its slot goes back)."""
         with self._lock:
             if self._thread is None:
-                thread = threading.Thread(target=self._loop, name="ckptfs-claim", daemon=True)
-                thread.start()  # may fail (no memory for a stack): then none is kept, the next save tries again
-                self._thread = thread
+                uninterrupted(self._start)
         self._queue.put((job, claim))
+
+    def _start(self) -> None:
+        """Start the thread and record it, as one: to its end under Ctrl-C (Thread.start waits
+        for the thread to run; interrupted there, it left a thread no close stopped, beside the
+        next save's), and nothing recorded where it cannot start (no memory for a stack: the
+        next save tries again; recorded, every later claim waited for a thread never run)."""
+        thread = threading.Thread(target=self._loop, name="ckptfs-claim", daemon=True)
+        thread.start()
+        self._thread = thread
 
     def close(self) -> None:
         """Stop the thread after the claims asked for so far."""

@@ -80,13 +80,18 @@ class ProgressBoard:
             return
         self._dirty = True
         if self._publisher is None:
-            publisher = threading.Thread(target=self._publish_loop, name="ckptfs-progress", daemon=True)
+            from ckptfs.writer.job import uninterrupted  # here: it imports torch, which `ckptfs status` never needs
+
             try:
-                publisher.start()
+                uninterrupted(self._start_publisher)  # see Claimer._start
             except RuntimeError:  # no thread now (a process at its limit): advisory, so no save
                 return            # fails for it; the next change tries again
-            self._publisher = publisher
         self._changed.notify_all()
+
+    def _start_publisher(self) -> None:
+        publisher = threading.Thread(target=self._publish_loop, name="ckptfs-progress", daemon=True)
+        publisher.start()
+        self._publisher = publisher
 
     def _publish_loop(self) -> None:
         while True:
