@@ -843,3 +843,24 @@ def test_a_forked_childs_copy_of_a_writer_refuses_to_save(region_path, store):
     done = subprocess.run([sys.executable, "-c", _SAVE_IN_A_FORKED_CHILD, region_path], capture_output=True,
                           text=True, timeout=90)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_a_writer_whose_look_for_its_model_fails_leaves_its_name_free(store, monkeypatch):
+    """Region.hold_name took the name's lock byte, then the look for the model failed (an I/O
+    error reading the table): the byte stayed held, and every later writer of the model in this
+    Store was refused as if one had not saved yet."""
+    from ckptfs.errors import RegionIOError
+
+    real_find, calls = type(store.region).find, []
+
+    def find_then_fail(self, name):  # the writer's own look finds none; hold_name's fails
+        calls.append(name)
+        if len(calls) > 1:
+            raise RegionIOError("injected media error", 5, "read")
+        return real_find(self, name)
+    monkeypatch.setattr(type(store.region), "find", find_then_fail)
+    with pytest.raises(RegionIOError, match="injected"):
+        store.writer("lost")
+    monkeypatch.setattr(type(store.region), "find", real_find)
+    with store.writer("lost") as w:
+        w.save(state(1), step=1).result()

@@ -185,7 +185,11 @@ class Region(ModelTable, SlotReader):
             who, here_only = holders_in_words(self.path, offset)
             raise BusyError(f"model {model!r} has a writer open in {'this process' if here_only else who} that has "
                             "not saved yet: one writer per model; close that one first, or save under another name")
-        entry = self.find(model)
+        try:
+            entry = self.find(model)
+        except BaseException:  # an I/O error reading the table: no writer holds the name
+            self.pins.release(offset)
+            raise
         if entry is not None:
             self.pins.release(offset)
             return entry, None
