@@ -296,11 +296,11 @@ def test_a_skeleton_past_the_header_limit_of_safetensors_is_left_out_and_said(mo
     stored = lay_out({"w": torch.tensor([1.0, 2.0]), "order": list(range(50))}, model="m", step=5)
     whole = stored.materialize(safetensors_view(stored.manifest))
     assert b"ckptfs.skeleton" in whole and len(whole) - 8 - 8 < 1000
-    monkeypatch.setattr(view_module, "MAX_HEADER_BYTES", 200)
+    monkeypatch.setattr(view_module, "MAX_HEADER_BYTES", 300)
     small = stored.materialize(safetensors_view(stored.manifest))
     header = json.loads(small[8:8 + struct.unpack("<Q", small[:8])[0]])
     assert "ckptfs.skeleton" not in header["__metadata__"] and len(small) < len(whole)
-    assert "over the 200 that safetensors reads" in header["__metadata__"]["ckptfs.skeleton_omitted"]
+    assert "over the 300 that safetensors reads" in header["__metadata__"]["ckptfs.skeleton_omitted"]
     assert safetensors.torch.load(small)["w"].tolist() == [1.0, 2.0]
 
 
@@ -987,9 +987,11 @@ def test_no_safetensors_file_whose_tensor_entries_alone_pass_what_readers_open(m
     import ckptfs.views.safetensors as sv
     from ckptfs.views import files_for
 
-    obj = {"model": {f"layer{i}." + "w" * 40: torch.ones(1) for i in range(20)}}
+    obj = {"model": {"w": torch.ones(1)}, "optim": {f"layer{i}." + "w" * 40: torch.ones(1) for i in range(20)}}
     manifest = lay_out(obj).manifest
-    assert {"state.safetensors", "model.safetensors"} <= set(files_for(manifest))
+    assert {"state.safetensors", "model.safetensors", "optim.safetensors"} <= set(files_for(manifest))
     monkeypatch.setattr(sv, "MAX_HEADER_BYTES", 1000)
     shown = set(files_for(manifest))
-    assert "checkpoint.pt" in shown and not {"state.safetensors", "model.safetensors"} & shown, shown
+    # the model's file fits: it stays, without the whole state's
+    assert "checkpoint.pt" in shown and "model.safetensors" in shown, shown
+    assert not {"state.safetensors", "optim.safetensors"} & shown, shown

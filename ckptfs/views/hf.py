@@ -44,7 +44,7 @@ def hf_files(manifest: Manifest) -> dict[str, View]:
         return {}
     files = {f"{HF_DIR}/{name}": view for name, view in extra_files(manifest).items()
              if name not in RECORD_FILES and name not in HF_INDEXES + HF_SINGLE}
-    has_model_key = any(ref.key_path[:1] == (MODEL_KEY,) for ref in manifest.refs())
+    has_model_key = bool(manifest.refs_under(MODEL_KEY))
     # a tied tensor under each of its names: from_pretrained of the base model (AutoModel) of
     # a checkpoint whose head's name came first (XLM-R, a sorted state dict) found no embeddings;
     # the names of a DDP-wrapped or compiled model's state dict without their wrappers' prefix,

@@ -245,9 +245,9 @@ def safetensors_files(manifest: Manifest) -> dict[str, View]:
     into a safe file name, or left out when it cannot be, see ``key_file_name``, or when another
     key's name is the same)."""
     state = safetensors_view(manifest)
-    if state is None:
-        return {}
-    files = {STATE_FILE: state}
+    # the keys' files without it too: a whole state too large for a safetensors header (a
+    # huge optimizer state) may hold keys that fit (the model's)
+    files = {} if state is None else {STATE_FILE: state}
     views = {}  # file name -> the views of the keys that make it
     for key in _top_level_tensor_keys(manifest):
         name = key_file_name(key)
