@@ -1050,10 +1050,11 @@ def test_info_shows_keys_a_terminal_cannot_print_escaped(tmp_path):
     them (as `verify` names them)."""
     region = str(tmp_path / "r.region")
     with ckptfs.Store.create(region, size_bytes=64 << 20) as store, store.writer("m") as w:
-        w.save({"model": {"ok": torch.ones(1), "bad\ud800": torch.zeros(2), "line\nbreak": torch.ones(3)}},
-               step=1).result()
+        w.save({"model": {"ok": torch.ones(1), "bad\ud800": torch.zeros(2), "line\nbreak": torch.ones(3)},
+                "key\udc80": {"t": torch.ones(1)}}, step=1).result()  # a file of its own: key\udc80.safetensors
     done = subprocess.run([sys.executable, "-m", "ckptfs.cli", "info", "m", "--region", region],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     rows = [line.split()[0] for line in done.stdout.splitlines() if line.startswith("model.")]
     assert rows == ["model.ok", "model.bad\\ud800", "model.line\\nbreak"]
+    assert "key\\udc80.safetensors (" in next(line for line in done.stdout.splitlines() if line.startswith("files "))

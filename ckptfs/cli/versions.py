@@ -6,7 +6,7 @@ import json
 import click
 
 from ckptfs.cli.common import (STEP, cli, info_dict, json_option, open_store, part_models, progress,
-                               region_option, table, version_step, when)
+                               region_option, shown, table, version_step, when)
 from ckptfs.dist.parts import loadable
 from ckptfs.errors import HeldError, NotFoundError
 from ckptfs.units import human_bytes
@@ -102,8 +102,8 @@ def info(region, as_json, step, model):
         if doc.get("whole_absent"):
             click.echo(f"whole    not shown here: {doc['whole_absent']}")
         if doc["not_shown"]:
-            click.echo(f"left out {not_shown_words(doc['not_shown'])}")
-        click.echo("files    " + ", ".join(f"{n} ({human_bytes(s)})" for n, s in files.items()))
+            click.echo(f"left out {shown(not_shown_words(doc['not_shown']))}")
+        click.echo("files    " + ", ".join(f"{shown(n)} ({human_bytes(s)})" for n, s in files.items()))
         click.echo()
         table([[t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar", human_bytes(t["nbytes"]), t["crc32"]]
                 for t in doc["tensors"]], ["TENSOR", "DTYPE", "SHAPE", "SIZE", "CRC32"])
