@@ -436,7 +436,7 @@ def encode_files(extra: dict | None) -> tuple[tuple[str, str], ...]:
         files.append((name, value))
     if total > FILES_MAX_BYTES:
         raise ValueError(f"extra files take {total} bytes in the version's index (its ASCII JSON text: a "
-                         f"character past ASCII takes 6); at most {FILES_MAX_BYTES} ({human_bytes(FILES_MAX_BYTES)}): "
+                         f"character past ASCII takes 6, past U+FFFF 12); at most {FILES_MAX_BYTES} ({human_bytes(FILES_MAX_BYTES)}): "
                          "save large data as tensors")
     return tuple(files)
 

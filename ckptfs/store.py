@@ -81,7 +81,7 @@ class Store:
             if not writable or e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
                 raise
             self._region = Region(path, writable=False)
-            self._region.read_only_reason = e
+            self._region.read_only_reason = OSError(e.errno, e.strerror)  # not e: its traceback holds self
 
     @classmethod
     def create(cls, path: str, size_bytes: int | None = None, *, exist_ok: bool = False,
@@ -471,7 +471,7 @@ class Store:
                 "version of it first, or remove other models: " + in_words(
                     python="Store.unkeep / Store.remove / Store.remove_model",
                     cli="`ckptfs unkeep` / `ckptfs rm`"))
-        keep_parts(self, model, step, counter)  # nothing for a model without part models
+        parts_kept = keep_parts(self, model, step, counter)  # nothing for a model without part models
         newly = self._set_kept(model, step, True, counter)
         try:
             # again, flag set: a commit's reclaim that read the milestones before it may have
@@ -480,6 +480,8 @@ class Store:
         except BaseException:
             if newly:
                 self._set_kept(model, step, False, counter)
+            for name, part_step, part_counter in parts_kept:  # as the first look found them
+                self.unkeep(name, part_step, counter=part_counter)
             raise
         return newly
 

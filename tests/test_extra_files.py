@@ -148,7 +148,7 @@ def test_extra_is_checked_when_save_is_called(tmp_path):
             w.save({"w": torch.ones(1)}, step=1, extra={"big.txt": "x" * (17 << 20)})
         # counted as the index holds it: 3 MiB of NULs are 18 MiB of JSON escapes there
         with pytest.raises(ValueError, match=rf"extra files take {6 * (3 << 20) + 2} bytes in the version's index "
-                                             r"\(its ASCII JSON text: a character past ASCII takes 6\); at most "
+                                             r"\(its ASCII JSON text: a character past ASCII takes 6, past U\+FFFF 12\); at most "
                                              r"16777216 \(16.0 MiB\)"):
             w.save({"w": torch.ones(1)}, step=1, extra={"nul.txt": "\0" * (3 << 20)})
         # exactly over by the 2 quotes: it said "take 16.0 MiB ...; at most 16.0 MiB"

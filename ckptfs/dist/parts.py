@@ -251,13 +251,14 @@ def release_unnamed(store, model: str) -> None:
                 pass  # a reader holds one of its versions (the next save tries again), or it went
 
 
-def keep_parts(store, model: str, step: int, counter: int | None = None) -> None:
+def keep_parts(store, model: str, step: int, counter: int | None = None) -> list[tuple[str, int, int]]:
     """Keep the parts in ``store``'s region of global version ``step`` of ``model`` (of a step
     saved twice the newer, or the one whose counter is ``counter``; nothing for a version that
     is not one); PartGoneError, nothing kept, if one of them is gone; the error of the part that
-    could not be kept (RegionFullError: its ring had no room), the others unkept again."""
+    could not be kept (RegionFullError: its ring had no room), the others unkept again. Returns
+    (part model, step, counter) of the parts it kept that were not kept before."""
     if not part_models(store, model):
-        return  # a model of one process (its index is not decoded for nothing: 40,000 tensors, 0.2 s)
+        return []  # a model of one process (its index is not decoded for nothing: 40,000 tensors, 0.2 s)
     version = next((v for v in reversed(store.versions(model, hidden=True))
                     if v.step == step and counter in (None, v.counter)), None)
     wanted = _parts_of(store, model, version.step, version.counter) if version is not None else None
@@ -278,6 +279,7 @@ def keep_parts(store, model: str, step: int, counter: int | None = None) -> None
         for name, part_step, part_counter in newly:
             store.unkeep(name, part_step, counter=part_counter)
         raise
+    return newly
 
 
 def named_by(store, model: str, saves: list[tuple[int, int]]) -> set[tuple[str, int]]:

@@ -138,7 +138,7 @@ class StorageReader(_DCPReader):
             if damaged is None:
                 self.metadata = metadata
                 return metadata
-            log.warning("%s; loading step %d of %r instead, the newest older one every node records intact",
+            log.warning("%s; trying step %d of %r instead, the newest older one every node records",
                         damaged, older[0], self.model)
             older.pop(0)
         raise AssertionError("unreachable: the oldest step is read without a fall-back")

@@ -162,10 +162,7 @@ class CkptfsOperations(pyfuse3.Operations):
         version ever listed. A count here can only be too high (a reply the kernel dropped):
         an inode is then kept, never dropped while the kernel still holds it."""
         for ino, nlookup in inode_list:
-            left = self._lookups.pop(ino, 0) - nlookup
-            if left > 0:
-                self._lookups[ino] = left
-            else:
+            if not _count_down(self._lookups, ino, nlookup):
                 self._drop_unknown(ino)
 
     def _drop_unknown(self, ino: int) -> None:
@@ -200,10 +197,7 @@ class CkptfsOperations(pyfuse3.Operations):
     async def releasedir(self, fh):
         _, entries, _ = self._dirs.pop(fh, (None, (), None))
         for _, entry in entries:  # the entries it never handed out are dropped here
-            held = self._in_listings.pop(entry.st_ino, 0) - 1
-            if held > 0:
-                self._in_listings[entry.st_ino] = held
-            else:
+            if not _count_down(self._in_listings, entry.st_ino, 1):
                 self._drop_unknown(entry.st_ino)
 
     # -------------------------------------------------------------- files
@@ -345,6 +339,12 @@ class CkptfsOperations(pyfuse3.Operations):
         self._dirs.clear()
 
 
+def _count_down(counts: dict[int, int], ino: int, by: int) -> bool:
+    """Take ``by`` from ``counts[ino]``; whether any is left (else the key is gone)."""
+    left = counts.pop(ino, 0) - by
+    if left > 0:
+        counts[ino] = left
+    return left > 0
 def _requester(ctx) -> int:
     """The process behind a request (0 where its context is not known)."""
     return _process_of(ctx.pid) if ctx is not None else 0

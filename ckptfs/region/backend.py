@@ -281,11 +281,12 @@ _WHAT_TO_DO = {
 }
 
 
-def what_to_do(code: int) -> str:
-    """The advice for an I/O step on the region that failed with ``code``."""
+def what_to_do(code: int, end_bytes: int | None = None) -> str:
+    """The advice for an I/O step on the region that failed with ``code``; ``end_bytes``: the
+    file's length the step would reach, where known."""
     if code == errno.EFBIG:
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-        if limit != resource.RLIM_INFINITY:
+        if limit != resource.RLIM_INFINITY and (end_bytes is None or end_bytes > limit):
             return f"this process may write files up to {human_bytes(limit)} (`ulimit -f`): raise that limit"
         return "the filesystem allows no file this large"
     return _WHAT_TO_DO.get(code, "check the device and the filesystem holding the region")
@@ -300,7 +301,7 @@ def io_step(operation: str, path: str, offset: int | None = None, length: int | 
     except OSError as e:
         code = e.errno or errno.EIO
         where = "" if offset is None else f" at offset {offset}" + ("" if length is None else f" ({human_bytes(length)})")
-        advice = what_to_do(code)
+        advice = what_to_do(code, None if offset is None else offset + (length or 0))
         raise RegionIOError(f"{operation} of {path}{where} failed: {os.strerror(code)}; {advice}",
                             code, operation) from e
 

@@ -113,7 +113,7 @@ def format_new_file(path: str, size_bytes: int) -> None:
         except OSError as e:
             if e.errno != errno.EFBIG:
                 raise
-            raise RegionFormatError(f"{path}: a file of {human_bytes(size_bytes)} cannot be made: {what_to_do(e.errno)}; "
+            raise RegionFormatError(f"{path}: a file of {human_bytes(size_bytes)} cannot be made: {what_to_do(e.errno, size_bytes)}; "
                                     + in_words(python="or pass a smaller size_bytes", cli="or give a smaller --size")) from None
         format_in_place(tmp, None, shown=path)
         _publish_new_file(tmp, path)
