@@ -345,6 +345,8 @@ def _count_down(counts: dict[int, int], ino: int, by: int) -> bool:
     if left > 0:
         counts[ino] = left
     return left > 0
+
+
 def _requester(ctx) -> int:
     """The process behind a request (0 where its context is not known)."""
     return _process_of(ctx.pid) if ctx is not None else 0
