@@ -106,6 +106,30 @@ def test_a_resumed_writer_prefills_its_pool_before_the_first_save(store, monkeyp
         assert fresh._background == []  # no version: nothing to size a pool by
 
 
+def test_a_state_that_outgrows_its_first_save_gets_chunks_and_a_pool_of_its_size(store, monkeypatch):
+    """A first save before the optimizer had state (a few KiB) fixed 4 KiB chunks and a pool of
+    two of them for good: every later save of 100 MiB took 20x as long as a fresh writer's. The
+    pool is made again for the larger state; the outgrown one's buffers are given back."""
+    made = staging_buffers_made(monkeypatch)
+    chunk_bytes = 1 << 20
+    big = {"w": torch.randn(1 << 20), "b": torch.randn(3)}  # 4 MiB: 4+1 chunks of 1 MiB
+    with store.writer("m", chunk_bytes=chunk_bytes, max_inflight=2) as w:
+        w.save({"w": torch.randn(64)}, step=1).result()
+        small_buffers = list(made)
+        assert small_buffers and all(len(b.mapping) == 4096 for b in small_buffers)
+        for step in (2, 3):
+            w.save(big, step=step).result()
+        big_buffers = made[len(small_buffers):]
+        assert {len(b.mapping) for b in big_buffers} == {chunk_bytes}
+        assert len(big_buffers) <= w._pools[False].max_buffers  # the second big save made none
+        assert all(b.mapping.closed for b in small_buffers)
+        assert len(w._planner.plan(big, 4).layout.chunks) == 5
+        w.save({"w": torch.randn(64)}, step=5).result()  # smaller again: the larger pool serves it
+        assert made[len(small_buffers):] == big_buffers
+    loaded = store.load("m", step=3)
+    assert torch.equal(loaded["w"], big["w"]) and torch.equal(loaded["b"], big["b"])
+
+
 def test_prepare_makes_the_plan_and_the_pool_so_the_first_save_makes_neither(store, monkeypatch):
     """Writer.prepare(state): the structure planned and the staging faulted in off the caller's
     thread; the first save then flattens nothing and makes no buffer."""

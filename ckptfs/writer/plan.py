@@ -3,7 +3,6 @@ happens here, before anything is claimed or written.
 """
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 
@@ -61,13 +60,11 @@ class SavePlan:
 class Planner:
     """Plans the saves of one writer: the layout is computed once per object structure (a
     training loop saves the same structure every time, and planning a large one costs
-    milliseconds), and the chunk size is fixed at the first save."""
+    milliseconds)."""
 
     def __init__(self, model: str, chunk_bytes: int):
         self.model = model
         self.chunk_bytes = chunk_bytes
-        self.effective_chunk_bytes: int | None = None
-        self._lock = threading.Lock()
         self._cache: tuple[tuple, Layout] | None = None
         self._structure: Structure | None = None  # of the last object flattened in full
 
@@ -99,13 +96,10 @@ class Planner:
 
     def chunk_bytes_for(self, data_bytes: int) -> int:
         """``chunk_bytes``, or less for a small state, so that a checkpoint of a few KiB does
-        not pre-fault 64 MiB staging buffers; fixed by the first call (the first save, or the
-        writer's open of a model that has a version)."""
-        with self._lock:
-            if self.effective_chunk_bytes is None:
-                smallest = max(align_up(data_bytes, IO_ALIGN_BYTES), IO_ALIGN_BYTES)
-                self.effective_chunk_bytes = min(self.chunk_bytes, smallest)
-            return self.effective_chunk_bytes
+        not pre-fault 64 MiB staging buffers. A state that grows gets larger chunks again: fixed
+        by a tiny first save (an optimizer without its state yet), they made every later save of
+        100 MiB take 20x as long."""
+        return min(self.chunk_bytes, max(align_up(data_bytes, IO_ALIGN_BYTES), IO_ALIGN_BYTES))
 
 
 def lay_out(names: list[str], tensors: list[torch.Tensor], chunk_bytes_for,

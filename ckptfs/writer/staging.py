@@ -147,6 +147,7 @@ class StagingPool:
         self._waiting = 0
         self._creating = 0  # buffers being made by prefill (they count against the budget)
         self._closed = False
+        self._retired = False  # a larger pool took its place: released buffers are closed
 
     @property
     def starved(self) -> bool:
@@ -197,7 +198,7 @@ class StagingPool:
         made = 0
         while True:
             with self._cond:
-                if self._closed or len(self._all) + self._creating >= self.max_buffers:
+                if self._closed or self._retired or len(self._all) + self._creating >= self.max_buffers:
                     return made
                 self._creating += 1
             buf = None
@@ -219,8 +220,24 @@ class StagingPool:
 
     def release(self, buf: StagingBuffer) -> None:
         with self._cond:
+            if self._retired and not self._waiting:
+                self._all.remove(buf)
+                buf.close()
+                return
             self._free.append(buf)
             self._cond.notify()
+
+    def retire(self) -> None:
+        """Give back the free buffers now and the others as they are released, unless a snapshot
+        still waits for one: the saves in flight finish on this pool, the next ones use the
+        pool that replaced it."""
+        with self._cond:
+            self._retired = True
+            if not self._waiting:
+                for buf in self._free:
+                    self._all.remove(buf)
+                    buf.close()
+                self._free.clear()
 
     def close(self) -> None:
         with self._cond:

@@ -102,6 +102,7 @@ class Writer:
         self._progress = ProgressBoard(region.superblock.uuid, model)
         self._permits = threading.BoundedSemaphore(max_inflight)
         self._pools: dict[bool, StagingPool] = {}
+        self._retired_pools: list[StagingPool] = []  # outgrown; closed with the writer
         self._outstanding = Outstanding()
         self._made_empty = False  # its ring was made for a model without a version (_remove_if_never_saved)
         self._closed = False  # refuses saves: close began
@@ -333,7 +334,7 @@ class Writer:
             self._persist.close()
             for thread in self._background:  # before the pools: a prepare may still make one
                 thread.join()
-            for pool in self._pools.values():
+            for pool in [*self._pools.values(), *self._retired_pools]:
                 pool.close()
             # only once no worker writes: the ring's close lets go of its claims and the model
             if self._ring is not None:
@@ -535,14 +536,23 @@ class Writer:
         self._background.append(thread)
 
     def _pool(self, cuda: bool, data_bytes: int) -> StagingPool:
+        """The staging pool for saves of ``data_bytes`` (of CUDA tensors: pinned). One made for a
+        smaller state (a first save before the optimizer had state) is replaced once a save
+        needs larger chunks or, with the default budget, a quarter more room: its buffers are
+        given back as the saves in flight release them."""
+        chunk = self._planner.chunk_bytes_for(data_bytes)
+        budget = self.staging_budget_bytes
+        if budget is None:
+            physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            budget = min(self.max_inflight * align_up(max(data_bytes, 1), chunk), physical // 2)
+        budget = max(budget, chunk)
         with self._setup_lock:
-            if cuda not in self._pools:
-                chunk = self._planner.chunk_bytes_for(data_bytes)
-                budget = self.staging_budget_bytes
-                if budget is None:
-                    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-                    budget = min(self.max_inflight * align_up(max(data_bytes, 1), chunk), physical // 2)
-                self._pools[cuda] = StagingPool(chunk, max(budget, chunk), pinned=cuda)
-            return self._pools[cuda]
+            pool = self._pools.get(cuda)
+            if pool is None or pool.chunk_bytes < chunk or budget > pool.budget_bytes * 5 // 4:
+                if pool is not None:
+                    pool.retire()
+                    self._retired_pools.append(pool)
+                pool = self._pools[cuda] = StagingPool(chunk, budget, pinned=cuda)
+            return pool
 
 
