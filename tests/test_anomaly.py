@@ -75,3 +75,37 @@ def test_every_mapped_step_of_a_devdax_save_failing(region_with_a_version, model
     assert len(runs) > 20
     assert all("RegionIOError" in r.error for r in runs if r.operation and r.error)
     assert [p for r in runs for p in r.problems] == []
+
+
+def test_a_save_whose_slot_cannot_be_given_back_still_ends_and_the_writer_goes_on(tmp_path, monkeypatch, caplog):
+    """A write fails, then so does the give-back of its claim: the save's future fails with the
+    write's error and the persist worker lives on. An exception out of that give-back killed
+    the worker: the failed save's future and every later save waited forever."""
+    import torch
+
+    from ckptfs.region.claim import Claim
+
+    store = ckptfs.Store.create(str(tmp_path / "r.region"), 64 << 20)
+    state = {"w": torch.arange(4096.0)}
+    real_write, real_abort = Claim.write, Claim.abort
+
+    def write_fails(self, *args):
+        raise RegionIOError("pwrite failed (EIO) at the test's request", errno.EIO, "pwrite")
+
+    def abort_fails(self):
+        raise RuntimeError("unlock failed at the test's request")
+
+    with store.writer("m", max_inflight=1, persist_threads=1, timeout_s=20) as w:
+        w.save(state, step=1).result()
+        monkeypatch.setattr(Claim, "write", write_fails)
+        monkeypatch.setattr(Claim, "abort", abort_fails)
+        with caplog.at_level(logging.ERROR, logger="ckptfs"):
+            with pytest.raises(RegionIOError, match="at the test's request"):
+                w.save(state, step=2).result(timeout=20)
+        assert "could not be given back (unlock failed" in caplog.text
+        monkeypatch.setattr(Claim, "write", real_write)
+        monkeypatch.setattr(Claim, "abort", real_abort)
+        state["w"] += 1
+        w.save(state, step=3).result(timeout=20)
+    assert [v.step for v in store.versions("m")] == [1, 3]
+    assert store.load("m")["w"].equal(state["w"])

@@ -231,9 +231,13 @@ class PersistPipeline:
                 return
             job.error = error
         job.ready.set()
-        self.unpark(job)  # the parked buffers go back to the pool
-        if job.claim is not None:  # else a claim that ends from now on is aborted by the claimer
-            job.claim.abort()
+        try:
+            self.unpark(job)  # the parked buffers go back to the pool
+            if job.claim is not None:  # else a claim that ends from now on is aborted by the claimer
+                job.claim.abort()
+        except BaseException as e:  # noqa: BLE001 - the future must end, and the worker live on
+            log.error("save of %s step %d: its slot could not be given back (%s); the writer's close "
+                      "gives it back", job.model, job.step, str(e) or type(e).__name__)
         # str() of some errors is empty (KeyboardInterrupt): the type says what happened
         if not raised:
             log.error("save of %s step %d failed: %s", job.model, job.step, str(error) or type(error).__name__)
