@@ -186,7 +186,7 @@ def test_a_second_ctrl_c_during_the_cleanup_of_an_interrupted_save(store, monkey
 def test_a_cleanup_runs_where_no_thread_can_be_started(monkeypatch):
     """uninterrupted runs its cleanup on a thread of its own; where none can be started (a
     process at its thread limit), it runs it on the caller's, rather than not at all."""
-    from ckptfs.writer.job import uninterrupted
+    from ckptfs.writer.threads import uninterrupted
 
     def refuse(self):
         raise RuntimeError("can't start new thread")

@@ -11,7 +11,8 @@ import threading
 from typing import Callable
 
 from ckptfs.region.claim import Claim
-from ckptfs.writer.job import Job, uninterrupted
+from ckptfs.writer.job import Job
+from ckptfs.writer.threads import start_thread
 
 
 class Claimer:
@@ -30,16 +31,10 @@ class Claimer:
         A claim made for a job that failed meanwhile is aborted (its slot goes back)."""
         with self._lock:
             if self._thread is None:
-                uninterrupted(self._start)
+                start_thread(self._loop, "ckptfs-claim", self._record)
         self._queue.put((job, claim))
 
-    def _start(self) -> None:
-        """Start the thread and record it, as one: to its end under Ctrl-C (Thread.start waits
-        for the thread to run; interrupted there, it left a thread no close stopped, beside the
-        next save's), and nothing recorded where it cannot start (no memory for a stack: the
-        next save tries again; recorded, every later claim waited for a thread never run)."""
-        thread = threading.Thread(target=self._loop, name="ckptfs-claim", daemon=True)
-        thread.start()
+    def _record(self, thread: threading.Thread) -> None:
         self._thread = thread
 
     def close(self) -> None:

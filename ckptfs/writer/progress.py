@@ -14,6 +14,8 @@ import re
 import tempfile
 import threading
 
+from ckptfs.writer.threads import start_thread
+
 MIN_INTERVAL_S = 0.25
 
 
@@ -80,17 +82,13 @@ class ProgressBoard:
             return
         self._dirty = True
         if self._publisher is None:
-            from ckptfs.writer.job import uninterrupted  # here: it imports torch, which `ckptfs status` never needs
-
             try:
-                uninterrupted(self._start_publisher)  # see Claimer._start
+                start_thread(self._publish_loop, "ckptfs-progress", self._record_publisher)
             except RuntimeError:  # no thread now (a process at its limit): advisory, so no save
                 return            # fails for it; the next change tries again
         self._changed.notify_all()
 
-    def _start_publisher(self) -> None:
-        publisher = threading.Thread(target=self._publish_loop, name="ckptfs-progress", daemon=True)
-        publisher.start()
+    def _record_publisher(self, publisher: threading.Thread) -> None:
         self._publisher = publisher
 
     def _publish_loop(self) -> None:

@@ -37,7 +37,8 @@ from ckptfs.writer.calls import SaveCalls, open_writers
 from ckptfs.writer.claimer import Claimer
 from ckptfs.writer.cuda import CallerMark, caller_mark
 from ckptfs.writer.hidden import HiddenKept
-from ckptfs.writer.job import Job, SaveFuture, SaveResult, check_options, is_kept, uninterrupted
+from ckptfs.writer.job import Job, SaveFuture, SaveResult, check_options, is_kept
+from ckptfs.writer.threads import start_thread, uninterrupted
 from ckptfs.writer.outstanding import Outstanding
 from ckptfs.writer.persist import PersistPipeline
 from ckptfs.writer.plan import Planner, SavePlan
@@ -376,15 +377,12 @@ class Writer:
 
     # ------------------------------------------------------------------ one save
     def _start_snapshot_thread(self) -> None:
-        def start() -> None:
-            # started and recorded as one, to its end under Ctrl-C: an interrupt between the two
-            # left a thread that no stop reached, and the next save started another on its queue
-            with self._setup_lock:
-                if self._snapshot_thread is None:
-                    thread = threading.Thread(target=self._snapshot_loop, name="ckptfs-snapshot", daemon=True)
-                    thread.start()
-                    self._snapshot_thread = thread
-        uninterrupted(start)
+        with self._setup_lock:
+            if self._snapshot_thread is None:
+                start_thread(self._snapshot_loop, "ckptfs-snapshot", self._record_snapshot_thread)
+
+    def _record_snapshot_thread(self, thread: threading.Thread) -> None:
+        self._snapshot_thread = thread
 
     def _snapshot_loop(self) -> None:
         while True:
