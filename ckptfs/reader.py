@@ -96,6 +96,7 @@ class VersionData:
         self._data_base = data_base
         self.manifest = manifest
         self._checked: set = set() if checked is None else checked
+        self.shown_names: dict[str, str] = {}  # {a record's name: the name errors say} (a part's items.3)
         self._placed: tuple[list[int], list[int]] | None = None  # see _placement
         self._ahead: dict = {}  # _Unit.key -> the Future of its check ahead
         self._ahead_end = 0  # the data offset up to which checks ahead were started
@@ -325,7 +326,8 @@ class VersionData:
 
     def damage_message(self, record: TensorRecord) -> str:
         m = self.manifest
-        return (f"tensor {record.name!r} of {m.model} step {m.step} fails its checksum; the stored bytes are "
+        name = self.shown_names.get(record.name, record.name)
+        return (f"tensor {name!r} of {m.model} step {m.step} fails its checksum; the stored bytes are "
                 "damaged: use another version (`ckptfs ls`) and run `ckptfs verify`")
 
     # ------------------------------------------------------------------ streaming
@@ -362,6 +364,6 @@ class VersionData:
 
     def verify(self, progress: Callable[[int], None] | None = None) -> list[VerifyProblem]:
         """Recompute every tensor's CRC from the region; one problem per mismatching tensor."""
-        return [VerifyProblem(self.manifest.model, self.manifest.step, r.name,
+        return [VerifyProblem(self.manifest.model, self.manifest.step, self.shown_names.get(r.name, r.name),
                               f"checksum mismatch (stored {r.crc32:08x}, computed {crc:08x})")
                 for r, crc in self.scan(None, progress)]

@@ -110,6 +110,15 @@ def placed_parts(text: str) -> set[tuple[str, int, int]]:
         raise MalformedInputError(f"the DCP metadata of this checkpoint is damaged or not ckptfs's: {e}") from None
 
 
+def item_places(text: str) -> list[tuple[str, list | None, dict]]:
+    """(FQN, offsets, place: ``{region, rank, counter, pos}``) of each item that
+    ``encode_metadata``'s document ``text`` places; read as plain JSON, like ``placed_parts``."""
+    try:
+        return [(fqn, offset, place) for (fqn, offset, _), place in json.loads(text)["storage_data"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise MalformedInputError(f"the DCP metadata of this checkpoint is damaged or not ckptfs's: {e}") from None
+
+
 def part_places(metadata: Metadata) -> list[tuple[int, str, int]]:
     """(rank, region, counter) of every part that a decoded global version's metadata names,
     by rank."""

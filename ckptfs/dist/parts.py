@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import threading
 
 from ckptfs.dist.names import METADATA_FILE, part_model, part_models
@@ -34,16 +35,21 @@ def checkpoint_bytes(store, model: str, step: int) -> tuple[int, int, int] | Non
     return nbytes, len({rank for rank, _, _ in parts}), len({rank for rank, region, _ in parts if region != here})
 
 
-def open_part(store, model: str, rank: int, counter: int, checked: set | None = None):
+def open_part(store, model: str, rank: int, counter: int, checked: set | None = None,
+              names: dict[int, str] | None = None):
     """The pinned part version of ``rank`` with ``counter``; PartGoneError if it is gone.
-    ``checked``: as ``Store.open_version``'s."""
+    ``checked``: as ``Store.open_version``'s; ``names``: {position in the part's item list:
+    the name its errors say (``shown_item_name``)}, else they say the part's own (``items.3``)."""
     name = part_model(model, rank)
     try:
         # not waited for where held: a part named by a committed global version is committed
         # itself (held only by a removal, or a claim taking its slot), and the mount opens it on its loop
-        return store.open_version(name, checked=checked, counter=counter, wait_s=0.0, whole=False)
+        part = store.open_version(name, checked=checked, counter=counter, wait_s=0.0, whole=False)
     except NotFoundError:
         pass  # its slot was reused
+    else:
+        part.data.shown_names = {f"items.{pos}": shown for pos, shown in (names or {}).items()}
+        return part
     # no "load the latest" here: the latest's own part is gone where it was removed or damaged
     raise PartGoneError(f"the part of rank {rank} (counter {counter}) of {model!r} is gone from {name!r} (its slot "
                         "was reused, or it was removed): that step can no longer be loaded. A step other than the "
@@ -90,11 +96,13 @@ def part_problems(store, model: str, manifest, progress=None, skip_gone: bool = 
     if not part_models(store, model, models):
         return []  # a model of one process: its versions' indexes are not decoded for nothing
     problems = []
+    names = _item_names(store, manifest)
     with contextlib.ExitStack() as pins:
         opened = []
         for rank, part_counter in sorted(_named_in(store, manifest)):
             try:
-                opened.append(pins.enter_context(open_part(store, model, rank, part_counter)))
+                opened.append(pins.enter_context(open_part(store, model, rank, part_counter,
+                                                           names=names.get((rank, part_counter)))))
             except PartGoneError as gone:
                 if skip_gone:
                     return []  # before reading any part
@@ -115,12 +123,36 @@ def part_state(tensors: list, values: dict) -> dict:
 def named_by_fqn(message: str, items: list) -> str:
     """``message``, an error about a path of ``part_state`` (``items.3: ...``, ``values.3...``),
     with that path said as the state dict's key of the item (its FQN, ``model.emb: ...``)."""
-    import re
-
     found = re.match(r"(?:items|values)\.(\d+)(?=[.:\s\[]|$)", message)
     if found is None or int(found.group(1)) >= len(items):
         return message
     return items[int(found.group(1))].index.fqn + message[found.end():]
+
+
+def _item_names(store, manifest) -> dict[tuple[int, int], dict[int, str]]:
+    """{(rank, counter): {position: ``shown_item_name``}} of the items of this region's parts
+    that the global version whose index is ``manifest`` names."""
+    from ckptfs.dist.codec import item_places  # imports torch.distributed.checkpoint
+
+    here = store.region.superblock.uuid.hex()
+    return shown_item_names(item_places(dict(manifest.files)[METADATA_FILE]), here)
+
+
+def shown_item_names(places, region: str) -> dict[tuple[int, int], dict[int, str]]:
+    """``_item_names`` of ``places``, (FQN, offsets, place) of each item of a global version."""
+    out: dict[tuple[int, int], dict[int, str]] = {}
+    for fqn, offset, place in places:
+        if place["region"] == region:
+            out.setdefault((place["rank"], place["counter"]), {})[place["pos"]] = shown_item_name(fqn, offset, place["rank"])
+    return out
+
+
+def shown_item_name(fqn: str, offset, rank: int) -> str:
+    """How errors name an item of a part (whose own name is ``items.3``): the state dict's key,
+    a shard's with its offsets (``model.w@32,0``, as the mount's ``parts/`` names it), and the
+    rank that saved it."""
+    key = fqn if not any(offset or ()) else f"{fqn}@{','.join(map(str, offset))}"
+    return f"{key} (the part of rank {rank})"
 
 
 def item_records(part) -> dict[int, int]:

@@ -24,7 +24,7 @@ from ckptfs.dist.codec import decode_metadata
 from ckptfs.dist.group import exchange, meet_before_dcp, storage_group
 from ckptfs.dist.load import PartRead, read_parts, wanted_tensors
 from ckptfs.dist.names import METADATA_FILE, checkpoint_id_of, is_global_version, step_of_checkpoint_id
-from ckptfs.dist.parts import item_records, open_part
+from ckptfs.dist.parts import item_records, open_part, shown_item_name
 from ckptfs.dist.single import ONE_PROCESS, one_process_metadata, open_one_process
 from ckptfs.errors import CkptfsError, CorruptionError, NotFoundError, no_version_yet
 from ckptfs.gcpause import GCHold, paused_gc
@@ -338,7 +338,8 @@ def _open_part(reader: StorageReader, key: tuple[str, int, int], items: list):
     if rank == ONE_PROCESS:  # the version itself: an item's position is its stored tensor's index
         part = open_one_process(store, reader.model, counter)
     else:
-        part = open_part(store, reader.model, rank, counter)
+        part = open_part(store, reader.model, rank, counter, names={
+            pos: shown_item_name(item.storage_index.fqn, item.storage_index.offset, rank) for item, pos in items})
     try:
         if rank != ONE_PROCESS:
             stored = item_records(part)

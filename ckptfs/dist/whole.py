@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 from ckptfs.checksum import crc32, crc32_combine
 from ckptfs.dist.names import METADATA_FILE, PARTS_FILE, is_global_version
-from ckptfs.dist.parts import item_records, item_values, open_part
+from ckptfs.dist.parts import item_records, item_values, open_part, shown_item_names
 from ckptfs.errors import CorruptionError, MalformedInputError, NotFoundError
 from ckptfs.gcpause import paused_gc
 from ckptfs.manifest import ITEMSIZE, Manifest, TensorRecord, expected_nbytes
@@ -78,6 +78,7 @@ class WholeLayout:
     starts: list[int] = field(default_factory=list)  # virtual offset of each whole tensor
     pieces: list[tuple[list[int], list[Piece]]] = field(default_factory=list)  # per tensor: (each at, pieces)
     checked: dict[int, set[int]] = field(default_factory=dict)  # part -> its tensors found intact
+    names: dict[tuple[int, int], dict[int, str]] = field(default_factory=dict)  # errors' names (parts.open_part)
     remote: tuple[int, ...] = ()  # the ranks whose parts are in another node's region (nothing whole is shown)
     not_shown: tuple[str, ...] = ()  # the FQNs of the byte items whose values the parts did not store
 
@@ -105,14 +106,16 @@ def _plan_whole(store, version) -> WholeLayout:
     remote = [rank for rank, region, _ in places if region != here]
     m = version.manifest
     layout = WholeLayout(m.model, tuple((rank, counter) for rank, region, counter in places if region == here),
-                         remote=tuple(remote))
+                         remote=tuple(remote),
+                         names=shown_item_names(((i.fqn, i.offset, w) for i, w in meta.storage_data.items()), here))
     summary = {"ranks": [{"rank": rank, "region": region, "counter": counter, "in_this_region": region == here,
                           "files": f"{PARTS_DIR}/{rank_dirname(rank)}/" if region == here else None}
                          for rank, region, counter in places]}
     opened = []
     try:
         for i, (rank, counter) in enumerate(layout.parts):  # the checks made here count for the reads
-            opened.append(open_part(store, layout.model, rank, counter, checked=layout.checked.setdefault(i, set())))
+            opened.append(open_part(store, layout.model, rank, counter, checked=layout.checked.setdefault(i, set()),
+                                    names=layout.names.get((rank, counter))))
         items = [item_records(p) for p in opened]
         records, skeleton, shown = (), {"dict": []}, set()
         if remote:  # some parts are out of reach: no whole tensor can be shown
@@ -404,7 +407,8 @@ class WholeVersion:
         try:
             for i, (rank, counter) in enumerate(layout.parts):
                 self._parts.append(open_part(store, layout.model, rank, counter,
-                                              checked=layout.checked.setdefault(i, set())))
+                                              checked=layout.checked.setdefault(i, set()),
+                                              names=layout.names.get((rank, counter))))
         except BaseException:
             self.close()
             raise
