@@ -1498,3 +1498,23 @@ def test_a_bad_extra_is_refused_before_any_rank_writes(store):
         with pytest.raises(error, match=r"^extra"):
             ckptfs.dcp.StorageWriter(store, "m", step=1, extra=extra)
     assert store.models() == []
+
+
+def test_an_optimizer_state_saved_through_dcp_loads_back_into_an_optimizer(store):
+    """DCP's key paths make every dict key a str: the whole state gave an optimizer's state
+    under "0", "1", which Optimizer.load_state_dict keeps as the state of no parameter (the
+    moments silently dropped). Its keys are the param_groups' ints again; a user dict's int
+    keys stay strs, as DCP's own unflattening leaves them."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "optim": opt.state_dict(), "other": {3: torch.ones(1)}}
+    dcp.save(state, storage_writer=ckptfs.dcp.StorageWriter(store, "m", step=1))
+    back = store.load("m")
+    assert list(back["optim"]["state"]) == [0, 1, 2, 3] and list(back["other"]) == ["3"]
+    again = torch.optim.AdamW(model.parameters())
+    again.load_state_dict(back["optim"])
+    for p in model.parameters():
+        assert torch.equal(again.state[p]["exp_avg"], opt.state[p]["exp_avg"])

@@ -318,7 +318,8 @@ def _skeleton(paths: list[tuple[tuple, dict]]) -> dict:
     and makes every dict key a str, so a level keyed by ints is a list (an optimizer's
     ``param_groups``; None at an index with nothing under it, as DCP's ``set_element`` leaves
     it), any other level a dict (also one of indices far beyond their number: not DCP's). Flat
-    by dotted name if the paths clash."""
+    by dotted name if the paths clash. An optimizer's ``state`` gets its int keys back
+    (``_param_ids``); other int dict keys stay strs, as DCP's own unflattening leaves them."""
     root: dict = {}
     try:
         for path, leaf in paths:
@@ -333,15 +334,35 @@ def _skeleton(paths: list[tuple[tuple, dict]]) -> dict:
     except (ValueError, TypeError):
         root = {".".join(map(str, p)): _Leaf(leaf) for p, leaf in paths}
 
-    def encode(value):
+    def encode(value, int_keys: frozenset[str] = frozenset()):
         if isinstance(value, _Leaf):
             return value.node
         keys = list(value)
         if keys and all(type(k) is int and 0 <= k <= 2 * len(keys) + 16 for k in keys):
             # as DCP's set_element: an index with nothing under it (a list's empty dict) is None
             return {"list": [encode(value[k]) if k in value else {"none": None} for k in range(max(keys) + 1)]}
-        return {"dict": [[{"int" if isinstance(k, int) else "str": k}, encode(v)] for k, v in value.items()]}
+        ids = _param_ids(value)
+        return {"dict": [[{"int": int(k)} if isinstance(k, int) or k in int_keys else {"str": k},
+                          encode(v, ids if k == "state" else frozenset())] for k, v in value.items()]}
     return encode(root)
+
+
+def _param_ids(level: dict) -> frozenset[str]:
+    """The parameter ids (as the strs DCP's key paths hold) of ``level`` if it is a
+    ``torch.optim`` state dict: ``{"state": {id: ...}, "param_groups": [{"params": [id, ...]}]}``
+    with int ids. Its state's keys are ints again in the whole state: ``Optimizer.load_state_dict``
+    keeps the state of a str key as a parameter's of none (the moments were silently dropped)."""
+    groups, state = level.get("param_groups"), level.get("state")
+    if not isinstance(groups, dict) or not isinstance(state, dict):
+        return frozenset()
+    ids = set()
+    for group in groups.values():
+        params = group.get("params") if isinstance(group, dict) else None
+        items = params.node.get("list") if isinstance(params, _Leaf) else None
+        if not isinstance(items, list) or not all(set(i) == {"int"} for i in items):
+            return frozenset()
+        ids.update(str(i["int"]) for i in items)
+    return frozenset(k for k in state if isinstance(k, str) and k in ids)
 
 
 def version_files(version, files_for) -> dict:
