@@ -44,8 +44,9 @@ def ls_(region, as_json, show_all, model):
             click.echo(json.dumps([info_dict(v) for v in versions], indent=1))
         else:
             sized = [(v, _size(store, v)) for v in versions]
+            damaged = store.damaged_indexes(versions)
             table([[v.step, ", ".join(m for m, on in (("latest", v.latest), ("kept", v.kept),
-                                                      ("damaged", not store.index_intact(v))) if on),
+                                                      ("damaged", v.counter in damaged)) if on),
                      when(v.time_ns), size, v.counter] for v, size in sized if size is not None],
                   ["STEP", "", "TIME", "SIZE", "COUNTER"])
         return 0
