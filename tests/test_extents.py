@@ -587,6 +587,25 @@ def test_a_writer_reopened_with_fewer_slots_keeps_the_older_versions_until_saves
     assert [v.step for v in store.versions("m")] == [3, 28, 29]  # the milestone, and the ring of 2
 
 
+def test_slots_spare_from_before_a_restart_go_back_though_no_job_saves_8_times(store):
+    """A model saved with slots=10, then jobs of 5 saves each with slots=3 (preempted before
+    their 8th save): the spare slots were counted from 0 in every process and never went back.
+    They go once each job's ring holds its own versions."""
+    with store.writer("m", max_inflight=1, slots=10) as w:
+        for step in range(10):
+            w.save({"x": torch.full((1000,), float(step))}, step).result()
+    assert store.region.get("m").nslots == 10
+    step = 10
+    for _ in range(2):
+        with store.writer("m", max_inflight=1, slots=3) as w:
+            for _ in range(5):
+                w.save({"x": torch.full((1000,), float(step))}, step).result()
+                step += 1
+    assert [v.step for v in store.versions("m")] == [step - 3, step - 2, step - 1]
+    assert store.region.get("m").nslots == 3
+    assert torch.equal(store.load("m")["x"], torch.full((1000,), float(step - 1)))
+
+
 
 def test_a_first_save_that_fails_gives_its_new_model_back_and_a_refusal_is_said_once(tmp_path, caplog):
     """A new model's first save that fails after its ring was made (staging memory refused)

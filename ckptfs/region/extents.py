@@ -16,9 +16,10 @@ for more here:
 After a commit ``give_back`` returns the slots that hold nothing the model keeps and that the
 ring does not need to keep ``ring_slots`` versions of its size (an extent is split around a slot
 kept in its middle, while the entry has extents to spare), once the model has had slots to
-spare at GIVE_BACK_AFTER_COMMITS commits in a row: a ring whose kept or pinned versions come and
-go (a multi-rank job's parts stay kept until their step is global) would otherwise give back at
-one commit the slot it must take again at the next claim.
+spare at GIVE_BACK_AFTER_COMMITS commits in a row (slots spare when a writer opens: after
+``ring_slots`` commits): a ring whose kept or pinned versions come and go (a multi-rank job's
+parts stay kept until their step is global) would otherwise give back at one commit the slot it
+must take again at the next claim.
 Every change is written with the table lock held, new slots' headers wiped before the entry that
 names them is written (a stale header there must not look like a version), and slots given back
 are locked exclusively first (no reader or writer is in them).
@@ -60,6 +61,7 @@ class Extents:
         self.ring = ring
         self.region = ring.region
         self._spare_commits = 0  # commits in a row (of this process) after which slots were spare
+        self._looked = False  # give_back ran in this process (see there)
         self._kept_commits = 0  # commits since the slots this ring counts kept were looked at
 
     # ------------------------------------------------------------------ taking
@@ -183,9 +185,16 @@ class Extents:
         small = [s for x in entry.extents if x.slot_bytes < entry.slot_bytes for s in x.slots]
         outgrown = any(ages[s] != KEPT for s in small)
         if entry.nslots - kept > entry.ring_slots:  # no lock
+            if not self._looked:
+                # slots spare from before this writer (a job reopened with a smaller slots=, or
+                # slots taken beside readers before a restart) go after ring_slots commits, once
+                # the ring's versions are this job's: counted from 0 in every process, a job
+                # restarted before its 8th save never gave them back
+                self._spare_commits = max(0, GIVE_BACK_AFTER_COMMITS - entry.ring_slots)
             self._spare_commits += 1
         else:
             self._spare_commits = 0
+        self._looked = True
         if not (now or outgrown or self._spare_commits >= GIVE_BACK_AFTER_COMMITS):
             return False  # the usual case: no scan, no lock
         try:
