@@ -403,7 +403,7 @@ class Store:
         return verify(self, model, step, progress)
 
     # ------------------------------------------------------------------ removal
-    def remove(self, model: str, step: int, *, allow_latest: bool = False) -> None:
+    def remove(self, model: str, step: int, *, allow_latest: bool = False, give_back: bool = True) -> None:
         """Remove a version; BusyError if it is pinned or being written, or latest unless
         ``allow_latest``: then the model rolls back, its latest becoming the newest version of
         an older step (a job resumed from it saves the steps after it again; a multi-rank
@@ -411,7 +411,10 @@ class Store:
         than once, every save of it: the earlier ones, which the newer hid, would show again
         (BusyError for one a reader holds). A multi-rank version's parts in this region go back
         to their rings; a rollback first keeps those of the version that becomes latest
-        (CkptfsError, nothing listed removed, where one is gone: see docs/DISTRIBUTED.md)."""
+        (CkptfsError, nothing listed removed, where one is gone: see docs/DISTRIBUTED.md).
+        ``give_back``: the slots it empties that the model's ring does not need go back to the
+        region's free space at once where no writer of the model is open (an open one gives them
+        back after its commits); False leaves that to a later removal (of many: the last)."""
         from ckptfs.dist import parts
 
         self.region.check_writable("changed")
@@ -431,6 +434,26 @@ class Store:
             self._keep_parts_of_next_latest(model, v)
         self.region.remove_version(v, allow_latest=allow_latest)
         parts.give_back_parts(self, named)
+        if give_back:
+            self._give_back_emptied(model)
+
+    def _give_back_emptied(self, model: str) -> None:
+        """``remove``'s give-back: the removed versions of a finished run held their space until
+        `rm --all`, and a full region's advice to remove versions freed nothing."""
+        from ckptfs.region.locks import model_lock_offset
+        from ckptfs.region.ring import Ring
+
+        try:
+            entry = self.region.get(model)
+            if self.region.pins.is_locked_by_others(model_lock_offset(entry.index)):
+                return  # a writer is open: its commits give them back
+            ring = Ring(self.region, entry, timeout_s=0.0)
+        except (BusyError, NotFoundError):
+            return  # a writer opened meanwhile, or the model went
+        try:
+            ring.extents.give_back_emptied()
+        finally:
+            ring.close()
 
     def _keep_parts_of_next_latest(self, model: str, latest: SlotVersion) -> None:
         """Before a multi-rank model's latest is removed: keep the parts of the version that

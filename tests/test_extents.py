@@ -632,3 +632,41 @@ def test_a_first_save_that_fails_gives_its_new_model_back_and_a_refusal_is_said_
                     w.save({"w": torch.ones(8 << 20)}, 2, async_snapshot=background).result()
             assert caplog.text.count("save of m step 2 failed") == background, caplog.text
         assert [v.step for v in store.versions("m")] == [1]
+
+
+def test_versions_removed_after_the_run_give_their_space_back(tmp_path, capsys):
+    """A finished run's milestones filled the region; `ckptfs rm` of them printed "removed" and
+    freed nothing (slots went back only at a commit of their own model), so the advice of the
+    next model's RegionFullError, to remove versions, did not help. The emptied slots go back
+    at once where no writer of the model is open; an open writer's commits give them back."""
+    from ckptfs.errors import RegionFullError
+    from test_cli import run
+
+    store = ckptfs.Store.create(str(tmp_path / "r.region"), 64 << 20)
+    with store.writer("a", max_inflight=1, keep_every=1) as w:
+        step = 0
+        while True:
+            try:
+                w.save({"w": torch.full((3 << 18,), float(step))}, step).result()  # 3 MiB
+            except RegionFullError:
+                break
+            step += 1
+    kept = [v.step for v in store.versions("a")]
+    assert len(kept) >= 12
+    big = {"w": torch.zeros(5 << 18)}  # 5 MiB: a ring of 4 such slots no longer fits
+    with pytest.raises(RegionFullError):
+        with store.writer("b", max_inflight=1) as w:
+            w.save(big, 1).result()
+    code, out, err = run(capsys, "rm", "--region", store.path, "a", *map(str, kept[:-2]))
+    assert code == 0, err
+    assert [v.step for v in store.versions("a")] == kept[-2:]
+    with store.writer("b", max_inflight=1) as w:
+        w.save(big, 1).result()
+    assert torch.equal(store.load("a")["w"], torch.full((3 << 18,), float(kept[-1])))
+    assert torch.equal(store.load("a", kept[-2])["w"], torch.full((3 << 18,), float(kept[-2])))
+    # an open writer's slots stay its own until its commits give them back
+    with store.writer("a", max_inflight=1) as w:
+        before = store.region.get("a").nslots
+        store.remove("a", kept[-2])
+        assert store.region.get("a").nslots == before
+    store.close()

@@ -159,8 +159,9 @@ def rm(region, all_, step_options, allow_latest, model, steps):
             store.remove_model(model)
             click.echo(f"removed {model}")
         _check_present(store, model, steps)
-        for s in _removal_order(store, model, steps, allow_latest):
-            store.remove(model, s, allow_latest=allow_latest)
+        order = _removal_order(store, model, steps, allow_latest)
+        for i, s in enumerate(order):
+            store.remove(model, s, allow_latest=allow_latest, give_back=i == len(order) - 1)
             click.echo(f"removed {model} step {s}")
         if allow_latest and steps:
             latest = store.latest(model, missing_ok=True)

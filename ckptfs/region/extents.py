@@ -223,9 +223,16 @@ class Extents:
                 ages = self.ring._slot_ages(entry)
         return ages
 
-    def _give_back_locked(self, entry: ModelEntry, spare: bool = True) -> bool:
+    def give_back_emptied(self) -> bool:
+        """Give back the empty slots the model does not need (versions removed: ``Store.remove``
+        where no writer of the model is open); never a slot holding a version."""
+        with self.region.meta_locked():
+            return self._give_back_locked(self.ring.refresh(), only_empty=True)
+
+    def _give_back_locked(self, entry: ModelEntry, spare: bool = True, only_empty: bool = False) -> bool:
         """Give back the slots of ``entry`` it does not keep (the table lock is held); those of
-        the model's size only where ``spare`` (else only smaller ones). Kept: latest, kept
+        the model's size only where ``spare`` (else only smaller ones); ``only_empty``: none
+        that holds a version. Kept: latest, kept
         versions, pinned or claimed slots, the newest ``ring_slots`` versions, and enough slots
         of the model's size for ``ring_slots`` versions. A slot it keeps in the middle of an
         extent splits the extent (a milestone kept in an outgrown model's old slots must not
@@ -236,7 +243,7 @@ class Extents:
         latest = unpack_latest(region.latest_word(entry))
         committed = sorted((h.counter, s) for s, h in headers.items() if h is not None and h.state == SLOT_COMMITTED)
         kept = {s for s, h in headers.items() if h is not None and h.state == SLOT_COMMITTED and h.kept}
-        keep = set(kept)
+        keep = set(kept) | ({s for _, s in committed} if only_empty else set())
         if latest is not None:
             keep.add(latest[1])
         keep |= {s for _, s in committed[-entry.ring_slots:]}
