@@ -136,12 +136,68 @@ def test_a_run_rolled_back_over_its_milestones_gives_the_hidden_ones_back(store,
     assert not [r for r in caplog.records if "saved again" in r.getMessage()]
 
 
+def test_a_milestone_hidden_while_a_crash_cut_its_give_back_goes_back_at_the_next_run(store, monkeypatch):
+    """Killed between a save that hid a kept version (its step saved again) and the give-back of
+    that version: it stayed kept for good, listed nowhere, its slot never reused. A writer's
+    first look sweeps every step."""
+    from ckptfs.region.ring import Ring
+
+    with store.writer("m", keep_every=3) as w:
+        for step in range(1, 5):
+            w.save({**state(step), "run": 1}, step).result()
+    old = next(v for v in store.versions("m") if v.kept)
+    real = Ring.give_back_hidden
+    monkeypatch.setattr(Ring, "give_back_hidden", lambda self, step, counter, every_step=False: ([], 1 << 40))
+    with store.writer("m") as w:  # the run resumed from 2, "killed" before its give-back
+        w.save({**state(3), "run": 2}, 3).result()
+    assert [v.counter for v in store.versions("m", hidden=True) if v.kept] == [old.counter]  # hidden, kept
+    monkeypatch.setattr(Ring, "give_back_hidden", real)
+    with store.writer("m") as w:  # the next run
+        w.save({**state(10), "run": 3}, 10).result()
+    assert not [v for v in store.versions("m", hidden=True) if v.kept]
+    assert store.load("m", 3)["run"] == 2
+
+
+def test_a_step_saved_again_beside_a_concurrent_commit_still_gives_its_milestone_back():
+    """Two commits on two threads, the first writer's first: the first set the highest step
+    known to its own before its look was done, so the other (a higher step, the one that hid a
+    milestone) took itself to be past every step and did not look."""
+    import threading
+
+    from ckptfs.writer.hidden import HiddenKept
+    from ckptfs.writer.job import SaveResult
+
+    looked, first_in = [], threading.Event()
+    release = threading.Event()
+
+    class Ring:
+        def give_back_hidden(self, step, counter, every_step=False):
+            looked.append(step)
+            if step == 4:
+                first_in.set()
+                release.wait(10)
+            return [], 6  # the first run went up to step 6
+
+    hidden = HiddenKept("m", enabled=True)
+    result = lambda step: SaveResult("m", step, step + 10, 0, 0, True, 0.0, 0.0)
+    first = threading.Thread(target=hidden.after_commit, args=(Ring(), result(4), False))
+    first.start()
+    assert first_in.wait(10)
+    hidden.after_commit(Ring(), result(5), False)  # step 5 of the first run was kept: look
+    release.set()
+    first.join(10)
+    assert sorted(looked) == [4, 5]
+    hidden.after_commit(Ring(), result(6), False)  # not past step 6 either
+    hidden.after_commit(Ring(), result(7), False)  # past every step: no look
+    assert sorted(looked) == [4, 5, 6]
+
+
 def test_a_failed_look_for_hidden_milestones_leaves_the_save_committed(store, caplog, monkeypatch):
     """The look at a first commit (reading the model's headers) failing with an I/O error: the
     save is durable and committed all the same, its future completes, the failure is logged."""
     from ckptfs.region.ring import Ring
 
-    def unreadable(self, step, counter):
+    def unreadable(self, step, counter, every_step=False):
         raise OSError(5, "Input/output error")
     monkeypatch.setattr(Ring, "give_back_hidden", unreadable)
     with caplog.at_level("WARNING", logger="ckptfs"), store.writer("m") as w:

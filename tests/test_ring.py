@@ -153,6 +153,33 @@ def test_publish_keeps_the_newest(store):
         ring.close()
 
 
+def test_the_latest_a_publish_replaces_is_not_claimed_until_the_new_pointer_is_on_the_media(store, monkeypatch):
+    """A publish swaps the pointer in memory, then flushes it. In between, the pointer on the
+    media still names the latest it replaced: a save claiming that slot then (a reader held the
+    older one) and a power loss left a pointer to a slot being overwritten (`verify`: "the latest
+    pointer names slot 0 ... which does not hold it")."""
+    from ckptfs.region.region import Region
+
+    with store.writer("m", max_inflight=2, slots=3) as w:
+        first = w.save(state(1), step=1).result()
+        ring = w._ring
+        seen = []
+        real = Region.persist_words
+
+        def look_then_persist(self, entry):
+            on_media = unpack_latest(self.latest_word(entry))  # what the flush makes durable
+            seen.append((on_media, ring._candidates(ring.entry, 1)))
+            real(self, entry)
+        monkeypatch.setattr(Region, "persist_words", look_then_persist)
+        second = w.save(state(2), step=2).result()
+        monkeypatch.setattr(Region, "persist_words", real)
+        (on_media, candidates), = seen
+        assert on_media[1] == second.slot and first.slot not in candidates and second.slot not in candidates
+        assert first.slot in ring._candidates(ring.entry, 1)  # flushed: claimable again
+        w.save(state(3), step=3).result()
+    assert store.load("m")["w"].equal(state(3)["w"])
+
+
 def test_the_writer_leaves_the_format_to_the_region():
     """Nothing under ckptfs/writer touches slot headers, barriers, claim lock bytes or the latest
     word: every commit goes through ckptfs.region.ring."""

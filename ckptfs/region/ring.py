@@ -140,6 +140,7 @@ class Ring:
 
     def _open(self, entry: ModelEntry) -> None:
         self._ages_lock = threading.Lock()
+        self._flushing: list[int] = []  # slots the pointer on the media may still name (see publish)
         self._ages: dict[int, int] | None = None
         self.extents = Extents(self)
         if self.region.entry_problems_of(entry):
@@ -255,7 +256,7 @@ class Ring:
             except BaseException:  # an I/O error, the model removed: the lock is not kept for good
                 self._claims.release(lock)
                 raise
-            if (self._latest_slot() == slot  # became latest between the look and the lock
+            if (slot in self._not_claimable()  # became latest between the look and the lock
                     or (header is not None and header.kept)  # kept by another process meanwhile
                     or not now.same_slot(entry, slot)):
                 if header is not None and header.kept:
@@ -282,17 +283,21 @@ class Ring:
     def _candidates(self, entry: ModelEntry, need: int) -> list[int]:
         """The slots of ``entry`` a version of ``need`` bytes may take once free: large enough,
         neither latest nor kept (pinned or being written, or not)."""
-        latest_slot, ages = self._latest_slot(), self._slot_ages(entry)
-        return [s for s in entry.slots() if entry.slot_size(s) >= need and s != latest_slot and ages[s] != KEPT]
+        busy, ages = self._not_claimable(), self._slot_ages(entry)
+        return [s for s in entry.slots() if entry.slot_size(s) >= need and s not in busy and ages[s] != KEPT]
 
-    def give_back_hidden(self, step: int, counter: int) -> tuple[list[SlotVersion], int]:
+    def give_back_hidden(self, step: int, counter: int, every_step: bool = False) -> tuple[list[SlotVersion], int]:
         """After the commit of version ``counter`` of ``step``: the kept versions of the same step
         with older counters, which it hides (a listing shows the newer of a step saved twice), are
         given back to the ring (``mark_kept``), as nothing could list, unkeep or load them any
-        more. Returns them, and the highest step of the model's committed versions (from the same
-        read of the headers)."""
+        more; ``every_step``: those of every step a newer save hides. Returns them, and the
+        highest step of the model's committed versions (from the same read of the headers)."""
         committed = self.region.committed(self.entry)
-        hidden = [v for v in hidden_by(committed, step, counter) if v.header.kept]
+        if every_step:
+            newest = {v.header.step: v.header.counter for v in committed}  # committed is in counter order
+            hidden = [v for v in committed if v.header.kept and v.header.counter < newest[v.header.step]]
+        else:
+            hidden = [v for v in hidden_by(committed, step, counter) if v.header.kept]
         for v in hidden:
             if mark_kept(self.region, v, False):
                 self._note_age(v.slot, v.header.counter)
@@ -307,6 +312,11 @@ class Ring:
     def _latest_slot(self) -> int:
         latest = unpack_latest(self.region.latest_word(self.entry))
         return latest[1] if latest else -1
+
+    def _not_claimable(self) -> set[int]:
+        """The slots no claim may take whatever their age: the latest, and a latest being
+        replaced whose pointer is not on the media yet (``publish``)."""
+        return {self._latest_slot(), *self._flushing}
 
     def _slot_ages(self, entry: ModelEntry) -> dict[int, int]:
         """Counter of the committed version in each slot of ``entry`` (-1: none, KEPT: a kept
@@ -388,15 +398,25 @@ class Ring:
         older counter, then make the pointer durable. True if this version became latest."""
         region, entry = self.region, self.entry
         desired = pack_latest(counter, slot)
+        replaced = None
         while True:
             seen = region.latest_word(entry)
             current = unpack_latest(seen)
             if current is not None and current[0] >= counter:
                 published = False
                 break
+            # Until the flush below, the pointer on the media names the latest replaced here:
+            # its slot stays unclaimable (set before the swap, which makes it claimable). Claimed
+            # meanwhile, a power loss left a pointer to a slot being overwritten, and `verify`
+            # said a healthy region was damaged.
+            replaced = current[1] if current is not None else None
+            if replaced is not None:
+                self._flushing.append(replaced)
             if region.cas_latest(entry, seen, desired)[0]:
                 published = True
                 break
+            if replaced is not None:
+                self._flushing.remove(replaced)
         try:
             region.persist_words(entry)
         except (CkptfsError, OSError) as e:
@@ -406,6 +426,9 @@ class Ring:
             # readers (and the next writer) took it for the latest.
             log.warning("model %r: the latest pointer to its save %d was not made durable: %s; the version "
                         "is durable, and latest after a crash too", entry.name, counter, e)
+        finally:
+            if published and replaced is not None:
+                self._flushing.remove(replaced)
         return published
 
 

@@ -32,17 +32,21 @@ class HiddenKept:
         is durable and committed."""
         with self._lock:
             seen = self._highest_step
-            self._highest_step = result.step if seen is None else max(seen, result.step)
+            if seen is not None:  # else known once a look is done: a commit meanwhile looks too
+                self._highest_step = max(seen, result.step)
         if not self._enabled or (seen is not None and result.step > seen):
             return
         try:
             advice = "" if kept else f"; keep the new one with store.keep({self._model!r}, {result.step})"
-            hidden, highest = ring.give_back_hidden(result.step, result.counter)
+            # the first look sweeps every step: a crash between a commit and its look left the
+            # kept version it hid kept for good (listed nowhere, its slot never reused)
+            hidden, highest = ring.give_back_hidden(result.step, result.counter, every_step=seen is None)
             with self._lock:
-                self._highest_step = max(self._highest_step, highest)
-            for _ in hidden:
+                self._highest_step = max(self._highest_step or highest, highest, result.step)
+            for v in hidden:
                 log.warning("ckptfs: step %d of %r was saved again: the earlier version of that step, a kept one, is "
-                            "hidden by the new one and goes back to the ring%s", result.step, self._model, advice)
+                            "hidden by the new one and goes back to the ring%s", v.header.step, self._model,
+                            advice if v.header.step == result.step else "")
         except Exception as e:  # noqa: BLE001 - an I/O error here must not keep the future from completing
             log.warning("ckptfs: the kept versions of %r step %d that a new save of it hides could not be looked "
                         "for or given back: %s", self._model, result.step, e)
