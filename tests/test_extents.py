@@ -726,3 +726,17 @@ def test_versions_removed_after_the_run_give_their_space_back(tmp_path, capsys):
         store.remove("a", kept[-2])
         assert store.region.get("a").nslots == before
     store.close()
+
+
+def test_an_outgrown_model_refused_for_want_of_room_says_what_one_slot_needs(store):
+    """A checkpoint that outgrew its slots in a region with room for none of the larger ones:
+    the refusal said the room for a whole ring of them (3x what one slot needs), the first of
+    the tries (3, 2, 1 slots) rather than the least."""
+    from ckptfs.errors import CheckpointTooLargeError
+
+    with store.writer("m", slots=3, max_inflight=1) as w:
+        w.save(state(1, n=1000), 1).result()
+        fill_region(store, leave_bytes=1 << 20)
+        with pytest.raises(CheckpointTooLargeError) as e:
+            w.save(state(2, n=1 << 20), 2).result()  # 4 MiB, in slots of 5 MiB
+    assert "no contiguous 5.0 MiB free for more slots of 'm' (1.0 MiB free in all)" in str(e.value)

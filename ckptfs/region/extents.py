@@ -123,7 +123,7 @@ class Extents:
                 try:
                     new = self._add(entry, slot_bytes, nslots)
                 except RegionFullError as e:
-                    error = error or e
+                    error = e  # the last, of the fewest slots: what the region lacks at the least
                     continue
                 log.info("model %r: %d more slot(s) of %s (%s)", entry.name, nslots, human_bytes(slot_bytes),
                          "its checkpoints outgrew its slots" if outgrown else "every slot was busy")

@@ -347,9 +347,11 @@ class ModelTable:
         if fits:
             return fits[0][0]
         free = end - sb.data_offset - sum(b - a for a, b in taken)
+        need, have = human_bytes(nbytes), human_bytes(free)
+        if need == have:  # "no contiguous 2.2 MiB free ... (2.2 MiB free in all)": say the bytes
+            need, have = f"{nbytes:,} bytes", f"{free:,} bytes"
         raise RegionFullError(
-            f"region {self.path} has no contiguous {human_bytes(nbytes)} free for {what} "
-            f"({human_bytes(free)} free in all); " + in_words(
+            f"region {self.path} has no contiguous {need} free for {what} ({have} free in all); " + in_words(
                 python="remove models or versions (Store.remove_model, Store.remove), or create a larger region "
                        "(Store.create(path, size_bytes=...))",
                 cli="remove models or versions (`ckptfs rm`), or create a larger region (`ckptfs mkfs --size`)"))
