@@ -740,3 +740,33 @@ def test_an_outgrown_model_refused_for_want_of_room_says_what_one_slot_needs(sto
         with pytest.raises(CheckpointTooLargeError) as e:
             w.save(state(2, n=1 << 20), 2).result()  # 4 MiB, in slots of 5 MiB
     assert "no contiguous 5.0 MiB free for more slots of 'm' (1.0 MiB free in all)" in str(e.value)
+
+
+def test_a_new_model_takes_its_ring_from_holes_none_of_which_holds_it_whole(tmp_path):
+    """Models removed left the free space in holes of ~1.5 slots each: a new model was refused
+    ("no contiguous ... free", with several times that free in all) although each hole held a
+    slot. Its ring is spread over the holes, each an extent of the entry."""
+    from ckptfs.errors import RegionFullError
+
+    store = ckptfs.Store.create(str(tmp_path / "r.region"), 96 << 20)
+    names = []
+    while True:  # models of one 6 MiB slot each, side by side, until the region is full
+        try:
+            store.region.create_model(f"m{len(names)}", 1, 6 << 20)
+        except RegionFullError:
+            break
+        names.append(f"m{len(names)}")
+    for name in names[::2]:
+        store.remove_model(name)
+    free = store.space()["free_bytes"]
+    assert free >= 4 * (5 << 20)  # room for a ring of 4 in all, in holes of one slot
+    state = {"w": torch.arange(float(1 << 20))}
+    with store.writer("new", max_inflight=2) as w:  # a ring of 4
+        for step in range(6):
+            w.save({"w": state["w"] + step}, step).result()
+    entry = store.region.get("new")
+    assert entry.nslots == 4 and len(entry.extents) == 4
+    assert torch.equal(store.load("new")["w"], state["w"] + 5)
+    assert [v.step for v in store.versions("new")] == [2, 3, 4, 5]
+    assert store.verify() == []
+    store.close()

@@ -3,7 +3,7 @@ removed at once, read without a lock. A part of ``Region`` (``ckptfs.region.regi
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import itertools
 import logging
 import time
 import unicodedata
@@ -15,8 +15,8 @@ from ckptfs.errors import (BusyError, CorruptionError, InvalidNameError, in_word
                            RegionFormatError, RegionFullError, warn_once)
 from ckptfs.region.backend import aligned_buffer
 from ckptfs.region.format import (COUNTER_WORD_OFFSET, ENTRY_BYTES, ENTRY_COPY_BYTES, ENTRY_COPY_OFFSET,
-                                  LATEST_WORD_OFFSET, NAME_MAX_BYTES, SLOT_HEADER_BYTES,
-                                  ModelEntry)
+                                  LATEST_WORD_OFFSET, MAX_EXTENTS, NAME_MAX_BYTES, SLOT_HEADER_BYTES,
+                                  Extent, ModelEntry)
 from ckptfs.region.locks import META_LOCK_OFFSET, model_lock_offset, slot_lock_offset
 from ckptfs.units import align_up, human_bytes
 
@@ -222,23 +222,16 @@ class ModelTable:
             if index is None:
                 raise RegionFullError(f"the model table of {self.path} is full "
                                       f"({self.superblock.table_entries} models); remove a model first")
-            have = nslots
-            while True:
-                try:
-                    offset = self.find_gap(have * slot_bytes, what=f"{have} slots of {human_bytes(slot_bytes)}",
-                                           entries=entries)
-                    break
-                except RegionFullError:
-                    if have <= (min_slots or nslots):
-                        raise
-                    have -= 1
+            placed = self._place_ring(nslots, min_slots or nslots, slot_bytes, entries)
+            have = sum(n for _, n in placed)
             if have < nslots:
                 log.warning("region %s has room for %d slots of %s for model %r, not %d: it keeps fewer versions "
                             "until room is made", self.path, have, human_bytes(slot_bytes), name, nslots)
-            entry = ModelEntry.new(index, name, have, slot_bytes, offset, time.time_ns())
-            if have < nslots:
-                entry = dataclasses.replace(entry, ring_slots=nslots)
-            self.backend.reserve(offset, have * slot_bytes)
+            firsts = itertools.accumulate((n for _, n in placed), initial=0)  # slot ids run on across extents
+            entry = ModelEntry(index, name, nslots, time.time_ns(), tuple(
+                Extent(offset, slot_bytes, n, first) for (offset, n), first in zip(placed, firsts)))
+            for offset, n in placed:
+                self.backend.reserve(offset, n * slot_bytes)
             # Stale headers from a removed model that lived here must not look like versions.
             self.wipe_slot_headers(entry, entry.slots())
             base = self._entry_offset(index)
@@ -318,6 +311,41 @@ class ModelTable:
         """The bytes of the region that slots can use, all models together."""
         return self.superblock.data_end - self.superblock.data_offset
 
+    def _place_ring(self, nslots: int, min_slots: int, slot_bytes: int, entries: list[ModelEntry]) -> list[tuple[int, int]]:
+        """Where a new model's slots go, (offset, slots) of each extent: one free run that holds
+        all ``nslots``, else as many as fit spread over the free runs in order, at least
+        ``min_slots`` (RegionFullError), in at most the extents a model may start with (a region
+        whose free space was in holes refused a new model although each hole held a slot)."""
+        from ckptfs.region.extents import EXTENTS_FOR_GROWTH
+
+        try:
+            return [(self.find_gap(nslots * slot_bytes, entries=entries), nslots)]
+        except RegionFullError:
+            pass
+        placed, left = [], nslots
+        for a, b in self._free_runs(entries):
+            count = min((b - a) // slot_bytes, left)
+            if count:
+                placed.append((a, count))
+                left -= count
+            if not left or len(placed) == MAX_EXTENTS - EXTENTS_FOR_GROWTH:
+                break
+        if nslots - left < min_slots:  # the refusal of the least the model needs, in one run
+            self.find_gap(min_slots * slot_bytes, what=f"{min_slots} slots of {human_bytes(slot_bytes)}",
+                          entries=entries)
+        return placed
+
+    def _free_runs(self, entries: list[ModelEntry]) -> list[tuple[int, int]]:
+        """[start, end) of each run of the data area that no model's extent holds, in order."""
+        taken = sorted((x.offset, x.end) for e in entries for x in e.extents)
+        runs, cursor = [], self.superblock.data_offset
+        for a, b in taken:
+            if a > cursor:
+                runs.append((cursor, a))
+            cursor = max(cursor, b)
+        runs.append((cursor, self.superblock.data_end))
+        return [(a, b) for a, b in runs if b > a]
+
     def find_gap(self, nbytes: int, *, prefer: int | None = None, what: str = "new slots",
                  entries: list[ModelEntry] | None = None, room_to_grow: bool = False) -> int:
         """The offset of ``nbytes`` of the data area that no model's extent holds (``prefer`` if
@@ -329,16 +357,9 @@ class ModelTable:
         when first fit put them one after the other)."""
         sb = self.superblock
         entries = self._scan_entries()[0] if entries is None else entries
-        taken = sorted((x.offset, x.end) for e in entries for x in e.extents)
-        end = sb.data_end
-        if prefer is not None and prefer + nbytes <= end and all(b <= prefer or a >= prefer + nbytes for a, b in taken):
+        runs = self._free_runs(entries)
+        if prefer is not None and any(a <= prefer and prefer + nbytes <= b for a, b in runs):
             return prefer
-        runs, cursor = [], sb.data_offset  # the free runs, in order
-        for a, b in taken:
-            if a > cursor:
-                runs.append((cursor, a))
-            cursor = max(cursor, b)
-        runs.append((cursor, end))
         fits = [(a, b) for a, b in runs if b - a >= nbytes]
         if fits and room_to_grow:
             a, b = max(fits, key=lambda run: (run[1] - run[0], -run[0]))
@@ -346,7 +367,7 @@ class ModelTable:
                 return a + (b - a - nbytes) // 2 // sb.block_bytes * sb.block_bytes
         if fits:
             return fits[0][0]
-        free = end - sb.data_offset - sum(b - a for a, b in taken)
+        free = sum(b - a for a, b in runs)
         need, have = human_bytes(nbytes), human_bytes(free)
         if need == have:  # "no contiguous 2.2 MiB free ... (2.2 MiB free in all)": say the bytes
             need, have = f"{nbytes:,} bytes", f"{free:,} bytes"
