@@ -770,3 +770,33 @@ def test_a_new_model_takes_its_ring_from_holes_none_of_which_holds_it_whole(tmp_
     assert [v.step for v in store.versions("new")] == [2, 3, 4, 5]
     assert store.verify() == []
     store.close()
+
+
+def test_a_model_reopened_with_more_slots_takes_them_from_holes(tmp_path):
+    """`store.writer(model, slots=8)` where the free space is in holes of one slot each was
+    refused (all the slots wanted in one run); they are spread over the holes. Where the holes
+    cannot hold them all, the model stays as it was."""
+    from ckptfs.errors import RegionFullError
+
+    store = ckptfs.Store.create(str(tmp_path / "r.region"), 96 << 20)
+    with store.writer("a", max_inflight=1) as w:
+        w.save({"x": torch.zeros(1 << 18)}, 0).result()  # 1 MiB: slots of 1.3 MiB
+    size = store.region.get("a").slot_bytes
+    names = []
+    while True:  # the rest in models of 1.5 slots each, side by side
+        try:
+            store.region.create_model(f"f{len(names)}", 1, size * 3 // 2)
+        except RegionFullError:
+            break
+        names.append(f"f{len(names)}")
+    for name in names[1::2][:6]:
+        store.remove_model(name)  # 6 holes of one slot each
+    with pytest.raises(RegionFullError):
+        store.writer("a", max_inflight=1, slots=12)
+    assert store.region.get("a").nslots == 3
+    with store.writer("a", max_inflight=1, slots=8) as w:
+        for step in range(1, 10):
+            w.save({"x": torch.full((1 << 18,), float(step))}, step).result()
+    assert store.region.get("a").nslots == 8 and [v.step for v in store.versions("a")] == list(range(2, 10))
+    assert store.verify() == []
+    store.close()

@@ -26,6 +26,7 @@ are locked exclusively first (no reader or writer is in them).
 """
 from __future__ import annotations
 
+import itertools
 import logging
 
 from ckptfs.errors import CkptfsError, RegionFullError
@@ -78,7 +79,7 @@ class Extents:
                 old = self.ring.refresh()
                 usable = self.ring.usable_slots(old, old.slot_bytes)
                 if ring_slots > usable:
-                    self._add(old, old.slot_bytes, ring_slots - usable)
+                    self._add_spread(old, old.slot_bytes, ring_slots - usable)
                 now = self.ring.refresh()
                 region.write_entry(now.with_extents(now.extents, ring_slots=ring_slots), now)
                 self.ring.refresh()
@@ -130,6 +131,27 @@ class Extents:
                 self.ring.refresh()
                 return new
             raise error
+
+    def _add_spread(self, entry: ModelEntry, slot_bytes: int, nslots: int) -> ModelEntry:
+        """``_add`` of ``nslots`` slots, in one extent where a free run holds them, else spread
+        over the free runs: all or none (RegionFullError, the entry as it was). A model reopened
+        with more ``slots=`` in a region whose free space was in holes was refused although the
+        holes held them."""
+        try:
+            return self._add(entry, slot_bytes, nslots)
+        except RegionFullError as e:
+            whole = e
+        counts = sorted((n for a, b in self.region.free_runs(self.region.entries())
+                         if (n := (b - a) // slot_bytes)), reverse=True)
+        taken = list(itertools.accumulate(counts))
+        pieces = next((i + 1 for i, total in enumerate(taken) if total >= nslots), None)
+        if pieces is None or len(entry.extents) + pieces > MAX_EXTENTS:
+            raise whole
+        for count in counts[:pieces]:  # largest first: each fits the run it was counted in, or a larger
+            count = min(count, nslots)
+            entry = self._add(entry, slot_bytes, count)
+            nslots -= count
+        return entry
 
     def _add(self, entry: ModelEntry, slot_bytes: int, nslots: int) -> ModelEntry:
         region = self.region

@@ -323,7 +323,7 @@ class ModelTable:
         except RegionFullError:
             pass
         placed, left = [], nslots
-        for a, b in self._free_runs(entries):
+        for a, b in self.free_runs(entries):
             count = min((b - a) // slot_bytes, left)
             if count:
                 placed.append((a, count))
@@ -335,7 +335,7 @@ class ModelTable:
                           entries=entries)
         return placed
 
-    def _free_runs(self, entries: list[ModelEntry]) -> list[tuple[int, int]]:
+    def free_runs(self, entries: list[ModelEntry]) -> list[tuple[int, int]]:
         """[start, end) of each run of the data area that no model's extent holds, in order."""
         taken = sorted((x.offset, x.end) for e in entries for x in e.extents)
         runs, cursor = [], self.superblock.data_offset
@@ -357,7 +357,7 @@ class ModelTable:
         when first fit put them one after the other)."""
         sb = self.superblock
         entries = self._scan_entries()[0] if entries is None else entries
-        runs = self._free_runs(entries)
+        runs = self.free_runs(entries)
         if prefer is not None and any(a <= prefer and prefer + nbytes <= b for a, b in runs):
             return prefer
         fits = [(a, b) for a, b in runs if b - a >= nbytes]
