@@ -412,9 +412,8 @@ class Store:
         (BusyError for one a reader holds). A multi-rank version's parts in this region go back
         to their rings; a rollback first keeps those of the version that becomes latest
         (CkptfsError, nothing listed removed, where one is gone: see docs/DISTRIBUTED.md).
-        ``give_back``: the slots it empties that the model's ring does not need go back to the
-        region's free space at once where no writer of the model is open (an open one gives them
-        back after its commits); False leaves that to a later removal (of many: the last)."""
+        ``give_back``: ``give_back_emptied`` after it; False leaves that to the caller (a
+        removal of many versions: once, after the last)."""
         from ckptfs.dist import parts
 
         self.region.check_writable("changed")
@@ -435,11 +434,13 @@ class Store:
         self.region.remove_version(v, allow_latest=allow_latest)
         parts.give_back_parts(self, named)
         if give_back:
-            self._give_back_emptied(model)
+            self.give_back_emptied(model)
 
-    def _give_back_emptied(self, model: str) -> None:
-        """``remove``'s give-back: the removed versions of a finished run held their space until
-        `rm --all`, and a full region's advice to remove versions freed nothing."""
+    def give_back_emptied(self, model: str) -> None:
+        """Give the slots of ``model`` that removals emptied and its ring does not need back to
+        the region's free space, unless a writer of it is open (its commits give them back);
+        ``remove`` does it (the removed versions of a finished run held their space until `rm
+        --all`, and a full region's advice to remove versions freed nothing)."""
         from ckptfs.region.locks import model_lock_offset
         from ckptfs.region.ring import Ring
 

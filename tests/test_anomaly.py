@@ -109,3 +109,46 @@ def test_a_save_whose_slot_cannot_be_given_back_still_ends_and_the_writer_goes_o
         w.save(state, step=3).result(timeout=20)
     assert [v.step for v in store.versions("m")] == [1, 3]
     assert store.load("m")["w"].equal(state["w"])
+
+
+def test_a_claim_that_lands_after_its_save_failed_and_cannot_be_given_back(tmp_path, monkeypatch, caplog):
+    """The snapshot fails while the slot is still being claimed; the claim then lands and its
+    give-back raises: the claim thread died with it, and every later save waited forever."""
+    import time
+
+    import torch
+
+    from ckptfs.region.claim import Claim
+    from ckptfs.region.ring import Ring
+
+    store = ckptfs.Store.create(str(tmp_path / "r.region"), 64 << 20)
+    state = {"w": torch.arange(4096.0)}
+    real_claim, real_abort = Ring.claim, Claim.abort
+
+    def slow_claim(self, *args, **kwargs):
+        time.sleep(0.3)  # lands after the snapshot failed
+        return real_claim(self, *args, **kwargs)
+
+    def abort_fails(self):
+        real_abort(self)
+        raise RuntimeError("unlock failed at the test's request")
+
+    with store.writer("m", max_inflight=1, timeout_s=20) as w:
+        w.save(state, step=1).result()
+        real_take = w._snapshotter.take
+
+        def take_fails(*args):
+            raise RuntimeError("snapshot failed at the test's request")
+        monkeypatch.setattr(Ring, "claim", slow_claim)
+        monkeypatch.setattr(Claim, "abort", abort_fails)
+        monkeypatch.setattr(w._snapshotter, "take", take_fails)
+        with caplog.at_level(logging.ERROR, logger="ckptfs"):
+            with pytest.raises(RuntimeError, match="snapshot failed"):
+                w.save(state, step=2)
+            time.sleep(0.5)  # the claim lands, its give-back fails
+        monkeypatch.setattr(w._snapshotter, "take", real_take)
+        monkeypatch.setattr(Ring, "claim", real_claim)
+        monkeypatch.setattr(Claim, "abort", real_abort)
+        assert w._claimer._thread.is_alive()
+        w.save(state, step=3).result(timeout=20)
+    assert [v.step for v in store.versions("m")] == [1, 3]

@@ -1098,6 +1098,7 @@ def test_a_model_saved_on_by_one_process_gives_back_the_parts_no_version_names(t
         with store.writer("m") as w:
             w.save({"w": torch.full((8, 4), 3.0)}, 3).result()  # step 1 and 2 are still versions
             assert {".m.rank0", ".m.rank1"} <= set(store.models())
+            assert store.verify("m") == []  # a version of one process beside global ones (KeyError once)
             for step in range(4, 10):
                 w.save({"w": torch.full((8, 4), float(step))}, step).result()
         assert [v.step for v in store.versions("m")] == [6, 7, 8, 9]

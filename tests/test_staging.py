@@ -308,3 +308,37 @@ def test_read_buffers_are_registered_only_where_cuda_is_in_use_and_fall_back_whe
     with pytest.raises(RuntimeError, match="refused"):  # a writer that asks for pinned memory gets it or fails
         registered.clear()
         staging.StagingBuffer(1 << 20, True)
+
+
+def test_a_budget_between_two_multiples_of_the_chunk_keeps_one_pool(store):
+    """staging_budget_bytes=6 MiB with chunks of 4 MiB holds one buffer: the pool, compared by
+    the budget asked rather than what it holds, was made again at every save."""
+    state = {"w": torch.randn(1 << 21)}  # 8 MiB
+    with store.writer("m", chunk_bytes=4 << 20, staging_budget_bytes=6 << 20) as w:
+        w.save(state, step=1).result()
+        pool = w._pools[False]
+        for step in range(2, 5):
+            w.save(state, step=step).result()
+        assert w._pools[False] is pool and w._retired_pools == []
+
+
+def test_a_retired_pool_closes_every_buffer_it_gets_back():
+    """A pool replaced by a larger one: a buffer released while a snapshot waited went to its
+    free list and, the wait over, stayed open; so did one a prefill finished after the
+    retirement."""
+    pool = StagingPool(4096, 4096)
+    held = pool.acquire()
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(pool.acquire(timeout_s=10)))
+    waiter.start()
+    while not pool.starved:
+        time.sleep(0.01)
+    pool.retire()
+    pool.release(held)  # to the waiting snapshot
+    waiter.join(10)
+    assert got == [held] and not held.mapping.closed
+    pool.release(held)  # the wait is over: closed
+    assert held.mapping.closed and not pool.holds_buffers
+    late = StagingPool(4096, 8192)
+    late.retire()
+    assert late.prefill() == 0 and not late.holds_buffers

@@ -159,10 +159,13 @@ def rm(region, all_, step_options, allow_latest, model, steps):
             store.remove_model(model)
             click.echo(f"removed {model}")
         _check_present(store, model, steps)
-        order = _removal_order(store, model, steps, allow_latest)
-        for i, s in enumerate(order):
-            store.remove(model, s, allow_latest=allow_latest, give_back=i == len(order) - 1)
-            click.echo(f"removed {model} step {s}")
+        try:
+            for s in _removal_order(store, model, steps, allow_latest):
+                store.remove(model, s, allow_latest=allow_latest, give_back=False)
+                click.echo(f"removed {model} step {s}")
+        finally:  # once, and for those removed before a refusal too
+            if steps:
+                store.give_back_emptied(model)
         if allow_latest and steps:
             latest = store.latest(model, missing_ok=True)
             click.echo(f"latest of {model}: " + (f"step {latest.step}" if latest is not None else "none"))

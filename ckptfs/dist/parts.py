@@ -134,8 +134,10 @@ def _item_names(store, manifest) -> dict[tuple[int, int], dict[int, str]]:
     that the global version whose index is ``manifest`` names."""
     from ckptfs.dist.codec import item_places  # imports torch.distributed.checkpoint
 
-    here = store.region.superblock.uuid.hex()
-    return shown_item_names(item_places(dict(manifest.files)[METADATA_FILE]), here)
+    text = dict(manifest.files).get(METADATA_FILE)
+    if text is None:  # a version saved by one process (a DCP model saved on by store.writer)
+        return {}
+    return shown_item_names(item_places(text), store.region.superblock.uuid.hex())
 
 
 def shown_item_names(places, region: str) -> dict[tuple[int, int], dict[int, str]]:

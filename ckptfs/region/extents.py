@@ -41,6 +41,7 @@ log = logging.getLogger("ckptfs")
 GROWTH_HEADROOM = 1.25  # an outgrown model's new slots leave room for it to grow a little more
 GIVE_BACK_AFTER_COMMITS = 8  # spare slots go back once they were spare at this many commits in a row
 EXTENTS_FOR_GROWTH = 2  # extents an entry keeps free when splitting extents: room to outgrow them again
+SPREAD_EXTENTS = MAX_EXTENTS - EXTENTS_FOR_GROWTH  # the most a split, or slots spread over free runs, leave
 
 
 def least_ring_slots(max_inflight: int) -> int:
@@ -145,7 +146,7 @@ class Extents:
                          if (n := (b - a) // slot_bytes)), reverse=True)
         taken = list(itertools.accumulate(counts))
         pieces = next((i + 1 for i, total in enumerate(taken) if total >= nslots), None)
-        if pieces is None or len(entry.extents) + pieces > MAX_EXTENTS:
+        if pieces is None or len(entry.extents) + pieces > SPREAD_EXTENTS:
             raise whole
         for count in counts[:pieces]:  # largest first: each fits the run it was counted in, or a larger
             count = min(count, nslots)
@@ -288,7 +289,7 @@ class Extents:
                     locks[slot] = lock
                     usable -= x.slot_bytes >= size
                 runs.append((x, sorted(held)))
-            extents = _within_extent_limit(runs, max(len(entry.extents), MAX_EXTENTS - EXTENTS_FOR_GROWTH))
+            extents = _within_extent_limit(runs, max(len(entry.extents), SPREAD_EXTENTS))
             for slot in [s for x in extents for s in x.slots if s in locks]:  # held again to stay in the limit
                 self.ring._claims.release(locks.pop(slot))
             if not extents or not locks:  # a model keeps at least one extent

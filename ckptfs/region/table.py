@@ -14,8 +14,9 @@ from ckptfs import _native
 from ckptfs.errors import (BusyError, CorruptionError, InvalidNameError, in_words, no_model,
                            RegionFormatError, RegionFullError, warn_once)
 from ckptfs.region.backend import aligned_buffer
+from ckptfs.region.extents import SPREAD_EXTENTS
 from ckptfs.region.format import (COUNTER_WORD_OFFSET, ENTRY_BYTES, ENTRY_COPY_BYTES, ENTRY_COPY_OFFSET,
-                                  LATEST_WORD_OFFSET, MAX_EXTENTS, NAME_MAX_BYTES, SLOT_HEADER_BYTES,
+                                  LATEST_WORD_OFFSET, NAME_MAX_BYTES, SLOT_HEADER_BYTES,
                                   Extent, ModelEntry)
 from ckptfs.region.locks import META_LOCK_OFFSET, model_lock_offset, slot_lock_offset
 from ckptfs.units import align_up, human_bytes
@@ -206,7 +207,7 @@ class ModelTable:
                 self.pins.release(META_LOCK_OFFSET)
 
     def create_model(self, name: str, nslots: int, slot_bytes: int, min_slots: int | None = None) -> ModelEntry:
-        """Add a model with one extent of ``nslots`` slots, keeping ``nslots`` versions; returns
+        """Add a model of ``nslots`` slots (``_place_ring``), keeping ``nslots`` versions; returns
         the existing entry if present. Where the region has no room for ``nslots`` slots, as few
         as ``min_slots`` (with a warning): the model takes the others when room is made."""
         validate_model_name(name)
@@ -313,27 +314,23 @@ class ModelTable:
 
     def _place_ring(self, nslots: int, min_slots: int, slot_bytes: int, entries: list[ModelEntry]) -> list[tuple[int, int]]:
         """Where a new model's slots go, (offset, slots) of each extent: one free run that holds
-        all ``nslots``, else as many as fit spread over the free runs in order, at least
-        ``min_slots`` (RegionFullError), in at most the extents a model may start with (a region
+        all ``nslots``, else as many as fit spread over the free runs, the largest first, at
+        least ``min_slots`` (else RegionFullError), in at most SPREAD_EXTENTS extents (a region
         whose free space was in holes refused a new model although each hole held a slot)."""
-        from ckptfs.region.extents import EXTENTS_FOR_GROWTH
-
         try:
             return [(self.find_gap(nslots * slot_bytes, entries=entries), nslots)]
         except RegionFullError:
             pass
+        runs = self.free_runs(entries)
         placed, left = [], nslots
-        for a, b in self.free_runs(entries):
+        for a, b in sorted(runs, key=lambda run: run[0] - run[1])[:SPREAD_EXTENTS]:
             count = min((b - a) // slot_bytes, left)
             if count:
                 placed.append((a, count))
                 left -= count
-            if not left or len(placed) == MAX_EXTENTS - EXTENTS_FOR_GROWTH:
-                break
-        if nslots - left < min_slots:  # the refusal of the least the model needs, in one run
-            self.find_gap(min_slots * slot_bytes, what=f"{min_slots} slots of {human_bytes(slot_bytes)}",
-                          entries=entries)
-        return placed
+        if nslots - left < min_slots:
+            raise self._no_room(min_slots * slot_bytes, f"{min_slots} slots of {human_bytes(slot_bytes)}", runs)
+        return sorted(placed)
 
     def free_runs(self, entries: list[ModelEntry]) -> list[tuple[int, int]]:
         """[start, end) of each run of the data area that no model's extent holds, in order."""
@@ -367,11 +364,15 @@ class ModelTable:
                 return a + (b - a - nbytes) // 2 // sb.block_bytes * sb.block_bytes
         if fits:
             return fits[0][0]
+        raise self._no_room(nbytes, what, runs)
+
+    def _no_room(self, nbytes: int, what: str, runs: list[tuple[int, int]]) -> RegionFullError:
+        """The refusal of ``nbytes`` in one run for ``what``, the free ``runs`` being these."""
         free = sum(b - a for a, b in runs)
         need, have = human_bytes(nbytes), human_bytes(free)
         if need == have:  # "no contiguous 2.2 MiB free ... (2.2 MiB free in all)": say the bytes
             need, have = f"{nbytes:,} bytes", f"{free:,} bytes"
-        raise RegionFullError(
+        return RegionFullError(
             f"region {self.path} has no contiguous {need} free for {what} ({have} free in all); " + in_words(
                 python="remove models or versions (Store.remove_model, Store.remove), or create a larger region "
                        "(Store.create(path, size_bytes=...))",

@@ -6,6 +6,7 @@ stall when it ran first, the longest part of what a GPU save did before its firs
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from typing import Callable
@@ -13,6 +14,8 @@ from typing import Callable
 from ckptfs.region.claim import Claim
 from ckptfs.writer.job import Job
 from ckptfs.writer.threads import start_thread
+
+log = logging.getLogger("ckptfs")
 
 
 class Claimer:
@@ -65,8 +68,13 @@ def _claim_for(job: Job, claim: Callable[[], Claim]) -> None:
         if failed is None:
             job.claim = got  # under the mutex: PersistPipeline.fail aborts it from here on
     if failed is not None:
-        got.abort()
-        job.claimed.set_exception(failed)
+        try:
+            got.abort()
+        except BaseException as e:  # noqa: BLE001 - the thread must live on and the job end
+            log.error("the claim of %s step %d could not be given back (%s); the writer's close gives it back",
+                      job.model, job.step, str(e) or type(e).__name__)
+        finally:
+            job.claimed.set_exception(failed)
     else:
         job.claimed.set_result(got)
 

@@ -48,5 +48,7 @@ class HiddenKept:
                             "hidden by the new one and goes back to the ring%s", v.header.step, self._model,
                             advice if v.header.step == result.step else "")
         except Exception as e:  # noqa: BLE001 - an I/O error here must not keep the future from completing
+            with self._lock:  # not looked again at every commit (a sweep of every header each time)
+                self._highest_step = max(self._highest_step or result.step, result.step)
             log.warning("ckptfs: the kept versions of %r step %d that a new save of it hides could not be looked "
                         "for or given back: %s", self._model, result.step, e)

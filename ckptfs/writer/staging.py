@@ -46,6 +46,10 @@ class StagingBuffer:
             try:
                 with _on_device(pin_device):
                     _cuda_host_register(self.tensor)
+                    if pin_device is None:  # unregistered by the same GPU's context, from any thread
+                        import torch
+
+                        self._pin_device = torch.cuda.current_device()
                 self.pinned = True
             except RuntimeError:
                 if not pin_optional:
@@ -162,19 +166,22 @@ class StagingPool:
         """A free buffer, creating one while under budget, else waiting for one to be released."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
-            while True:
-                buf = self._take()
-                if buf is not None:
-                    return buf
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise BusyError(f"no staging buffer freed within {timeout_s} s; the persist path "
-                                    "is stalled (check the region's device) or raise staging_budget_bytes")
-                self._waiting += 1
-                try:
-                    self._cond.wait(remaining)
-                finally:
-                    self._waiting -= 1
+            try:
+                while True:
+                    buf = self._take()
+                    if buf is not None:
+                        return buf
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise BusyError(f"no staging buffer freed within {timeout_s} s; the persist path "
+                                        "is stalled (check the region's device) or raise staging_budget_bytes")
+                    self._waiting += 1
+                    try:
+                        self._cond.wait(remaining)
+                    finally:
+                        self._waiting -= 1
+            finally:
+                self._sweep_retired()  # what it did not take, once no snapshot waits
 
     def try_acquire(self) -> StagingBuffer | None:
         """A free buffer, or a new one while under budget; None rather than a wait."""
@@ -209,7 +216,7 @@ class StagingPool:
             finally:
                 with self._cond:
                     self._creating -= 1
-                    if buf is not None and not self._closed:
+                    if buf is not None and not self._closed and not self._retired:
                         self._all.append(buf)
                         self._free.append(buf)
                         made += 1
@@ -220,12 +227,9 @@ class StagingPool:
 
     def release(self, buf: StagingBuffer) -> None:
         with self._cond:
-            if self._retired and not self._waiting:
-                self._all.remove(buf)
-                buf.close()
-                return
             self._free.append(buf)
             self._cond.notify()
+            self._sweep_retired()
 
     def retire(self) -> None:
         """Give back the free buffers now and the others as they are released, unless a snapshot
@@ -233,11 +237,19 @@ class StagingPool:
         pool that replaced it."""
         with self._cond:
             self._retired = True
-            if not self._waiting:
-                for buf in self._free:
-                    self._all.remove(buf)
-                    buf.close()
-                self._free.clear()
+            self._sweep_retired()
+
+    @property
+    def holds_buffers(self) -> bool:
+        return bool(self._all) or self._creating > 0
+
+    def _sweep_retired(self) -> None:
+        """Close the free buffers of a retired pool that no snapshot waits on (holds ``_cond``)."""
+        if self._retired and not self._waiting:
+            for buf in self._free:
+                self._all.remove(buf)
+                buf.close()
+            self._free.clear()
 
     def close(self) -> None:
         with self._cond:

@@ -546,10 +546,11 @@ class Writer:
         budget = max(budget, chunk)
         with self._setup_lock:
             pool = self._pools.get(cuda)
-            if pool is None or pool.chunk_bytes < chunk or budget > pool.budget_bytes * 5 // 4:
+            # what the pool would hold: a budget between two multiples of the chunk holds the lower
+            if pool is None or pool.chunk_bytes < chunk or budget // chunk * chunk > pool.budget_bytes * 5 // 4:
                 if pool is not None:
                     pool.retire()
-                    self._retired_pools.append(pool)
+                    self._retired_pools = [p for p in self._retired_pools if p.holds_buffers] + [pool]
                 pool = self._pools[cuda] = StagingPool(chunk, budget, pinned=cuda)
             return pool
 
