@@ -240,7 +240,17 @@ class Store:
         except NotFoundError:
             return set()
         by_counter = {v.header.counter: v for v in committed}
-        return {i.counter for i in infos if i.counter in by_counter and not self.region.index_ok(by_counter[i.counter])}
+        damaged = set()
+        for info in infos:
+            v = by_counter.get(info.counter)
+            if v is None or not self.region.pin(v):  # its slot reused meanwhile: no damage of its
+                continue
+            try:
+                if not self.region.index_ok(v):
+                    damaged.add(info.counter)
+            finally:
+                self.region.unpin(v)
+        return damaged
 
     def _find(self, model: str, step: int | None, counter: int | None = None) -> tuple[SlotVersion, bool]:
         """The version of ``step`` (None: latest) and whether it is latest; of a step saved
@@ -440,7 +450,8 @@ class Store:
         """Give the slots of ``model`` that removals emptied and its ring does not need back to
         the region's free space, unless a writer of it is open (its commits give them back);
         ``remove`` does it (the removed versions of a finished run held their space until `rm
-        --all`, and a full region's advice to remove versions freed nothing)."""
+        --all`, and a full region's advice to remove versions freed nothing). Never raises: the
+        removals stand; a failure is logged, and the model's next writer gives them back."""
         from ckptfs.region.locks import model_lock_offset
         from ckptfs.region.ring import Ring
 
@@ -451,8 +462,13 @@ class Store:
             ring = Ring(self.region, entry, timeout_s=0.0)
         except (BusyError, NotFoundError):
             return  # a writer opened meanwhile, or the model went
+        except (CkptfsError, OSError) as e:  # a filesystem gone read-only, say: the removal's error stands
+            log.warning("ckptfs: the slots removed from %r were not given back to the region: %s", model, e)
+            return
         try:
             ring.extents.give_back_emptied()
+        except (CkptfsError, OSError) as e:
+            log.warning("ckptfs: the slots removed from %r were not given back to the region: %s", model, e)
         finally:
             ring.close()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ckptfs.dist.parts import part_problems
-from ckptfs.errors import CorruptionError, RegionFormatError, no_step
+from ckptfs.errors import CorruptionError, NotFoundError, RegionFormatError, no_step
 from ckptfs.reader import VerifyProblem, VersionData
 from ckptfs.region.format import COUNTER_MAX
 
@@ -23,7 +23,12 @@ def verify(store, model: str | None = None, step: int | None = None,
     if model is None:
         problems += region_problems(store)
     for name in models:
-        entry = store.region.get(name)
+        try:
+            entry = store.region.get(name)
+        except NotFoundError:
+            if model is not None:
+                raise
+            continue  # removed since the listing (`ckptfs rm --all` beside it)
         targets = [v for v in store.region.committed(entry) if step is None or v.header.step == step]
         if step is not None and not targets:
             raise no_step(name, step)
@@ -31,9 +36,11 @@ def verify(store, model: str | None = None, step: int | None = None,
             problems += model_problems(store, entry)
         latest = store.region.latest(entry)
         newest = {v.header.step: v.header.counter for v in targets}  # in counter order: a step's last save
+        checked = 0
         for v in targets:
             if not store.region.pin(v):
                 continue  # reused since listing: nothing left to verify
+            checked += 1
             try:
                 manifest = store.region.read_manifest(v)
                 problems += VersionData(store.region, v.data_base, manifest).verify(progress)
@@ -46,6 +53,8 @@ def verify(store, model: str | None = None, step: int | None = None,
                 problems.append(VerifyProblem(name, v.header.step, None, str(e)))
             finally:
                 store.region.unpin(v)
+        if step is not None and not checked:  # every save of it went meanwhile: not "verified"
+            raise no_step(name, step)
     return problems
 
 def region_problems(store) -> list[VerifyProblem]:

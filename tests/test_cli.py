@@ -1074,3 +1074,52 @@ def test_ls_of_a_model_reads_its_slot_headers_a_bounded_number_of_times(capsys, 
     code, out, _ = run(capsys, "ls", "--region", store.path, "m")
     assert code == 0 and len(out.splitlines()) == 41 and "damaged" not in out
     assert len(reads) <= 8 * 40, len(reads)
+
+
+def test_listings_and_checks_beside_removals_by_another_process(capsys, store, monkeypatch):
+    """Another process's `rm --all` between the listing of the models and the look at one made
+    `ckptfs ls` and `ckptfs verify` fail ("no model"); `verify --step S` of a step whose every
+    save was reused meanwhile said "verified" having checked nothing; and a table entry read
+    between the two copies of a change was reported damaged."""
+    from ckptfs.region.region import Region
+    from ckptfs.region.table import ModelTable
+
+    with store.writer("m") as w:
+        w.save({"w": torch.ones(4)}, step=1).result()
+    real_models = ckptfs.Store.models
+    monkeypatch.setattr(ckptfs.Store, "models", lambda self: real_models(self) + ["gone"])
+    assert run(capsys, "ls", "--region", store.path)[0] == 0
+    assert run(capsys, "verify", "--region", store.path)[0] == 0
+    monkeypatch.setattr(ckptfs.Store, "models", real_models)
+    monkeypatch.setattr(Region, "pin", lambda self, version: False)  # reused before the pin
+    code, _, err = run(capsys, "verify", "--region", store.path, "m", "--step", "1")
+    assert code != 0 and "verified" not in err and "step 1" in one_error_line(err)
+    monkeypatch.undo()
+    real_read = ModelTable._read_copies
+    seen = []
+
+    def mid_change(self, index):  # the first, unlocked read falls between the two copies
+        entry, problems = real_read(self, index)
+        seen.append(index)
+        return (entry, ["copy B is older (generation 1 of 2)"]) if len(seen) == 1 else (entry, problems)
+    monkeypatch.setattr(ModelTable, "_read_copies", mid_change)
+    assert store.region.entry_problems() == []
+
+
+def test_rm_all_is_refused_while_a_writer_opened_before_the_model_was_made_holds_its_name(store):
+    """A writer opened on a model not made yet makes it at its first save, and holds the model's
+    lock byte only a moment later: `rm --all` in between removed the model, and the job's first
+    save failed with "no model"."""
+    from ckptfs.errors import BusyError
+
+    other = ckptfs.Store(store.path)  # another process's view: locks of its own
+    try:
+        w = other.writer("new")
+        try:
+            store.region.create_model("new", 4, 1 << 20)  # what its first save does, before its ring holds the model
+            with pytest.raises(BusyError, match="has a writer open"):
+                store.remove_model("new")
+        finally:
+            w.close()
+    finally:
+        other.close()

@@ -27,7 +27,10 @@ def ls_(region, as_json, show_all, model):
             for name in names:
                 if name.startswith(".") and not show_all:
                     continue  # hidden, as in the mount: ranks' parts (.MODEL.rankN)
-                versions = loadable(store, name, store.versions(name), names)
+                versions = store.versions(name, missing_ok=True)  # [] if removed since the listing
+                if not versions and name not in store.models():
+                    continue
+                versions = loadable(store, name, versions, names)
                 latest = next((v for v in versions if v.latest), None)
                 rows.append({"model": name, "versions": len(versions),
                              "latest_step": latest.step if latest else None,
@@ -124,7 +127,8 @@ def verify(region, step, model):
     with open_store(region) as store:
         # a multi-rank model's versions hold its ranks' parts: those are checked with it
         names = [model, *part_models(store, model)] if model else store.models()
-        total = sum(v.data_bytes for name in names for v in store.versions(name) if step is None or v.step == step)
+        total = sum(v.data_bytes for name in names for v in store.versions(name, missing_ok=model is None)
+                    if step is None or v.step == step)
         with progress(total, "verify") as bar:
             problems = store.verify(model, step, progress=bar.update)  # called with bytes just checked
         for p in problems:
@@ -159,12 +163,14 @@ def rm(region, all_, step_options, allow_latest, model, steps):
             store.remove_model(model)
             click.echo(f"removed {model}")
         _check_present(store, model, steps)
+        removed = False
         try:
             for s in _removal_order(store, model, steps, allow_latest):
                 store.remove(model, s, allow_latest=allow_latest, give_back=False)
+                removed = True
                 click.echo(f"removed {model} step {s}")
         finally:  # once, and for those removed before a refusal too
-            if steps:
+            if removed:
                 store.give_back_emptied(model)
         if allow_latest and steps:
             latest = store.latest(model, missing_ok=True)

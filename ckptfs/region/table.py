@@ -18,7 +18,7 @@ from ckptfs.region.extents import SPREAD_EXTENTS
 from ckptfs.region.format import (COUNTER_WORD_OFFSET, ENTRY_BYTES, ENTRY_COPY_BYTES, ENTRY_COPY_OFFSET,
                                   LATEST_WORD_OFFSET, NAME_MAX_BYTES, SLOT_HEADER_BYTES,
                                   Extent, ModelEntry)
-from ckptfs.region.locks import META_LOCK_OFFSET, model_lock_offset, slot_lock_offset
+from ckptfs.region.locks import META_LOCK_OFFSET, model_lock_offset, name_lock_offset, slot_lock_offset
 from ckptfs.units import align_up, human_bytes
 
 log = logging.getLogger("ckptfs")
@@ -119,16 +119,24 @@ class ModelTable:
 
     def entry_problems(self) -> list[tuple[ModelEntry, list[str]]]:
         """(entry, what is wrong) of every readable entry whose two copies are not both intact
-        and equal (for verify)."""
-        out = []
-        for index in self._maybe_used():
-            try:
-                entry, problems = self._read_copies(index)
-            except RegionFormatError:
-                continue  # damaged_entries reports it
-            if entry is not None and problems:
-                out.append((entry, problems))
-        return out
+        and equal (for verify). An entry that looks so is read again under the table lock: read
+        between the copies of a change (a ring growing beside a reader, a model made or
+        removed), it was reported damaged while all was well."""
+        def problems_of(indices) -> list[tuple[ModelEntry, list[str]]]:
+            out = []
+            for index in indices:
+                try:
+                    entry, problems = self._read_copies(index)
+                except RegionFormatError:
+                    continue  # damaged_entries reports it
+                if entry is not None and problems:
+                    out.append((entry, problems))
+            return out
+        suspects = problems_of(self._maybe_used())  # no lock: the usual case, nothing to report
+        if not suspects or not self.writable:  # open read-only: no write lock to take
+            return suspects
+        with self.meta_locked():
+            return problems_of([entry.index for entry, _ in suspects])
 
     def entries(self) -> list[ModelEntry]:
         """Every model of the region. A damaged entry is logged and left out (see damaged_entries)."""
@@ -393,15 +401,18 @@ class ModelTable:
             entry = self.get(name)
             claimed = []
             try:
-                writers = model_lock_offset(entry.index)
-                if not self.pins.try_exclusive(writers):
-                    from ckptfs.region.holders import holders_in_words
+                # the model's byte, and its name's: a writer opened before the model was made holds
+                # that one until its ring holds the model's (rm --all between the two failed the
+                # job's first save with "no model")
+                for writers in (model_lock_offset(entry.index), name_lock_offset(name)):
+                    if not self.pins.try_exclusive(writers):
+                        from ckptfs.region.holders import holders_in_words
 
-                    raise BusyError(f"model {name!r} has a writer open (a training job saving it: "
-                                    f"{holders_in_words(self.path, writers, this_process=False)[0]}); " + in_words(
-                                        python="close the writer (or stop the job) first",
-                                        cli="stop the job that saves it first"))
-                claimed.append(writers)
+                        raise BusyError(f"model {name!r} has a writer open (a training job saving it: "
+                                        f"{holders_in_words(self.path, writers, this_process=False)[0]}); " + in_words(
+                                            python="close the writer (or stop the job) first",
+                                            cli="stop the job that saves it first"))
+                    claimed.append(writers)
                 for slot in entry.slots():
                     off = slot_lock_offset(entry.index, slot)
                     if not self.pins.try_exclusive(off):
