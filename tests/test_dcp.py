@@ -1101,7 +1101,9 @@ def test_a_model_saved_on_by_one_process_gives_back_the_parts_no_version_names(t
             assert store.verify("m") == []  # a version of one process beside global ones (KeyError once)
             for step in range(4, 10):
                 w.save({"w": torch.full((8, 4), float(step))}, step).result()
-        assert [v.step for v in store.versions("m")] == [6, 7, 8, 9]
+        # the model's ring keeps 3 (a multi-rank ring's); its spare slots went back once this
+        # writer's saves filled it
+        assert [v.step for v in store.versions("m")] == [7, 8, 9]
         assert not [m for m in store.models() if m.startswith(".")]
         assert store.status()["free_bytes"] > free_after_dcp
         assert torch.equal(store.load("m")["w"], torch.full((8, 4), 9.0))
